@@ -1,0 +1,392 @@
+"""
+Tokenize a dataset into nanoGPT-style train.bin / val.bin (flat uint16 GPT-2 tokens) plus meta.json.
+
+    python prepare_data.py                                   # pycode: this Python's own .py files, no network
+    python prepare_data.py --dataset text --input notes/ book.txt
+    python prepare_data.py --dataset shakespeare             # downloads 1 MB
+    python prepare_data.py --dataset owt                     # needs `pip install datasets`, network, ~55 GB
+
+Read a split like nanoGPT does: np.memmap("data/pycode/train.bin", dtype=np.uint16, mode="r").
+Every document (a source file; for shakespeare each of the two parts) is followed by <|endoftext|>.
+A dataset folder is complete iff its meta.json exists: the .bin files and meta.json are written under
+temporary names, fsynced and renamed into place, meta.json last. Re-running on unchanged sources and options
+does no work ("up to date"); --force rebuilds.
+"""
+import argparse
+import contextlib
+import hashlib
+import itertools
+import json
+import os
+import platform
+import sys
+import sysconfig
+import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from datetime import datetime, timezone
+from importlib.metadata import version
+from pathlib import Path
+
+import numpy as np
+import tiktoken
+
+try:
+    import fcntl  # for the lock on an output folder
+except ImportError:  # Windows: no lock
+    fcntl = None
+
+# -----------------------------------------------------------------------------
+# configuration
+DATASETS = ("pycode", "text", "owt", "shakespeare")
+VAL_FRACTION = {"pycode": 0.01, "text": 0.01, "owt": 0.0005, "shakespeare": 0.1}  # nanoGPT's for owt/shakespeare
+TEXT_GLOB = "**/*.txt"      # files taken from an --input folder (dataset "text"); files named directly always count
+TOKENIZER = "r50k_base"     # GPT-2's BPE; get_encoding("gpt2") needs two more files, so does not load offline
+SPLITS = ("train", "val")
+CHUNK_BYTES = 8 << 20       # text per encode_ordinary_batch call: token lists cost ~10x the text in memory
+PROGRESS_SECONDS = 2.0
+SHAKESPEARE_URL = "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"
+OWT_NAME = "openwebtext"
+FORMAT = 1                  # bump when the output changes: old fingerprints then no longer match
+REPO_DIR = os.path.dirname(os.path.abspath(__file__))
+# -----------------------------------------------------------------------------
+
+
+class DataError(SystemExit):
+    """Bad input or a missing requirement. A SystemExit, so it ends the program with its message and no
+    traceback, whether it came from the command line or from train.py calling prepare()."""
+
+
+def split_of(rel_path, val_fraction):
+    """'train' or 'val' for a file, from a hash of its path relative to its root: the same on every machine,
+    for every folder the files live in and every order they come in (Python's hash() is salted per process)."""
+    digest = hashlib.sha256(rel_path.replace(os.sep, "/").encode()).digest()
+    return "val" if int.from_bytes(digest[:8], "big") < val_fraction * 2**64 else "train"
+
+
+def pycode_files():
+    """(path, rel) of every .py file of this interpreter's standard library and site-packages, sorted by path."""
+    paths = sysconfig.get_paths()
+    stdlib = paths["stdlib"]
+    roots = {os.path.realpath(p): p for p in (paths["platlib"], paths["purelib"], stdlib)}  # purelib == platlib?
+    found = []
+    for root in roots.values():
+        for dirpath, dirnames, filenames in os.walk(root):
+            # a site-packages inside the stdlib is another environment's, or purelib itself (walked on its own)
+            dirnames[:] = [d for d in dirnames if d != "__pycache__"
+                           and not (root == stdlib and d in ("site-packages", "dist-packages"))]
+            found += [(os.path.join(dirpath, n), os.path.relpath(os.path.join(dirpath, n), root))
+                      for n in filenames if n.endswith(".py")]
+    return sorted(found)
+
+
+def text_files(inputs, pattern=TEXT_GLOB):
+    """(path, rel) of the files named in inputs, and of those matching pattern inside the folders named."""
+    found = {}
+    for given in inputs:
+        p = Path(given).absolute()
+        if p.is_dir():
+            try:
+                matches = [f for f in p.glob(pattern) if f.is_file()]
+            except (ValueError, NotImplementedError) as e:  # an empty or absolute pattern
+                raise DataError(f"--glob {pattern!r}: {e}") from None
+            for f in matches:
+                found.setdefault(os.path.realpath(f), (str(f), f.relative_to(p).as_posix()))
+        elif p.is_file():
+            found.setdefault(os.path.realpath(p), (str(p), p.name))
+        else:
+            raise DataError(f"--input {given}: no such file or folder")
+    return sorted(found.values())
+
+
+def _stat(path, rel):
+    with contextlib.suppress(OSError):  # a broken link or no permission: not a source (returns None)
+        st = os.stat(path)
+        return {"path": path, "rel": rel, "size": st.st_size, "mtime_ns": st.st_mtime_ns}
+
+
+def fingerprint(dataset, options, sources):
+    """Cheap identity of a build: options, tokenizer and each source's path, size and mtime (no reading)."""
+    h = hashlib.sha256(json.dumps([FORMAT, TOKENIZER, dataset, options], sort_keys=True).encode())
+    for s in sources:
+        h.update(f"{s['path']}\0{s['size']}\0{s['mtime_ns']}\n".encode())
+    return h.hexdigest()[:32]
+
+
+def read_meta(out_dir):
+    """meta.json of a complete dataset, or None."""
+    try:
+        with open(os.path.join(out_dir, "meta.json")) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
+
+
+def _up_to_date(out_dir, meta, fp):
+    if meta is None or meta.get("fingerprint") != fp:
+        return False
+    itemsize = np.dtype(meta["dtype"]).itemsize
+    for split in SPLITS:
+        path = os.path.join(out_dir, f"{split}.bin")
+        if not os.path.isfile(path) or os.path.getsize(path) != meta["tokens"][split] * itemsize:
+            return False
+    return True
+
+
+def _file_docs(sources, val_fraction, records, skipped, by_position=False):
+    """Yield (split, text, nbytes) per source file, recording its hash; by_position: first 1-val_fraction of
+    the text to train, the rest to val (nanoGPT's shakespeare) instead of whole files by path."""
+    for s in sources:
+        try:
+            data = Path(s["path"]).read_bytes()
+        except OSError:
+            data = None
+        if data is None or b"\0" in data:  # unreadable, or binary rather than text: listed in meta.json
+            skipped.append(s["path"])
+            continue
+        # undecodable bytes become U+FFFD rather than losing the whole file
+        text = data.decode("utf-8", errors="replace")
+        split = "train/val" if by_position else split_of(s["rel"], val_fraction)
+        records.append({"path": s["path"], "rel": s["rel"], "bytes": len(data), "split": split,
+                        "sha256": hashlib.sha256(data).hexdigest()})
+        if by_position:
+            cut = int(len(text) * (1 - val_fraction))
+            yield "train", text[:cut], len(text[:cut].encode())
+            yield "val", text[cut:], len(text[cut:].encode())
+        else:
+            yield split, text, len(data)
+
+
+def _owt_docs(val_fraction, workers, records):
+    """Yield (split, text, nbytes) per OpenWebText document; returns (generator, number of documents)."""
+    try:
+        import datasets
+    except ImportError:
+        raise DataError("--dataset owt needs Hugging Face datasets: pip install datasets "
+                        "(and network access and ~55 GB of disk the first time)") from None
+    try:
+        ds = datasets.load_dataset(OWT_NAME, num_proc=workers)["train"]
+    except Exception as e:  # offline, hub errors, disk full: all end the same way
+        raise DataError(f"could not load {OWT_NAME} from Hugging Face ({type(e).__name__}: {e}); "
+                        "the first load needs network access and ~55 GB of disk") from None
+    parts = ds.train_test_split(test_size=val_fraction, seed=2357, shuffle=True)  # nanoGPT's split
+
+    def docs():
+        for split, part in (("train", parts["train"]), ("val", parts["test"])):
+            h, nbytes = hashlib.sha256(), 0
+            for batch in part.iter(batch_size=1024):
+                for text in batch["text"]:
+                    data = text.encode()
+                    h.update(data)
+                    nbytes += len(data)
+                    yield split, text, len(data)
+            records.append({"path": f"hf:{OWT_NAME}", "rel": f"{OWT_NAME}/{split}", "bytes": nbytes,
+                            "split": split, "sha256": h.hexdigest()})
+    return docs(), len(ds)
+
+
+def _download_shakespeare(out_dir):
+    path = os.path.join(out_dir, "input.txt")
+    if not os.path.exists(path):
+        print(f"downloading {SHAKESPEARE_URL}")
+        try:
+            with urllib.request.urlopen(SHAKESPEARE_URL, timeout=60) as r:
+                data = r.read()
+        except OSError as e:  # URLError and timeouts are OSErrors
+            raise DataError(f"could not download tiny Shakespeare ({e}): it needs network access; "
+                            f"or put the file at {path} yourself") from None
+        with open(path + ".tmp", "wb") as f:
+            f.write(data)
+        os.replace(path + ".tmp", path)
+    return path
+
+
+def _take(docs, limit):
+    """The next documents from the iterator, about `limit` bytes of text (at least one, unless exhausted)."""
+    batch, n = [], 0
+    for doc in docs:
+        batch.append(doc)
+        n += doc[2]
+        if n >= limit:
+            break
+    return batch
+
+
+def _write_tokens(f, tokens):
+    f.write(memoryview(tokens))
+
+
+def _tokenize(docs, files, enc, workers, total_docs=None):
+    """Encode documents in parallel batches, appending each one's tokens and <|endoftext|> to its split's file."""
+    counts, ndocs = dict.fromkeys(SPLITS, 0), dict.fromkeys(SPLITS, 0)
+    eot, nbytes, t0 = [enc.eot_token], 0, time.time()
+    last = t0
+    with ThreadPoolExecutor(1) as reader:  # reads (and hashes) the next batch while this one is encoded
+        pending = reader.submit(_take, docs, CHUNK_BYTES)
+        while batch := pending.result():
+            pending = reader.submit(_take, docs, CHUNK_BYTES)
+            # encode_ordinary: "<|endoftext|>" written inside a source file is plain text, not the special token
+            encoded = enc.encode_ordinary_batch([text for _, text, _ in batch], num_threads=workers)
+            for split in SPLITS:
+                parts = [p for (s, _, _), toks in zip(batch, encoded) if s == split for p in (toks, eot)]
+                n = sum(map(len, parts))
+                _write_tokens(files[split], np.fromiter(itertools.chain.from_iterable(parts), np.uint16, n))
+                counts[split] += n
+                ndocs[split] += len(parts) // 2
+            nbytes += sum(b for _, _, b in batch)
+            if time.time() - last > PROGRESS_SECONDS:
+                last, done, total = time.time(), sum(ndocs.values()), sum(counts.values())
+                print(f"  {done:,}/{total_docs:,} docs | {nbytes / 1e6:,.1f} MB | {total / 1e6:,.1f}M "
+                      f"tokens | {total / (last - t0) / 1e6:.2f}M tokens/s", file=sys.stderr, flush=True)
+    return counts, ndocs
+
+
+def _publish(out_dir, tmp, meta):
+    """Move the finished temporaries into place. meta.json goes first out and last in, so that while the .bin
+    files are swapped no meta.json claims the folder is complete."""
+    with open(tmp["meta"], "w") as f:
+        f.write(_dump_meta(meta))
+        f.flush()
+        os.fsync(f.fileno())
+    with contextlib.suppress(FileNotFoundError):
+        os.remove(os.path.join(out_dir, "meta.json"))
+    for split in SPLITS:
+        os.replace(tmp[split], os.path.join(out_dir, f"{split}.bin"))
+    os.replace(tmp["meta"], os.path.join(out_dir, "meta.json"))
+    with contextlib.suppress(OSError):  # make the renames durable; a folder cannot be opened on Windows
+        fd = os.open(out_dir, os.O_RDONLY)
+        os.fsync(fd)
+        os.close(fd)
+
+
+def _dump_meta(meta):
+    """Indented JSON, with one line per source so that thousands of them stay readable."""
+    head = json.dumps({k: v for k, v in meta.items() if k != "sources"}, indent=2)
+    sources = ",\n".join("    " + json.dumps(s) for s in meta["sources"])
+    return f'{head[:-2]},\n  "sources": [\n{sources}\n  ]\n}}\n'
+
+
+@contextlib.contextmanager
+def _lock(out_dir):
+    """One build per folder at a time (say every rank of a multi-GPU run calls prepare()): the rest wait."""
+    with open(os.path.join(out_dir, ".lock"), "w") as f:
+        if fcntl:
+            try:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                print(f"{out_dir}: waiting for another prepare_data run to finish", file=sys.stderr, flush=True)
+                fcntl.flock(f, fcntl.LOCK_EX)
+        yield
+
+
+def prepare(dataset="pycode", out_dir=None, inputs=None, val_fraction=None, workers=None, force=False,
+            glob=TEXT_GLOB):
+    """Build (or find up to date) the tokenized dataset; returns its folder. val_fraction None: the dataset's
+    default (VAL_FRACTION); out_dir None: data/<dataset> next to this file."""
+    if dataset not in DATASETS:
+        raise DataError(f"unknown dataset {dataset!r}; choose one of {', '.join(DATASETS)}")
+    val_fraction = VAL_FRACTION[dataset] if val_fraction is None else val_fraction
+    if not 0 < val_fraction < 1:
+        raise DataError(f"--val-fraction must be between 0 and 1 (exclusive), got {val_fraction}")
+    if dataset == "text" and not inputs:
+        raise DataError("--dataset text needs --input PATH [PATH ...]")
+    if dataset != "text" and inputs:
+        raise DataError(f"--input is only used with --dataset text, not {dataset}")
+    workers = max(1, workers or os.cpu_count() or 1)
+    out_dir = out_dir or os.path.join(REPO_DIR, "data", dataset)
+    os.makedirs(out_dir, exist_ok=True)
+    with _lock(out_dir):
+        return _build(dataset, out_dir, inputs, val_fraction, workers, force, glob)
+
+
+def _build(dataset, out_dir, inputs, val_fraction, workers, force, glob):
+    t0 = time.time()
+    options = {"val_fraction": val_fraction}
+    if dataset == "pycode":
+        found = pycode_files()
+    elif dataset == "text":
+        options["glob"] = glob
+        found = text_files(inputs, glob)
+    elif dataset == "shakespeare":
+        found = [(_download_shakespeare(out_dir), "input.txt")]
+    else:
+        found = []  # owt: the options alone identify it, so the up-to-date check needs no network
+    sources = [s for s in itertools.starmap(_stat, found) if s]
+    if dataset != "owt" and not sources:
+        raise DataError(f"no source files for {dataset}" + (f" (inputs {inputs}, glob {glob})" if inputs else ""))
+    fp = fingerprint(dataset, options, sources)
+    old = read_meta(out_dir)
+    if not force and _up_to_date(out_dir, old, fp):
+        print(f"{out_dir}: up to date ({old['tokens']['train']:,} train / {old['tokens']['val']:,} val tokens); "
+              "--force rebuilds")
+        return out_dir
+
+    enc = tiktoken.get_encoding(TOKENIZER)
+    assert enc.n_vocab <= np.iinfo(np.uint16).max + 1
+    records, skipped = [], []
+    if dataset == "owt":
+        docs, total_docs = _owt_docs(val_fraction, workers, records)
+    else:
+        docs, total_docs = _file_docs(sources, val_fraction, records, skipped, dataset == "shakespeare"), None
+    print(f"tokenizing {dataset} ({len(sources) or total_docs:,} sources) into {out_dir} with {workers} threads")
+    tmp = {name: os.path.join(out_dir, f".{name}.{'json' if name == 'meta' else 'bin'}.tmp")
+           for name in SPLITS + ("meta",)}
+    try:
+        with contextlib.ExitStack() as stack:
+            files = {s: stack.enter_context(open(tmp[s], "wb")) for s in SPLITS}
+            counts, ndocs = _tokenize(docs, files, enc, workers, total_docs or len(sources))
+            for f in files.values():
+                f.flush()
+                os.fsync(f.fileno())
+        if not sum(ndocs.values()):
+            raise DataError(f"no readable text in the sources of {dataset} (skipped: {len(skipped)})")
+        content = hashlib.sha256("".join(f"{r['sha256']} {r['split']} {r['rel']}\n" for r in records).encode())
+        seconds = max(time.time() - t0, 1e-6)  # coarse clocks (Windows) can give 0
+        meta = {
+            "dataset": dataset, "options": options, "tokens": counts, "documents": ndocs,
+            "tokenizer": TOKENIZER, "vocab_size": enc.n_vocab, "eot_token": enc.eot_token, "dtype": "uint16",
+            "fingerprint": fp,  # of paths, sizes, mtimes and options: the up-to-date check
+            "content_sha256": content.hexdigest(),  # of the lines "<sha256> <split> <rel>" of the sources
+            "created": datetime.now(timezone.utc).isoformat(timespec="seconds"), "seconds": round(seconds, 2),
+            "versions": {"format": FORMAT, "python": platform.python_version(), "numpy": np.__version__,
+                         "tiktoken": version("tiktoken")},
+            "skipped": skipped, "sources": records,
+        }
+        _publish(out_dir, tmp, meta)
+    finally:  # after success they are gone; after a failure they must not linger
+        for path in tmp.values():
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(path)
+    total = sum(counts.values())
+    print(f"{dataset} -> {out_dir}: train {counts['train']:,} tokens ({ndocs['train']:,} docs) | val "
+          f"{counts['val']:,} tokens ({ndocs['val']:,} docs) | {seconds:.1f} s, {total / seconds / 1e6:.2f}M tokens/s")
+    for split in SPLITS:
+        if not ndocs[split]:
+            print(f"warning: the {split} split is empty; use more files or another --val-fraction", file=sys.stderr)
+    return out_dir
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--dataset", choices=DATASETS, default="pycode",
+                        help="pycode (default): .py files of this Python's stdlib and site-packages; text: --input "
+                             "files; owt: OpenWebText via Hugging Face datasets; shakespeare: tiny Shakespeare")
+    parser.add_argument("--out-dir", help="output folder (default data/<dataset> next to this script)")
+    parser.add_argument("--input", nargs="+", metavar="PATH", help="text: files and/or folders to tokenize")
+    parser.add_argument("--glob", default=TEXT_GLOB,
+                        help=f"text: files to take from --input folders, recursive with ** (default {TEXT_GLOB}); "
+                             "files containing NUL bytes are skipped as binary")
+    parser.add_argument("--val-fraction", type=float, help="share of files (or, for shakespeare, of text) "
+                        "that goes to val; default " + ", ".join(f"{k} {v}" for k, v in VAL_FRACTION.items()))
+    parser.add_argument("--workers", type=int, default=os.cpu_count(),
+                        help="tokenizer threads (default os.cpu_count() = %(default)s; 0 means that too)")
+    parser.add_argument("--force", action="store_true", help="rebuild even if the dataset is up to date")
+    args = parser.parse_args(argv)
+    try:
+        prepare(args.dataset, args.out_dir, args.input, args.val_fraction, args.workers, args.force, args.glob)
+    except DataError as e:
+        parser.error(str(e.code))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,223 @@
+"""Tests of prepare_data.py on small temporary folders (the full pycode set is too slow for a test).
+
+    TIKTOKEN_CACHE_DIR=/path/to/tiktoken_cache python -m pytest -q test_data.py
+"""
+import hashlib
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import tiktoken
+
+import prepare_data as prep
+
+EOT = 50256
+FILES = {  # rel path -> text: unicode, a literal special-token string, an empty file, a subfolder
+    "a.txt": "hello world",
+    "b.txt": "def f(x):\n    return x  # ünïcödé ✓ 漢字\n",
+    "c.txt": "text that mentions <|endoftext|> is still ordinary text\n",
+    "empty.txt": "",
+    "sub/d.txt": "nested\n\tfile\r\n",
+    "sub/e.txt": "more " * 100,
+}
+for i in range(20):
+    FILES[f"many/f{i:02d}.txt"] = f"file number {i}\n"
+
+
+def make_files(root, files=FILES):
+    for rel, text in files.items():
+        path = root / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(text.encode("utf-8"))
+    return root
+
+
+def load(out_dir, split):
+    return np.fromfile(os.path.join(out_dir, f"{split}.bin"), dtype=np.uint16)  # memmap fails on an empty file
+
+
+def build(tmp_path, name="out", **kw):
+    src = tmp_path / "src"
+    if not src.exists():
+        make_files(src)
+    kw.setdefault("val_fraction", 0.3)
+    return prep.prepare("text", out_dir=str(tmp_path / name), inputs=[str(src)], workers=2, **kw)
+
+
+def test_known_tokens(tmp_path):
+    enc = tiktoken.get_encoding(prep.TOKENIZER)
+    assert enc.encode_ordinary("hello world") == [31373, 995]
+    assert enc.eot_token == EOT and enc.n_vocab == 50257
+    make_files(tmp_path / "src", {"hello.txt": "hello world"})
+    out = prep.prepare("text", out_dir=str(tmp_path / "out"), inputs=[str(tmp_path / "src")], val_fraction=1e-9)
+    assert load(out, "train").tolist() == [31373, 995, EOT]
+    assert len(load(out, "val")) == 0
+
+
+def test_round_trip_and_meta(tmp_path):
+    out = build(tmp_path)
+    meta = prep.read_meta(out)
+    enc = tiktoken.get_encoding("r50k_base")
+    assert [meta[k] for k in ("tokenizer", "vocab_size", "eot_token", "dtype")] == ["r50k_base", 50257, EOT, "uint16"]
+    assert sorted(s["rel"] for s in meta["sources"]) == sorted(FILES)
+    for split in prep.SPLITS:
+        tokens = load(out, split)
+        assert os.path.getsize(os.path.join(out, f"{split}.bin")) == 2 * meta["tokens"][split] == 2 * len(tokens)
+        # each file's tokens then one EOT; the literal "<|endoftext|>" in c.txt must not become token 50256
+        docs = np.split(np.asarray(tokens), np.flatnonzero(tokens == EOT) + 1)[:-1]
+        sources = [s for s in meta["sources"] if s["split"] == split]
+        assert len(docs) == len(sources) == meta["documents"][split]
+        for doc, s in zip(docs, sources):
+            assert doc[-1] == EOT
+            assert enc.decode(doc[:-1].tolist()) == FILES[s["rel"]]
+    assert meta["documents"]["train"] > 0 and meta["documents"]["val"] > 0
+    for s in meta["sources"]:  # provenance: per-source size, split and content hash
+        data = (tmp_path / "src" / s["rel"]).read_bytes()
+        assert s["bytes"] == len(data) and s["sha256"] == hashlib.sha256(data).hexdigest()
+        assert s["split"] == prep.split_of(s["rel"], 0.3)
+    lines = "".join(f"{s['sha256']} {s['split']} {s['rel']}\n" for s in meta["sources"])
+    assert meta["content_sha256"] == hashlib.sha256(lines.encode()).hexdigest()
+    assert meta["options"] == {"val_fraction": 0.3, "glob": prep.TEXT_GLOB} and meta["fingerprint"]
+
+
+def test_split_is_deterministic_and_honours_fraction(tmp_path):
+    names = [f"pkg{i % 37}/module_{i}.py" for i in range(20000)]
+    for frac in (0.01, 0.1, 0.5):
+        val = sum(prep.split_of(n, frac) == "val" for n in names) / len(names)
+        assert abs(val - frac) < 0.25 * frac + 0.003
+    assert [prep.split_of(n, 0.1) for n in names[:500]] == [prep.split_of(n, 0.1) for n in names[:500]]
+    assert prep.split_of(os.path.join("pkg", "m.py"), 0.3) == prep.split_of("pkg/m.py", 0.3)
+    # same files in another folder, named one by one in reverse order: the same split and the same bytes
+    flat = {f"f{i:03d}.txt": f"doc {i}\n" for i in range(60)}
+    a, b = make_files(tmp_path / "a", flat), make_files(tmp_path / "elsewhere" / "b", flat)
+    out_a = prep.prepare("text", out_dir=str(tmp_path / "oa"), inputs=[str(a)], val_fraction=0.2)
+    out_b = prep.prepare("text", out_dir=str(tmp_path / "ob"), val_fraction=0.2,
+                       inputs=[str(p) for p in sorted(b.iterdir(), reverse=True)])
+    splits = lambda out: {s["rel"]: s["split"] for s in prep.read_meta(out)["sources"]}
+    assert splits(out_a) == splits(out_b) and set(splits(out_a).values()) == {"train", "val"}
+    for split in prep.SPLITS:
+        assert np.array_equal(load(out_a, split), load(out_b, split))
+
+
+def test_pycode_discovery():
+    files = prep.pycode_files()
+    paths = [p for p, _ in files]
+    assert paths == sorted(paths) and len(set(paths)) == len(paths)
+    assert all(p.endswith(".py") and "__pycache__" not in p for p in paths)
+    rels = {rel for _, rel in files}
+    assert "os.py" in rels and not any(os.path.isabs(r) for r in rels)
+    assert any(r.startswith("numpy" + os.sep) for r in rels)  # site-packages, relative to its own root
+    assert not any("site-packages" in r for r in rels)
+    val = sum(prep.split_of(r, 0.01) == "val" for r in rels)
+    assert 0 < val < 0.03 * len(rels)
+
+
+def test_rerun_does_no_work(tmp_path, capsys, monkeypatch):
+    out = build(tmp_path)
+    train = os.path.join(out, "train.bin")
+    stamp, before = os.stat(train).st_mtime_ns, load(out, "train").tolist()
+    capsys.readouterr()
+    with monkeypatch.context() as m:
+        m.setattr(prep, "_tokenize", lambda *a, **k: pytest.fail("tokenized again"))
+        build(tmp_path)
+    assert "up to date" in capsys.readouterr().out
+    assert os.stat(train).st_mtime_ns == stamp
+    (tmp_path / "src" / "a.txt").write_text("hello there, world")  # a changed source redoes it
+    build(tmp_path)
+    assert "up to date" not in capsys.readouterr().out
+    assert load(out, "train").tolist() != before or load(out, "val").tolist()
+    build(tmp_path, force=True)  # --force too
+    assert "up to date" not in capsys.readouterr().out
+    build(tmp_path, val_fraction=0.5)  # and so do other options
+    assert "up to date" not in capsys.readouterr().out
+    assert prep.read_meta(out)["options"]["val_fraction"] == 0.5
+
+
+def snapshot(out):
+    return {name: open(os.path.join(out, name), "rb").read() for name in sorted(os.listdir(out)) if name != ".lock"}
+
+
+def test_crash_while_writing_keeps_old_dataset(tmp_path, monkeypatch):
+    out = build(tmp_path)
+    good = snapshot(out)
+    (tmp_path / "src" / "b.txt").write_text("changed " * 50)
+    real = prep._write_tokens
+
+    def write_then_crash(f, tokens):
+        real(f, tokens)
+        f.flush()
+        assert os.path.getsize(f.name) > 0  # the temporary file has been written
+        raise RuntimeError("simulated crash")
+    monkeypatch.setattr(prep, "_write_tokens", write_then_crash)
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        build(tmp_path)
+    assert snapshot(out) == good  # the previous dataset is intact, and no temporary files are left
+
+
+def test_crash_while_publishing_leaves_nothing_that_looks_complete(tmp_path, monkeypatch):
+    out = build(tmp_path)
+    (tmp_path / "src" / "b.txt").write_text("changed " * 50)
+    real, calls = os.replace, []
+
+    def replace_then_crash(src, dst):
+        calls.append(dst)
+        if len(calls) == 2:
+            raise OSError("simulated crash")
+        real(src, dst)
+    monkeypatch.setattr(os, "replace", replace_then_crash)
+    with pytest.raises(OSError, match="simulated crash"):
+        build(tmp_path)
+    monkeypatch.undo()
+    assert prep.read_meta(out) is None  # train.bin is new, val.bin old: no meta.json may claim completeness
+    assert not [n for n in os.listdir(out) if n.endswith(".tmp")]
+    build(tmp_path)  # the next run repairs it
+    meta = prep.read_meta(out)
+    assert all(len(load(out, s)) == meta["tokens"][s] for s in prep.SPLITS)
+
+
+def test_shakespeare_split_by_position_offline(tmp_path):
+    out = tmp_path / "shakespeare"
+    out.mkdir()
+    text = "".join(f"LINE {i}: To be, or not to be.\n" for i in range(300))
+    (out / "input.txt").write_text(text)  # present, so nothing is downloaded
+    prep.prepare("shakespeare", out_dir=str(out))
+    enc = tiktoken.get_encoding("r50k_base")
+    train, val = load(out, "train").tolist(), load(out, "val").tolist()
+    assert train[-1] == val[-1] == EOT
+    cut = int(len(text) * 0.9)
+    assert enc.decode(train[:-1]) == text[:cut] and enc.decode(val[:-1]) == text[cut:]
+
+
+@pytest.mark.skipif(importlib.util.find_spec("datasets") is not None, reason="datasets is installed")
+def test_owt_without_datasets_says_what_to_install(tmp_path):
+    with pytest.raises(SystemExit, match="pip install datasets"):
+        prep.prepare("owt", out_dir=str(tmp_path / "owt"))
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--dataset", "text", "--input", "/no/such/path"], "/no/such/path: no such file or folder"),
+    (["--dataset", "text"], "--dataset text needs --input"),
+    (["--input", "x.txt"], "--input is only used with --dataset text"),
+    (["--val-fraction", "1.5"], "must be between 0 and 1"),
+    (["--val-fraction", "0"], "must be between 0 and 1"),
+    (["--dataset", "text", "--input", ".", "--glob", "/abs/*.txt"], "--glob '/abs/*.txt'"),
+])
+def test_bad_input_exits_with_message(tmp_path, capsys, argv, message):
+    with pytest.raises(SystemExit) as e:
+        prep.main(argv + ["--out-dir", str(tmp_path / "out")])
+    assert e.value.code != 0 and message in capsys.readouterr().err
+
+
+def test_bad_input_from_the_command_line(tmp_path):
+    (tmp_path / "empty").mkdir()
+    for args, message in [(["--input", str(tmp_path / "missing")], "no such file or folder"),
+                          (["--input", str(tmp_path / "empty")], "no source files")]:
+        cmd = [sys.executable, prep.__file__, "--dataset", "text", "--out-dir", str(tmp_path / "o"), *args]
+        r = subprocess.run(cmd, capture_output=True, text=True)
+        assert r.returncode != 0 and message in r.stderr and "Traceback" not in r.stderr
+    with pytest.raises(SystemExit, match="val-fraction"):  # the API too, not only the CLI
+        prep.prepare("text", inputs=[str(tmp_path)], val_fraction=1.0)
