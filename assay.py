@@ -1,0 +1,326 @@
+"""
+The assay: move a controlled error to other sources, and probe the QK channel causally.
+
+    ErrorInjector   a per-head error of chosen size and sign-coherence at one site (inside or outside attention)
+    measure_fault   the real fault's error (bf16 softmax state vs fp32), per layer and head, on a real batch
+    QKProbe         after each step, project W_q/W_k updates off their top-k singular directions, or remove
+                    the same update energy from random other directions (the control)
+    check_assay_flags   reject flag combinations that make no sense
+
+The paper's claim under test: wherever an error enters, if its per-head sign persists from step to step
+(temporal sign-coherence), it drives the same W_q/W_k spectral runaway.
+"""
+import math
+
+import torch
+
+from attention_kernel import ACCUM_MODES, attention
+from model import apply_rotary
+
+INJECT_SITES = ("none", "attn-out", "mlp-in", "mlp-out", "residual", "grad-wv", "grad-mlp")
+ACTIVATION_SITES = ("attn-out", "mlp-in", "mlp-out", "residual")
+GRAD_SITES = ("grad-wv", "grad-mlp")
+PROBE_MODES = ("off", "qk-topk", "equal-energy")
+
+
+def _rms(x):
+    return x.float().pow(2).mean().sqrt()
+
+
+def _unit_rms_groups(direction, n_groups):
+    """Scale each of n_groups row groups (dim 0) of a random tensor to unit rms."""
+    for group in direction.tensor_split(n_groups, dim=0):
+        group /= _rms(group).clamp_min(1e-12)
+    return direction
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The controlled error.
+
+class ErrorInjector:
+    """A controlled error at one site. Per head (activation sites: channel group h of C = n_head groups of
+    head_dim; gradient sites: the weight's rows of head h, or n_head row groups for MLP weights) a fixed random
+    direction d_h with unit rms, times a sign s_h that persists from one step to the next with probability
+    `coherence` (1: sign-coherent; 0.5: a fresh random sign each step; 0: flips every step), times `scale`
+    times the rms of the signal it is added to (so a setting means the same at every site and model size).
+
+    Activation sites: the error is the same vector at every token (a bias, like the real fault's), computed
+    from the detached activation, so gradients flow through unchanged. "The signal" is head h's channel group
+    of this call's activation (all batch rows and tokens). Gradient sites: "the signal" is the row group of the
+    weight's gradient, measured after backward and before clipping; the error is added to that gradient.
+    """
+
+    def __init__(self, site, scale, coherence, n_layer, n_head, n_embd, layers=None, seed=0):
+        if site not in INJECT_SITES:
+            raise ValueError(f"unknown site {site!r}; use one of {INJECT_SITES}")
+        self.site, self.coherence = site, float(coherence)
+        self.n_head, self.head_dim = n_head, n_embd // n_head
+        self.layers = list(range(n_layer)) if layers is None else [int(i) for i in layers]
+        self.seed = seed
+        self.scales = torch.full((n_layer, n_head), float(scale))       # per (layer, head); matched() sets them
+        self.directions = {}                                              # layer -> tensor, made on first use
+        self.sign_rng = torch.Generator().manual_seed(seed)
+        self.signs = torch.randint(0, 2, (n_layer, n_head), generator=self.sign_rng).float() * 2 - 1
+        self.step = None
+        self._err_sq, self._sig_sq = 0.0, 0.0                            # since begin_step, for last_stats
+
+    def begin_step(self, step):
+        """Update the signs: each (layer, head) keeps its sign with probability `coherence`, else flips.
+        The first call keeps the initial signs; a repeated call for the same step does nothing."""
+        if self.step is not None and step != self.step:
+            flip = torch.rand(self.signs.shape, generator=self.sign_rng) >= self.coherence
+            self.signs = torch.where(flip, -self.signs, self.signs)
+        self.step = step
+        self._err_sq, self._sig_sq = 0.0, 0.0
+
+    def direction(self, layer, shape, device):
+        """The fixed direction of a layer, unit rms in each of the n_head row groups of dim 0. Seeded by
+        (seed, layer), so it does not depend on call order; kept on the device of its first use."""
+        if layer not in self.directions:
+            rng = torch.Generator().manual_seed(self.seed * 1000 + layer + 1)
+            self.directions[layer] = _unit_rms_groups(torch.randn(shape, generator=rng), self.n_head)
+        if self.directions[layer].device != device:
+            self.directions[layer] = self.directions[layer].to(device)
+        return self.directions[layer]
+
+    def amplitude(self, layer, device):
+        """s_h * scale_h per head, as a tensor: no Python floats, so torch.compile does not specialize on signs."""
+        return (self.signs[layer] * self.scales[layer]).to(device)
+
+    def _track(self, error_sq, signal_sq):
+        # running totals for last_stats, kept as tensors so the forward pass never waits on the device
+        self._err_sq, self._sig_sq = self._err_sq + error_sq, self._sig_sq + signal_sq
+
+    def __call__(self, x, site, layer):
+        if site != self.site or layer not in self.layers:
+            return x
+        heads = x.detach().float().reshape(-1, self.n_head, self.head_dim)        # (B*T, H, head_dim)
+        signal_rms = heads.pow(2).mean(dim=(0, 2)).sqrt()                        # (H,)
+        d = self.direction(layer, (self.n_head, self.head_dim), x.device)
+        error = (self.amplitude(layer, x.device) * signal_rms)[:, None] * d     # (H, head_dim): same at every token
+        self._track(error.pow(2).sum() * heads.shape[0], heads.pow(2).sum())
+        return x + error.flatten().to(x.dtype)
+
+    def inject_grads(self, model):
+        """Gradient sites: call after backward, before clipping. Head h's rows of v_proj.weight.grad (grad-wv),
+        or the h-th of n_head row groups of mlp.up_proj.weight.grad (grad-mlp), get d_h * s_h * scale_h * rms."""
+        if self.site not in GRAD_SITES:
+            return
+        for layer in self.layers:
+            block = model.blocks[layer]
+            grad = (block.attn.v_proj if self.site == "grad-wv" else block.mlp.up_proj).weight.grad
+            if grad is None:
+                continue
+            d = self.direction(layer, tuple(grad.shape), grad.device)
+            amp = self.amplitude(layer, grad.device)
+            for a, g, d_h in zip(amp, grad.tensor_split(self.n_head), d.tensor_split(self.n_head)):
+                error = a * _rms(g) * d_h
+                self._track(error.pow(2).sum(), g.float().pow(2).sum())
+                g += error.to(g.dtype)      # g is a view: this writes into .grad
+
+    @property
+    def last_stats(self):
+        """For the log: measured error rms / signal rms since begin_step, and the signs of the injected layers."""
+        ratio = math.sqrt(float(self._err_sq) / max(float(self._sig_sq), 1e-30))
+        return {"inject_rms_ratio": ratio, "inject_signs": self.signs[self.layers].tolist()}
+
+    def state_dict(self):
+        return {"signs": self.signs.clone(), "sign_rng": self.sign_rng.get_state(), "step": self.step,
+                "scales": self.scales.clone(), "directions": {k: v.cpu() for k, v in self.directions.items()}}
+
+    def load_state_dict(self, state):
+        self.signs, self.step, self.scales = state["signs"].clone(), state["step"], state["scales"].clone()
+        self.sign_rng.set_state(state["sign_rng"])
+        self.directions = {int(k): v.clone() for k, v in state["directions"].items()}
+
+    @classmethod
+    def matched(cls, model, idx, site="attn-out", accum="bf16", coherence=1.0, layers=None, seed=0, fault=None):
+        """An injector that reproduces the real fault's bias, movable to any site.
+
+        "Matched" means: per layer and head, the error's direction is the measured mean error of the faulty
+        attention output (measure_fault's bias_dir: O_faulty - O_fp32 averaged over batch and tokens) and its
+        size is that bias's rms relative to the rms of O_fp32 (bias_ratio), now taken relative to the new
+        site's signal. The zero-mean part of the real error (it averages out over tokens) is left out.
+        At grad-wv the direction is rank 1: the bias direction over the head's rows times a fixed random
+        unit-rms vector over the input columns. At grad-mlp the row groups are not head channels, so the
+        direction stays random and only the per-head sizes are matched.
+        """
+        cfg = model.config
+        fault = measure_fault(model, idx, accum) if fault is None else fault
+        inj = cls(site, 1.0, coherence, cfg.n_layer, cfg.n_head, cfg.n_embd, layers, seed)
+        inj.scales = fault["bias_ratio"].clone()
+        inj.signs = torch.ones_like(inj.signs)      # start with the measured sign, not its negation
+        for layer in inj.layers:
+            d = _unit_rms_groups(fault["bias_dir"][layer].clone(), cfg.n_head)   # (H, head_dim)
+            if site in ACTIVATION_SITES:
+                inj.directions[layer] = d
+            elif site == "grad-wv":
+                cols = torch.randn(cfg.n_embd, generator=torch.Generator().manual_seed(seed * 1000 + layer + 1))
+                inj.directions[layer] = d.flatten()[:, None] * (cols / _rms(cols))[None, :]   # (C, C)
+        return inj
+
+
+@torch.no_grad()
+def measure_fault(model, idx, accum="bf16", dtype=torch.bfloat16):
+    """The real fault's error, per layer and head, on a batch idx (B, T).
+
+    Each layer's attention is run twice on the same q, k, v (cast to `dtype`, as under bf16 autocast):
+    once with the faulty softmax state `accum` and once with fp32 state, so the difference is the state's
+    error alone. q, k, v are recomputed from the attention module's input, captured by a forward pre-hook
+    while the model runs (with its own settings, injector off), the same way CausalSelfAttention does.
+    Returns float32 tensors: error_ratio (L, H) = rms(O_faulty - O_fp32) / rms(O_fp32) over batch and
+    tokens; bias_dir (L, H, head_dim) = the mean of O_faulty - O_fp32 over batch and tokens; bias_ratio
+    (L, H) = rms(bias_dir) / rms(O_fp32).
+    """
+    inputs = {}
+    hooks = [attn.register_forward_pre_hook(lambda m, args: inputs.__setitem__(m.layer_idx, args[:2]))
+             for attn in model.attentions]
+    injector, model.injector = model.injector, None
+    try:
+        model(idx)
+    finally:
+        model.injector = injector
+        for h in hooks:
+            h.remove()
+    stats = {"error_ratio": [], "bias_ratio": [], "bias_dir": []}
+    for attn in model.attentions:
+        x, rotary = inputs[attn.layer_idx]
+        B, T, C = x.shape
+        q, k, v = (p(x.float()).view(B, T, attn.n_head, attn.head_dim).transpose(1, 2)
+                   for p in (attn.q_proj, attn.k_proj, attn.v_proj))
+        if rotary is not None:
+            q, k = apply_rotary(q, *rotary), apply_rotary(k, *rotary)
+        impl = "auto" if attn.impl in ("sdpa", "reference") else attn.impl   # those two have no state to break
+        run = lambda mode: attention(q.to(dtype), k.to(dtype), v.to(dtype), accum=mode, qk_norm=attn.qk_norm,
+                                     scale=attn.scale, softcap=attn.softcap, safemax_beta=attn.beta,
+                                     impl=impl, block_n=attn.block_n or None).float()
+        o_ref = run("fp32")
+        err = run(accum) - o_ref                                     # (B, H, T, D)
+        ref_rms = o_ref.pow(2).mean(dim=(0, 2, 3)).sqrt()           # (H,)
+        bias = err.mean(dim=(0, 2))                                  # (H, D)
+        stats["error_ratio"].append(err.pow(2).mean(dim=(0, 2, 3)).sqrt() / ref_rms)
+        stats["bias_ratio"].append(bias.pow(2).mean(dim=1).sqrt() / ref_rms)
+        stats["bias_dir"].append(bias)
+    return {key: torch.stack(vals).cpu() for key, vals in stats.items()}
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The causal probe.
+
+def _orthonormal_complement(basis, generator):
+    """A random orthonormal basis (n, n - k) of the space orthogonal to the k columns of `basis` (n, k)."""
+    n, k = basis.shape
+    g = torch.randn(n, n - k, generator=generator).to(basis)
+    g = g - basis @ (basis.T @ g)
+    return torch.linalg.qr(g).Q
+
+
+class QKProbe:
+    """After each optimizer step, project the update of W_q and W_k (per layer, whole matrices) off their
+    current top-k singular directions (qk-topk), or remove the same update energy (same Frobenius norm) from
+    random other directions (equal-energy, the control).
+
+    With W the weight before the step, dW = W_after - W the step's update (AdamW, weight decay and all), and U, V
+    W's top-k left and right singular vectors (torch.linalg.svd: exact, and cheap at these sizes):
+      qk-topk:       dW' = (I - U U^T) dW (I - V V^T). The removed part dW - dW' is every component of dW
+                     that touches a top-k direction on either side; its Frobenius norm is e.
+      equal-energy:  remove a part R of norm e that is orthogonal to U and V on both sides. Draw random
+                     orthonormal bases P of U's complement and Q of V's complement (fresh each step); dW's
+                     out-of-top-k part is then P C Q^T with C = P^T dW Q, a grid of rank-1 coefficients. Take
+                     whole coefficients in a random order until their energy reaches e^2 (the last one in part):
+                     R = P (M * C) Q^T, M in [0, 1], ||R|| = e exactly; if C holds less than e, all of it goes
+                     and the log shows the shortfall.
+      off:           nothing.
+    The optimizer's moments are left alone: only the applied update changes.
+    """
+
+    def __init__(self, mode, k=3, seed=0):
+        if mode not in PROBE_MODES:
+            raise ValueError(f"unknown probe mode {mode!r}; use one of {PROBE_MODES}")
+        if k < 1:
+            raise ValueError(f"probe k must be >= 1; got {k}")
+        self.mode, self.k = mode, k
+        self.rng = torch.Generator().manual_seed(seed)
+        self.saved = []   # per weight: (weight, its value before the step, U, V)
+
+    def _weights(self, model):
+        return [(i, name, getattr(attn, name + "_proj").weight)
+                for i, attn in enumerate(model.attentions) for name in ("q", "k")]
+
+    @torch.no_grad()
+    def before_step(self, model):
+        if self.mode == "off":
+            return
+        self.saved = []
+        for i, name, w in self._weights(model):
+            U, _, Vh = torch.linalg.svd(w.float(), full_matrices=False)
+            self.saved.append((i, name, w, w.detach().clone(), U[:, :self.k], Vh[:self.k].T))
+
+    def _equal_energy(self, dW, U, V, energy):
+        P, Q = _orthonormal_complement(U, self.rng), _orthonormal_complement(V, self.rng)
+        coef = P.T @ dW @ Q
+        c2 = coef.pow(2).flatten().double()
+        order = torch.randperm(c2.numel(), generator=self.rng).to(c2.device)
+        before = c2[order].cumsum(0) - c2[order]                    # energy taken before each coefficient
+        budget = (energy ** 2 - before).clamp_min(0)
+        share = torch.where(c2[order] > 0, (budget / c2[order]).clamp(max=1).sqrt(), torch.zeros_like(budget))
+        mask = torch.empty_like(share).scatter_(0, order, share).view_as(coef).to(coef)
+        return P @ (mask * coef) @ Q.T
+
+    @torch.no_grad()
+    def after_step(self, model):
+        """Apply the projection; return per-layer norms for the log: {q,k}_update (||dW||), {q,k}_removed (||R||)
+        and {q,k}_target (what qk-topk removes: equal to _removed unless the control fell short)."""
+        log = {}
+        for i, name, w, w_before, U, V in self.saved if self.mode != "off" else []:
+            dW = w.float() - w_before.float()
+            kept = dW - U @ (U.T @ dW)
+            kept = kept - (kept @ V) @ V.T                             # (I - U U^T) dW (I - V V^T)
+            target = (dW - kept).norm()
+            removed = dW - kept if self.mode == "qk-topk" else self._equal_energy(dW, U, V, target)
+            w.copy_((w_before.float() + dW - removed).to(w.dtype))
+            for key, value in (("update", dW.norm()), ("removed", removed.norm()), ("target", target)):
+                log.setdefault(f"{name}_{key}", []).append(value.item())
+        self.saved = []
+        return log
+
+    def state_dict(self):
+        return {"mode": self.mode, "k": self.k, "rng": self.rng.get_state()}
+
+    def load_state_dict(self, state):
+        self.mode, self.k = state["mode"], state["k"]
+        self.rng.set_state(state["rng"])
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Flag checks for train.py.
+
+def check_assay_flags(site, scale, coherence, probe, probe_k, qk_fix, accum):
+    """Raise ValueError naming the flag for combinations that make no sense. scale and coherence are None when
+    not given; scale may also be "matched" (size and direction from measure_fault); qk_fix is off when
+    None, False or "off"."""
+    if site not in INJECT_SITES:
+        raise ValueError(f"--inject-site {site!r} is unknown; use one of {INJECT_SITES}")
+    if accum not in ACCUM_MODES:
+        raise ValueError(f"--accum {accum!r} is unknown; use one of {ACCUM_MODES}")
+    if site == "none":
+        if scale is not None:
+            raise ValueError("--inject-scale was given with --inject-site none: pick a site or drop the scale")
+        if coherence is not None:
+            raise ValueError("--inject-coherence was given with --inject-site none: pick a site or drop it")
+    else:
+        if scale is None:
+            raise ValueError(f"--inject-site {site} needs --inject-scale (error rms / signal rms, or 'matched')")
+        if isinstance(scale, str) and scale != "matched":
+            raise ValueError(f"--inject-scale {scale!r}: give a number > 0 or 'matched'")
+        if not isinstance(scale, str) and not scale > 0:
+            raise ValueError(f"--inject-scale must be > 0 with --inject-site {site}; got {scale}")
+    if coherence is not None and not 0.0 <= coherence <= 1.0:
+        raise ValueError(f"--inject-coherence is a probability in [0, 1]; got {coherence}")
+    if probe not in PROBE_MODES:
+        raise ValueError(f"--probe {probe!r} is unknown; use one of {PROBE_MODES}")
+    if probe_k < 1:
+        raise ValueError(f"--probe-k must be >= 1; got {probe_k}")
+    if qk_fix not in (None, False, "off") and site == "none" and accum == "fp32":
+        raise ValueError("--qk-fix corrects the QK channel while a fault is active, but there is none: "
+                         "set --inject-site or a faulty --accum")

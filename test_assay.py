@@ -1,0 +1,283 @@
+"""Tests of the assay: injected error sizes and sign statistics, where the error lands, the QK probe's
+projection and its equal-energy control, the matched fault, and the flag checks. Fresh random inputs each run."""
+import pytest
+import torch
+
+import model
+from assay import (ACTIVATION_SITES, ErrorInjector, QKProbe, check_assay_flags, measure_fault)
+
+
+def tiny_gpt(**kw):
+    cfg = dict(n_layer=2, n_head=2, n_embd=32, block_size=16, vocab_size=128, attn_impl="torch")
+    return model.GPT(model.GPTConfig(**{**cfg, **kw}))
+
+
+def head_rms(t, n_head):
+    """rms of each of n_head channel groups (last dim) or row groups (dim 0 of a 2-d weight)."""
+    groups = t.reshape(-1, t.shape[-1]).T.tensor_split(n_head) if t.dim() == 3 else t.tensor_split(n_head)
+    return torch.stack([g.float().pow(2).mean().sqrt() for g in groups])
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Size of the error.
+
+@pytest.mark.parametrize("site", ACTIVATION_SITES)
+@pytest.mark.parametrize("scale", [0.05, 0.7])
+def test_activation_error_has_requested_rms_ratio(site, scale):
+    n_head, head_dim = 4, 8
+    inj = ErrorInjector(site, scale, 1.0, n_layer=3, n_head=n_head, n_embd=n_head * head_dim, seed=7)
+    inj.begin_step(0)
+    # heads of very different sizes: the error must follow each head's own rms
+    x = torch.randn(3, 10, n_head * head_dim) * torch.tensor([0.1, 1.0, 3.0, 10.0]).repeat_interleave(head_dim)
+    x.requires_grad_(True)
+    y = inj(x, site, 1)
+    ratio = head_rms(y.detach() - x.detach(), n_head) / head_rms(x.detach(), n_head)
+    torch.testing.assert_close(ratio, torch.full((n_head,), scale), rtol=0.02, atol=0)
+    assert inj.last_stats["inject_rms_ratio"] == pytest.approx(scale, rel=0.02)
+    # the error is the same vector at every token, and detached: the gradient passes through unchanged
+    err = (y - x).detach()
+    torch.testing.assert_close(err, err[:1, :1].expand_as(err))
+    y.sum().backward()
+    torch.testing.assert_close(x.grad, torch.ones_like(x))
+
+
+@pytest.mark.parametrize("site, arch, n_head, n_embd", [("grad-wv", "gpt2", 2, 32), ("grad-mlp", "gpt2", 2, 32),
+                                                        ("grad-mlp", "llama", 3, 48)])   # 128 rows in 3 groups
+def test_gradient_error_has_requested_rms_ratio(site, arch, n_head, n_embd):
+    gpt = tiny_gpt(arch=arch, n_head=n_head, n_embd=n_embd)
+    idx = torch.randint(0, 128, (2, 16))
+    gpt(idx, idx)[1].backward()
+    weight = lambda layer: (gpt.blocks[layer].attn.v_proj if site == "grad-wv" else gpt.blocks[layer].mlp.up_proj).weight
+    clean = [weight(i).grad.clone() for i in range(2)]
+    other = gpt.blocks[0].attn.q_proj.weight.grad.clone()
+    inj = ErrorInjector(site, 0.3, 1.0, n_layer=2, n_head=n_head, n_embd=n_embd, layers=[1])
+    inj.begin_step(0)
+    inj.inject_grads(gpt)
+    ratio = head_rms(weight(1).grad - clean[1], n_head) / head_rms(clean[1], n_head)
+    torch.testing.assert_close(ratio, torch.full((n_head,), 0.3), rtol=0.02, atol=0)
+    assert inj.last_stats["inject_rms_ratio"] == pytest.approx(0.3, rel=0.02)
+    torch.testing.assert_close(weight(0).grad, clean[0], rtol=0, atol=0)      # layer 0 not selected
+    torch.testing.assert_close(gpt.blocks[0].attn.q_proj.weight.grad, other, rtol=0, atol=0)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Sign statistics over steps.
+
+def sign_history(coherence, steps=range(400), seed=0, state=None):
+    inj = ErrorInjector("attn-out", 0.1, coherence, n_layer=2, n_head=2, n_embd=8, seed=seed)
+    if state is not None:
+        inj.load_state_dict(state)
+    history = []
+    for step in steps:
+        inj.begin_step(step)
+        history.append(inj.signs.clone())
+    return torch.stack(history), inj   # (steps, n_layer, n_head)
+
+
+@pytest.mark.parametrize("coherence", [1.0, 0.8, 0.3, 0.0])
+def test_sign_persistence_matches_coherence(coherence):
+    signs, _ = sign_history(coherence, seed=int(torch.randint(0, 10**6, ())))
+    kept = (signs[1:] == signs[:-1]).float()
+    n = kept.numel()
+    if coherence in (0.0, 1.0):
+        assert kept.mean().item() == coherence
+    else:
+        assert abs(kept.mean().item() - coherence) < 4 * (coherence * (1 - coherence) / n) ** 0.5
+
+
+def test_incoherent_signs_average_out():
+    signs, _ = sign_history(0.5, seed=int(torch.randint(0, 10**6, ())))
+    assert signs.mean(dim=0).abs().max().item() < 4 / 400 ** 0.5
+    coherent, _ = sign_history(1.0)
+    assert (coherent.mean(dim=0).abs() == 1).all()
+
+
+def test_signs_resume_exactly():
+    first, inj = sign_history(0.7, steps=range(100), seed=3)
+    state = inj.state_dict()
+    straight_on = []
+    for step in range(99, 150):        # the same injector carrying on
+        inj.begin_step(step)
+        straight_on.append(inj.signs.clone())
+    straight_on = torch.stack(straight_on)
+    resumed, _ = sign_history(0.7, steps=range(99, 150), seed=99, state=state)   # another seed: the state wins
+    torch.testing.assert_close(resumed, straight_on, rtol=0, atol=0)
+    torch.testing.assert_close(resumed[0], first[-1], rtol=0, atol=0)   # repeating step 99 changes nothing
+    assert (resumed[1:] != resumed[:-1]).any()
+    again, _ = sign_history(0.7, steps=range(100), seed=3)
+    torch.testing.assert_close(again, first, rtol=0, atol=0)            # deterministic given the seed
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Where the error lands in the model.
+
+def block_outputs(gpt, idx):
+    outs = []
+    hooks = [b.register_forward_hook(lambda m, i, o: outs.append(o[0].detach().clone())) for b in gpt.blocks]
+    with torch.no_grad():
+        logits = gpt(idx)[0]
+    for h in hooks:
+        h.remove()
+    return logits, outs
+
+
+@pytest.mark.parametrize("site", ACTIVATION_SITES)
+def test_injection_changes_only_selected_layers(site):
+    gpt = tiny_gpt()
+    idx = torch.randint(0, 128, (2, 16))
+    logits, outs = block_outputs(gpt, idx)
+    gpt.injector = ErrorInjector(site, 0.5, 1.0, n_layer=2, n_head=2, n_embd=32, layers=[1])
+    gpt.injector.begin_step(0)
+    logits_inj, outs_inj = block_outputs(gpt, idx)
+    torch.testing.assert_close(outs_inj[0], outs[0], rtol=0, atol=0)          # layer 0 untouched
+    assert (outs_inj[1] - outs[1]).abs().max() > 1e-3
+    assert (logits_inj - logits).abs().max() > 1e-3
+    gpt.injector = ErrorInjector(site, 0.5, 1.0, n_layer=2, n_head=2, n_embd=32)   # all layers
+    assert (block_outputs(gpt, idx)[1][0] - outs[0]).abs().max() > 1e-3
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The QK probe.
+
+def probe_step(mode, gpt, updates, k=3):
+    """Run one probe step around a fake optimizer step that adds `updates` to W_q and W_k. Returns the
+    weights before, the log, and the top-k singular vectors of each weight before the step."""
+    weights = [w for a in gpt.attentions for w in (a.q_proj.weight, a.k_proj.weight)]
+    before = [w.detach().clone() for w in weights]
+    svds = [torch.linalg.svd(w, full_matrices=False) for w in before]
+    probe = QKProbe(mode, k=k, seed=int(torch.randint(0, 10**6, ())))
+    probe.before_step(gpt)
+    with torch.no_grad():
+        for w, dW in zip(weights, updates):
+            w += dW
+    log = probe.after_step(gpt)
+    applied = [w.detach() - b for w, b in zip(weights, before)]
+    tops = [(U[:, :k], Vh[:k].T) for U, _, Vh in svds]
+    return applied, log, tops
+
+
+def topk_removed(dW, U, V):
+    kept = (dW - U @ (U.T @ dW)) - ((dW - U @ (U.T @ dW)) @ V) @ V.T
+    return dW - kept
+
+
+def random_updates(gpt, size=3e-3):
+    return [size * torch.randn(32, 32) for _ in range(2 * len(gpt.attentions))]
+
+
+def test_qk_topk_update_is_orthogonal_to_top_singular_directions():
+    gpt = tiny_gpt()
+    updates = random_updates(gpt)
+    applied, log, tops = probe_step("qk-topk", gpt, updates)
+    for dW, new, (U, V) in zip(updates, applied, tops):
+        scale = dW.norm()
+        assert (U.T @ new).norm() / scale < 1e-4 and (new @ V).norm() / scale < 1e-4
+        torch.testing.assert_close(dW - new, topk_removed(dW, U, V), rtol=0, atol=1e-4 * scale.item())
+    assert log["q_removed"] == pytest.approx(log["q_target"], rel=1e-6)
+
+
+def test_equal_energy_removes_the_same_energy_elsewhere():
+    gpt = tiny_gpt()
+    updates = random_updates(gpt)
+    applied, log, tops = probe_step("equal-energy", gpt, updates)
+    for dW, new, (U, V) in zip(updates, applied, tops):
+        removed = dW - new
+        target = topk_removed(dW, U, V).norm()
+        assert removed.norm().item() == pytest.approx(target.item(), rel=1e-4)
+        assert (U.T @ removed).norm() / target < 1e-4 and (removed @ V).norm() / target < 1e-4
+        assert (dW - new).norm() > 0.1 * dW.norm()   # it did remove something
+    assert log["q_removed"] == pytest.approx(log["q_target"], rel=1e-4)
+    assert log["k_removed"] == pytest.approx(log["k_target"], rel=1e-4)
+
+
+def test_equal_energy_takes_all_it_can_when_the_update_is_in_the_top_directions():
+    gpt = tiny_gpt()
+    weights = [w for a in gpt.attentions for w in (a.q_proj.weight, a.k_proj.weight)]
+    updates = []
+    for w in weights:   # an update almost entirely along the top singular pair: the runaway's shape
+        U, _, Vh = torch.linalg.svd(w.detach())
+        updates.append(1e-2 * torch.outer(U[:, 0], Vh[0]) + 1e-5 * torch.randn(32, 32))
+    applied, log, tops = probe_step("equal-energy", gpt, updates)
+    for dW, new, (U, V) in zip(updates, applied, tops):
+        outside = dW - topk_removed(dW, U, V)
+        torch.testing.assert_close(new, dW - outside, rtol=0, atol=1e-7)   # all of the outside part went
+    assert all(r < t for r, t in zip(log["q_removed"], log["q_target"]))  # and the log shows the shortfall
+
+
+def test_probe_off_changes_nothing():
+    gpt = tiny_gpt()
+    updates = random_updates(gpt)
+    applied, log, _ = probe_step("off", gpt, updates)
+    assert log == {}
+    for dW, new in zip(updates, applied):
+        torch.testing.assert_close(new, dW, rtol=0, atol=1e-7)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The matched fault.
+
+def test_measure_fault_and_matched_injector():
+    gpt = tiny_gpt()
+    idx = torch.randint(0, 128, (4, 16))
+    fault = measure_fault(gpt, idx, accum="bf16")
+    for key in ("error_ratio", "bias_ratio"):
+        assert fault[key].shape == (2, 2) and torch.isfinite(fault[key]).all() and (fault[key] > 0).all()
+    assert (fault["bias_ratio"] <= fault["error_ratio"] * (1 + 1e-5)).all()   # the mean is part of the error
+    assert measure_fault(gpt, idx, accum="fp32")["error_ratio"].abs().max() == 0
+
+    for site in ("attn-out", "residual"):
+        inj = ErrorInjector.matched(gpt, idx, site=site, fault=fault)
+        seen = {}
+
+        def recorder(x, s, layer):
+            y = inj(x, s, layer)
+            if s == site:
+                seen[layer] = (x.detach(), (y - x).detach())
+            return y
+
+        gpt.injector = recorder
+        inj.begin_step(0)
+        with torch.no_grad():
+            gpt(idx)
+        for layer, (x, err) in seen.items():
+            ratio = head_rms(err, 2) / head_rms(x, 2)
+            torch.testing.assert_close(ratio, fault["bias_ratio"][layer], rtol=0.03, atol=0)
+            # and it points along the measured bias, with its sign
+            cos = torch.nn.functional.cosine_similarity(err[0, 0].view(2, -1), fault["bias_dir"][layer], dim=1)
+            assert (cos > 0.999).all()
+    gpt.injector = None
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Flag checks.
+
+@pytest.mark.parametrize("flags, names", [
+    (dict(site="mlp"), "--inject-site"),
+    (dict(site="attn-out", scale=0.0), "--inject-scale"),
+    (dict(site="attn-out", scale=-1.0), "--inject-scale"),
+    (dict(site="attn-out", scale=None), "--inject-scale"),
+    (dict(site="attn-out", scale="big"), "--inject-scale"),
+    (dict(scale=0.1), "--inject-scale"),
+    (dict(coherence=0.9), "--inject-coherence"),
+    (dict(site="residual", scale=0.1, coherence=1.5), "--inject-coherence"),
+    (dict(site="residual", scale=0.1, coherence=-0.1), "--inject-coherence"),
+    (dict(probe="topk"), "--probe"),
+    (dict(probe="qk-topk", probe_k=0), "--probe-k"),
+    (dict(qk_fix="qknorm"), "--qk-fix"),
+    (dict(accum="fp16"), "--accum"),
+])
+def test_check_assay_flags_rejects_nonsense(flags, names):
+    args = dict(site="none", scale=None, coherence=None, probe="off", probe_k=3, qk_fix="off", accum="fp32")
+    with pytest.raises(ValueError, match=names):
+        check_assay_flags(**{**args, **flags})
+
+
+@pytest.mark.parametrize("flags", [
+    dict(),
+    dict(site="grad-wv", scale=0.1, coherence=0.5),
+    dict(site="attn-out", scale="matched", qk_fix="qknorm"),
+    dict(accum="bf16", qk_fix="qknorm", probe="equal-energy", probe_k=1),
+])
+def test_check_assay_flags_accepts_sense(flags):
+    args = dict(site="none", scale=None, coherence=None, probe="off", probe_k=3, qk_fix="off", accum="fp32")
+    check_assay_flags(**{**args, **flags})
