@@ -1,0 +1,613 @@
+"""Causal flash attention with a switchable streaming-softmax state: the fault and its repairs.
+
+accum="fp32"          the repair: running max m, running sum l and output accumulator acc kept in fp32.
+accum="bf16"          the fault (after Qiu & Yao, arXiv 2510.04212): S, m, l and acc rounded to bf16.
+accum="bf16-safemax"  the prior work's fix at the source: as "bf16", but a repeated row max is shifted away.
+
+Two implementations of the same algorithm with the same rounding points:
+  - Triton kernels (CUDA, or CPU tensors under TRITON_INTERPRET=1, set before this module is imported);
+  - a PyTorch twin that loops over key blocks in Python (CPU training, and to cross-check the kernels).
+Both sit behind torch.library custom ops, so a model calling attention() compiles with fullgraph=True.
+"sdpa" (PyTorch's fused kernels) and "reference" (float64, materialized) are there to compare against.
+
+    python attention_kernel.py --bench   # CUDA only: speed table against SDPA's backends
+    python attention_kernel.py --check   # errors against the float64 reference on this device
+"""
+import math
+import os
+import sys
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+ACCUM_MODES = ("fp32", "bf16", "bf16-safemax")
+IMPLS = ("auto", "triton", "torch", "sdpa", "reference")
+TRITON_HEAD_DIMS = (16, 32, 64, 128)
+DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+POISON_OUTPUTS = False  # tests set this: every output buffer starts as NaN, so an unwritten element shows
+# triton.jit picks the interpreter when the decorator runs, so this is read once, at import.
+_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def _new(shape, dtype, device):
+    """The one allocator for every buffer the kernels write (o, lse, row_max, delta, dq, dk, dv)."""
+    if POISON_OUTPUTS:
+        return torch.full(shape, float("nan"), dtype=dtype, device=device)
+    return torch.empty(shape, dtype=dtype, device=device)
+
+
+def _written(x):  # the PyTorch twin's whole-tensor results go through the same allocator
+    return _new(x.shape, x.dtype, x.device).copy_(x)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Triton kernels. Layout: contiguous (batch*heads, T, D); one program per (query or key block, batch*head).
+
+@triton.jit
+def _round_bf16(x):
+    # r(x): fp32 -> nearest-even bf16 -> fp32, with integer ops. The interpreter's float cast truncates instead
+    # of rounding, so x.to(tl.bfloat16) would disagree between CPU and GPU. Exact for +-inf; NaN is not expected.
+    bits = x.to(tl.int32, bitcast=True)
+    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _rn(x, IS_BF16: tl.constexpr):
+    # Call before casting fp32 to the input dtype: makes a later .to(tl.bfloat16) exact (round-to-nearest-even).
+    if IS_BF16:
+        x = _round_bf16(x)
+    return x
+
+
+@triton.jit
+def _dot(a, b, acc, DOT_FP32: tl.constexpr, IEEE: tl.constexpr):
+    # acc + a @ b with fp32 accumulation. DOT_FP32: the interpreter's tl.dot is wrong on bf16/fp16 operands
+    # (triton issue 11584); a product of two bf16/fp16 numbers is exact in fp32, so upcasting loses nothing.
+    # IEEE: fp32 operands must not go through TF32 on the GPU (it would break a 1e-4 tolerance).
+    if DOT_FP32:
+        a = a.to(tl.float32)
+        b = b.to(tl.float32)
+    if IEEE:
+        acc = tl.dot(a, b, acc, input_precision="ieee")
+    else:
+        acc = tl.dot(a, b, acc)
+    return acc
+
+
+@triton.jit
+def _tanh(x):
+    # No portable tl.tanh; this form saturates cleanly to +-1 (exp overflow gives 1, underflow gives -1).
+    return 1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0)
+
+
+@triton.jit
+def _logits(qk, scale, softcap, BF16_STATE: tl.constexpr, SOFTCAP: tl.constexpr):
+    # s = q.k * scale, rounded to bf16 in the bf16 modes (the prior work's S comes out of a bf16 matmul);
+    # softcap: s = c * tanh(s / c), rounded again. Returns (s, t) with t = tanh(.) for the backward.
+    s = qk * scale
+    if BF16_STATE:
+        s = _round_bf16(s)
+    t = s
+    if SOFTCAP:
+        t = _tanh(s / softcap)
+        s = softcap * t
+        if BF16_STATE:
+            s = _round_bf16(s)
+    return s, t
+
+
+@triton.jit
+def _attn_fwd(Q, K, V, O, LSE, ROWMAX, scale, softcap, beta, T,
+              HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+              BF16_STATE: tl.constexpr, SAFEMAX: tl.constexpr, SOFTCAP: tl.constexpr,
+              IS_BF16: tl.constexpr, DOT_FP32: tl.constexpr, IEEE: tl.constexpr):
+    pid_m = tl.program_id(0)
+    bh = tl.program_id(1).to(tl.int64)  # int64: B*H*T*D can pass 2**31
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM)
+    Q += bh * T * HEAD_DIM
+    K += bh * T * HEAD_DIM
+    V += bh * T * HEAD_DIM
+    q = tl.load(Q + offs_m[:, None] * HEAD_DIM + offs_d[None, :], mask=offs_m[:, None] < T, other=0.0)
+
+    # Streaming state per query row. Rows past T are computed on zeros and never stored.
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)      # running shift (the max, or the safemax shift)
+    l_i = tl.zeros([BLOCK_M], tl.float32)                    # running sum of exp(s - m)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)          # running sum of exp(s - m) * v
+    top = tl.full([BLOCK_M], float("-inf"), tl.float32)      # true max logit, for max_logit (never the shift)
+
+    # Causal: this query block needs keys [0, end of the block). Key block 0 holds key 0, which every row sees,
+    # so m_i is finite after the first iteration; a later block a row cannot see at all is an exact no-op.
+    hi = tl.minimum((pid_m + 1) * BLOCK_M, T)
+    for start_n in range(0, hi, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        kT = tl.load(K + offs_n[None, :] * HEAD_DIM + offs_d[:, None], mask=offs_n[None, :] < T, other=0.0)
+        v = tl.load(V + offs_n[:, None] * HEAD_DIM + offs_d[None, :], mask=offs_n[:, None] < T, other=0.0)
+        s, t = _logits(_dot(q, kT, tl.zeros([BLOCK_M, BLOCK_N], tl.float32), DOT_FP32, IEEE),
+                       scale, softcap, BF16_STATE, SOFTCAP)
+        # Causal mask; for a valid row it also hides keys past T (key <= row < T).
+        s = tl.where(offs_n[None, :] <= offs_m[:, None], s, float("-inf"))
+
+        rm = tl.max(s, 1)
+        top = tl.maximum(top, rm)
+        shift = rm
+        if SAFEMAX:
+            # A row max that repeats in this block (count > 1) makes p = exp(s - m) hold exact 1s, whose bf16
+            # P@V sums round with a bias. Shift by beta*rm (rm > 0) or 0 (rm <= 0) so every p < 1 (p = 1 only
+            # survives for a tie at exactly 0). Exact in real arithmetic (softmax is shift-invariant), but a
+            # large shift underflows: exp(-(beta-1)*rm) < 1e-38 once rm > ~87/(beta-1), and l can reach 0.
+            count = tl.sum((s == rm[:, None]).to(tl.int32), 1)
+            tied = (count > 1) & (rm > float("-inf"))  # rm = -inf: the row sees no key here, keep the no-op
+            shift = tl.where(tied, tl.where(rm > 0, beta * rm, 0.0), rm)
+        m_new = tl.maximum(m_i, shift)
+
+        if BF16_STATE:
+            # The fault. r() = round to bf16 and back. s = r(q.k * scale) [softcap, r() again] (_logits);
+            #   m_new = r(max(m, shift));  alpha = exp(r(m - m_new));  p = exp(r(s - m_new))
+            #   (exp in fp32 of a bf16 argument: a tie at the row max gives p = exactly 1)
+            #   l = r(l*alpha + rowsum(p));  acc = r(acc*alpha + r(p) @ v)
+            m_new = _round_bf16(m_new)
+            alpha = tl.exp(_round_bf16(m_i - m_new))
+            p = tl.exp(_round_bf16(s - m_new[:, None]))
+            l_i = _round_bf16(l_i * alpha + tl.sum(p, 1))
+            p = _round_bf16(p)
+            acc = _round_bf16(_dot(_rn(p, IS_BF16).to(V.dtype.element_ty), v, acc * alpha[:, None],
+                                   DOT_FP32, IEEE))
+        else:
+            # The repair: s, m, l, acc in fp32; only P is cast to v's dtype for the P@V matmul (fp32 accumulate).
+            # At the end o = acc / l, cast once to the input dtype; lse = m + log(l) in fp32.
+            alpha = tl.exp(m_i - m_new)
+            p = tl.exp(s - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            acc = _dot(_rn(p, IS_BF16).to(V.dtype.element_ty), v, acc * alpha[:, None], DOT_FP32, IEEE)
+        m_i = m_new
+
+    o = acc / l_i[:, None]
+    if BF16_STATE:
+        o = _round_bf16(o)           # the bf16 O that the backward's delta = rowsum(dO * O) then sees
+    lse = m_i + tl.log(l_i)          # from the (bf16) m and l; the backward recomputes p = exp(s - lse)
+    row_ok = offs_m < T
+    O += bh * T * HEAD_DIM
+    tl.store(O + offs_m[:, None] * HEAD_DIM + offs_d[None, :], _rn(o, IS_BF16).to(O.dtype.element_ty),
+             mask=row_ok[:, None])
+    tl.store(LSE + bh * T + offs_m, lse, mask=row_ok)
+    tl.store(ROWMAX + bh * T + offs_m, top, mask=row_ok)
+
+
+@triton.jit
+def _attn_bwd_delta(O, DO, DELTA, T, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr):
+    # delta = rowsum(dO * O) with the STORED O: in bf16 mode the biased O enters the gradient, as in the prior work.
+    pid_m = tl.program_id(0)
+    bh = tl.program_id(1).to(tl.int64)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM)
+    ptrs = bh * T * HEAD_DIM + offs_m[:, None] * HEAD_DIM + offs_d[None, :]
+    o = tl.load(O + ptrs, mask=offs_m[:, None] < T, other=0.0).to(tl.float32)
+    do = tl.load(DO + ptrs, mask=offs_m[:, None] < T, other=0.0).to(tl.float32)
+    tl.store(DELTA + bh * T + offs_m, tl.sum(o * do, 1), mask=offs_m < T)
+
+
+# The backward (all modes, fp32 math): recompute s with the forward's rounding, p = exp(s - lse),
+#   dv = p^T @ dO;  dp = dO @ v^T;  ds = p * (dp - delta)  [softcap: ds *= 1 - tanh^2];
+#   dq = ds @ k * scale;  dk = ds^T @ q * scale.  p and ds are cast to the input dtype for the matmuls.
+
+@triton.jit
+def _attn_bwd_dkdv(Q, K, V, DO, LSE, DELTA, DK, DV, scale, softcap, T,
+                   HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                   BF16_STATE: tl.constexpr, SOFTCAP: tl.constexpr,
+                   IS_BF16: tl.constexpr, DOT_FP32: tl.constexpr, IEEE: tl.constexpr):
+    # One key block per program; loop over the query blocks that can see it. Works in transposed form (keys x
+    # queries) so that dk and dv accumulate in registers.
+    pid_n = tl.program_id(0)
+    bh = tl.program_id(1).to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM)
+    Q += bh * T * HEAD_DIM
+    K += bh * T * HEAD_DIM
+    V += bh * T * HEAD_DIM
+    DO += bh * T * HEAD_DIM
+    LSE += bh * T
+    DELTA += bh * T
+    kv_ptrs = offs_n[:, None] * HEAD_DIM + offs_d[None, :]
+    k = tl.load(K + kv_ptrs, mask=offs_n[:, None] < T, other=0.0)
+    v = tl.load(V + kv_ptrs, mask=offs_n[:, None] < T, other=0.0)
+    dk = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
+    dv = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
+
+    lo = (pid_n * BLOCK_N) // BLOCK_M * BLOCK_M  # earlier queries cannot see these keys
+    for start_m in range(lo, T, BLOCK_M):
+        offs_m = start_m + tl.arange(0, BLOCK_M)
+        qT = tl.load(Q + offs_m[None, :] * HEAD_DIM + offs_d[:, None], mask=offs_m[None, :] < T, other=0.0)
+        do = tl.load(DO + offs_m[:, None] * HEAD_DIM + offs_d[None, :], mask=offs_m[:, None] < T, other=0.0)
+        lse = tl.load(LSE + offs_m, mask=offs_m < T, other=0.0)
+        delta = tl.load(DELTA + offs_m, mask=offs_m < T, other=0.0)
+        sT, tT = _logits(_dot(k, qT, tl.zeros([BLOCK_N, BLOCK_M], tl.float32), DOT_FP32, IEEE),
+                         scale, softcap, BF16_STATE, SOFTCAP)
+        keep = (offs_n[:, None] <= offs_m[None, :]) & (offs_m[None, :] < T)
+        pT = tl.exp(tl.where(keep, sT, float("-inf")) - lse[None, :])
+        dv = _dot(_rn(pT, IS_BF16).to(DO.dtype.element_ty), do, dv, DOT_FP32, IEEE)
+        dpT = _dot(v, tl.trans(do), tl.zeros([BLOCK_N, BLOCK_M], tl.float32), DOT_FP32, IEEE)
+        dsT = pT * (dpT - delta[None, :])
+        if SOFTCAP:
+            dsT = dsT * (1.0 - tT * tT)
+        dk = _dot(_rn(dsT, IS_BF16).to(Q.dtype.element_ty), tl.trans(qT), dk, DOT_FP32, IEEE)
+
+    dk = dk * scale
+    out = bh * T * HEAD_DIM + kv_ptrs
+    tl.store(DK + out, _rn(dk, IS_BF16).to(DK.dtype.element_ty), mask=offs_n[:, None] < T)
+    tl.store(DV + out, _rn(dv, IS_BF16).to(DV.dtype.element_ty), mask=offs_n[:, None] < T)
+
+
+@triton.jit
+def _attn_bwd_dq(Q, K, V, DO, LSE, DELTA, DQ, scale, softcap, T,
+                 HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                 BF16_STATE: tl.constexpr, SOFTCAP: tl.constexpr,
+                 IS_BF16: tl.constexpr, DOT_FP32: tl.constexpr, IEEE: tl.constexpr):
+    # One query block per program; loop over the key blocks it can see.
+    pid_m = tl.program_id(0)
+    bh = tl.program_id(1).to(tl.int64)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM)
+    Q += bh * T * HEAD_DIM
+    K += bh * T * HEAD_DIM
+    V += bh * T * HEAD_DIM
+    DO += bh * T * HEAD_DIM
+    q_ptrs = offs_m[:, None] * HEAD_DIM + offs_d[None, :]
+    q = tl.load(Q + q_ptrs, mask=offs_m[:, None] < T, other=0.0)
+    do = tl.load(DO + q_ptrs, mask=offs_m[:, None] < T, other=0.0)
+    lse = tl.load(LSE + bh * T + offs_m, mask=offs_m < T, other=0.0)
+    delta = tl.load(DELTA + bh * T + offs_m, mask=offs_m < T, other=0.0)
+    dq = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+
+    hi = tl.minimum((pid_m + 1) * BLOCK_M, T)
+    for start_n in range(0, hi, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        kT = tl.load(K + offs_n[None, :] * HEAD_DIM + offs_d[:, None], mask=offs_n[None, :] < T, other=0.0)
+        vT = tl.load(V + offs_n[None, :] * HEAD_DIM + offs_d[:, None], mask=offs_n[None, :] < T, other=0.0)
+        s, t = _logits(_dot(q, kT, tl.zeros([BLOCK_M, BLOCK_N], tl.float32), DOT_FP32, IEEE),
+                       scale, softcap, BF16_STATE, SOFTCAP)
+        p = tl.exp(tl.where(offs_n[None, :] <= offs_m[:, None], s, float("-inf")) - lse[:, None])
+        dp = _dot(do, vT, tl.zeros([BLOCK_M, BLOCK_N], tl.float32), DOT_FP32, IEEE)
+        ds = p * (dp - delta[:, None])
+        if SOFTCAP:
+            ds = ds * (1.0 - t * t)
+        dq = _dot(_rn(ds, IS_BF16).to(K.dtype.element_ty), tl.trans(kT), dq, DOT_FP32, IEEE)
+
+    dq = dq * scale
+    tl.store(DQ + bh * T * HEAD_DIM + q_ptrs, _rn(dq, IS_BF16).to(DQ.dtype.element_ty), mask=offs_m[:, None] < T)
+
+
+def _fwd_config(D, dtype, block_n):
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages) for an H100/H200; a later autotune can replace this."""
+    es = torch.empty((), dtype=dtype).element_size()
+    block_m = 64 if es == 4 else 128         # fp32 tiles take twice the registers and shared memory
+    block_n = block_n or (32 if es == 4 else 64)
+    # Pipeline stages: each holds one K and one V tile; stay well inside ~227 KB of shared memory.
+    stages = max(1, min(3, (160 * 1024 - block_m * D * es) // (2 * block_n * D * es)))
+    return block_m, block_n, (8 if D >= 128 or es == 4 else 4), stages
+
+
+def _bwd_config(D, dtype):
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages), shared by the dk/dv and dq kernels."""
+    if dtype == torch.float32:
+        return 32, 32, 4, 1
+    return 64, 64, (8 if D >= 128 else 4), 2
+
+
+def _mode_flags(accum, q):
+    return dict(BF16_STATE=accum != "fp32", IS_BF16=q.dtype == torch.bfloat16, DOT_FP32=_INTERPRET,
+                IEEE=q.dtype == torch.float32 or _INTERPRET)
+
+
+def _fwd_triton(q, k, v, scale, softcap, accum, beta, block_n):
+    B, H, T, D = q.shape
+    o = _new(q.shape, q.dtype, q.device)
+    lse = _new((B, H, T), torch.float32, q.device)
+    row_max = _new((B, H, T), torch.float32, q.device)
+    BLOCK_M, BLOCK_N, warps, stages = _fwd_config(D, q.dtype, block_n)
+    grid = (triton.cdiv(T, BLOCK_M), B * H)
+    _attn_fwd[grid](q, k, v, o, lse, row_max, scale, softcap, beta, T,
+                    HEAD_DIM=D, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, SAFEMAX=accum == "bf16-safemax",
+                    SOFTCAP=softcap > 0, **_mode_flags(accum, q), num_warps=warps, num_stages=stages)
+    return o, lse, row_max
+
+
+def _bwd_triton(do, q, k, v, o, lse, scale, softcap, accum):
+    B, H, T, D = q.shape
+    delta = _new((B, H, T), torch.float32, q.device)
+    _attn_bwd_delta[(triton.cdiv(T, 64), B * H)](o, do, delta, T, HEAD_DIM=D, BLOCK_M=64)
+    dq, dk, dv = (_new(q.shape, q.dtype, q.device) for _ in range(3))
+    BLOCK_M, BLOCK_N, warps, stages = _bwd_config(D, q.dtype)
+    flags = dict(HEAD_DIM=D, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, SOFTCAP=softcap > 0, **_mode_flags(accum, q),
+                 num_warps=warps, num_stages=stages)
+    _attn_bwd_dkdv[(triton.cdiv(T, BLOCK_N), B * H)](q, k, v, do, lse, delta, dk, dv, scale, softcap, T, **flags)
+    _attn_bwd_dq[(triton.cdiv(T, BLOCK_M), B * H)](q, k, v, do, lse, delta, dq, scale, softcap, T, **flags)
+    return dq, dk, dv
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The PyTorch twin: the same algorithm and rounding points, vectorized over all queries, looping over key blocks.
+# Matmuls run in fp32 on upcast operands (exact products, like the tensor cores' fp32 accumulation).
+
+def _r(x):
+    return x.to(torch.bfloat16).float()
+
+
+def _as(x, dtype):  # round fp32 to the input dtype and back (the matmul operand the kernel feeds)
+    return x.to(dtype).float()
+
+
+def _logits_torch(qk, scale, softcap, bf16):
+    s = qk * scale
+    if bf16:
+        s = _r(s)
+    t = None
+    if softcap > 0:
+        t = 1.0 - 2.0 / (torch.exp(2.0 * (s / softcap)) + 1.0)  # tanh, same formula as the kernel
+        s = softcap * t
+        if bf16:
+            s = _r(s)
+    return s, t
+
+
+def _fwd_torch(q, k, v, scale, softcap, accum, beta, block_n):
+    B, H, T, D = q.shape
+    bf16 = accum != "fp32"
+    r = _r if bf16 else (lambda x: x)
+    qf, kf, vf = q.float(), k.float(), v.float()
+    m = torch.full((B, H, T), float("-inf"), device=q.device)
+    l = torch.zeros((B, H, T), device=q.device)
+    acc = torch.zeros((B, H, T, D), device=q.device)
+    top = torch.full((B, H, T), float("-inf"), device=q.device)
+    pos = torch.arange(T, device=q.device)
+    for j in range(0, T, block_n):
+        keys, rows = slice(j, min(j + block_n, T)), slice(j, T)  # rows < j see none of these keys: a no-op
+        s, _ = _logits_torch(qf[:, :, rows] @ kf[:, :, keys].mT, scale, softcap, bf16)
+        s = s.masked_fill(pos[keys][None, :] > pos[rows][:, None], float("-inf"))
+        rm = s.amax(-1)
+        top[..., rows] = torch.maximum(top[..., rows], rm)
+        shift = rm
+        if accum == "bf16-safemax":  # see the kernel for the rule and its underflow caveat
+            tied = ((s == rm[..., None]).sum(-1) > 1) & (rm > float("-inf"))
+            shift = torch.where(tied, torch.where(rm > 0, beta * rm, 0.0), rm)
+        m_old = m[..., rows]
+        m_new = r(torch.maximum(m_old, shift))
+        alpha = torch.exp(r(m_old - m_new))
+        p = torch.exp(r(s - m_new[..., None]))
+        l[..., rows] = r(l[..., rows] * alpha + p.sum(-1))
+        acc[..., rows, :] = r(acc[..., rows, :] * alpha[..., None] + _as(r(p), v.dtype) @ vf[:, :, keys])
+        m[..., rows] = m_new
+    return _written(r(acc / l[..., None]).to(q.dtype)), _written(m + torch.log(l)), _written(top)
+
+
+def _bwd_torch(do, q, k, v, o, lse, scale, softcap, accum, block_n):
+    T, dt = q.shape[2], q.dtype
+    qf, kf, vf, dof = q.float(), k.float(), v.float(), do.float()
+    delta = _written((dof * o.float()).sum(-1))  # the stored (in bf16 mode: biased) O
+    dq = torch.zeros(qf.shape, device=q.device)
+    dk, dv = _new(q.shape, dt, q.device), _new(q.shape, dt, q.device)
+    pos = torch.arange(T, device=q.device)
+    for j in range(0, T, block_n):
+        keys, rows = slice(j, min(j + block_n, T)), slice(j, T)
+        s, t = _logits_torch(qf[:, :, rows] @ kf[:, :, keys].mT, scale, softcap, accum != "fp32")
+        s = s.masked_fill(pos[keys][None, :] > pos[rows][:, None], float("-inf"))
+        p = torch.exp(s - lse[..., rows, None])
+        dv[:, :, keys] = (_as(p, dt).mT @ dof[:, :, rows]).to(dt)
+        ds = p * (dof[:, :, rows] @ vf[:, :, keys].mT - delta[..., rows, None])
+        if softcap > 0:
+            ds = ds * (1.0 - t * t)
+        ds = _as(ds, dt)
+        dk[:, :, keys] = (ds.mT @ qf[:, :, rows] * scale).to(dt)
+        dq[:, :, rows] += ds @ kf[:, :, keys]
+    return _written((dq * scale).to(dt)), dk, dv
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Custom ops: opaque to torch.compile (no graph break), with a fake for shapes and a registered backward.
+
+@torch.library.custom_op("qkguard::attn_fwd", mutates_args=())
+def _attn_fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, softcap: float, accum: str,
+                 beta: float, impl: str, block_n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    if impl == "triton":
+        return _fwd_triton(q, k, v, scale, softcap, accum, beta, block_n or None)
+    return _fwd_torch(q, k, v, scale, softcap, accum, beta, block_n or 128)
+
+
+@_attn_fwd_op.register_fake
+def _(q, k, v, scale, softcap, accum, beta, impl, block_n):
+    rows = q.shape[:3]
+    return q.new_empty(q.shape), q.new_empty(rows, dtype=torch.float32), q.new_empty(rows, dtype=torch.float32)
+
+
+@torch.library.custom_op("qkguard::attn_bwd", mutates_args=())
+def _attn_bwd_op(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
+                 lse: torch.Tensor, scale: float, softcap: float, accum: str, impl: str,
+                 block_n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    do, q, k, v, o = (x.contiguous() for x in (do, q, k, v, o))
+    if impl == "triton":
+        return _bwd_triton(do, q, k, v, o, lse, scale, softcap, accum)
+    return _bwd_torch(do, q, k, v, o, lse, scale, softcap, accum, block_n or 128)
+
+
+@_attn_bwd_op.register_fake
+def _(do, q, k, v, o, lse, scale, softcap, accum, impl, block_n):
+    return q.new_empty(q.shape), q.new_empty(q.shape), q.new_empty(q.shape)
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, scale, softcap, accum, beta, impl, block_n = inputs
+    o, lse, row_max = output
+    ctx.save_for_backward(q, k, v, o, lse)
+    ctx.args = (scale, softcap, accum, impl, block_n)
+    ctx.mark_non_differentiable(lse, row_max)
+
+
+def _backward(ctx, do, _dlse, _drow_max):
+    q, k, v, o, lse = ctx.saved_tensors
+    dq, dk, dv = torch.ops.qkguard.attn_bwd(do, q, k, v, o, lse, *ctx.args)
+    return dq, dk, dv, None, None, None, None, None, None
+
+
+_attn_fwd_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Comparison implementations and the public entry point.
+
+def _attn_reference(q, k, v, scale, softcap):
+    """float64, materialized causal softmax, with autograd. Returns (o float64, max_logit float32)."""
+    T = q.shape[2]
+    s = q.double() @ k.double().mT * scale
+    if softcap > 0:
+        s = softcap * torch.tanh(s / softcap)
+    s = s.masked_fill(~torch.ones(T, T, dtype=torch.bool, device=q.device).tril(), float("-inf"))
+    return torch.softmax(s, dim=-1) @ v.double(), s.detach().amax(dim=(-2, -1)).float()
+
+
+@torch.no_grad()
+def _max_logit_chunked(q, k, scale, chunk=256):
+    T = q.shape[2]
+    best = torch.full(q.shape[:2], float("-inf"), device=q.device)
+    for i in range(0, T, chunk):
+        j = min(i + chunk, T)
+        s = q[:, :, i:j].float() @ k[:, :, :j].float().mT * scale
+        causal = torch.arange(j, device=q.device)[None, :] <= torch.arange(i, j, device=q.device)[:, None]
+        best = torch.maximum(best, s.masked_fill(~causal, float("-inf")).amax(dim=(-2, -1)))
+    return best
+
+
+def _rms_norm(x, eps=1e-6):
+    """Parameter-free RMS norm over head_dim in fp32, cast back: |q.k| <= head_dim afterwards."""
+    xf = x.float()
+    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def _validate(q, k, v, accum, impl, softcap, safemax_beta, block_n):
+    if accum not in ACCUM_MODES:
+        raise ValueError(f"unknown accum={accum!r}; use one of {ACCUM_MODES}")
+    if impl not in IMPLS:
+        raise ValueError(f"unknown impl={impl!r}; use one of {IMPLS}")
+    if q.dim() != 4 or q.shape != k.shape or q.shape != v.shape:
+        raise ValueError(f"q, k, v must be 4-D (batch, heads, time, head_dim) of one shape; got "
+                         f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+    if q.shape[2] < 1:
+        raise ValueError("time dimension is empty")
+    if q.dtype not in DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
+        raise ValueError(f"q, k, v must share one dtype among {DTYPES}; got {q.dtype}, {k.dtype}, {v.dtype}")
+    if softcap < 0:
+        raise ValueError(f"softcap must be >= 0 (0 = off); got {softcap}")
+    if accum == "bf16-safemax" and not safemax_beta > 1:
+        raise ValueError(f"safemax_beta must be > 1 (the prior work uses 2..8); got {safemax_beta}")
+    if impl == "auto":
+        impl = "triton" if q.is_cuda else "torch"
+    if impl == "triton":
+        if q.shape[3] not in TRITON_HEAD_DIMS:
+            raise ValueError(f"impl='triton' needs head_dim in {TRITON_HEAD_DIMS}; got {q.shape[3]}. "
+                             f"Use impl='torch' for other sizes.")
+        if not q.is_cuda and not _INTERPRET:
+            raise ValueError("impl='triton' on CPU tensors needs TRITON_INTERPRET=1 in the environment before "
+                             "attention_kernel is imported; or use impl='torch'")
+        if block_n is not None and (block_n < 16 or block_n > 128 or block_n & (block_n - 1)):
+            raise ValueError(f"impl='triton' needs block_n a power of two in [16, 128]; got {block_n}")
+    if block_n is not None and block_n < 1:
+        raise ValueError(f"block_n must be a positive integer; got {block_n}")
+    if impl == "sdpa" and (accum != "fp32" or softcap > 0):
+        raise ValueError("impl='sdpa' supports only accum='fp32' and softcap=0; use impl='triton' or 'torch'")
+    return impl
+
+
+def attention(q, k, v, accum="fp32", qk_norm=False, return_max_logit=False, *,
+              scale=None, softcap=0.0, safemax_beta=2.0, impl="auto", block_n=None):
+    """Causal multi-head attention. q, k, v: (batch, heads, time, head_dim), same dtype (bf16, fp16 or fp32).
+    Returns o (same shape and dtype as q), or (o, max_logit) with max_logit (batch, heads) float32 when asked.
+
+    accum: streaming-softmax state precision, one of ACCUM_MODES. qk_norm: parameter-free RMS norm of q and k
+    (scale unchanged, so |logit| <= scale * head_dim). softcap > 0: logits <- softcap * tanh(logits / softcap).
+    max_logit: max over the unmasked logits entering the softmax (after scale, qk_norm, softcap); no gradient.
+    impl: one of IMPLS ("reference" returns float64). block_n: key block size of the streaming loop.
+    """
+    impl = _validate(q, k, v, accum, impl, softcap, safemax_beta, block_n)
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    if qk_norm:
+        q, k = _rms_norm(q), _rms_norm(k)
+    if impl == "reference":
+        o, max_logit = _attn_reference(q, k, v, scale, softcap)
+    elif impl == "sdpa":
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+        max_logit = _max_logit_chunked(q, k, scale) if return_max_logit else None
+    else:
+        o, _, row_max = torch.ops.qkguard.attn_fwd(q, k, v, scale, float(softcap), accum, float(safemax_beta),
+                                                   impl, int(block_n or 0))
+        max_logit = row_max.detach().amax(dim=-1)
+    return (o, max_logit) if return_max_logit else o
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Command line: --check (errors against float64 on this device) and --bench (CUDA speed table).
+
+def check():
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    impls = (["triton"] if dev == "cuda" or _INTERPRET else []) + ["torch"]
+    shapes = ([(4, 12, 1024, 64), (2, 16, 2048, 128), (2, 4, 1000, 64)] if dev == "cuda"
+              else [(1, 2, 256, 64), (1, 2, 130, 32)])
+    print(f"relative error vs float64 reference on {dev} (norm of difference / norm of reference)")
+    print(f"{'B,H,T,D':>16} {'dtype':>9} {'impl':>7} {'accum':>13} {'o':>9} {'dq':>9} {'dk':>9} {'dv':>9}")
+    for B, H, T, D in shapes:
+        for dtype in (torch.bfloat16, torch.float32):
+            q, k, v = (torch.randn(B, H, T, D, device=dev, dtype=dtype, requires_grad=True) for _ in range(3))
+            do = torch.randn(B, H, T, D, device=dev, dtype=dtype)
+            ref = attention(q, k, v, impl="reference")
+            ref_grads = torch.autograd.grad(ref, (q, k, v), do.double())
+            for impl in impls:
+                for accum in ACCUM_MODES:
+                    o = attention(q, k, v, accum=accum, impl=impl)
+                    grads = torch.autograd.grad(o, (q, k, v), do)
+                    errs = [((a.double() - b).norm() / b.norm()).item() for a, b in zip((o, *grads), (ref, *ref_grads))]
+                    print(f"{str((B, H, T, D)):>16} {str(dtype)[6:]:>9} {impl:>7} {accum:>13} "
+                          + " ".join(f"{e:9.2e}" for e in errs))
+
+
+def bench():
+    if not torch.cuda.is_available():
+        print("--bench needs a CUDA GPU (the Triton kernels are timed on the device); none found.")
+        sys.exit(1)
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from triton.testing import do_bench
+    sdpa = {"sdpa-flash": SDPBackend.FLASH_ATTENTION, "sdpa-cudnn": SDPBackend.CUDNN_ATTENTION,
+            "sdpa-memeff": SDPBackend.EFFICIENT_ATTENTION}
+    print(f"{'B,H,T,D':>18} {'kernel':>20} {'fwd ms':>8} {'TFLOP/s':>8} {'fwd+bwd ms':>11} {'TFLOP/s':>8}")
+    notes = []
+    for B, H, T, D in [(16, 12, 1024, 64), (4, 32, 4096, 64), (4, 16, 4096, 128)]:
+        q, k, v = (torch.randn(B, H, T, D, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+        do = torch.randn_like(q)
+        flops = 4 * B * H * T * T * D / 2
+        runs = {f"triton-{a}": (lambda a=a: attention(q, k, v, accum=a, impl="triton")) for a in ACCUM_MODES}
+        for name, backend in sdpa.items():
+            def fn(backend=backend):
+                with sdpa_kernel(backend):
+                    return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            runs[name] = fn
+        for name, fn in runs.items():
+            try:
+                fn().backward(do)
+                t_f = do_bench(fn)
+                t_fb = do_bench(lambda: fn().backward(do), grad_to_none=[q, k, v])
+                cells = f"{t_f:8.3f} {flops / t_f * 1e-9:8.1f} {t_fb:11.3f} {3.5 * flops / t_fb * 1e-9:8.1f}"
+            except Exception as e:  # e.g. an SDPA backend not available for this shape, GPU or build
+                cells = f"{'n/a':>8} {'n/a':>8} {'n/a':>11} {'n/a':>8}"
+                notes.append(f"{name} {(B, H, T, D)}: {type(e).__name__}: {str(e).strip()[:160]}")
+            print(f"{str((B, H, T, D)):>18} {name:>20} {cells}")
+    print("\n".join(notes))
+
+
+if __name__ == "__main__":
+    if "--bench" in sys.argv:
+        bench()
+    elif "--check" in sys.argv:
+        check()
+    else:
+        print(__doc__)

@@ -1,0 +1,202 @@
+"""
+QK-Guard: watch the query-key channel, stay dormant, and at the first threshold crossing switch an action on.
+
+Three parts, one screen each:
+  SpectralMonitor   the largest singular value of W_q and W_k, per layer and per head, by power iteration
+                    carried across steps (a few matrix-vector products per step, never a full SVD).
+  QKGuard           the dormant controller: signal -> first crossing of a threshold -> an action latched on for
+                    the rest of the run (its state travels in the checkpoint, so it stays latched on resume).
+  CollapseDetector  a non-finite loss, or a loss stuck above its running minimum by a margin.
+
+The max attention logit itself costs nothing to watch: the attention kernel returns it as a by-product, and the
+model hands it back from forward() as an (n_layer, n_head) tensor.
+"""
+import math
+
+import torch
+
+SIGNALS = ("max-logit", "sigma-product")
+ACTIONS = ("qknorm", "qkclip", "lr-drop", "clip", "softcap", "fp32-accum")
+SCOPES = ("all", "crossed")
+
+
+class SpectralMonitor:
+    """sigma_max(W) ~= |W v| where v, the top right singular vector, is refined by one power step per call.
+
+    The weights move slowly between optimizer steps, so the vector carried over from the last step is already
+    close, and a single iteration keeps it converged (the test checks 1% of the exact value after warm-up).
+    """
+
+    def __init__(self, model, seed=0):
+        attn = model.attentions[0]
+        n_layer, n_head, n_embd = len(model.attentions), attn.n_head, attn.q_proj.weight.shape[1]
+        gen = torch.Generator().manual_seed(seed)
+        device = attn.q_proj.weight.device
+        # index 0 holds W_q's vectors, index 1 W_k's
+        self.v_full = torch.randn(n_layer, 2, n_embd, generator=gen).to(device)
+        self.v_head = torch.randn(n_layer, 2, n_head, n_embd, generator=gen).to(device)
+
+    @torch.no_grad()
+    def measure(self, model, iters=1):
+        """Returns sigma (n_layer, 2) and sigma_head (n_layer, 2, n_head); [:, 0] is W_q, [:, 1] is W_k."""
+        sigma = torch.empty(self.v_full.shape[:2], device=self.v_full.device)
+        sigma_head = torch.empty(self.v_head.shape[:3], device=self.v_head.device)
+        for layer, attn in enumerate(model.attentions):
+            for which, (w, w_heads) in enumerate(zip((attn.q_proj.weight, attn.k_proj.weight),
+                                                     attn.head_weights())):
+                w, w_heads = w.float(), w_heads.float()
+                v, vh = self.v_full[layer, which], self.v_head[layer, which]
+                for _ in range(iters):
+                    v = w.T @ (w @ v)
+                    v = v / v.norm().clamp_min(1e-30)
+                    vh = torch.einsum("hdc,hd->hc", w_heads, torch.einsum("hdc,hc->hd", w_heads, vh))
+                    vh = vh / vh.norm(dim=-1, keepdim=True).clamp_min(1e-30)
+                self.v_full[layer, which], self.v_head[layer, which] = v, vh
+                sigma[layer, which] = (w @ v).norm()
+                sigma_head[layer, which] = torch.einsum("hdc,hc->hd", w_heads, vh).norm(dim=-1)
+        return sigma, sigma_head
+
+    def state_dict(self):
+        return {"v_full": self.v_full.cpu(), "v_head": self.v_head.cpu()}
+
+    def load_state_dict(self, state):
+        self.v_full = state["v_full"].to(self.v_full.device)
+        self.v_head = state["v_head"].to(self.v_head.device)
+
+
+class QKGuard:
+    """Dormant until the signal first crosses the threshold; then the action stays on for the rest of the run.
+
+    signal  "max-logit":     the max attention logit of each (layer, head) in this step's forward.
+            "sigma-product": sigma(W_q,h) * sigma(W_k,h) per head, the bound on the logit's bilinear form.
+    scope   "all":     the action covers every layer from the trigger on (one switch, one recompile).
+            "crossed": only layers whose signal crossed; a layer that crosses later joins then.
+    """
+
+    def __init__(self, enabled=False, signal="max-logit", threshold=200.0, action="qknorm", scope="all",
+                 tau=100.0, lr_factor=0.1, clip_norm=0.1, softcap=50.0):
+        for name, value, valid in (("signal", signal, SIGNALS), ("action", action, ACTIONS),
+                                   ("scope", scope, SCOPES)):
+            if value not in valid:
+                raise ValueError(f"unknown guard {name} {value!r}: choose one of {', '.join(valid)}")
+        self.enabled, self.signal, self.threshold = enabled, signal, threshold
+        self.action, self.scope = action, scope
+        self.tau, self.lr_factor, self.clip_norm, self.softcap = tau, lr_factor, clip_norm, softcap
+        self.trigger = None      # {"step", "layer", "head", "value"} of the first crossing
+        self.layers = []         # layers the action covers, sorted
+
+    @property
+    def triggered(self):
+        return self.trigger is not None
+
+    def signal_values(self, max_logit, sigma_head):
+        """(n_layer, n_head) values of the watched signal."""
+        if self.signal == "max-logit":
+            return max_logit
+        return sigma_head[:, 0] * sigma_head[:, 1]
+
+    def observe(self, step, max_logit, sigma_head, model):
+        """Check the signal; on a (new) crossing switch the action on. Returns the trigger event or None."""
+        if not self.enabled or (self.triggered and self.scope == "all"):
+            return None
+        values = self.signal_values(max_logit, sigma_head).float()
+        crossed = values > self.threshold
+        if not crossed.any():           # one small device->host copy per monitored step
+            return None
+        crossed_layers = crossed.any(dim=1).nonzero().flatten().tolist()
+        n_layer = values.shape[0]
+        new_layers = list(range(n_layer)) if self.scope == "all" else crossed_layers
+        new_layers = [layer for layer in new_layers if layer not in self.layers]
+        if not new_layers:
+            return None
+        flat = int(values.argmax())
+        layer, head = divmod(flat, values.shape[1])
+        event = {"event": "guard_trigger" if not self.triggered else "guard_extend", "step": step,
+                 "layer": layer, "head": head, "value": float(values.max()), "signal": self.signal,
+                 "threshold": self.threshold, "action": self.action, "layers": new_layers}
+        if not self.triggered:
+            self.trigger = {k: event[k] for k in ("step", "layer", "head", "value")}
+        self.layers = sorted(self.layers + new_layers)
+        self.apply_to_model(model)
+        return event
+
+    def apply_to_model(self, model):
+        """Switch the attention-side actions on in the covered layers (also used after a resume)."""
+        for layer in self.layers:
+            attn = model.attentions[layer]
+            if self.action == "qknorm":
+                attn.qk_norm = True
+            elif self.action == "softcap":
+                attn.softcap = self.softcap
+            elif self.action == "fp32-accum":
+                attn.accum = "fp32"
+
+    def lr_scale(self):
+        return self.lr_factor if self.triggered and self.action == "lr-drop" else 1.0
+
+    def grad_clip(self, base_clip):
+        if self.triggered and self.action == "clip":
+            return min(base_clip, self.clip_norm) if base_clip > 0 else self.clip_norm
+        return base_clip
+
+    @torch.no_grad()
+    def after_optimizer_step(self, model, max_logit):
+        """QK-Clip (Kimi K2): scale W_q and W_k rows of every covered head whose max logit exceeds tau by
+        sqrt(tau / S_max) each, so that head's logits shrink by tau / S_max: the same inputs give max = tau."""
+        if not (self.triggered and self.action == "qkclip"):
+            return 0
+        clipped = 0
+        for layer in self.layers:
+            over = max_logit[layer] > self.tau
+            if not over.any():
+                continue
+            factor = torch.where(over, (self.tau / max_logit[layer].clamp_min(1e-30)).sqrt(), 1.0)
+            w_q, w_k = model.attentions[layer].head_weights()
+            w_q.mul_(factor.to(w_q.dtype)[:, None, None])
+            w_k.mul_(factor.to(w_k.dtype)[:, None, None])
+            clipped += int(over.sum())
+        return clipped
+
+    def state_dict(self):
+        return {"trigger": self.trigger, "layers": list(self.layers)}
+
+    def load_state_dict(self, state, model):
+        self.trigger, self.layers = state["trigger"], list(state["layers"])
+        self.apply_to_model(model)
+
+
+class CollapseDetector:
+    """Collapse = a non-finite loss, or the smoothed loss above its running minimum + margin for `patience`
+    logged steps in a row. Smoothing (an EMA of the logged losses) keeps the noise of small batches from
+    counting; a spike that recovers is not a collapse. The recorded step is the first of the bad streak."""
+
+    def __init__(self, margin=1.0, patience=5, smoothing=0.9):
+        self.margin, self.patience, self.smoothing = margin, patience, smoothing
+        self.ema, self.best = None, math.inf
+        self.streak_start, self.streak = None, 0
+        self.collapsed_at = None
+
+    def update(self, step, loss):
+        """Feed one logged loss; returns True the first time a collapse is detected."""
+        if self.collapsed_at is not None:
+            return False
+        if not math.isfinite(loss):
+            self.collapsed_at = step
+            return True
+        self.ema = loss if self.ema is None else self.smoothing * self.ema + (1 - self.smoothing) * loss
+        if self.ema > self.best + self.margin:
+            self.streak += 1
+            self.streak_start = step if self.streak == 1 else self.streak_start
+            if self.streak >= self.patience:
+                self.collapsed_at = self.streak_start
+                return True
+        else:
+            self.streak, self.streak_start = 0, None
+        self.best = min(self.best, self.ema)
+        return False
+
+    def state_dict(self):
+        return dict(vars(self))
+
+    def load_state_dict(self, state):
+        vars(self).update(state)

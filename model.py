@@ -1,0 +1,229 @@
+"""
+A GPT in one file, in two flavours chosen by config:
+  arch="gpt2":  LayerNorm, GELU MLP, learned positions, tied embeddings (GPT-2 / nanoGPT).
+  arch="llama": RMSNorm, rotary positions, SwiGLU MLP, tied embeddings (LLaMA style).
+
+Every attention layer goes through attention_kernel.attention(), whose state precision (`accum`) is the fault
+under study. W_q and W_k are separate nn.Linear layers, so the monitor and the guard can reach them per layer and,
+by slicing rows, per head: head h owns rows h*head_dim:(h+1)*head_dim of q_proj.weight and k_proj.weight.
+
+The guard switches attention behaviour per layer through three plain attributes of CausalSelfAttention
+(qk_norm, softcap, accum). They are Python values, not tensors: torch.compile specializes on them and recompiles
+once when the guard flips them, and the dormant path carries no extra work.
+"""
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from attention_kernel import attention
+
+
+@dataclass
+class GPTConfig:
+    arch: str = "gpt2"          # "gpt2" or "llama"
+    n_layer: int = 4
+    n_head: int = 4
+    n_embd: int = 128
+    block_size: int = 128       # context length
+    vocab_size: int = 50304     # GPT-2's 50257 padded up to a multiple of 64 for faster matmuls
+    dropout: float = 0.0
+    # attention numerics (see attention_kernel.py)
+    attn_impl: str = "auto"     # "auto" (Triton on CUDA, PyTorch twin on CPU), "triton", "torch", "sdpa"
+    accum: str = "fp32"         # streaming-softmax state precision: "fp32", "bf16", "bf16-safemax"
+    block_n: int = 0            # key block of the streaming loop; 0 = the kernel's default
+    safemax_beta: float = 2.0
+    qk_norm: bool = False       # parameter-free QK normalization from step 0 (the always-on baseline)
+    softcap: float = 0.0        # tanh soft-capping of attention logits; 0 = off
+    attn_scale: float = 0.0     # logit scale; 0 = 1/sqrt(head_dim)
+
+
+# Named sizes. "cpu" trains in minutes on two cores; "assay" is the minute-scale collapse model of
+# REFERENCE.md section 3; "gpt2" and "gpt2-medium" are the 124M and 350M models.
+MODEL_SIZES = {
+    "cpu":         dict(n_layer=4, n_head=4, n_embd=128, block_size=128),
+    "assay":       dict(n_layer=6, n_head=6, n_embd=384, block_size=512),
+    "gpt2":        dict(n_layer=12, n_head=12, n_embd=768, block_size=1024),
+    "gpt2-medium": dict(n_layer=24, n_head=16, n_embd=1024, block_size=1024),
+}
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim, eps=1e-6):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x):
+        return F.rms_norm(x, (x.size(-1),), self.weight, self.eps)
+
+
+def make_norm(config):
+    if config.arch == "llama":
+        return RMSNorm(config.n_embd)
+    return nn.LayerNorm(config.n_embd, bias=False)
+
+
+def rotary_tables(seq_len, head_dim, base=10000.0):
+    """cos and sin of the rotary angles, each (seq_len, head_dim // 2)."""
+    inv_freq = 1.0 / base ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
+    angles = torch.outer(torch.arange(seq_len, dtype=torch.float32), inv_freq)
+    return angles.cos(), angles.sin()
+
+
+def apply_rotary(x, cos, sin):
+    """Rotate (first half, second half) pairs of the head dimension; x is (B, H, T, D)."""
+    x1, x2 = x.float().chunk(2, dim=-1)
+    rotated = torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
+    return rotated.type_as(x)
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, config, layer_idx):
+        super().__init__()
+        assert config.n_embd % config.n_head == 0, "n_embd must be a multiple of n_head"
+        self.layer_idx = layer_idx
+        self.n_head = config.n_head
+        self.head_dim = config.n_embd // config.n_head
+        self.q_proj = nn.Linear(config.n_embd, config.n_embd, bias=False)   # W_q
+        self.k_proj = nn.Linear(config.n_embd, config.n_embd, bias=False)   # W_k
+        self.v_proj = nn.Linear(config.n_embd, config.n_embd, bias=False)
+        self.o_proj = nn.Linear(config.n_embd, config.n_embd, bias=False)
+        self.o_proj.residual_out = True
+        self.dropout = nn.Dropout(config.dropout)
+        self.impl, self.block_n, self.beta = config.attn_impl, config.block_n, config.safemax_beta
+        self.scale = config.attn_scale or None
+        # Switched by the guard, per layer (see the module docstring).
+        self.accum = config.accum
+        self.qk_norm = config.qk_norm
+        self.softcap = config.softcap
+
+    def head_weights(self):
+        """W_q and W_k viewed per head: two (n_head, head_dim, n_embd) views of the live weights."""
+        shape = (self.n_head, self.head_dim, -1)
+        return self.q_proj.weight.view(shape), self.k_proj.weight.view(shape)
+
+    def forward(self, x, rotary=None, inject=None):
+        B, T, C = x.shape
+        q, k, v = (proj(x).view(B, T, self.n_head, self.head_dim).transpose(1, 2)
+                   for proj in (self.q_proj, self.k_proj, self.v_proj))
+        if rotary is not None:
+            cos, sin = rotary
+            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        y, max_logit = attention(q, k, v, accum=self.accum, qk_norm=self.qk_norm, return_max_logit=True,
+                                 scale=self.scale, softcap=self.softcap, safemax_beta=self.beta,
+                                 impl=self.impl, block_n=self.block_n or None)
+        y = y.transpose(1, 2).contiguous().view(B, T, C)   # channels h*head_dim:(h+1)*head_dim are head h's
+        if inject is not None:
+            y = inject(y, "attn-out", self.layer_idx)
+        # max over the batch: the per-head signal the monitor and the guard watch
+        return self.dropout(self.o_proj(y)), max_logit.amax(dim=0)
+
+
+class MLP(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.swiglu = config.arch == "llama"
+        if self.swiglu:   # hidden width 8/3 * d (same parameter count as a 4d GELU MLP), rounded to 64
+            hidden = 64 * math.ceil(8 * config.n_embd / 3 / 64)
+            self.gate_proj = nn.Linear(config.n_embd, hidden, bias=False)
+        else:
+            hidden = 4 * config.n_embd
+        self.up_proj = nn.Linear(config.n_embd, hidden, bias=False)
+        self.down_proj = nn.Linear(hidden, config.n_embd, bias=False)
+        self.down_proj.residual_out = True
+        self.dropout = nn.Dropout(config.dropout)
+
+    def forward(self, x):
+        h = F.silu(self.gate_proj(x)) * self.up_proj(x) if self.swiglu else F.gelu(self.up_proj(x))
+        return self.dropout(self.down_proj(h))
+
+
+class Block(nn.Module):
+    def __init__(self, config, layer_idx):
+        super().__init__()
+        self.norm1 = make_norm(config)
+        self.attn = CausalSelfAttention(config, layer_idx)
+        self.norm2 = make_norm(config)
+        self.mlp = MLP(config)
+
+    def forward(self, x, rotary=None, inject=None):
+        attn_out, max_logit = self.attn(self.norm1(x), rotary, inject)
+        x = x + attn_out
+        if inject is None:
+            return x + self.mlp(self.norm2(x)), max_logit
+        # the assay's error sites outside attention (see assay.py)
+        layer = self.attn.layer_idx
+        mlp_out = self.mlp(inject(self.norm2(x), "mlp-in", layer))
+        x = x + inject(mlp_out, "mlp-out", layer)
+        return inject(x, "residual", layer), max_logit
+
+
+class GPT(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        if config.arch not in ("gpt2", "llama"):
+            raise ValueError(f"unknown arch {config.arch!r}: choose 'gpt2' or 'llama'")
+        self.config = config
+        self.tok_emb = nn.Embedding(config.vocab_size, config.n_embd)
+        self.pos_emb = nn.Embedding(config.block_size, config.n_embd) if config.arch == "gpt2" else None
+        self.drop = nn.Dropout(config.dropout)
+        self.blocks = nn.ModuleList(Block(config, i) for i in range(config.n_layer))
+        self.norm_f = make_norm(config)
+        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        self.lm_head.weight = self.tok_emb.weight   # tied embeddings
+        if config.arch == "llama":
+            cos, sin = rotary_tables(config.block_size, config.n_embd // config.n_head)
+            self.register_buffer("rotary_cos", cos, persistent=False)
+            self.register_buffer("rotary_sin", sin, persistent=False)
+        self.apply(self._init_weights)
+        self.injector = None    # the assay's controlled error: a callable (activation, site, layer) -> activation
+
+    def _init_weights(self, module):
+        # GPT-2 init; projections that write into the residual stream are scaled down by depth
+        if isinstance(module, nn.Linear):
+            std = 0.02 / math.sqrt(2 * self.config.n_layer) if getattr(module, "residual_out", False) else 0.02
+            nn.init.normal_(module.weight, mean=0.0, std=std)
+        elif isinstance(module, nn.Embedding):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+
+    @property
+    def attentions(self):
+        return [block.attn for block in self.blocks]
+
+    def num_params(self):
+        n = sum(p.numel() for p in self.parameters())
+        return n - (self.pos_emb.weight.numel() if self.pos_emb is not None else 0)
+
+    def forward(self, idx, targets=None):
+        """Returns (logits, loss or None, max_logit) with max_logit of shape (n_layer, n_head)."""
+        B, T = idx.shape
+        if T > self.config.block_size:
+            raise ValueError(f"sequence of length {T} is longer than block_size {self.config.block_size}")
+        x = self.tok_emb(idx)
+        rotary = None
+        if self.pos_emb is not None:
+            x = x + self.pos_emb(torch.arange(T, device=idx.device))
+        else:
+            rotary = (self.rotary_cos[:T], self.rotary_sin[:T])
+        x = self.drop(x)
+        max_logits = []
+        for block in self.blocks:
+            x, max_logit = block(x, rotary, self.injector)
+            max_logits.append(max_logit)
+        logits = self.lm_head(self.norm_f(x))
+        loss = None
+        if targets is not None:
+            loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1))
+        return logits, loss, torch.stack(max_logits).detach()
+
+    def configure_optimizer(self, lr, weight_decay, betas, fused=False):
+        """AdamW with weight decay on matrices (linear weights, embeddings) only, not on norm gains."""
+        params = [p for p in self.parameters() if p.requires_grad]
+        groups = [
+            {"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
+            {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+        ]
+        return torch.optim.AdamW(groups, lr=lr, betas=betas, fused=fused)

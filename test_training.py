@@ -1,0 +1,467 @@
+"""Tests of the model, the training loop, the monitor and QK-Guard, and of runs that never lose work.
+
+Run: python -m pytest -q test_training.py   (CPU; a few minutes on two cores)
+"""
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+import model as model_lib
+from guard import CollapseDetector, QKGuard, SpectralMonitor
+
+ROOT = os.path.dirname(os.path.abspath(__file__))
+TINY = ["--n-layer", "2", "--n-head", "2", "--n-embd", "32", "--block-size", "32", "--batch-size", "4",
+        "--attn-impl", "torch", "--device", "cpu", "--eval-iters", "2", "--log-interval", "1"]
+
+
+def tiny_model(arch="gpt2", **kw):
+    cfg = dict(arch=arch, n_layer=2, n_head=2, n_embd=32, block_size=16, vocab_size=128, attn_impl="torch")
+    cfg.update(kw)
+    return model_lib.GPT(model_lib.GPTConfig(**cfg))
+
+
+@pytest.fixture(scope="session")
+def data_dir(tmp_path_factory):
+    """A small real dataset: some standard-library sources, a fifth of the files in val."""
+    import sysconfig
+    import prepare_data
+    stdlib = sysconfig.get_paths()["stdlib"]
+    names = ["abc", "argparse", "ast", "bisect", "calendar", "colorsys", "contextlib", "copy", "csv", "dataclasses",
+             "datetime", "difflib", "enum", "fractions", "functools", "glob", "heapq", "inspect", "json/__init__",
+             "keyword", "linecache", "locale", "numbers", "operator", "pathlib", "pprint", "queue", "random",
+             "shlex", "string", "textwrap", "timeit", "tokenize", "typing", "uuid", "weakref"]
+    out = tmp_path_factory.mktemp("data")
+    prepare_data.prepare(dataset="text", out_dir=str(out), val_fraction=0.2,
+                         inputs=[os.path.join(stdlib, n + ".py") for n in names])
+    return str(out)
+
+
+def train(out_dir, data_dir, *args, timeout=300):
+    cmd = [sys.executable, os.path.join(ROOT, "train.py"), "--data-dir", data_dir, "--out-dir", str(out_dir),
+           *TINY, *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+
+
+def read_log(out_dir):
+    with open(os.path.join(out_dir, "log.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+def step_losses(records):
+    return {r["step"]: r["loss"] for r in records if "loss" in r and "event" not in r}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The model
+
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+def test_model_is_causal(arch):
+    torch.manual_seed(0)
+    model = tiny_model(arch).eval()
+    idx = torch.randint(0, 128, (2, 16))
+    changed = idx.clone()
+    changed[:, 9] = (changed[:, 9] + 1) % 128
+    logits, _, _ = model(idx)
+    logits_changed, _, _ = model(changed)
+    assert torch.equal(logits[:, :9], logits_changed[:, :9]), "a later token changed an earlier position"
+    assert not torch.allclose(logits[:, 9:], logits_changed[:, 9:]), "the changed token had no effect"
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+def test_tiny_model_overfits_a_tiny_batch(arch):
+    torch.manual_seed(0)
+    model = tiny_model(arch)
+    idx = torch.randint(0, 128, (4, 16))
+    opt = model.configure_optimizer(3e-3, 0.0, (0.9, 0.95))
+    for _ in range(150):
+        _, loss, _ = model(idx[:, :-1], idx[:, 1:])
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    assert loss.item() < 0.2, f"loss {loss.item():.3f} after 150 steps on one batch"
+
+
+def test_qk_weights_are_reachable_per_head():
+    model = tiny_model()
+    attn = model.attentions[1]
+    w_q, w_k = attn.head_weights()
+    assert w_q.shape == (2, 16, 32)
+    assert w_q.data_ptr() == attn.q_proj.weight.data_ptr(), "per-head view must alias the live weight"
+    assert torch.equal(w_k[1], attn.k_proj.weight[16:32])
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Monitor, guard, collapse detector
+
+def test_power_iteration_sigma_within_one_percent():
+    torch.manual_seed(0)
+    model = tiny_model(n_embd=64, n_head=4)
+    monitor = SpectralMonitor(model, seed=1)
+    for _ in range(30):
+        sigma, sigma_head = monitor.measure(model, iters=1)
+    for layer, attn in enumerate(model.attentions):
+        for which, (w, w_heads) in enumerate(zip((attn.q_proj.weight, attn.k_proj.weight), attn.head_weights())):
+            exact = torch.linalg.matrix_norm(w.detach(), ord=2)
+            assert abs(sigma[layer, which] - exact) / exact < 0.01
+            exact_heads = torch.linalg.matrix_norm(w_heads.detach(), ord=2)
+            assert ((sigma_head[layer, which] - exact_heads).abs() / exact_heads).max() < 0.01
+
+
+def test_guard_state_machine_dormant_triggered_latched_resumed():
+    model = tiny_model()
+    guard = QKGuard(enabled=True, threshold=10.0, action="qknorm", scope="all")
+    sig = torch.ones(2, 2, 2)
+    assert guard.observe(5, torch.full((2, 2), 9.9), sig, model) is None
+    assert not guard.triggered and not any(a.qk_norm for a in model.attentions)
+    logits = torch.tensor([[1.0, 2.0], [3.0, 12.5]])
+    event = guard.observe(6, logits, sig, model)
+    assert event["event"] == "guard_trigger"
+    assert (event["step"], event["layer"], event["head"], event["value"]) == (6, 1, 1, 12.5)
+    assert guard.triggered and all(a.qk_norm for a in model.attentions)
+    assert guard.observe(7, torch.zeros(2, 2), sig, model) is None and guard.triggered, "must stay latched"
+    fresh_model, fresh_guard = tiny_model(), QKGuard(enabled=True, threshold=10.0)
+    fresh_guard.load_state_dict(guard.state_dict(), fresh_model)
+    assert fresh_guard.trigger == guard.trigger and all(a.qk_norm for a in fresh_model.attentions)
+
+
+def test_guard_scope_crossed_acts_only_on_crossed_layers():
+    model = tiny_model(n_layer=3)
+    guard = QKGuard(enabled=True, threshold=10.0, scope="crossed")
+    sig = torch.ones(3, 2, 2)
+    guard.observe(0, torch.tensor([[0.0, 0.0], [11.0, 0.0], [0.0, 0.0]]), sig, model)
+    assert [a.qk_norm for a in model.attentions] == [False, True, False]
+    event = guard.observe(1, torch.tensor([[0.0, 0.0], [0.0, 0.0], [0.0, 20.0]]), sig, model)
+    assert event["event"] == "guard_extend" and event["layers"] == [2]
+    assert [a.qk_norm for a in model.attentions] == [False, True, True]
+    assert guard.trigger["step"] == 0, "the trigger record is the first crossing"
+
+
+def test_guard_sigma_product_signal():
+    model = tiny_model()
+    guard = QKGuard(enabled=True, signal="sigma-product", threshold=10.0)
+    sigma_head = torch.ones(2, 2, 2)
+    sigma_head[0, 0, 1], sigma_head[0, 1, 1] = 4.0, 3.0      # sigma(W_q) * sigma(W_k) = 12 at layer 0 head 1
+    event = guard.observe(3, torch.full((2, 2), 1e6), sigma_head, model)
+    assert (event["layer"], event["head"], event["value"]) == (0, 1, 12.0)
+
+
+def _attention_state(model):
+    return [(a.qk_norm, a.softcap, a.accum) for a in model.attentions]
+
+
+def _inflate_qk(model, factor=30.0):
+    with torch.no_grad():
+        for attn in model.attentions:
+            attn.q_proj.weight.mul_(factor)
+            attn.k_proj.weight.mul_(factor)
+
+
+@pytest.mark.parametrize("action", ["qknorm", "softcap", "fp32-accum", "lr-drop", "clip", "qkclip"])
+def test_each_action_switches_only_its_own_knob(action):
+    model = tiny_model(accum="bf16")
+    guard = QKGuard(enabled=True, threshold=1.0, action=action)
+    assert guard.lr_scale() == 1.0 and guard.grad_clip(1.0) == 1.0
+    weights = {k: v.clone() for k, v in model.state_dict().items()}
+    guard.observe(0, torch.full((2, 2), 5.0), torch.ones(2, 2, 2), model)
+    expected = (action == "qknorm", 50.0 if action == "softcap" else 0.0, "fp32" if action == "fp32-accum" else "bf16")
+    assert _attention_state(model) == [expected] * 2
+    assert guard.lr_scale() == (0.1 if action == "lr-drop" else 1.0)
+    assert guard.grad_clip(1.0) == (0.1 if action == "clip" else 1.0)
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in weights.items()), "the trigger changed weights"
+
+
+def test_qknorm_bounds_every_logit_by_scale_times_head_dim():
+    torch.manual_seed(0)
+    model = tiny_model()
+    _inflate_qk(model)
+    idx = torch.randint(0, 128, (2, 16))
+    assert model(idx)[2].max() > 16 ** 0.5 * 1.5, "the inflated model should exceed the QK-norm bound"
+    QKGuard(enabled=True, threshold=1.0, action="qknorm").observe(0, torch.full((2, 2), 5.0), torch.ones(2, 2, 2),
+                                                                  model)
+    head_dim, scale = 16, 16 ** -0.5
+    assert model(idx)[2].abs().max() <= scale * head_dim * (1 + 1e-5)
+
+
+def test_qkclip_caps_the_offending_heads_and_nothing_else():
+    # one layer, so the clipped heads see the same inputs before and after the rescale
+    torch.manual_seed(0)
+    model = tiny_model(n_layer=1, n_head=4)
+    _inflate_qk(model)
+    idx = torch.randint(0, 128, (2, 16))
+    max_logit = model(idx)[2]
+    tau = float(max_logit.median())
+    over = max_logit > tau
+    assert over.any() and not over.all()
+    guard = QKGuard(enabled=True, threshold=1.0, action="qkclip", tau=tau)
+    guard.observe(0, max_logit, torch.ones(1, 2, 4), model)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    assert guard.after_optimizer_step(model, max_logit) == int(over.sum())
+    after_logit = model(idx)[2]
+    assert (after_logit <= tau * (1 + 1e-4)).all()
+    assert torch.allclose(after_logit[over], torch.full_like(after_logit[over], tau), rtol=1e-4)
+    assert torch.allclose(after_logit[~over], max_logit[~over], rtol=1e-5), "heads under tau must not change"
+    for name, value in model.state_dict().items():
+        if "q_proj" not in name and "k_proj" not in name:
+            assert torch.equal(value, before[name]), f"qkclip changed {name}"
+
+
+def test_collapse_detector_on_synthetic_curves():
+    def run(losses, **kw):
+        det = CollapseDetector(**kw)
+        for step, loss in enumerate(losses):
+            det.update(step, loss)
+        return det.collapsed_at
+
+    falling = [10 - 0.01 * i for i in range(300)]
+    assert run(falling) is None
+    assert run(falling[:50] + [float("nan")] + falling[51:]) == 50
+    spike = falling[:100] + [9.5, 9.4, 9.0] + falling[103:]
+    assert run(spike, margin=1.0, patience=5) is None, "a spike that recovers is not a collapse"
+    blowup = [4.0 - 0.01 * i for i in range(100)] + [6.5] * 20
+    assert 100 <= run(blowup, margin=1.0, patience=5) <= 104, "the smoothed loss crosses a few steps late"
+    rng = torch.Generator().manual_seed(0)
+    noisy = [5.0 - 0.005 * i + 0.6 * float(torch.randn((), generator=rng)) for i in range(400)]
+    assert run(noisy, margin=1.0, patience=5) is None, "the noise of small batches is not a collapse"
+    assert run(blowup, margin=4.0, patience=5) is None    # 6.5 is 3.49 above the minimum 3.01
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# train.py end to end
+
+def test_train_run_writes_log_config_and_checkpoint(tmp_path, data_dir):
+    out = tmp_path / "run"
+    result = train(out, data_dir, "--max-steps", "6", "--eval-interval", "3")
+    assert result.returncode == 0, result.stderr
+    records = read_log(out)
+    steps = [r for r in records if "loss" in r and "event" not in r]
+    assert [r["step"] for r in steps] == list(range(6))
+    for key in ("lr", "loss", "grad_norm", "tokens_per_s", "max_logit", "sigma_q", "sigma_k", "guard"):
+        assert key in steps[0]
+    assert len(steps[0]["max_logit"]) == 2 and len(steps[0]["max_logit"][0]) == 2
+    assert [r["step"] for r in records if r.get("event") == "eval"] == [0, 3, 6]
+    assert records[-1]["event"] == "end" and records[-1]["status"] == "completed"
+    config = json.load(open(out / "config.json"))
+    assert config["args"]["n_layer"] == 2 and config["versions"]["torch"] == torch.__version__
+    state = torch.load(out / "ckpt.pt", weights_only=False)
+    assert state["step"] == 6 and "optimizer" in state and "rng" in state
+
+
+def test_the_users_line_parses_and_runs_with_a_dormant_guard(tmp_path, data_dir):
+    out = tmp_path / "run"
+    result = train(out, data_dir, "--accum", "bf16", "--guard", "on", "--max-steps", "3")
+    assert result.returncode == 0, result.stderr
+    records = read_log(out)
+    assert [r["guard"] for r in records if "guard" in r] == ["dormant"] * 3
+    assert all(r.get("event") != "guard_trigger" for r in records)
+
+
+def test_a_low_threshold_triggers_the_guard_and_logs_it(tmp_path, data_dir):
+    out = tmp_path / "run"
+    result = train(out, data_dir, "--accum", "bf16", "--guard", "on", "--guard-threshold", "0.3",
+                   "--max-steps", "40", "--lr", "1e-2", "--warmup-steps", "2")
+    assert result.returncode == 0, result.stderr
+    records = read_log(out)
+    triggers = [r for r in records if r.get("event") == "guard_trigger"]
+    assert len(triggers) == 1, "the guard fires once and latches"
+    trigger = triggers[0]
+    assert trigger["value"] > 0.3 and trigger["action"] == "qknorm" and 0 <= trigger["layer"] < 2
+    later = [r for r in records if "guard" in r and r["step"] > trigger["step"]]
+    assert later and all(r["guard"] == "on" for r in later)
+    assert all(max(map(max, r["max_logit"])) <= 16 ** 0.5 + 1e-4 for r in later[1:]), "qknorm bounds the logits"
+    assert records[-1]["guard_trigger"]["step"] == trigger["step"]
+    assert "QK-Guard" in result.stdout
+
+
+def test_lr_drop_cuts_the_learning_rate_from_the_trigger_on(tmp_path, data_dir):
+    out = tmp_path / "run"
+    result = train(out, data_dir, "--guard", "on", "--guard-action", "lr-drop", "--guard-threshold", "0.3",
+                   "--lr-drop-factor", "0.25", "--max-steps", "30", "--lr", "1e-2", "--warmup-steps", "1",
+                   "--schedule", "constant")
+    assert result.returncode == 0, result.stderr
+    records = read_log(out)
+    trigger = next(r for r in records if r.get("event") == "guard_trigger")["step"]
+    lrs = {r["step"]: r["lr"] for r in records if "lr" in r}
+    assert all(lrs[s] == pytest.approx(1e-2) for s in lrs if s <= trigger)
+    assert all(lrs[s] == pytest.approx(2.5e-3) for s in lrs if s > trigger) and max(lrs) > trigger
+
+
+@pytest.mark.parametrize("argv, names", [(["--accum", "bf17"], "--accum"), (["--no-such-flag"], "--no-such-flag"),
+                                         (["--guard-action", "pray"], "--guard-action")])
+def test_a_bad_flag_exits_non_zero_naming_the_flag(tmp_path, data_dir, argv, names):
+    result = train(tmp_path / "run", data_dir, *argv)
+    assert result.returncode != 0 and names in result.stderr
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Runs that never lose work: resume, checkpoints, processes, bad input
+
+def _files(folder):
+    return {p: (os.path.getsize(os.path.join(folder, p)), os.path.getmtime(os.path.join(folder, p)))
+            for p in sorted(os.listdir(folder))}
+
+
+def test_sigterm_then_resume_matches_an_uninterrupted_run(tmp_path, data_dir):
+    common = ["--max-steps", "150", "--eval-interval", "1000", "--ckpt-interval", "1000", "--dropout", "0.1",
+              "--on-collapse", "continue"]
+    full = train(tmp_path / "full", data_dir, *common)
+    assert full.returncode == 0, full.stderr
+    cut = tmp_path / "cut"
+    cmd = [sys.executable, os.path.join(ROOT, "train.py"), "--data-dir", data_dir, "--out-dir", str(cut), *TINY,
+           *common]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+    deadline = time.time() + 120
+    while time.time() < deadline and len(step_losses(read_log(cut)) if (cut / "log.jsonl").exists() else {}) < 5:
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    _, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 0, stderr
+    end = read_log(cut)[-1]
+    assert end["event"] == "end" and end["status"] == "interrupted" and end["step"] < 150, end
+    resumed = train(cut, data_dir, *common, "--resume")
+    assert resumed.returncode == 0, resumed.stderr
+    assert read_log(cut)[-1]["status"] == "completed"
+    # bit-identical on the CPU: the same weights, optimizer moments, batches and dropout masks
+    assert step_losses(read_log(cut)) == step_losses(read_log(tmp_path / "full"))
+
+
+def test_a_truncated_or_foreign_checkpoint_gives_a_clear_error_and_touches_nothing(tmp_path, data_dir):
+    out = tmp_path / "run"
+    assert train(out, data_dir, "--max-steps", "4", "--ckpt-interval", "2").returncode == 0
+    ckpt = out / "ckpt.pt"
+    data = ckpt.read_bytes()
+    ckpt.write_bytes(data[: len(data) // 2])
+    before = _files(out)
+    result = train(out, data_dir, "--max-steps", "4", "--resume")
+    assert result.returncode != 0 and "truncated" in result.stderr and "ckpt.pt.prev" in result.stderr
+    assert _files(out) == before
+    torch.save({"weights": torch.zeros(3)}, ckpt)
+    result = train(out, data_dir, "--max-steps", "4", "--resume")
+    assert result.returncode != 0 and "not a checkpoint written by this train.py" in result.stderr
+
+
+def test_a_folder_holding_another_run_needs_resume(tmp_path, data_dir):
+    out = tmp_path / "run"
+    assert train(out, data_dir, "--max-steps", "2").returncode == 0
+    before = _files(out)
+    result = train(out, data_dir, "--max-steps", "2")
+    assert result.returncode != 0 and "--resume" in result.stderr and _files(out) == before
+    result = train(out, data_dir, "--max-steps", "4", "--accum", "bf16", "--resume")
+    assert result.returncode != 0 and "--accum bf16 (saved: fp32)" in result.stderr and _files(out) == before
+
+
+def test_two_processes_match_one_with_the_same_global_batch(tmp_path, data_dir):
+    common = ["--max-steps", "4", "--grad-accum", "2", "--eval-interval", "2"]
+    one = train(tmp_path / "one", data_dir, *common)
+    assert one.returncode == 0, one.stderr
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           os.path.join(ROOT, "train.py"), "--data-dir", data_dir, "--out-dir", str(tmp_path / "two"), *TINY, *common]
+    two = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert two.returncode == 0, two.stderr
+    one_log, two_log = read_log(tmp_path / "one"), read_log(tmp_path / "two")
+    assert two_log[0]["world_size"] == 2
+    losses_one, losses_two = step_losses(one_log), step_losses(two_log)
+    assert losses_one.keys() == losses_two.keys() == set(range(4))
+    for step in losses_one:   # same batches and math; only the order of float additions differs
+        assert losses_two[step] == pytest.approx(losses_one[step], rel=1e-5)
+    val_one = [r["val_loss"] for r in one_log if r.get("event") == "eval"]
+    val_two = [r["val_loss"] for r in two_log if r.get("event") == "eval"]
+    assert val_two == pytest.approx(val_one, rel=1e-5)
+
+
+def test_damaged_data_gives_a_clear_error(tmp_path, data_dir):
+    import shutil
+    bad = tmp_path / "data"
+    shutil.copytree(data_dir, bad)
+    with open(bad / "val.bin", "ab") as f:
+        f.write(b"\0")
+    result = train(tmp_path / "run", str(bad), "--max-steps", "2")
+    assert result.returncode != 0 and "val.bin" in result.stderr and "prepare_data.py" in result.stderr
+    meta = json.load(open(bad / "meta.json"))
+    meta["vocab_size"] = 100000
+    json.dump(meta, open(bad / "meta.json", "w"))
+    result = train(tmp_path / "run2", str(bad), "--max-steps", "2")
+    assert result.returncode != 0 and "vocab_size 100000" in result.stderr
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--attn-impl", "triton", "--n-embd", "48", "--n-head", "2"], "head_dim"),
+    (["--attn-impl", "sdpa", "--accum", "bf16"], "sdpa"),
+    (["--n-embd", "30", "--n-head", "4"], "not a multiple of --n-head"),
+    (["--guard", "on", "--guard-action", "fp32-accum"], "nothing to switch"),
+])
+def test_settings_that_cannot_run_fail_before_training(tmp_path, data_dir, argv, message):
+    result = subprocess.run([sys.executable, os.path.join(ROOT, "train.py"), "--data-dir", data_dir, "--out-dir",
+                             str(tmp_path / "run"), *TINY, *argv], capture_output=True, text=True, timeout=120,
+                            cwd=ROOT, env={**os.environ, "TRITON_INTERPRET": "1"})
+    assert result.returncode != 0 and message in result.stderr, result.stderr
+    assert not (tmp_path / "run" / "log.jsonl").exists()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The assay wired into train.py
+
+def test_qk_fix_clean_grad_replaces_only_the_qk_gradients():
+    import train
+    from assay import ErrorInjector
+    torch.manual_seed(0)
+    model = tiny_model(accum="bf16")
+    model.injector = ErrorInjector("mlp-out", 0.5, 1.0, 2, 2, 32, seed=0)
+    idx = torch.randint(0, 128, (4, 16))
+    x, y = idx[:, :-1], idx[:, 1:]
+    model(x, y)[1].backward()                           # the unmodified, faulty step
+    faulty = {name: p.grad.clone() for name, p in model.named_parameters()}
+    clean = train.clean_qk_grads(model, x, y, contextlib.nullcontext, 1.0)
+    qk_ids = {id(w) for w in train.qk_weights(model)}
+    for name, p in model.named_parameters():           # nothing but the returned tensors changed
+        assert torch.equal(p.grad, faulty[name]), name
+    assert model.injector is not None and all(a.accum == "bf16" for a in model.attentions), "fault restored"
+    model.zero_grad()
+    with train.fault_free(model):
+        model(x, y)[1].backward()
+    for w, g in zip(train.qk_weights(model), clean):
+        assert torch.allclose(g, w.grad, rtol=1e-5, atol=1e-8), "clean-grad must equal the fault-free gradient"
+    names = {id(p): n for n, p in model.named_parameters()}
+    assert all(not torch.allclose(faulty[names[id(w)]], w.grad) for w in train.qk_weights(model)), \
+        "the fault should change the QK gradient, or the test shows nothing"
+    assert len(qk_ids) == 4
+
+
+@pytest.mark.parametrize("argv", [
+    ["--inject-site", "attn-out", "--inject-scale", "0.1"],
+    ["--inject-site", "mlp-out", "--inject-scale", "0.1", "--inject-coherence", "0.5", "--qk-fix", "clean-grad"],
+    ["--inject-site", "grad-wv", "--inject-scale", "0.2", "--inject-layers", "1"],
+    ["--inject-site", "residual", "--inject-scale", "matched", "--probe", "qk-topk"],
+    ["--accum", "bf16", "--probe", "equal-energy", "--probe-k", "2"],
+])
+def test_assay_runs_log_what_they_did(tmp_path, data_dir, argv):
+    out = tmp_path / "run"
+    result = train(out, data_dir, "--max-steps", "3", *argv)
+    assert result.returncode == 0, result.stderr
+    steps = [r for r in read_log(out) if "loss" in r and "event" not in r]
+    assert len(steps) == 3
+    if "--inject-site" in argv:
+        assert all(r["inject_rms_ratio"] > 0 for r in steps)
+    if "--probe" in argv:
+        probe = steps[-1]["probe"]
+        assert len(probe["q_removed"]) == 2 and probe["q_removed"][0] > 0
+
+
+@pytest.mark.parametrize("argv, flag", [
+    (["--inject-site", "attn-out"], "--inject-scale"),
+    (["--inject-site", "mlp-out", "--inject-scale", "-1"], "--inject-scale"),
+    (["--inject-site", "mlp-out", "--inject-scale", "0.1", "--inject-coherence", "1.5"], "--inject-coherence"),
+    (["--inject-scale", "0.1"], "--inject-scale"),
+    (["--qk-fix", "clean-grad"], "--qk-fix"),
+    (["--probe", "qk-topk", "--probe-k", "0"], "--probe-k"),
+    (["--inject-site", "mlp-out", "--inject-scale", "0.1", "--inject-layers", "1,x"], "--inject-layers"),
+])
+def test_assay_flag_combinations_that_make_no_sense_are_refused(tmp_path, data_dir, argv, flag):
+    result = train(tmp_path / "run", data_dir, *argv)
+    assert result.returncode != 0 and flag in result.stderr, result.stderr

@@ -1,0 +1,637 @@
+"""
+Train a GPT and watch (or guard) the query-key channel.
+
+    python train.py                                  # the default run: CPU preset on a CPU, assay preset on a GPU
+    python train.py --accum bf16 --guard on          # the bf16 streaming-softmax fault, with QK-Guard watching
+    python train.py --accum bf16 --guard off         # ... and without: watch it collapse (GPU preset)
+    torchrun --nproc_per_node=8 train.py --preset gpt2 --accum bf16 --guard on
+
+Every choice is a flag (`python train.py --help`). A run directory (--out-dir) holds config.json (the resolved
+flags and the software/hardware versions), log.jsonl (one record per logged step, eval, guard or collapse event,
+and a final record saying how the run ended) and ckpt.pt (everything needed to resume exactly).
+"""
+import argparse
+import contextlib
+import json
+import math
+import os
+import platform
+import random
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import torch
+
+import model as model_lib
+from assay import INJECT_SITES, PROBE_MODES, ErrorInjector, QKProbe, check_assay_flags
+from guard import ACTIONS, SCOPES, SIGNALS, CollapseDetector, QKGuard, SpectralMonitor
+from attention_kernel import ACCUM_MODES, attention
+
+# Training defaults per preset; any flag given on the command line wins. "auto" picks "cpu" or "assay".
+PRESETS = {
+    "cpu": dict(size="cpu", batch_size=16, grad_accum=1, max_steps=300, lr=3e-3, min_lr=3e-4, warmup_steps=30,
+                schedule="cosine", log_interval=10, eval_interval=100, eval_iters=10, ckpt_interval=100),
+    "assay": dict(size="assay", batch_size=32, grad_accum=1, max_steps=2000, lr=2e-3, min_lr=2e-3,
+                  warmup_steps=200, schedule="constant", log_interval=10, eval_interval=250, eval_iters=20,
+                  ckpt_interval=500),
+    "gpt2": dict(size="gpt2", batch_size=16, grad_accum=32, max_steps=60000, lr=1e-3, min_lr=1e-4,
+                 warmup_steps=2000, schedule="cosine", log_interval=10, eval_interval=1000, eval_iters=50,
+                 ckpt_interval=1000),
+    "gpt2-medium": dict(size="gpt2-medium", batch_size=8, grad_accum=64, max_steps=60000, lr=6e-4,
+                        min_lr=6e-5, warmup_steps=2000, schedule="cosine", log_interval=10, eval_interval=1000,
+                        eval_iters=50, ckpt_interval=1000),
+}
+# Flags that may change when a run is resumed; any other difference from the saved run is an error.
+RESUMABLE_CHANGES = {"max_steps", "log_interval", "eval_interval", "eval_iters", "ckpt_interval", "compile",
+                     "on_collapse", "resume", "device"}
+QK_FIXES = ("off", "clean-grad", "qknorm")
+
+
+def build_parser(suppress_defaults=False):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+                                argument_default=argparse.SUPPRESS if suppress_defaults else None)
+
+    def add(group, *flags, **kw):
+        if suppress_defaults:
+            kw.pop("default", None)
+        group.add_argument(*flags, **kw)
+
+    g = p.add_argument_group("data")
+    add(g, "--dataset", default="pycode", help="dataset name; its files live in data/<dataset> (default pycode: "
+        "Python sources of this interpreter, prepared automatically; others: see prepare_data.py)")
+    add(g, "--data-dir", default=None, help="folder holding train.bin, val.bin, meta.json (default data/<dataset>)")
+
+    g = p.add_argument_group("model (sizes come from --preset unless given)")
+    add(g, "--preset", default="auto", choices=["auto", *PRESETS], help="model size and training defaults "
+        "(auto: cpu on a CPU, assay on a GPU)")
+    add(g, "--arch", default="gpt2", choices=["gpt2", "llama"], help="gpt2: LayerNorm/GELU/learned positions; "
+        "llama: RMSNorm/SwiGLU/rotary")
+    add(g, "--n-layer", type=int, default=None, help="layers")
+    add(g, "--n-head", type=int, default=None, help="attention heads")
+    add(g, "--n-embd", type=int, default=None, help="model width")
+    add(g, "--block-size", type=int, default=None, help="context length")
+    add(g, "--dropout", type=float, default=0.0, help="dropout probability")
+
+    g = p.add_argument_group("attention numerics")
+    add(g, "--attn-impl", default="auto", choices=["auto", "triton", "torch", "sdpa"],
+        help="auto: the Triton kernel on CUDA, its PyTorch twin on a CPU; sdpa: PyTorch SDPA (fp32 only)")
+    add(g, "--accum", default="fp32", choices=list(ACCUM_MODES), help="streaming-softmax state precision: "
+        "fp32 (the repair), bf16 (the fault), bf16-safemax (the prior work's fix at the source)")
+    add(g, "--block-n", type=int, default=0, help="key block of the streaming loop (0: the kernel's default)")
+    add(g, "--safemax-beta", type=float, default=2.0, help="bf16-safemax: shift repeated maxima by beta*max")
+    add(g, "--qknorm", default="off", choices=["off", "always"], help="parameter-free QK-norm from step 0 "
+        "(the always-on baseline)")
+    add(g, "--softcap", type=float, default=0.0, help="tanh soft-cap of attention logits from step 0 (0: off)")
+
+    g = p.add_argument_group("monitor and QK-Guard")
+    add(g, "--guard", default="off", choices=["on", "off"], help="QK-Guard: dormant until the signal first "
+        "crosses --guard-threshold, then --guard-action stays on")
+    add(g, "--guard-signal", default="max-logit", choices=list(SIGNALS), help="watched signal per layer and head")
+    add(g, "--guard-threshold", type=float, default=200.0, help="trigger level (see README: healthy runs peak "
+        "near 50-140, collapsing ones pass 1800)")
+    add(g, "--guard-action", default="qknorm", choices=list(ACTIONS), help="qknorm (the paper's), qkclip "
+        "(weight-side QK), or the non-QK controls lr-drop, clip, softcap, fp32-accum")
+    add(g, "--guard-scope", default="all", choices=list(SCOPES), help="act on every layer, or on crossed layers")
+    add(g, "--qkclip-tau", type=float, default=100.0, help="qkclip: cap on each head's max logit")
+    add(g, "--lr-drop-factor", type=float, default=0.1, help="lr-drop: multiply the learning rate by this")
+    add(g, "--clip-tight", type=float, default=0.1, help="clip: gradient-norm clip after the trigger")
+    add(g, "--softcap-value", type=float, default=50.0, help="softcap action: the cap c (Gemma 2 uses 50)")
+    add(g, "--monitor-interval", type=int, default=1, help="monitor (sigmas, guard check) every N steps")
+    add(g, "--power-iters", type=int, default=1, help="power iterations per monitored step")
+    add(g, "--collapse-margin", type=float, default=1.0, help="collapse: loss above its running min by this")
+    add(g, "--collapse-patience", type=int, default=5, help="... for this many logged steps in a row")
+    add(g, "--collapse-smoothing", type=float, default=0.9, help="EMA factor applied to logged losses first")
+    add(g, "--on-collapse", default="stop", choices=["stop", "continue"], help="what to do at a collapse")
+
+    g = p.add_argument_group("the assay: a controlled error at any source, the QK-only fix, the causal probe")
+    add(g, "--inject-site", default="none", choices=list(INJECT_SITES), help="where a controlled error enters: "
+        "attn-out (where the bf16 fault lands), mlp-in, mlp-out, residual, or the gradient of W_v / W_up")
+    add(g, "--inject-scale", default=None, help="error rms over the rms of the signal it joins, or 'matched' "
+        "(size and per-head direction of the bf16 fault's bias, measured on the first batch)")
+    add(g, "--inject-coherence", type=float, default=None, help="probability that a head's error sign persists "
+        "to the next step (1: sign-coherent, the default; 0.5: a fresh random sign each step)")
+    add(g, "--inject-layers", default="all", help="comma-separated layer indices, or all")
+    add(g, "--qk-fix", default="off", choices=list(QK_FIXES), help="while the fault stays on, correct only the "
+        "QK channel: clean-grad (W_q, W_k get the fault-free gradient; every other gradient stays faulty) or "
+        "qknorm (parameter-free QK-norm from step 0)")
+    add(g, "--probe", default="off", choices=list(PROBE_MODES), help="after each step, project the W_q/W_k update "
+        "off their top-k singular directions (qk-topk), or remove the same energy elsewhere (equal-energy)")
+    add(g, "--probe-k", type=int, default=3, help="singular directions the probe removes")
+
+    g = p.add_argument_group("optimization (defaults come from --preset unless given)")
+    add(g, "--batch-size", type=int, default=None, help="sequences per micro-batch (per process)")
+    add(g, "--grad-accum", type=int, default=None, help="micro-batches per step, over all processes")
+    add(g, "--max-steps", type=int, default=None, help="optimizer steps")
+    add(g, "--lr", type=float, default=None, help="peak learning rate")
+    add(g, "--min-lr", type=float, default=None, help="final learning rate of the cosine schedule")
+    add(g, "--warmup-steps", type=int, default=None, help="linear warmup steps")
+    add(g, "--schedule", default=None, choices=["cosine", "constant"], help="after warmup")
+    add(g, "--weight-decay", type=float, default=0.0, help="AdamW weight decay on matrices")
+    add(g, "--beta1", type=float, default=0.9, help="AdamW beta1")
+    add(g, "--beta2", type=float, default=0.95, help="AdamW beta2")
+    add(g, "--grad-clip", type=float, default=1.0, help="gradient-norm clip (0: off)")
+
+    g = p.add_argument_group("run")
+    add(g, "--out-dir", default=None, help="run directory (default runs/<date>-<time>-<accum>-guard-<on|off>)")
+    add(g, "--resume", action="store_true", default=False, help="continue the run in --out-dir from ckpt.pt")
+    add(g, "--seed", type=int, default=1337, help="seed of the weights and of the batch order")
+    add(g, "--device", default="auto", help="auto, cpu, cuda, cuda:N")
+    add(g, "--dtype", default="auto", choices=["auto", "bf16", "fp32"], help="autocast (auto: bf16 on CUDA)")
+    add(g, "--compile", action="store_true", default=False, help="torch.compile the model")
+    add(g, "--log-interval", type=int, default=None, help="steps between log records")
+    add(g, "--eval-interval", type=int, default=None, help="steps between validation losses")
+    add(g, "--eval-iters", type=int, default=None, help="batches per validation loss")
+    add(g, "--ckpt-interval", type=int, default=None, help="steps between checkpoints")
+    return p
+
+
+def parse_args(argv=None):
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    explicit = vars(build_parser(suppress_defaults=True).parse_args(argv))
+    if args.inject_scale not in (None, "matched"):
+        try:
+            args.inject_scale = float(args.inject_scale)
+        except ValueError:
+            parser.error(f"--inject-scale {args.inject_scale!r}: give a number > 0 or 'matched'")
+    try:
+        check_assay_flags(args.inject_site, args.inject_scale, args.inject_coherence, args.probe, args.probe_k,
+                          args.qk_fix, args.accum)
+    except ValueError as e:
+        parser.error(str(e))
+    if args.inject_layers != "all" and not all(i.strip().isdigit() for i in args.inject_layers.split(",")):
+        parser.error(f"--inject-layers {args.inject_layers!r}: give comma-separated layer indices, or all")
+    if args.guard == "on" and args.qknorm == "always" and args.guard_action == "qknorm":
+        parser.error("--guard on with --guard-action qknorm has nothing to switch when --qknorm always is set")
+    if args.guard == "on" and args.accum == "fp32" and args.guard_action == "fp32-accum":
+        parser.error("--guard-action fp32-accum has nothing to switch when --accum is already fp32")
+    return args, explicit, parser
+
+
+def check_model_config(config, args, device):
+    """Fail before training, with the kernel's own words, on a setting it cannot run (a head dim, an impl)."""
+    if config.n_embd % config.n_head:
+        raise SystemExit(f"error: --n-embd {config.n_embd} is not a multiple of --n-head {config.n_head}")
+    softcap = args.softcap_value if args.guard == "on" and args.guard_action == "softcap" else config.softcap
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    probe = torch.zeros(1, 1, 1, config.n_embd // config.n_head, device=device, dtype=dtype)
+    try:
+        attention(probe, probe, probe, accum=config.accum, impl=config.attn_impl, softcap=softcap,
+                  safemax_beta=config.safemax_beta, block_n=config.block_n or None)
+    except ValueError as e:
+        raise SystemExit(f"error: the attention settings cannot run: {e}")
+
+
+def resolve_args(args, device):
+    """Fill the flags left unset from the preset and the model size table."""
+    preset = args.preset if args.preset != "auto" else ("cpu" if device.type == "cpu" else "assay")
+    args.preset = preset
+    for key, value in PRESETS[preset].items():
+        if key != "size" and getattr(args, key) is None:
+            setattr(args, key, value)
+    for key, value in model_lib.MODEL_SIZES[PRESETS[preset]["size"]].items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    args.data_dir = args.data_dir or os.path.join("data", args.dataset)
+    if args.out_dir is None:
+        stamp = time.strftime("%Y%m%d-%H%M%S")
+        args.out_dir = os.path.join("runs", f"{stamp}-{args.accum}-guard-{args.guard}")
+    return args
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Processes and devices
+
+class Dist:
+    """Rank bookkeeping: one process, or one per GPU (or CPU worker) under torchrun."""
+
+    def __init__(self, device_flag):
+        self.world = int(os.environ.get("WORLD_SIZE", "1"))
+        self.rank = int(os.environ.get("RANK", "0"))
+        self.local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        if device_flag == "auto":
+            device_flag = f"cuda:{self.local_rank}" if torch.cuda.is_available() else "cpu"
+        elif device_flag == "cuda":
+            device_flag = f"cuda:{self.local_rank}"
+        self.device = torch.device(device_flag)
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        if self.world > 1:
+            torch.distributed.init_process_group("nccl" if self.device.type == "cuda" else "gloo")
+        self.master = self.rank == 0
+
+    def all_reduce(self, tensor, op="avg"):
+        """Reduced over ranks, so every rank takes the same guard and collapse decisions."""
+        if self.world > 1:
+            tensor = tensor.clone()
+            if op == "avg":
+                torch.distributed.all_reduce(tensor)
+                tensor /= self.world
+            else:
+                torch.distributed.all_reduce(tensor, op=torch.distributed.ReduceOp.MAX)
+        return tensor
+
+    def barrier(self):
+        if self.world > 1:
+            torch.distributed.barrier()
+
+    def close(self):
+        if self.world > 1:
+            torch.distributed.destroy_process_group()
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Data
+
+class Batches:
+    """Random windows of the token stream. The windows of step s depend only on (seed, s), so a resumed run sees
+    exactly the batches an uninterrupted one would, every run with the same seed sees the same data order, and
+    N processes together see the same global batch as one."""
+
+    def __init__(self, data_dir, block_size, batch_size, seed, vocab_size):
+        meta_path = os.path.join(data_dir, "meta.json")
+        with open(meta_path) as f:
+            meta = json.load(f)
+        if meta.get("vocab_size", 0) > vocab_size:
+            raise SystemExit(f"error: {meta_path} says vocab_size {meta['vocab_size']}, more than the model's "
+                             f"{vocab_size}: re-prepare the data with prepare_data.py's GPT-2 tokenizer")
+        self.data = {}
+        for split in ("train", "val"):
+            path = os.path.join(data_dir, f"{split}.bin")
+            size = os.path.getsize(path)
+            expected = meta.get("tokens", {}).get(split)
+            if size % 2 or (expected is not None and size // 2 != expected):
+                raise SystemExit(f"error: {path} holds {size} bytes, not the {expected} uint16 tokens meta.json "
+                                 f"records: the file is damaged; re-run `python prepare_data.py --force`")
+            if size // 2 <= block_size + 1:
+                raise SystemExit(f"error: {path} holds {size // 2} tokens, too few for --block-size {block_size}")
+            self.data[split] = np.memmap(path, dtype=np.uint16, mode="r")
+        self.block_size, self.batch_size, self.seed = block_size, batch_size, seed
+
+    def get(self, split, step, index, device):
+        """Micro-batch `index` of step `step` (for val: eval batch `index`, the same at every eval)."""
+        data, T = self.data[split], self.block_size
+        rng = np.random.default_rng([self.seed, 0 if split == "train" else 1, step, index])
+        starts = rng.integers(0, len(data) - T - 1, size=self.batch_size)
+        window = np.stack([data[s:s + T + 1] for s in starts]).astype(np.int64)
+        window = torch.from_numpy(window)
+        if device.type == "cuda":
+            window = window.pin_memory().to(device, non_blocking=True)
+        return window[:, :-1].contiguous(), window[:, 1:].contiguous()
+
+
+def ensure_data(args, dist):
+    """Prepare the dataset on first use (rank 0 only) when prepare_data.py knows how to make it unaided."""
+    if os.path.exists(os.path.join(args.data_dir, "meta.json")):
+        return
+    if args.dataset not in ("pycode", "shakespeare"):
+        raise SystemExit(f"error: no prepared data in {args.data_dir} (meta.json missing): run "
+                         f"`python prepare_data.py --dataset {args.dataset} --out-dir {args.data_dir} ...` first")
+    if dist.master:
+        import prepare_data
+        print(f"no data in {args.data_dir}: preparing the {args.dataset} dataset (once)")
+        prepare_data.prepare(dataset=args.dataset, out_dir=args.data_dir)
+    dist.barrier()
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Run directory: config, log, checkpoints
+
+def versions(device):
+    def git(*cmd):
+        try:
+            return subprocess.run(["git", *cmd], capture_output=True, text=True, timeout=5,
+                                  cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip()
+        except (OSError, subprocess.SubprocessError):
+            return ""
+    import triton
+    return {"python": platform.python_version(), "torch": torch.__version__, "triton": triton.__version__,
+            "numpy": np.__version__, "device": str(device),
+            "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
+            "host": platform.node(), "git_commit": git("rev-parse", "HEAD") or None,
+            "git_dirty": bool(git("status", "--porcelain", "--untracked-files=no"))}
+
+
+def save_checkpoint(path, state):
+    """Write to a temporary file, fsync, keep the previous checkpoint as .prev, then rename into place: a crash
+    at any moment leaves a complete checkpoint on disk."""
+    tmp = path + ".tmp"
+    with open(tmp, "wb") as f:
+        torch.save(state, f)
+        f.flush()
+        os.fsync(f.fileno())
+    if os.path.exists(path):
+        os.replace(path, path + ".prev")
+    os.replace(tmp, path)
+
+
+def load_checkpoint(path):
+    if not os.path.exists(path):
+        raise SystemExit(f"error: --resume given but {path} does not exist: start a new run without --resume")
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=False)
+    except Exception as e:  # a truncated zip or pickle shows up as many exception types
+        prev = path + ".prev"
+        hint = f"; the previous good checkpoint is {prev}: move it to {path} to resume from there" \
+            if os.path.exists(prev) else ""
+        raise SystemExit(f"error: cannot read checkpoint {path} ({type(e).__name__}: {e}): it is truncated or "
+                         f"not a checkpoint{hint}")
+    if not isinstance(state, dict) or state.get("format") != "qkguard-checkpoint-1":
+        raise SystemExit(f"error: {path} is not a checkpoint written by this train.py")
+    return state
+
+
+class RunLog:
+    """log.jsonl for programs (one JSON object per line, flushed each time) and a console line for people."""
+
+    def __init__(self, path, enabled):
+        self.file = open(path, "a") if enabled else None
+
+    def write(self, record, line=None):
+        if self.file is None:
+            return
+        self.file.write(json.dumps(record) + "\n")
+        self.file.flush()
+        if line:
+            print(line, flush=True)
+
+
+def rng_state():
+    return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
+            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
+
+
+def set_rng_state(state):
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if state["cuda"] is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Training
+
+def qk_weights(model):
+    return [w for attn in model.attentions for w in (attn.q_proj.weight, attn.k_proj.weight)]
+
+
+@contextlib.contextmanager
+def fault_free(model):
+    """The same model with every fault source off: fp32 softmax state and no injected error."""
+    saved = [attn.accum for attn in model.attentions], model.injector
+    for attn in model.attentions:
+        attn.accum = "fp32"
+    model.injector = None
+    try:
+        yield
+    finally:
+        for attn, accum in zip(model.attentions, saved[0]):
+            attn.accum = accum
+        model.injector = saved[1]
+
+
+def clean_qk_grads(model, x, y, autocast, scale):
+    """--qk-fix clean-grad: the gradient W_q and W_k would get from the fault-free model on this batch; no
+    other .grad is touched, so every other weight keeps its faulty gradient."""
+    with fault_free(model), autocast():
+        _, loss, _ = model(x, y)
+    return torch.autograd.grad(loss * scale, qk_weights(model))
+
+
+def lr_at(step, args):
+    if step < args.warmup_steps:
+        return args.lr * (step + 1) / args.warmup_steps
+    if args.schedule == "constant":
+        return args.lr
+    progress = min(1.0, (step - args.warmup_steps) / max(1, args.max_steps - args.warmup_steps))
+    return args.min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (args.lr - args.min_lr)
+
+
+@torch.no_grad()
+def evaluate(model, batches, args, dist, autocast):
+    """Mean validation loss over the same eval_iters batches every time, split over the ranks."""
+    model.eval()
+    total = torch.zeros(2, device=dist.device)
+    for i in range(dist.rank, args.eval_iters, dist.world):
+        x, y = batches.get("val", 0, i, dist.device)
+        with autocast():
+            _, loss, _ = model(x, y)
+        total += torch.stack([loss.float(), torch.ones((), device=dist.device)])
+    model.train()
+    if dist.world > 1:
+        torch.distributed.all_reduce(total)
+    return (total[0] / total[1]).item()
+
+
+def start_run(args, explicit, dist):
+    """New run: refuse a folder that holds another run. Resume: the saved flags, with only safe changes."""
+    paths = {name: os.path.join(args.out_dir, name) for name in ("config.json", "log.jsonl", "ckpt.pt")}
+    if not args.resume:
+        taken = [p for p in paths.values() if os.path.exists(p)]
+        if taken:
+            raise SystemExit(f"error: {args.out_dir} already holds a run ({', '.join(taken)}): continue it with "
+                             f"--resume, or choose another --out-dir")
+        return args, None
+    state = load_checkpoint(paths["ckpt.pt"])
+    saved = state["args"]
+    conflicts = [f"--{k.replace('_', '-')} {v} (saved: {saved.get(k)})" for k, v in explicit.items()
+                 if k not in RESUMABLE_CHANGES and k in saved and saved[k] != v]
+    if conflicts:
+        raise SystemExit(f"error: --resume keeps the saved run's settings, but these differ: {'; '.join(conflicts)}."
+                         f" Resume without them, or start a new run in another --out-dir")
+    merged = dict(saved)
+    merged.update({k: v for k, v in explicit.items() if k in RESUMABLE_CHANGES})
+    merged["resume"] = True
+    return argparse.Namespace(**merged), state
+
+
+def main(argv=None):
+    args, explicit, parser = parse_args(argv)
+    dist = Dist(args.device)
+    if dist.world > 1:      # one timestamped default out_dir for all ranks
+        holder = [resolve_args(args, dist.device) if dist.master else None]
+        torch.distributed.broadcast_object_list(holder, src=0)
+        args = holder[0]
+    else:
+        args = resolve_args(args, dist.device)
+    args, state = start_run(args, explicit, dist)
+    if args.grad_accum % dist.world:
+        raise SystemExit(f"error: --grad-accum {args.grad_accum} must be a multiple of the {dist.world} processes")
+    device = dist.device
+    use_bf16 = args.dtype == "bf16" or (args.dtype == "auto" and device.type == "cuda")
+    autocast = (lambda: torch.autocast(device.type, dtype=torch.bfloat16)) if use_bf16 else contextlib.nullcontext
+
+    ensure_data(args, dist)
+    torch.manual_seed(args.seed)
+    config = model_lib.GPTConfig(
+        arch=args.arch, n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd, block_size=args.block_size,
+        dropout=args.dropout, attn_impl=args.attn_impl, accum=args.accum, block_n=args.block_n,
+        safemax_beta=args.safemax_beta, qk_norm=args.qknorm == "always", softcap=args.softcap)
+    check_model_config(config, args, device)
+    model = model_lib.GPT(config).to(device)
+    batches = Batches(args.data_dir, args.block_size, args.batch_size, args.seed, config.vocab_size)
+    optimizer = model.configure_optimizer(args.lr, args.weight_decay, (args.beta1, args.beta2),
+                                          fused=device.type == "cuda")
+    monitor = SpectralMonitor(model, seed=args.seed)
+    guard = QKGuard(enabled=args.guard == "on", signal=args.guard_signal, threshold=args.guard_threshold,
+                    action=args.guard_action, scope=args.guard_scope, tau=args.qkclip_tau,
+                    lr_factor=args.lr_drop_factor, clip_norm=args.clip_tight, softcap=args.softcap_value)
+    detector = CollapseDetector(args.collapse_margin, args.collapse_patience, args.collapse_smoothing)
+    injector, probe = None, QKProbe(args.probe, k=args.probe_k, seed=args.seed)
+    if args.inject_site != "none":
+        layers = None if args.inject_layers == "all" else [int(i) for i in args.inject_layers.split(",")]
+        coherence = 1.0 if args.inject_coherence is None else args.inject_coherence
+        if args.inject_scale == "matched":
+            with autocast():
+                injector = ErrorInjector.matched(model, batches.get("train", 0, 0, device)[0], site=args.inject_site,
+                                                 coherence=coherence, layers=layers, seed=args.seed)
+        else:
+            injector = ErrorInjector(args.inject_site, args.inject_scale, coherence, args.n_layer, args.n_head,
+                                     args.n_embd, layers=layers, seed=args.seed)
+        model.injector = injector
+    if args.qk_fix == "qknorm":
+        for attn in model.attentions:
+            attn.qk_norm = True
+    step = 0
+    if state is not None:
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        monitor.load_state_dict(state["monitor"])
+        guard.load_state_dict(state["guard"], model)
+        detector.load_state_dict(state["detector"])
+        set_rng_state(state["rng"])
+        if injector is not None:
+            injector.load_state_dict(state["injector"])
+        probe.load_state_dict(state["probe"])
+        step = state["step"]
+    train_model = torch.compile(model) if args.compile else model
+    if dist.world > 1:
+        train_model = torch.nn.parallel.DistributedDataParallel(
+            train_model, device_ids=[device.index] if device.type == "cuda" else None)
+
+    if dist.master:
+        os.makedirs(args.out_dir, exist_ok=True)
+    log = RunLog(os.path.join(args.out_dir, "log.jsonl"), dist.master)
+    if dist.master and state is None:
+        with open(os.path.join(args.out_dir, "config.json"), "w") as f:
+            json.dump({"args": vars(args), "versions": versions(device), "command": sys.argv,
+                       "world_size": dist.world, "params": model.num_params()}, f, indent=2)
+    log.write({"event": "resume" if state else "start", "step": step, "versions": versions(device),
+               "world_size": dist.world},
+              f"{'resuming' if state else 'starting'} {args.out_dir} at step {step}: {args.preset} preset, "
+              f"{args.arch} {args.n_layer}x{args.n_embd}, {model.num_params() / 1e6:.2f}M params, accum "
+              f"{args.accum}, guard {args.guard}, on {device} x{dist.world}")
+
+    def checkpoint():
+        if dist.master:
+            save_checkpoint(os.path.join(args.out_dir, "ckpt.pt"), {
+                "format": "qkguard-checkpoint-1", "step": step, "args": vars(args), "model": model.state_dict(),
+                "optimizer": optimizer.state_dict(), "monitor": monitor.state_dict(), "guard": guard.state_dict(),
+                "detector": detector.state_dict(), "rng": rng_state(), "probe": probe.state_dict(),
+                "injector": injector.state_dict() if injector is not None else None})
+
+    stop_signal = []
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda signum, frame: stop_signal.append(signum))
+
+    accum_per_rank = args.grad_accum // dist.world
+    tokens_per_step = args.grad_accum * args.batch_size * args.block_size
+    status, val_loss, sigma, sigma_head = "completed", None, None, None
+    interval_loss, interval_steps, interval_start = torch.zeros((), device=device), 0, time.time()
+    try:
+        if state is None:
+            val_loss = evaluate(train_model, batches, args, dist, autocast)
+            log.write({"event": "eval", "step": 0, "val_loss": val_loss}, f"step {0:6d} | val loss {val_loss:.4f}")
+        while step < args.max_steps:
+            lr = lr_at(step, args) * guard.lr_scale()
+            for group in optimizer.param_groups:
+                group["lr"] = lr
+            if injector is not None:
+                injector.begin_step(step)
+            max_logit, clean_grads = None, None
+            for micro in range(accum_per_rank):
+                x, y = batches.get("train", step, micro * dist.world + dist.rank, device)
+                last = micro == accum_per_rank - 1
+                with autocast(), (train_model.no_sync() if dist.world > 1 and not last else contextlib.nullcontext()):
+                    _, loss, step_max_logit = train_model(x, y)
+                (loss / accum_per_rank).backward()
+                interval_loss += loss.detach().float() / accum_per_rank
+                max_logit = step_max_logit if max_logit is None else torch.maximum(max_logit, step_max_logit)
+                if args.qk_fix == "clean-grad":
+                    grads = clean_qk_grads(model, x, y, autocast, 1.0 / accum_per_rank)
+                    clean_grads = grads if clean_grads is None else [a + b for a, b in zip(clean_grads, grads)]
+            if clean_grads is not None:
+                for weight, grad in zip(qk_weights(model), clean_grads):
+                    weight.grad = dist.all_reduce(grad)
+            if injector is not None:
+                injector.inject_grads(model)
+            clip = guard.grad_clip(args.grad_clip)
+            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip if clip > 0 else float("inf"))
+            probe.before_step(model)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            probe_stats = probe.after_step(model)
+            max_logit = dist.all_reduce(max_logit.float(), "max")
+            guard.after_optimizer_step(model, max_logit)
+            if step % args.monitor_interval == 0:
+                sigma, sigma_head = monitor.measure(model, args.power_iters)
+                event = guard.observe(step, max_logit, sigma_head, model)
+                if event:
+                    log.write(event, f"step {step:6d} | QK-Guard {event['event']}: {event['signal']} "
+                              f"{event['value']:.1f} > {guard.threshold:g} at layer {event['layer']} head "
+                              f"{event['head']}: {guard.action} on in layers {event['layers']}")
+            interval_steps += 1
+            step += 1
+
+            if step % args.log_interval == 0 or step == args.max_steps:
+                mean_loss = dist.all_reduce(interval_loss / interval_steps).item()
+                elapsed = time.time() - interval_start
+                record = {"step": step - 1, "lr": lr, "loss": mean_loss, "grad_norm": grad_norm.item(),
+                          "tokens_per_s": tokens_per_step * interval_steps / elapsed,
+                          "max_logit": max_logit.tolist(), "sigma_q": sigma[:, 0].tolist(),
+                          "sigma_k": sigma[:, 1].tolist(), "sigma_q_head": sigma_head[:, 0].tolist(),
+                          "sigma_k_head": sigma_head[:, 1].tolist(),
+                          "guard": "on" if guard.triggered else ("dormant" if guard.enabled else "off")}
+                if injector is not None:
+                    record.update(injector.last_stats)
+                if probe_stats:
+                    record["probe"] = probe_stats
+                top = int(max_logit.argmax())
+                log.write(record, f"step {step - 1:6d} | loss {mean_loss:.4f} | lr {lr:.2e} | gnorm "
+                          f"{record['grad_norm']:.2f} | max logit {max_logit.max().item():7.1f} (L{top // max_logit.shape[1]}"
+                          f" H{top % max_logit.shape[1]}) | sigma(Wq) {sigma[:, 0].max().item():.2f} | "
+                          f"{record['tokens_per_s'] / 1e3:.1f}k tok/s | guard {record['guard']}")
+                if detector.update(step - 1, mean_loss):
+                    log.write({"event": "collapse", "step": detector.collapsed_at, "loss": mean_loss},
+                              f"step {step - 1:6d} | COLLAPSE detected (first bad step {detector.collapsed_at})")
+                    if args.on_collapse == "stop":
+                        status = "collapsed"
+                        break
+                interval_loss.zero_()
+                interval_steps, interval_start = 0, time.time()
+            if step % args.eval_interval == 0 or step == args.max_steps:
+                val_loss = evaluate(train_model, batches, args, dist, autocast)
+                log.write({"event": "eval", "step": step, "val_loss": val_loss},
+                          f"step {step:6d} | val loss {val_loss:.4f}")
+            if step % args.ckpt_interval == 0:
+                checkpoint()
+            stop = torch.tensor(float(bool(stop_signal)), device=device)
+            if dist.all_reduce(stop, "max").item():
+                status = "interrupted"
+                break
+        checkpoint()
+    except BaseException as e:
+        log.write({"event": "end", "status": "error", "step": step, "error": f"{type(e).__name__}: {e}"})
+        raise
+    log.write({"event": "end", "status": status, "step": step, "collapse_step": detector.collapsed_at,
+               "guard_trigger": guard.trigger, "val_loss": val_loss},
+              f"run {status} at step {step}; log and checkpoint in {args.out_dir}")
+    dist.close()
+
+
+if __name__ == "__main__":
+    main()
