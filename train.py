@@ -32,8 +32,8 @@ from attention_kernel import ACCUM_MODES, attention
 
 # Training defaults per preset; any flag given on the command line wins. "auto" picks "cpu" or "assay".
 PRESETS = {
-    "cpu": dict(size="cpu", batch_size=16, grad_accum=1, max_steps=300, lr=3e-3, min_lr=3e-4, warmup_steps=30,
-                schedule="cosine", log_interval=10, eval_interval=100, eval_iters=10, ckpt_interval=100),
+    "cpu": dict(size="cpu", batch_size=8, grad_accum=1, max_steps=100, lr=3e-3, min_lr=3e-4, warmup_steps=10,
+                schedule="cosine", log_interval=10, eval_interval=50, eval_iters=4, ckpt_interval=50),
     "assay": dict(size="assay", batch_size=32, grad_accum=1, max_steps=2000, lr=2e-3, min_lr=2e-3,
                   warmup_steps=200, schedule="constant", log_interval=10, eval_interval=250, eval_iters=20,
                   ckpt_interval=500),
