@@ -46,7 +46,7 @@ PRESETS = {
 }
 # Flags that may change when a run is resumed; any other difference from the saved run is an error.
 RESUMABLE_CHANGES = {"max_steps", "log_interval", "eval_interval", "eval_iters", "ckpt_interval", "compile",
-                     "on_collapse", "resume", "device"}
+                     "on_collapse", "resume", "device", "out_dir"}
 QK_FIXES = ("off", "clean-grad", "qknorm")
 
 
