@@ -1,0 +1,280 @@
+"""
+Launch the paper's claims as a batch of train.py runs, side by side on one GPU (or CPU).
+
+    python sweep.py                                   # every claim, 3 seeds, into runs/claims/<experiment>/seed<k>/
+    python sweep.py --claims 1,2 --seeds 2            # some claims
+    python sweep.py --claims 1 --dry-run              # print the commands only
+    python sweep.py --claims 1 -- --max-steps 50 --n-layer 2 --device cpu   # extra flags go to every run
+    python sweep.py --resume                          # also continue runs that were interrupted or crashed
+
+Each run is one train.py subprocess with its stdout.log / stderr.log in its own folder; at most --parallel run at
+once. A run whose log already ends with a completed or collapsed "end" record is skipped, so launching the same
+sweep again only runs what is left. Read the results with `python report.py runs/claims`.
+"""
+import argparse
+import json
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+# The size of the controlled error of claims 3 and 4 (error rms / rms of the signal it joins; see assay.py).
+# To be calibrated on the GPU: the smallest scale at which inject-coherent runs away within the run's steps while
+# inject-random does not, e.g. `python sweep.py --only inject-coherent,inject-random --seeds 1 --inject-scale X
+# --out-root runs/calib-X` for X in 0.02 0.05 0.1 0.2. Then write the chosen value here.
+INJECT_SCALE = 0.1
+
+# The experiments, grouped by the claim they test: name -> train.py flags ({scale} becomes the inject scale).
+# Flags left out take train.py's defaults (on a GPU: the assay preset of REFERENCE.md section 3).
+CLAIMS = {
+    1: ("bf16 softmax state collapses; fp32 and bf16-safemax do not", {
+        "bf16": "--accum bf16 --guard off",
+        "fp32": "--accum fp32 --guard off",
+        "bf16-safemax": "--accum bf16-safemax --guard off",
+    }),
+    2: ("QK-Guard prevents it, within 0.03 nat of always-on QK-norm", {
+        "bf16-guard": "--accum bf16 --guard on",
+        "bf16-qknorm-always": "--accum bf16 --qknorm always",
+        "fp32-qknorm-always": "--accum fp32 --qknorm always",
+    }),
+    3: ("an error outside attention drives the same QK runaway; the QK-only fix stops it", {
+        "inject-mlp-out": "--accum fp32 --inject-site mlp-out --inject-scale {scale} --inject-coherence 1",
+        "inject-mlp-out-qkfix": "--accum fp32 --inject-site mlp-out --inject-scale {scale} --inject-coherence 1 "
+                                "--qk-fix clean-grad",
+    }),
+    4: ("sign-coherent errors run away, random signs do not", {
+        # the same flags as inject-mlp-out: a second, independent look at the coherent case
+        "inject-coherent": "--accum fp32 --inject-site mlp-out --inject-scale {scale} --inject-coherence 1",
+        "inject-random": "--accum fp32 --inject-site mlp-out --inject-scale {scale} --inject-coherence 0.5",
+    }),
+    5: ("causal probe: removing QK's top directions stops the runaway, equal energy elsewhere does not", {
+        "bf16-probe-topk": "--accum bf16 --probe qk-topk",
+        "bf16-probe-equal": "--accum bf16 --probe equal-energy",
+    }),
+    6: ("non-QK actions at the same trigger fail", {
+        "bf16-guard-lr-drop": "--accum bf16 --guard on --guard-action lr-drop",
+        "bf16-guard-clip": "--accum bf16 --guard on --guard-action clip",
+        "bf16-guard-softcap": "--accum bf16 --guard on --guard-action softcap",
+    }),
+    7: ("the same on a second architecture (llama: RMSNorm, SwiGLU, rotary)", {
+        "llama-bf16": "--arch llama --accum bf16 --guard off",
+        "llama-fp32": "--arch llama --accum fp32 --guard off",
+        "llama-bf16-guard": "--arch llama --accum bf16 --guard on",
+        "llama-bf16-qknorm-always": "--arch llama --accum bf16 --qknorm always",
+    }),
+}
+DONE = ("completed", "collapsed")    # end statuses that mean "nothing left to run"
+STOP_WAIT_S = 300                    # after Ctrl-C, how long children get to save their checkpoint
+
+
+def experiments(claims, only=None, scale=INJECT_SCALE):
+    """name -> list of train.py flags, for the chosen claims (and names)."""
+    chosen = {}
+    for number in claims:
+        for name, flags in CLAIMS[number][1].items():
+            if only is None or name in only:
+                chosen[name] = shlex.split(flags.format(scale=scale))
+    return chosen
+
+
+def read_log(out_dir):
+    """The records of a run's log.jsonl ([] if none); a line cut short (being written, or killed) is skipped."""
+    records = []
+    if os.path.exists(os.path.join(out_dir, "log.jsonl")):
+        with open(os.path.join(out_dir, "log.jsonl")) as f:
+            for line in f:
+                try:
+                    records.append(json.loads(line))
+                except ValueError:
+                    pass
+    return records
+
+
+def run_state(out_dir):
+    """'new' (nothing there), 'completed' / 'collapsed' (done), or why it is unfinished."""
+    if not any(os.path.exists(os.path.join(out_dir, f)) for f in ("config.json", "log.jsonl", "ckpt.pt")):
+        return "new"
+    records = read_log(out_dir)
+    if not records:
+        return "empty log"
+    return records[-1].get("status", "unknown") if records[-1].get("event") == "end" else "no end record"
+
+
+def plan(names_flags, seeds, out_root, extra, resume):
+    """The runs to launch, seed-major (every experiment gets seed 1 before any gets seed 2, so a sweep cut
+    short still covers every experiment), and the ones skipped with the reason."""
+    train = os.path.relpath(os.path.join(HERE, "train.py"))
+    todo, skipped = [], []
+    for seed in range(1, seeds + 1):
+        for name, flags in names_flags.items():
+            out_dir = os.path.join(out_root, name, f"seed{seed}")
+            state = run_state(out_dir)
+            cmd = [sys.executable, train, *flags, *extra, "--seed", str(seed), "--out-dir", out_dir]
+            if state in DONE:
+                skipped.append((out_dir, state))
+            elif state == "new":
+                todo.append((out_dir, cmd))
+            elif not resume:
+                skipped.append((out_dir, f"unfinished ({state}): pass --resume to continue it, or delete it"))
+            elif not os.path.exists(os.path.join(out_dir, "ckpt.pt")):
+                skipped.append((out_dir, f"unfinished ({state}) and no checkpoint: delete it to start over"))
+            else:
+                todo.append((out_dir, cmd + ["--resume"]))
+    return todo, skipped
+
+
+def flag_value(flags, name, default=None):
+    """The value of `name` in a train.py flag list (last one wins, as in argparse); --name=value too."""
+    value = default
+    for i, flag in enumerate(flags):
+        if flag == name and i + 1 < len(flags):
+            value = flags[i + 1]
+        elif flag.startswith(name + "="):
+            value = flag.split("=", 1)[1]
+    return value
+
+
+def prepare_data_once(extra):
+    """N runs starting together would all build the default dataset: build it once, first."""
+    if flag_value(extra, "--data-dir"):
+        return
+    dataset = flag_value(extra, "--dataset", "pycode")
+    if dataset in ("pycode", "shakespeare") and not os.path.exists(os.path.join("data", dataset, "meta.json")):
+        print(f"preparing data/{dataset} once before the runs start", flush=True)
+        subprocess.run([sys.executable, os.path.join(HERE, "prepare_data.py"), "--dataset", dataset,
+                        "--out-dir", os.path.join("data", dataset)], check=True)
+
+
+def default_parallel(extra):
+    """8 runs share a GPU well (REFERENCE.md section 3 ran 4 at ~5 steps/s each); a CPU is busy with one."""
+    if flag_value(extra, "--device", "auto").startswith("cpu"):
+        return 1
+    import torch    # only here: the rest of sweep.py (and report.py, which imports it) needs no torch
+    return 8 if torch.cuda.is_available() else 1
+
+
+def outcome(out_dir, returncode):
+    """(ok, text) for the progress line, from the run's exit code and its log's end record."""
+    last = (read_log(out_dir) or [{}])[-1]
+    if returncode != 0 or last.get("event") != "end" or last.get("status") == "error":
+        why = last.get("error") or f"exit code {returncode}"
+        return False, f"ERROR: {why}; see {os.path.join(out_dir, 'stderr.log')}"
+    text = f"{last.get('status')} at step {last.get('step')}"
+    if last.get("collapse_step") is not None:
+        text += f", collapse from step {last['collapse_step']}"
+    if last.get("guard_trigger"):
+        text += f", guard triggered at step {last['guard_trigger']['step']}"
+    if last.get("val_loss") is not None:
+        text += f", val loss {last['val_loss']:.4f}"
+    return True, text
+
+
+def stop(running):
+    """Ask every child to stop (SIGINT: train.py finishes its step and saves a checkpoint), then wait."""
+    print(f"stopping {len(running)} runs (they save a checkpoint; Ctrl-C again to kill them)", flush=True)
+    for proc in running:
+        proc.send_signal(signal.SIGINT)
+    try:
+        deadline = time.time() + STOP_WAIT_S
+        for proc in running:
+            proc.wait(timeout=max(1.0, deadline - time.time()))
+    except (KeyboardInterrupt, subprocess.TimeoutExpired):
+        for proc in running:
+            if proc.poll() is None:
+                proc.kill()
+    for proc, (out_dir, _) in running.items():
+        print(f"  {out_dir}: {run_state(out_dir)}", flush=True)
+
+
+def launch(todo, parallel):
+    """Run the commands, at most `parallel` at once. Returns the folders of the runs that errored."""
+    queue, running, errors, n, started, ended = list(todo), {}, [], len(todo), 0, 0
+    try:
+        while queue or running:
+            while queue and len(running) < parallel:
+                out_dir, cmd = queue.pop(0)
+                os.makedirs(out_dir, exist_ok=True)
+                # appended, so a resumed run keeps the output of its earlier part
+                with open(os.path.join(out_dir, "stdout.log"), "a") as out, \
+                        open(os.path.join(out_dir, "stderr.log"), "a") as err:
+                    # a session of its own: a terminal Ctrl-C reaches only us, and we pass on exactly one SIGINT
+                    proc = subprocess.Popen(cmd, stdout=out, stderr=err, start_new_session=True,
+                                            env=dict(os.environ, PYTHONUNBUFFERED="1"))
+                running[proc] = (out_dir, time.time())
+                started += 1
+                print(f"[start {started}/{n}] {out_dir}", flush=True)
+            for proc in [p for p in running if p.poll() is not None]:
+                out_dir, t0 = running.pop(proc)
+                ok, text = outcome(out_dir, proc.returncode)
+                ended += 1
+                print(f"[end {ended}/{n}] {out_dir}: {text} ({time.time() - t0:.0f} s)", flush=True)
+                if not ok:
+                    errors.append(out_dir)
+            time.sleep(0.2)
+    except KeyboardInterrupt:
+        stop(running)
+        raise
+    return errors
+
+
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else list(argv)
+    cut = argv.index("--") if "--" in argv else len(argv)
+    argv, extra = argv[:cut], argv[cut + 1:]
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+                                usage="%(prog)s [options] [-- extra train.py flags for every run]")
+    p.add_argument("--claims", default=",".join(map(str, CLAIMS)), help="comma-separated claim numbers (1-7)")
+    p.add_argument("--only", default=None, help="comma-separated experiment names, within those claims")
+    p.add_argument("--seeds", type=int, default=3, help="seeds 1..N: seed k passes --seed k")
+    p.add_argument("--parallel", type=int, default=None, help="runs at once (default: 8 on CUDA, 1 on CPU)")
+    p.add_argument("--out-root", default="runs/claims", help="runs go to <out-root>/<experiment>/seed<k>/")
+    p.add_argument("--inject-scale", type=float, default=INJECT_SCALE, help="error size of claims 3 and 4")
+    p.add_argument("--resume", action="store_true", help="continue unfinished runs from their checkpoints")
+    p.add_argument("--dry-run", action="store_true", help="print the commands, run nothing")
+    args = p.parse_args(argv)
+    if not set(args.claims.split(",")) <= set(map(str, CLAIMS)):
+        p.error(f"--claims {args.claims!r}: give some of {','.join(map(str, CLAIMS))}")
+    claims = [int(c) for c in args.claims.split(",")]
+    only = None if args.only is None else set(args.only.split(","))
+    names_flags = experiments(claims, only, args.inject_scale)
+    if only is not None and only - set(names_flags):
+        p.error(f"--only: {', '.join(sorted(only - set(names_flags)))} not in claims {args.claims}")
+
+    todo, skipped = plan(names_flags, args.seeds, args.out_root, extra, args.resume)
+    for out_dir, why in skipped:
+        print(f"skip {out_dir}: {why}")
+    if args.dry_run:
+        for _, cmd in todo:
+            print(shlex.join(cmd))
+        return 0
+    if not todo:
+        print(f"nothing to run; read the results with: python report.py {args.out_root}")
+        return 0
+    parallel = args.parallel or default_parallel(extra)
+    prepare_data_once(extra)
+    print(f"{len(todo)} runs, {parallel} at a time, into {args.out_root}", flush=True)
+
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt
+    for sig in (signal.SIGINT, signal.SIGTERM):     # SIGINT too: a shell starts background jobs ignoring it
+        signal.signal(sig, interrupt)
+    try:
+        errors = launch(todo, parallel)
+    except KeyboardInterrupt:
+        print("sweep interrupted: launch it again with --resume to continue the unfinished runs")
+        return 130
+    if errors:
+        print(f"{len(errors)} runs errored:" + "".join(f"\n  {d}" for d in errors))
+        return 1
+    unfinished = sum(why.startswith("unfinished") for _, why in skipped)
+    print(f"all {len(todo)} runs ended" + (f" ({unfinished} unfinished ones skipped: see above)" if unfinished else "")
+          + f"; read them with: python report.py {args.out_root}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,251 @@
+"""Tests of sweep.py (launching the claims) and report.py (reading them back and judging them).
+
+Run: python -m pytest -q test_tools.py   (CPU; well under a minute)
+"""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+import report
+import sweep
+
+ROOT = os.path.dirname(os.path.abspath(__file__))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Synthetic run folders, written the way train.py writes them
+
+def write_run(root, group, seed, steps=20, sigma=1.0, growth=1.0, loss=3.0, collapse=None, trigger=None,
+              val=2.9, end="completed", command=None):
+    """A run logging every step. sigma(W_q) of layer 1 grows by `growth` per step (layer 0 stays at 0.5), the
+    max logit is 10 sigma^2; from `collapse` on the loss jumps to 8; `trigger` adds a guard_trigger event.
+    end=None leaves the run in progress (no end record); end="" writes an empty log."""
+    path = os.path.join(root, group, f"seed{seed}")
+    os.makedirs(path)
+    command = command or ["train.py", "--accum", group, "--seed", str(seed), "--out-dir", path]
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump({"args": {"seed": seed}, "command": command,
+                   "versions": {"gpu": "NVIDIA H200", "device": "cuda:0", "torch": "2.11.0+cu130"}}, f)
+    records = [{"event": "start", "step": 0}, {"event": "eval", "step": 0, "val_loss": 10.0}]
+    for step in range(steps):
+        s = sigma * growth ** step
+        bad = collapse is not None and step >= collapse
+        records.append({"step": step, "lr": 1e-3, "loss": 8.0 if bad else loss, "grad_norm": 1.0,
+                        "max_logit": [[1.0, 2.0], [10 * s * s, 3.0]], "sigma_q": [0.5, s], "sigma_k": [0.5, s],
+                        "guard": "on" if trigger is not None and step > trigger else "off"})
+        if step == trigger:
+            records.append({"event": "guard_trigger", "step": step, "layer": 1, "head": 0, "value": 10 * s * s,
+                            "signal": "max-logit", "threshold": 200.0, "action": "qknorm"})
+        if collapse is not None and step == collapse + 4:
+            records.append({"event": "collapse", "step": collapse, "loss": 8.0})
+            break
+    records.append({"event": "eval", "step": records[-1]["step"] + 1, "val_loss": 8.0 if collapse else val})
+    if end:
+        records.append({"event": "end", "status": "collapsed" if collapse is not None else end,
+                        "step": records[-1]["step"], "collapse_step": collapse,
+                        "guard_trigger": None if trigger is None else {"step": trigger}, "val_loss": val})
+    with open(os.path.join(path, "log.jsonl"), "w") as f:
+        if end != "":
+            f.write("".join(json.dumps(r) + "\n" for r in records))
+    return path
+
+
+def verdict(root, claim):
+    return report.verdicts(report.load_runs(str(root)))[claim - 1][1]
+
+
+def claim1_runs(root, safemax_collapses=False):
+    write_run(root, "bf16", 1, growth=1.2, collapse=10)
+    write_run(root, "bf16", 2, growth=1.2, collapse=14)
+    write_run(root, "bf16", 3)
+    for seed in (1, 2, 3):
+        write_run(root, "fp32", seed)
+        write_run(root, "bf16-safemax", seed, collapse=12 if safemax_collapses and seed == 2 else None)
+    write_run(root, "fp32", 4, collapse=12, end=None)   # in progress, a collapse logged: must not count yet
+    write_run(root, "fp32", 5, end="")          # an empty log
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# report.py
+
+def test_group_numbers_from_logs(tmp_path):
+    claim1_runs(tmp_path)
+    write_run(tmp_path, "bf16-guard", 1, steps=20, growth=1.1, trigger=7, loss=3.0)
+    groups = report.load_runs(str(tmp_path))
+    bf16 = {r.seed: r for r in groups["bf16"]}
+    assert [bf16[s].collapsed for s in ("seed1", "seed2", "seed3")] == [True, True, False]
+    assert bf16["seed1"].collapse_step == 10 and bf16["seed1"].status == "collapsed"
+    assert bf16["seed1"].max_sigma == pytest.approx(1.2 ** 14)             # last logged step: collapse + 4
+    assert bf16["seed1"].max_logit == pytest.approx(10 * 1.2 ** 28)
+    assert bf16["seed1"].final_train == pytest.approx(8.0)
+    assert bf16["seed3"].final_train == pytest.approx(3.0) and bf16["seed3"].final_val == pytest.approx(2.9)
+    fp32 = {r.seed: r for r in groups["fp32"]}
+    assert fp32["seed4"].status == "in progress" and not fp32["seed4"].finished
+    assert fp32["seed5"].status == "empty log" and fp32["seed5"].max_sigma is None
+    guard = groups["bf16-guard"][0]
+    assert guard.trigger == 7 and not guard.collapsed and guard.max_sigma == pytest.approx(1.1 ** 19)
+
+    assert report.group_line("bf16", groups["bf16"]).startswith("bf16: 2/3 collapsed (median step 12)")  # 10, 14
+    assert "guard triggered at 7" in report.group_line("bf16-guard", groups["bf16-guard"])
+    assert report.group_line("fp32", groups["fp32"]).startswith("fp32: 0/3 collapsed")     # finished runs only
+    assert report.group_line("fp32", groups["fp32"], finished_only=False).startswith("fp32: 1/5 collapsed")
+    text = report.build(groups, str(tmp_path), markdown=False)
+    assert "in progress" in text and "empty log" in text and "bf16-qknorm-always: no runs" in text
+
+
+def test_final_loss_is_mean_of_last_logged_losses(tmp_path):
+    path = write_run(tmp_path, "fp32", 1, steps=3)
+    with open(os.path.join(path, "log.jsonl")) as f:
+        records = [json.loads(line) for line in f]
+    losses = iter([5.0, 4.0, 3.0, 2.0, 1.0, 0.0, 1.0])
+    for r in records:
+        if "loss" in r:
+            r["loss"] = next(losses)
+    with open(os.path.join(path, "log.jsonl"), "w") as f:
+        f.write("".join(json.dumps(r) + "\n" for r in records) + '{"step": 9, "lo')   # a half-written line
+    run = report.load_runs(str(tmp_path))["fp32"][0]
+    assert run.loss == [5.0, 4.0, 3.0] and run.final_train == pytest.approx(4.0)
+    assert report.FINAL_WINDOW == 5
+
+
+def test_claim_1_verdict_follows_the_rule(tmp_path):
+    claim1_runs(tmp_path / "a")
+    assert verdict(tmp_path / "a", 1) == "reproduced"
+    row = report.verdicts(report.load_runs(str(tmp_path / "a")))[0]
+    assert "2 unfinished runs left out" in row[2] and "bf16: 2/3 collapsed" in row[2]
+    claim1_runs(tmp_path / "b", safemax_collapses=True)
+    assert verdict(tmp_path / "b", 1) == "not reproduced"
+    write_run(tmp_path / "c", "bf16", 1, collapse=10)
+    write_run(tmp_path / "c", "fp32", 1)
+    assert verdict(tmp_path / "c", 1) == "not run"                       # no bf16-safemax run
+    assert verdict(tmp_path / "c", 2) == "not run"
+
+
+@pytest.mark.parametrize("gap, trigger, expected", [(0.02, 5, "reproduced"), (0.05, 5, "not reproduced"),
+                                                    (0.0, None, "not reproduced")])
+def test_claim_2_guard_within_tolerance_of_qknorm(tmp_path, gap, trigger, expected):
+    for seed in (1, 2):
+        write_run(tmp_path, "bf16-guard", seed, loss=3.0 + gap, val=2.9 - gap, trigger=trigger)
+        write_run(tmp_path, "bf16-qknorm-always", seed, loss=3.0, val=2.9)
+    assert verdict(tmp_path, 2) == expected
+
+
+def test_claims_3_to_6_use_runaway_and_sigma_ratio(tmp_path):
+    write_run(tmp_path, "inject-coherent", 1, growth=1.3)              # sigma 1.3^19 ~ 146, logit >> 1000
+    write_run(tmp_path, "inject-random", 1, growth=1.01)
+    assert verdict(tmp_path, 4) == "reproduced"
+    write_run(tmp_path, "bf16-probe-topk", 1, growth=1.01)
+    write_run(tmp_path, "bf16-probe-equal", 1, growth=1.03)            # ratio 1.76 / 1.21: not clearly larger
+    assert verdict(tmp_path, 5) == "not reproduced"
+    for name in ("bf16-guard-lr-drop", "bf16-guard-clip"):
+        write_run(tmp_path, name, 1, growth=1.3, trigger=3, collapse=12)
+    write_run(tmp_path, "bf16-guard-softcap", 1, growth=1.02, trigger=3)  # held: the non-QK claim fails
+    assert verdict(tmp_path, 6) == "not reproduced"
+    assert verdict(tmp_path, 3) == "not run"
+
+
+def test_markdown_has_tables_hardware_and_commands(tmp_path):
+    claim1_runs(tmp_path / "runs")
+    md = tmp_path / "RESULTS.md"
+    assert report.main([str(tmp_path / "runs"), "--markdown", str(md), "--plots", str(tmp_path / "plots")]) == 0
+    text = md.read_text()
+    assert "| claim | verdict |" in text and "| 1 | reproduced |" in text and "| 2 | not run |" in text
+    assert "### bf16-safemax" in text and "| seed2 | collapsed | 14 |" in text
+    assert "NVIDIA H200" in text
+    assert f"python train.py --accum bf16 --seed 2 --out-dir {tmp_path / 'runs' / 'bf16' / 'seed2'}" in text
+
+
+def test_plots_or_a_clear_skip(tmp_path, monkeypatch, capsys):
+    claim1_runs(tmp_path)
+    groups = report.load_runs(str(tmp_path))
+    monkeypatch.setitem(sys.modules, "matplotlib", None)                # as if it were not installed
+    assert report.plot_claims(groups, str(tmp_path / "p")) == []
+    assert "plots skipped" in capsys.readouterr().out
+    monkeypatch.undo()
+    pytest.importorskip("matplotlib")
+    saved = report.plot_claims(groups, str(tmp_path / "p"))
+    assert saved == [str(tmp_path / "p" / "claim1.png")] and os.path.getsize(saved[0]) > 1000
+
+
+def test_report_survives_nothing(tmp_path, capsys):
+    os.makedirs(tmp_path / "bf16" / "seed1")                           # a folder without any file
+    assert report.main([str(tmp_path), "--plots", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "empty log" in out and out.count("not run") == 7
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# sweep.py
+
+def dry_run(*args):
+    return subprocess.run([sys.executable, os.path.join(ROOT, "sweep.py"), "--dry-run", *args],
+                          capture_output=True, text=True, timeout=60, cwd=ROOT)
+
+
+def test_sweep_dry_run_commands_and_skips(tmp_path):
+    root = str(tmp_path)
+    out = dry_run("--claims", "1", "--seeds", "2", "--out-root", root, "--", "--max-steps", "50")
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.strip().splitlines()
+    assert len(lines) == 6
+    for name, flags in (("bf16", "--accum bf16 --guard off"), ("fp32", "--accum fp32 --guard off"),
+                        ("bf16-safemax", "--accum bf16-safemax --guard off")):
+        for seed in (1, 2):
+            expected = f"{flags} --max-steps 50 --seed {seed} --out-dir {root}/{name}/seed{seed}"
+            assert sum(expected in line for line in lines) == 1, (expected, lines)
+
+    write_run(root, "fp32", 1)                                           # ended: skipped
+    write_run(root, "bf16", 2, end=None)                                 # unfinished: skipped unless --resume
+    out = dry_run("--claims", "1", "--seeds", "2", "--out-root", root)
+    assert f"skip {root}/fp32/seed1: completed" in out.stdout
+    assert f"skip {root}/bf16/seed2: unfinished" in out.stdout
+    assert sum("train.py" in line for line in out.stdout.splitlines()) == 4
+    open(os.path.join(root, "bf16", "seed2", "ckpt.pt"), "w").close()
+    out = dry_run("--claims", "1", "--seeds", "2", "--out-root", root, "--resume")
+    assert f"--out-dir {root}/bf16/seed2 --resume" in out.stdout
+
+
+def test_experiment_table_is_valid_train_flags():
+    """Every experiment's flags parse in train.py (so no run of the GPU session dies on a typo)."""
+    import train
+    for number in sweep.CLAIMS:
+        for name, flags in sweep.experiments([number]).items():
+            train.parse_args(flags + ["--max-steps", "1"])
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory):
+    import sysconfig
+    import prepare_data
+    stdlib = sysconfig.get_paths()["stdlib"]
+    out = tmp_path_factory.mktemp("data")
+    prepare_data.prepare(dataset="text", out_dir=str(out), val_fraction=0.2,
+                         inputs=[os.path.join(stdlib, n + ".py") for n in ("abc", "argparse", "ast", "bisect",
+                                                                           "calendar", "contextlib", "copy", "csv")])
+    return str(out)
+
+
+def test_sweep_and_report_end_to_end(tmp_path, data_dir):
+    root = str(tmp_path / "runs")
+    cmd = [sys.executable, os.path.join(ROOT, "sweep.py"), "--claims", "1", "--seeds", "1", "--parallel", "3",
+           "--out-root", root, "--", "--max-steps", "4", "--n-layer", "1", "--n-head", "2", "--n-embd", "32",
+           "--block-size", "32", "--batch-size", "2", "--attn-impl", "torch", "--device", "cpu",
+           "--eval-iters", "1", "--log-interval", "1", "--data-dir", data_dir]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert out.stdout.count("[end ") == 3 and "ERROR" not in out.stdout
+    for name in ("bf16", "fp32", "bf16-safemax"):
+        assert sweep.run_state(os.path.join(root, name, "seed1")) == "completed"
+        assert os.path.getsize(os.path.join(root, name, "seed1", "stdout.log")) > 0
+    again = subprocess.run(cmd, capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert "nothing to run" in again.stdout
+
+    rep = subprocess.run([sys.executable, os.path.join(ROOT, "report.py"), root, "--markdown",
+                          str(tmp_path / "R.md")], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert rep.returncode == 0, rep.stderr
+    for name in ("bf16", "fp32", "bf16-safemax"):
+        assert f"== {name} ==" in rep.stdout and f"{name}: 0/1 collapsed" in rep.stdout
+    assert "Traceback" not in rep.stderr
