@@ -465,3 +465,14 @@ def test_assay_runs_log_what_they_did(tmp_path, data_dir, argv):
 def test_assay_flag_combinations_that_make_no_sense_are_refused(tmp_path, data_dir, argv, flag):
     result = train(tmp_path / "run", data_dir, *argv)
     assert result.returncode != 0 and flag in result.stderr, result.stderr
+
+
+def test_resuming_a_finished_run_asks_for_more_steps(tmp_path, data_dir):
+    out = tmp_path / "run"
+    assert train(out, data_dir, "--max-steps", "3").returncode == 0
+    before = _files(out)
+    result = train(out, data_dir, "--max-steps", "3", "--resume")
+    assert result.returncode != 0 and "already reached step 3" in result.stderr and _files(out) == before
+    result = train(out, data_dir, "--max-steps", "5", "--resume")
+    assert result.returncode == 0, result.stderr
+    assert sorted(step_losses(read_log(out))) == [0, 1, 2, 3, 4]

@@ -446,6 +446,9 @@ def start_run(args, explicit, dist):
     merged = dict(saved)
     merged.update({k: v for k, v in explicit.items() if k in RESUMABLE_CHANGES})
     merged["resume"] = True
+    if state["step"] >= merged["max_steps"]:
+        raise SystemExit(f"error: the run in {args.out_dir} already reached step {state['step']}: pass a "
+                         f"--max-steps above it to train on")
     return argparse.Namespace(**merged), state
 
 
@@ -619,8 +622,10 @@ def main(argv=None):
                           f"step {step:6d} | val loss {val_loss:.4f}")
             if step % args.ckpt_interval == 0:
                 checkpoint()
-            stop = torch.tensor(float(bool(stop_signal)), device=device)
-            if dist.all_reduce(stop, "max").item():
+            stop = bool(stop_signal)
+            if dist.world > 1:   # a signal may reach the ranks at different steps: stop together
+                stop = dist.all_reduce(torch.tensor(float(stop), device=device), "max").item() > 0
+            if stop:
                 status = "interrupted"
                 break
         checkpoint()
