@@ -212,6 +212,26 @@ def test_qkclip_caps_the_offending_heads_and_nothing_else():
             assert torch.equal(value, before[name]), f"qkclip changed {name}"
 
 
+def test_the_guard_switching_on_recompiles_once_under_compile():
+    graphs = []
+
+    def counting_backend(gm, example_inputs):   # called once per (re)compilation of the forward
+        graphs.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = tiny_model()
+    compiled = torch.compile(model, backend=counting_backend)
+    idx = torch.randint(0, 128, (2, 16))
+    guard = QKGuard(enabled=True, threshold=10.0, action="qknorm", scope="all")
+    for step in range(6):
+        if step == 3:
+            assert guard.observe(step, torch.full((2, 2), 50.0), torch.ones(2, 2, 2), model) is not None
+        compiled(idx[:, :-1], idx[:, 1:])[1].backward()
+    assert len(graphs) == 2, f"{len(graphs)} compilations: one before the trigger and one after, no more"
+
+
 def test_collapse_detector_on_synthetic_curves():
     def run(losses, **kw):
         det = CollapseDetector(**kw)
@@ -388,6 +408,11 @@ def test_damaged_data_gives_a_clear_error(tmp_path, data_dir):
     json.dump(meta, open(bad / "meta.json", "w"))
     result = train(tmp_path / "run2", str(bad), "--max-steps", "2")
     assert result.returncode != 0 and "vocab_size 100000" in result.stderr
+    meta["vocab_size"] = 50257
+    json.dump(meta, open(bad / "meta.json", "w"))
+    os.remove(bad / "train.bin")
+    result = train(tmp_path / "run3", str(bad), "--max-steps", "2")
+    assert result.returncode != 0 and "train.bin is missing" in result.stderr
 
 
 @pytest.mark.parametrize("argv, message", [

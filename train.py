@@ -261,6 +261,9 @@ class Batches:
         self.data = {}
         for split in ("train", "val"):
             path = os.path.join(data_dir, f"{split}.bin")
+            if not os.path.exists(path):
+                raise SystemExit(f"error: {path} is missing although {meta_path} exists: re-run "
+                                 f"`python prepare_data.py --force` for this dataset")
             size = os.path.getsize(path)
             expected = meta.get("tokens", {}).get(split)
             if size % 2 or (expected is not None and size // 2 != expected):
