@@ -39,21 +39,20 @@ class SpectralMonitor:
     @torch.no_grad()
     def measure(self, model, iters=1):
         """Returns sigma (n_layer, 2) and sigma_head (n_layer, 2, n_head); [:, 0] is W_q, [:, 1] is W_k."""
-        sigma = torch.empty(self.v_full.shape[:2], device=self.v_full.device)
-        sigma_head = torch.empty(self.v_head.shape[:3], device=self.v_head.device)
-        for layer, attn in enumerate(model.attentions):
-            for which, (w, w_heads) in enumerate(zip((attn.q_proj.weight, attn.k_proj.weight),
-                                                     attn.head_weights())):
-                w, w_heads = w.float(), w_heads.float()
-                v, vh = self.v_full[layer, which], self.v_head[layer, which]
-                for _ in range(iters):
-                    v = w.T @ (w @ v)
-                    v = v / v.norm().clamp_min(1e-30)
-                    vh = torch.einsum("hdc,hd->hc", w_heads, torch.einsum("hdc,hc->hd", w_heads, vh))
-                    vh = vh / vh.norm(dim=-1, keepdim=True).clamp_min(1e-30)
-                self.v_full[layer, which], self.v_head[layer, which] = v, vh
-                sigma[layer, which] = (w @ v).norm()
-                sigma_head[layer, which] = torch.einsum("hdc,hc->hd", w_heads, vh).norm(dim=-1)
+        attns = model.attentions
+        # every layer's W_q and W_k in one (n_layer, 2, C_out, C_in) stack: a handful of batched kernels per
+        # step instead of a handful per matrix; head h owns output rows h*head_dim:(h+1)*head_dim
+        w = torch.stack([torch.stack([a.q_proj.weight, a.k_proj.weight]) for a in attns]).float()
+        w_heads = w.unflatten(2, (attns[0].n_head, -1))                  # (n_layer, 2, n_head, head_dim, C_in)
+        v, vh = self.v_full, self.v_head
+        for _ in range(iters):   # v <- W^T W v, normalized
+            v = torch.einsum("lwoi,lwo->lwi", w, torch.einsum("lwoi,lwi->lwo", w, v))
+            v = v / v.norm(dim=-1, keepdim=True).clamp_min(1e-30)
+            vh = torch.einsum("lwhoi,lwho->lwhi", w_heads, torch.einsum("lwhoi,lwhi->lwho", w_heads, vh))
+            vh = vh / vh.norm(dim=-1, keepdim=True).clamp_min(1e-30)
+        self.v_full, self.v_head = v, vh
+        sigma = torch.einsum("lwoi,lwi->lwo", w, v).norm(dim=-1)
+        sigma_head = torch.einsum("lwhoi,lwhi->lwho", w_heads, vh).norm(dim=-1)
         return sigma, sigma_head
 
     def state_dict(self):
