@@ -321,6 +321,9 @@ def check_assay_flags(site, scale, coherence, probe, probe_k, qk_fix, accum):
         raise ValueError(f"--probe {probe!r} is unknown; use one of {PROBE_MODES}")
     if probe_k < 1:
         raise ValueError(f"--probe-k must be >= 1; got {probe_k}")
+    if qk_fix == "clean-grad" and site in GRAD_SITES and accum == "fp32":
+        raise ValueError(f"--qk-fix clean-grad recomputes the forward without the fault, but --inject-site {site} "
+                         "never touches the forward: the clean QK gradient would be the faulty one")
     if qk_fix not in (None, False, "off") and site == "none" and accum == "fp32":
         raise ValueError("--qk-fix corrects the QK channel while a fault is active, but there is none: "
                          "set --inject-site or a faulty --accum")

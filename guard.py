@@ -108,10 +108,12 @@ class QKGuard:
         new_layers = [layer for layer in new_layers if layer not in self.layers]
         if not new_layers:
             return None
-        flat = int(values.argmax())
-        layer, head = divmod(flat, values.shape[1])
+        # report the largest crossing among the layers the action now takes on
+        masked = torch.full_like(values, -math.inf)
+        masked[new_layers] = values[new_layers]
+        layer, head = divmod(int(masked.argmax()), values.shape[1])
         event = {"event": "guard_trigger" if not self.triggered else "guard_extend", "step": step,
-                 "layer": layer, "head": head, "value": float(values.max()), "signal": self.signal,
+                 "layer": layer, "head": head, "value": float(values[layer, head]), "signal": self.signal,
                  "threshold": self.threshold, "action": self.action, "layers": new_layers}
         if not self.triggered:
             self.trigger = {k: event[k] for k in ("step", "layer", "head", "value")}

@@ -88,10 +88,21 @@ def read_log(out_dir):
         with open(os.path.join(out_dir, "log.jsonl")) as f:
             for line in f:
                 try:
-                    records.append(json.loads(line))
+                    record = json.loads(line)
                 except ValueError:
-                    pass
+                    continue
+                if record.get("event") == "resume":   # a resumed run replays the steps after its checkpoint
+                    records = [r for r in records if not replayed(r, record["step"])]
+                records.append(record)
     return records
+
+
+def replayed(record, resume_step):
+    """Whether a record written before a resume at `resume_step` is written again by the resumed run: step
+    records and guard/collapse events of updates >= resume_step, evals after it (see train.py's step numbering)."""
+    if "step" not in record or record.get("event") in ("start", "resume", "end"):
+        return False
+    return record["step"] > resume_step if record.get("event") == "eval" else record["step"] >= resume_step
 
 
 def run_state(out_dir):

@@ -108,7 +108,6 @@ def test_final_loss_is_mean_of_last_logged_losses(tmp_path):
         f.write("".join(json.dumps(r) + "\n" for r in records) + '{"step": 9, "lo')   # a half-written line
     run = report.load_runs(str(tmp_path))["fp32"][0]
     assert run.loss == [5.0, 4.0, 3.0] and run.final_train == pytest.approx(4.0)
-    assert report.FINAL_WINDOW == 5
 
 
 def test_claim_1_verdict_follows_the_rule(tmp_path):
@@ -249,3 +248,16 @@ def test_sweep_and_report_end_to_end(tmp_path, data_dir):
     for name in ("bf16", "fp32", "bf16-safemax"):
         assert f"== {name} ==" in rep.stdout and f"{name}: 0/1 collapsed" in rep.stdout
     assert "Traceback" not in rep.stderr
+
+
+def test_read_log_drops_the_records_a_resume_replays(tmp_path):
+    import sweep
+    lines = [{"event": "start", "step": 0}, {"event": "eval", "step": 0, "val_loss": 9.0},
+             *({"step": s, "loss": 10.0 - s} for s in range(6)), {"event": "eval", "step": 4, "val_loss": 7.0},
+             {"event": "guard_trigger", "step": 5}, {"event": "resume", "step": 4},
+             *({"step": s, "loss": 20.0 - s} for s in range(4, 8)), {"event": "end", "status": "completed", "step": 8}]
+    (tmp_path / "log.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+    records = sweep.read_log(str(tmp_path))
+    assert [r["loss"] for r in records if "loss" in r] == [10, 9, 8, 7, 16, 15, 14, 13]
+    assert [r["step"] for r in records if r.get("event") == "eval"] == [0, 4], "the eval at the checkpoint stays"
+    assert not any(r.get("event") == "guard_trigger" for r in records), "a trigger after the checkpoint is replayed"

@@ -45,6 +45,7 @@ PRESETS = {
                         eval_iters=50, ckpt_interval=1000),
 }
 # Flags that may change when a run is resumed; any other difference from the saved run is an error.
+PRESET_KEYS = {key for values in (*PRESETS.values(), *model_lib.MODEL_SIZES.values()) for key in values}
 RESUMABLE_CHANGES = {"max_steps", "log_interval", "eval_interval", "eval_iters", "ckpt_interval", "compile",
                      "on_collapse", "resume", "device", "out_dir"}
 QK_FIXES = ("off", "clean-grad", "qknorm")
@@ -57,12 +58,17 @@ def build_parser(suppress_defaults=False):
     def add(group, *flags, **kw):
         if suppress_defaults:
             kw.pop("default", None)
+        elif flags[0][2:].replace("-", "_") in PRESET_KEYS:
+            kw["help"] += " (default: from --preset)"
+        elif kw.get("default") is not None and kw.get("action") != "store_true":
+            kw["help"] += " (default: %(default)s)"
         group.add_argument(*flags, **kw)
 
     g = p.add_argument_group("data")
     add(g, "--dataset", default="pycode", help="dataset name; its files live in data/<dataset> (default pycode: "
         "Python sources of this interpreter, prepared automatically; others: see prepare_data.py)")
-    add(g, "--data-dir", default=None, help="folder holding train.bin, val.bin, meta.json (default data/<dataset>)")
+    add(g, "--data-dir", default=None, help="folder holding train.bin, val.bin, meta.json (unset: data/<dataset> "
+        "beside train.py)")
 
     g = p.add_argument_group("model (sizes come from --preset unless given)")
     add(g, "--preset", default="auto", choices=["auto", *PRESETS], help="model size and training defaults "
@@ -85,6 +91,8 @@ def build_parser(suppress_defaults=False):
     add(g, "--qknorm", default="off", choices=["off", "always"], help="parameter-free QK-norm from step 0 "
         "(the always-on baseline)")
     add(g, "--softcap", type=float, default=0.0, help="tanh soft-cap of attention logits from step 0 (0: off)")
+    add(g, "--attn-scale", type=float, default=0.0, help="logit scale (0: 1/sqrt(head_dim)); a fixed scale is "
+        "common with QK-norm")
 
     g = p.add_argument_group("monitor and QK-Guard")
     add(g, "--guard", default="off", choices=["on", "off"], help="QK-Guard: dormant until the signal first "
@@ -129,6 +137,8 @@ def build_parser(suppress_defaults=False):
     add(g, "--min-lr", type=float, default=None, help="final learning rate of the cosine schedule")
     add(g, "--warmup-steps", type=int, default=None, help="linear warmup steps")
     add(g, "--schedule", default=None, choices=["cosine", "constant"], help="after warmup")
+    add(g, "--decay-steps", type=int, default=0, help="the cosine reaches --min-lr here (0: --max-steps; kept "
+        "on resume, so a longer --max-steps does not bend the schedule)")
     add(g, "--weight-decay", type=float, default=0.0, help="AdamW weight decay on matrices")
     add(g, "--beta1", type=float, default=0.9, help="AdamW beta1")
     add(g, "--beta2", type=float, default=0.95, help="AdamW beta2")
@@ -145,6 +155,9 @@ def build_parser(suppress_defaults=False):
     add(g, "--eval-interval", type=int, default=None, help="steps between validation losses")
     add(g, "--eval-iters", type=int, default=None, help="batches per validation loss")
     add(g, "--ckpt-interval", type=int, default=None, help="steps between checkpoints")
+    p.epilog = "presets (set what the command line leaves unset):\n" + "\n".join(
+        f"  {name:12s} " + " ".join(f"{k}={x}" for k, x in {**model_lib.MODEL_SIZES[v["size"]], **v}.items()
+                                    if k != "size") for name, v in PRESETS.items())
     return p
 
 
@@ -152,11 +165,14 @@ def parse_args(argv=None):
     parser = build_parser()
     args = parser.parse_args(argv)
     explicit = vars(build_parser(suppress_defaults=True).parse_args(argv))
-    if args.inject_scale not in (None, "matched"):
-        try:
-            args.inject_scale = float(args.inject_scale)
-        except ValueError:
-            parser.error(f"--inject-scale {args.inject_scale!r}: give a number > 0 or 'matched'")
+    for ns in (args, explicit):   # the same value whether typed now or saved in a checkpoint
+        scale = ns.get("inject_scale") if isinstance(ns, dict) else ns.inject_scale
+        if scale not in (None, "matched"):
+            try:
+                scale = float(scale)
+            except ValueError:
+                parser.error(f"--inject-scale {scale!r}: give a number > 0 or 'matched'")
+            ns.update(inject_scale=scale) if isinstance(ns, dict) else setattr(ns, "inject_scale", scale)
     try:
         check_assay_flags(args.inject_site, args.inject_scale, args.inject_coherence, args.probe, args.probe_k,
                           args.qk_fix, args.accum)
@@ -168,6 +184,23 @@ def parse_args(argv=None):
         parser.error("--guard on with --guard-action qknorm has nothing to switch when --qknorm always is set")
     if args.guard == "on" and args.accum == "fp32" and args.guard_action == "fp32-accum":
         parser.error("--guard-action fp32-accum has nothing to switch when --accum is already fp32")
+    if args.guard == "on" and args.qk_fix == "qknorm" and args.guard_action == "qknorm":
+        parser.error("--guard on with --guard-action qknorm has nothing to switch when --qk-fix qknorm is set")
+    bounded = args.qknorm == "always" or args.qk_fix == "qknorm" or 0 < args.softcap <= args.guard_threshold
+    if args.guard == "on" and args.guard_signal == "max-logit" and bounded:
+        parser.error("--guard-signal max-logit can never cross --guard-threshold when QK-norm or a smaller "
+                     "--softcap bounds the logits: use --guard-signal sigma-product")
+    if args.guard_scope == "crossed" and args.guard_action in ("lr-drop", "clip"):
+        parser.error(f"--guard-scope crossed: --guard-action {args.guard_action} acts on the whole model, "
+                     f"not on layers; use --guard-scope all")
+    if args.resume and "out_dir" not in explicit:
+        parser.error("--resume needs the --out-dir of the run to continue")
+    if "probe_k" in explicit and args.probe == "off":
+        parser.error("--probe-k has no effect with --probe off: choose --probe qk-topk or equal-energy")
+    if "inject_layers" in explicit and args.inject_site == "none":
+        parser.error("--inject-layers has no effect with --inject-site none")
+    if args.attn_impl == "sdpa" and ("block_n" in explicit or "safemax_beta" in explicit):
+        parser.error("--block-n and --safemax-beta belong to the streaming-softmax kernel, not to --attn-impl sdpa")
     return args, explicit, parser
 
 
@@ -185,8 +218,8 @@ def check_model_config(config, args, device):
         raise SystemExit(f"error: the attention settings cannot run: {e}")
 
 
-def resolve_args(args, device):
-    """Fill the flags left unset from the preset and the model size table."""
+def resolve_args(args, device, parser):
+    """Fill the flags left unset from the preset and the model size table, then check what needs them."""
     preset = args.preset if args.preset != "auto" else ("cpu" if device.type == "cpu" else "assay")
     args.preset = preset
     for key, value in PRESETS[preset].items():
@@ -195,10 +228,17 @@ def resolve_args(args, device):
     for key, value in model_lib.MODEL_SIZES[PRESETS[preset]["size"]].items():
         if getattr(args, key) is None:
             setattr(args, key, value)
-    args.data_dir = args.data_dir or os.path.join("data", args.dataset)
+    args.data_dir = args.data_dir or os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", args.dataset)
+    args.decay_steps = args.decay_steps or args.max_steps
     if args.out_dir is None:
         stamp = time.strftime("%Y%m%d-%H%M%S")
         args.out_dir = os.path.join("runs", f"{stamp}-{args.accum}-guard-{args.guard}")
+    for name in ("log_interval", "eval_interval", "eval_iters", "ckpt_interval", "monitor_interval", "max_steps",
+                 "batch_size", "grad_accum", "power_iters"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be at least 1")
+    if args.inject_layers != "all" and max(map(int, args.inject_layers.split(","))) >= args.n_layer:
+        parser.error(f"--inject-layers {args.inject_layers}: the model has layers 0..{args.n_layer - 1}")
     return args
 
 
@@ -251,10 +291,12 @@ class Batches:
     exactly the batches an uninterrupted one would, every run with the same seed sees the same data order, and
     N processes together see the same global batch as one."""
 
-    def __init__(self, data_dir, block_size, batch_size, seed, vocab_size):
+    def __init__(self, data_dir, block_size, batch_size, seed, vocab_size, dataset="pycode"):
         meta_path = os.path.join(data_dir, "meta.json")
+        redo = f"re-run `python prepare_data.py --dataset {dataset} --out-dir {data_dir} --force`"
         with open(meta_path) as f:
             meta = json.load(f)
+        self.content_hash = meta.get("content_sha256")
         if meta.get("vocab_size", 0) > vocab_size:
             raise SystemExit(f"error: {meta_path} says vocab_size {meta['vocab_size']}, more than the model's "
                              f"{vocab_size}: re-prepare the data with prepare_data.py's GPT-2 tokenizer")
@@ -262,13 +304,12 @@ class Batches:
         for split in ("train", "val"):
             path = os.path.join(data_dir, f"{split}.bin")
             if not os.path.exists(path):
-                raise SystemExit(f"error: {path} is missing although {meta_path} exists: re-run "
-                                 f"`python prepare_data.py --force` for this dataset")
+                raise SystemExit(f"error: {path} is missing although {meta_path} exists: {redo}")
             size = os.path.getsize(path)
             expected = meta.get("tokens", {}).get(split)
             if size % 2 or (expected is not None and size // 2 != expected):
                 raise SystemExit(f"error: {path} holds {size} bytes, not the {expected} uint16 tokens meta.json "
-                                 f"records: the file is damaged; re-run `python prepare_data.py --force`")
+                                 f"records: the file is damaged; {redo}")
             if size // 2 <= block_size + 1:
                 raise SystemExit(f"error: {path} holds {size // 2} tokens, too few for --block-size {block_size}")
             self.data[split] = np.memmap(path, dtype=np.uint16, mode="r")
@@ -287,13 +328,14 @@ class Batches:
 
 
 def ensure_data(args, dist):
-    """Prepare the dataset on first use (rank 0 only) when prepare_data.py knows how to make it unaided."""
+    """Prepare the dataset on first use (one process per node; prepare_data locks the folder) when
+    prepare_data.py knows how to make it unaided."""
     if os.path.exists(os.path.join(args.data_dir, "meta.json")):
         return
     if args.dataset not in ("pycode", "shakespeare"):
         raise SystemExit(f"error: no prepared data in {args.data_dir} (meta.json missing): run "
                          f"`python prepare_data.py --dataset {args.dataset} --out-dir {args.data_dir} ...` first")
-    if dist.master:
+    if dist.local_rank == 0:
         import prepare_data
         print(f"no data in {args.data_dir}: preparing the {args.dataset} dataset (once)")
         prepare_data.prepare(dataset=args.dataset, out_dir=args.data_dir)
@@ -362,12 +404,23 @@ class RunLog:
             print(line, flush=True)
 
 
-def rng_state():
-    return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
-            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
+def rng_state(dist):
+    """Every rank's RNG states (dropout draws differ per rank), gathered for rank 0's checkpoint."""
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
+             "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
+    if dist.world == 1:
+        return [state]
+    states = [None] * dist.world
+    torch.distributed.all_gather_object(states, state)
+    return states
 
 
-def set_rng_state(state):
+def set_rng_state(states, dist):
+    if len(states) != dist.world:   # the weights, optimizer and batches still resume exactly
+        print(f"warning: the checkpoint holds the RNG states of {len(states)} processes and this run has "
+              f"{dist.world}: dropout masks will differ from an uninterrupted run")
+        return
+    state = states[dist.rank]
     random.setstate(state["python"])
     np.random.set_state(state["numpy"])
     torch.set_rng_state(state["torch"])
@@ -410,7 +463,7 @@ def lr_at(step, args):
         return args.lr * (step + 1) / args.warmup_steps
     if args.schedule == "constant":
         return args.lr
-    progress = min(1.0, (step - args.warmup_steps) / max(1, args.max_steps - args.warmup_steps))
+    progress = min(1.0, (step - args.warmup_steps) / max(1, args.decay_steps - args.warmup_steps))
     return args.min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (args.lr - args.min_lr)
 
 
@@ -430,7 +483,7 @@ def evaluate(model, batches, args, dist, autocast):
     return (total[0] / total[1]).item()
 
 
-def start_run(args, explicit, dist):
+def start_run(args, explicit):
     """New run: refuse a folder that holds another run. Resume: the saved flags, with only safe changes."""
     paths = {name: os.path.join(args.out_dir, name) for name in ("config.json", "log.jsonl", "ckpt.pt")}
     if not args.resume:
@@ -438,206 +491,289 @@ def start_run(args, explicit, dist):
         if taken:
             raise SystemExit(f"error: {args.out_dir} already holds a run ({', '.join(taken)}): continue it with "
                              f"--resume, or choose another --out-dir")
-        return args, None
+        return args, None, {}
     state = load_checkpoint(paths["ckpt.pt"])
     saved = state["args"]
     conflicts = [f"--{k.replace('_', '-')} {v} (saved: {saved.get(k)})" for k, v in explicit.items()
-                 if k not in RESUMABLE_CHANGES and k in saved and saved[k] != v]
+                 if k not in RESUMABLE_CHANGES and k in saved and saved[k] != v
+                 and not (k == "preset" and v == "auto")]
     if conflicts:
         raise SystemExit(f"error: --resume keeps the saved run's settings, but these differ: {'; '.join(conflicts)}."
                          f" Resume without them, or start a new run in another --out-dir")
-    merged = dict(saved)
-    merged.update({k: v for k, v in explicit.items() if k in RESUMABLE_CHANGES})
-    merged["resume"] = True
+    changed = {k: [saved.get(k), v] for k, v in explicit.items()
+               if k in RESUMABLE_CHANGES - {"resume"} and saved.get(k) != v}
+    merged = {**saved, **{k: v for k, v in explicit.items() if k in RESUMABLE_CHANGES}, "resume": True}
     if state["step"] >= merged["max_steps"]:
         raise SystemExit(f"error: the run in {args.out_dir} already reached step {state['step']}: pass a "
                          f"--max-steps above it to train on")
-    return argparse.Namespace(**merged), state
+    return argparse.Namespace(**merged), state, changed
+
+
+class Trainer:
+    """Everything one run holds: the model and optimizer, the data, the monitor, the guard, the collapse
+    detector and the assay's injector and probe; each part restores itself from the checkpoint."""
+
+    def __init__(self, args, dist, state):
+        self.args, self.dist, device = args, dist, dist.device
+        use_bf16 = args.dtype == "bf16" or (args.dtype == "auto" and device.type == "cuda")
+        self.autocast = (lambda: torch.autocast(device.type, dtype=torch.bfloat16)) if use_bf16 \
+            else contextlib.nullcontext
+        torch.manual_seed(args.seed)            # the same initial weights on every rank
+        config = model_lib.GPTConfig(
+            arch=args.arch, n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd,
+            block_size=args.block_size, dropout=args.dropout, attn_impl=args.attn_impl, accum=args.accum,
+            block_n=args.block_n, safemax_beta=args.safemax_beta, qk_norm=args.qknorm == "always",
+            softcap=args.softcap, attn_scale=args.attn_scale)
+        check_model_config(config, args, device)
+        self.model = model = model_lib.GPT(config).to(device)
+        torch.manual_seed(args.seed + dist.rank)  # dropout masks differ per rank
+        self.batches = Batches(args.data_dir, args.block_size, args.batch_size, args.seed, config.vocab_size,
+                               args.dataset)
+        self.optimizer = model.configure_optimizer(args.lr, args.weight_decay, (args.beta1, args.beta2),
+                                                   fused=device.type == "cuda")
+        self.monitor = SpectralMonitor(model, seed=args.seed)
+        self.guard = QKGuard(enabled=args.guard == "on", signal=args.guard_signal, threshold=args.guard_threshold,
+                             action=args.guard_action, scope=args.guard_scope, tau=args.qkclip_tau,
+                             lr_factor=args.lr_drop_factor, clip_norm=args.clip_tight, softcap=args.softcap_value)
+        self.detector = CollapseDetector(args.collapse_margin, args.collapse_patience, args.collapse_smoothing)
+        self.probe = QKProbe(args.probe, k=args.probe_k, seed=args.seed)
+        self.injector = self.make_injector() if args.inject_site != "none" else None
+        model.injector = self.injector
+        if args.qk_fix == "qknorm":
+            for attn in model.attentions:
+                attn.qk_norm = True
+        self.step = 0
+        self.probe_stats, self.monitor_max_logit = {}, None
+        # what the log record of the current interval accumulates (saved too, so a resume continues it)
+        self.interval = {"loss_sum": 0.0, "steps": 0, "max_logit": None}
+        if state is None:
+            self.sigma, self.sigma_head = self.monitor.measure(model, iters=30)   # converge before step 0
+        else:
+            self.restore(state)
+        self.train_model = torch.compile(model) if args.compile else model
+        if dist.world > 1:
+            self.train_model = torch.nn.parallel.DistributedDataParallel(
+                self.train_model, device_ids=[device.index] if device.type == "cuda" else None)
+
+    def make_injector(self):
+        args = self.args
+        layers = None if args.inject_layers == "all" else [int(i) for i in args.inject_layers.split(",")]
+        coherence = 1.0 if args.inject_coherence is None else args.inject_coherence
+        if args.inject_scale != "matched":
+            return ErrorInjector(args.inject_site, args.inject_scale, coherence, args.n_layer, args.n_head,
+                                 args.n_embd, layers=layers, seed=args.seed)
+        # the bias of this run's faulty kernel (bf16 when the kernel itself is fp32), on the initial model
+        with self.autocast():
+            return ErrorInjector.matched(self.model, self.batches.get("train", 0, 0, self.dist.device)[0],
+                                         site=args.inject_site, accum="bf16" if args.accum == "fp32" else args.accum,
+                                         coherence=coherence, layers=layers, seed=args.seed)
+
+    def state_dict(self):
+        return {"format": "qkguard-checkpoint-1", "step": self.step, "args": vars(self.args),
+                "model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
+                "monitor": {**self.monitor.state_dict(), "sigma": self.sigma.cpu(), "sigma_head": self.sigma_head.cpu()},
+                "guard": self.guard.state_dict(),
+                "detector": self.detector.state_dict(), "probe": self.probe.state_dict(),
+                "injector": self.injector.state_dict() if self.injector is not None else None,
+                "interval": {"loss_sum": float(self.interval["loss_sum"]), "steps": self.interval["steps"],
+                             "max_logit": None if self.interval["max_logit"] is None
+                             else self.interval["max_logit"].cpu()},
+                "data_content_sha256": self.batches.content_hash, "rng": rng_state(self.dist)}
+
+    def restore(self, state):
+        if state.get("data_content_sha256") != self.batches.content_hash:
+            raise SystemExit(f"error: the data in {self.args.data_dir} is not the data this run started with "
+                             f"(content hash {self.batches.content_hash} != {state.get('data_content_sha256')}): "
+                             f"resume with the original data, or start a new run")
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.monitor.load_state_dict(state["monitor"])
+        self.guard.load_state_dict(state["guard"], self.model)
+        self.detector.load_state_dict(state["detector"])
+        self.probe.load_state_dict(state["probe"])
+        if self.injector is not None:
+            self.injector.load_state_dict(state["injector"])
+        self.interval = state["interval"]
+        if self.interval["max_logit"] is not None:
+            self.interval["max_logit"] = self.interval["max_logit"].to(self.dist.device)
+        set_rng_state(state["rng"], self.dist)
+        self.step = state["step"]
+        device = self.dist.device
+        self.sigma, self.sigma_head = state["monitor"]["sigma"].to(device), state["monitor"]["sigma_head"].to(device)
+
+    def train_step(self):
+        """One optimizer step: forward/backward over the micro-batches (the assay's fixes and errors included),
+        clip, update. Returns the step's lr, gradient norm, and max attention logit per layer and head."""
+        args, dist, model = self.args, self.dist, self.model
+        lr = lr_at(self.step, args) * self.guard.lr_scale()
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        if self.injector is not None:
+            self.injector.begin_step(self.step)
+        micro_steps = args.grad_accum // dist.world
+        max_logit, loss_sum, clean_grads = None, 0.0, None
+        for micro in range(micro_steps):
+            x, y = self.batches.get("train", self.step, micro * dist.world + dist.rank, dist.device)
+            sync = dist.world == 1 or micro == micro_steps - 1     # DDP all-reduces on the last micro-step only
+            with self.autocast(), (contextlib.nullcontext() if sync else self.train_model.no_sync()):
+                _, loss, step_max_logit = self.train_model(x, y)
+            (loss / micro_steps).backward()
+            loss_sum += loss.detach().float() / micro_steps
+            max_logit = step_max_logit if max_logit is None else torch.maximum(max_logit, step_max_logit)
+            if args.qk_fix == "clean-grad":
+                grads = clean_qk_grads(model, x, y, self.autocast, 1.0 / micro_steps)
+                clean_grads = grads if clean_grads is None else [a + b for a, b in zip(clean_grads, grads)]
+        if clean_grads is not None:
+            for weight, grad in zip(qk_weights(model), clean_grads):
+                weight.grad = dist.all_reduce(grad)
+        if self.injector is not None:
+            self.injector.inject_grads(model)
+        clip = self.guard.grad_clip(args.grad_clip)
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip if clip > 0 else float("inf"))
+        self.probe.before_step(model)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.probe_stats = self.probe.after_step(model)
+        return lr, grad_norm, loss_sum, dist.all_reduce(max_logit.float(), "max")
+
+    def watch(self, max_logit):
+        """The monitor and the guard, after the update: sigma of W_q/W_k, then a trigger check on the max logit
+        since the last monitored step (so no crossing is missed), then QK-Clip if that is the action."""
+        self.monitor_max_logit = max_logit if self.monitor_max_logit is None \
+            else torch.maximum(self.monitor_max_logit, max_logit)
+        event = None
+        if self.step % self.args.monitor_interval == 0:
+            self.sigma, self.sigma_head = self.monitor.measure(self.model, self.args.power_iters)
+            event = self.guard.observe(self.step, self.monitor_max_logit, self.sigma_head, self.model)
+            self.monitor_max_logit = None
+        self.guard.after_optimizer_step(self.model, max_logit)
+        return event
+
+    def accumulate(self, loss, max_logit):
+        """Add one step to the interval's record, on the device: no host sync until the record is written."""
+        interval = self.interval
+        interval["loss_sum"] = interval["loss_sum"] + loss
+        interval["steps"] += 1
+        interval["max_logit"] = max_logit if interval["max_logit"] is None \
+            else torch.maximum(interval["max_logit"], max_logit)
+
+    def log_record(self, lr, grad_norm, elapsed):
+        """The record of the steps since the last one: mean loss, max logit over the interval, latest sigmas.
+        Called after the update, so the last update's index is step - 1."""
+        interval, tokens = self.interval, self.args.grad_accum * self.args.batch_size * self.args.block_size
+        loss = self.dist.all_reduce(torch.as_tensor(interval["loss_sum"] / interval["steps"])).item()
+        record = {"step": self.step - 1, "lr": lr, "loss": loss, "grad_norm": grad_norm.item(),
+                  "tokens_per_s": tokens * interval["steps"] / elapsed, "max_logit": interval["max_logit"].tolist(),
+                  "sigma_q": self.sigma[:, 0].tolist(), "sigma_k": self.sigma[:, 1].tolist(),
+                  "sigma_q_head": self.sigma_head[:, 0].tolist(), "sigma_k_head": self.sigma_head[:, 1].tolist(),
+                  "guard": "on" if self.guard.triggered else ("dormant" if self.guard.enabled else "off")}
+        if self.injector is not None:
+            record.update(self.injector.last_stats)
+        if self.probe_stats:
+            record["probe"] = self.probe_stats
+        self.interval = {"loss_sum": 0.0, "steps": 0, "max_logit": None}
+        return record
+
+
+def console_line(record, max_logit):
+    top = int(max_logit.argmax())
+    return (f"step {record['step']:6d} | loss {record['loss']:.4f} | lr {record['lr']:.2e} | gnorm "
+            f"{record['grad_norm']:.2f} | max logit {max_logit.max().item():7.1f} (L{top // max_logit.shape[1]} "
+            f"H{top % max_logit.shape[1]}) | sigma(Wq) {max(record['sigma_q']):.2f} | "
+            f"{record['tokens_per_s'] / 1e3:.1f}k tok/s | guard {record['guard']}")
 
 
 def main(argv=None):
     args, explicit, parser = parse_args(argv)
     dist = Dist(args.device)
     if dist.world > 1:      # one timestamped default out_dir for all ranks
-        holder = [resolve_args(args, dist.device) if dist.master else None]
+        holder = [resolve_args(args, dist.device, parser) if dist.master else None]
         torch.distributed.broadcast_object_list(holder, src=0)
         args = holder[0]
     else:
-        args = resolve_args(args, dist.device)
-    args, state = start_run(args, explicit, dist)
+        args = resolve_args(args, dist.device, parser)
+    args, state, changed = start_run(args, explicit)
     if args.grad_accum % dist.world:
         raise SystemExit(f"error: --grad-accum {args.grad_accum} must be a multiple of the {dist.world} processes")
-    device = dist.device
-    use_bf16 = args.dtype == "bf16" or (args.dtype == "auto" and device.type == "cuda")
-    autocast = (lambda: torch.autocast(device.type, dtype=torch.bfloat16)) if use_bf16 else contextlib.nullcontext
-
     ensure_data(args, dist)
-    torch.manual_seed(args.seed)
-    config = model_lib.GPTConfig(
-        arch=args.arch, n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd, block_size=args.block_size,
-        dropout=args.dropout, attn_impl=args.attn_impl, accum=args.accum, block_n=args.block_n,
-        safemax_beta=args.safemax_beta, qk_norm=args.qknorm == "always", softcap=args.softcap)
-    check_model_config(config, args, device)
-    model = model_lib.GPT(config).to(device)
-    batches = Batches(args.data_dir, args.block_size, args.batch_size, args.seed, config.vocab_size)
-    optimizer = model.configure_optimizer(args.lr, args.weight_decay, (args.beta1, args.beta2),
-                                          fused=device.type == "cuda")
-    monitor = SpectralMonitor(model, seed=args.seed)
-    guard = QKGuard(enabled=args.guard == "on", signal=args.guard_signal, threshold=args.guard_threshold,
-                    action=args.guard_action, scope=args.guard_scope, tau=args.qkclip_tau,
-                    lr_factor=args.lr_drop_factor, clip_norm=args.clip_tight, softcap=args.softcap_value)
-    detector = CollapseDetector(args.collapse_margin, args.collapse_patience, args.collapse_smoothing)
-    injector, probe = None, QKProbe(args.probe, k=args.probe_k, seed=args.seed)
-    if args.inject_site != "none":
-        layers = None if args.inject_layers == "all" else [int(i) for i in args.inject_layers.split(",")]
-        coherence = 1.0 if args.inject_coherence is None else args.inject_coherence
-        if args.inject_scale == "matched":
-            with autocast():
-                injector = ErrorInjector.matched(model, batches.get("train", 0, 0, device)[0], site=args.inject_site,
-                                                 coherence=coherence, layers=layers, seed=args.seed)
-        else:
-            injector = ErrorInjector(args.inject_site, args.inject_scale, coherence, args.n_layer, args.n_head,
-                                     args.n_embd, layers=layers, seed=args.seed)
-        model.injector = injector
-    if args.qk_fix == "qknorm":
-        for attn in model.attentions:
-            attn.qk_norm = True
-    step = 0
-    if state is not None:
-        model.load_state_dict(state["model"])
-        optimizer.load_state_dict(state["optimizer"])
-        monitor.load_state_dict(state["monitor"])
-        guard.load_state_dict(state["guard"], model)
-        detector.load_state_dict(state["detector"])
-        set_rng_state(state["rng"])
-        if injector is not None:
-            injector.load_state_dict(state["injector"])
-        probe.load_state_dict(state["probe"])
-        step = state["step"]
-    train_model = torch.compile(model) if args.compile else model
-    if dist.world > 1:
-        train_model = torch.nn.parallel.DistributedDataParallel(
-            train_model, device_ids=[device.index] if device.type == "cuda" else None)
+    run = Trainer(args, dist, state)
+    model = run.model
 
     if dist.master:
         os.makedirs(args.out_dir, exist_ok=True)
     log = RunLog(os.path.join(args.out_dir, "log.jsonl"), dist.master)
     if dist.master and state is None:
         with open(os.path.join(args.out_dir, "config.json"), "w") as f:
-            json.dump({"args": vars(args), "versions": versions(device), "command": sys.argv,
+            json.dump({"args": vars(args), "versions": versions(dist.device), "command": sys.argv,
                        "world_size": dist.world, "params": model.num_params()}, f, indent=2)
-    log.write({"event": "resume" if state else "start", "step": step, "versions": versions(device),
-               "world_size": dist.world},
-              f"{'resuming' if state else 'starting'} {args.out_dir} at step {step}: {args.preset} preset, "
+    log.write({"event": "resume" if state else "start", "step": run.step, "versions": versions(dist.device),
+               "world_size": dist.world, "command": sys.argv, "changed": changed},
+              f"{'resuming' if state else 'starting'} {args.out_dir} at step {run.step}: {args.preset} preset, "
               f"{args.arch} {args.n_layer}x{args.n_embd}, {model.num_params() / 1e6:.2f}M params, accum "
-              f"{args.accum}, guard {args.guard}, on {device} x{dist.world}")
+              f"{args.accum}, guard {args.guard}, on {dist.device} x{dist.world}")
+
+    last_checkpoint = [run.step]
 
     def checkpoint():
-        if dist.master:
-            save_checkpoint(os.path.join(args.out_dir, "ckpt.pt"), {
-                "format": "qkguard-checkpoint-1", "step": step, "args": vars(args), "model": model.state_dict(),
-                "optimizer": optimizer.state_dict(), "monitor": monitor.state_dict(), "guard": guard.state_dict(),
-                "detector": detector.state_dict(), "rng": rng_state(), "probe": probe.state_dict(),
-                "injector": injector.state_dict() if injector is not None else None})
+        state = run.state_dict()           # every rank takes part (the RNG states are gathered)
+        if dist.master and last_checkpoint[0] != run.step:
+            save_checkpoint(os.path.join(args.out_dir, "ckpt.pt"), state)
+        last_checkpoint[0] = run.step
 
     stop_signal = []
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda signum, frame: stop_signal.append(signum))
 
-    accum_per_rank = args.grad_accum // dist.world
-    tokens_per_step = args.grad_accum * args.batch_size * args.block_size
-    status, val_loss, sigma, sigma_head = "completed", None, None, None
-    interval_loss, interval_steps, interval_start = torch.zeros((), device=device), 0, time.time()
+    # "step" in every record counts the updates done before it: a step record's loss and max logit come from
+    # the forward of update `step`, an eval at `step` sees the weights after `step` updates.
+    status, val_loss, interval_start = "completed", None, time.time()
     try:
         if state is None:
-            val_loss = evaluate(train_model, batches, args, dist, autocast)
+            val_loss = evaluate(run.train_model, run.batches, args, dist, run.autocast)
             log.write({"event": "eval", "step": 0, "val_loss": val_loss}, f"step {0:6d} | val loss {val_loss:.4f}")
-        while step < args.max_steps:
-            lr = lr_at(step, args) * guard.lr_scale()
-            for group in optimizer.param_groups:
-                group["lr"] = lr
-            if injector is not None:
-                injector.begin_step(step)
-            max_logit, clean_grads = None, None
-            for micro in range(accum_per_rank):
-                x, y = batches.get("train", step, micro * dist.world + dist.rank, device)
-                last = micro == accum_per_rank - 1
-                with autocast(), (train_model.no_sync() if dist.world > 1 and not last else contextlib.nullcontext()):
-                    _, loss, step_max_logit = train_model(x, y)
-                (loss / accum_per_rank).backward()
-                interval_loss += loss.detach().float() / accum_per_rank
-                max_logit = step_max_logit if max_logit is None else torch.maximum(max_logit, step_max_logit)
-                if args.qk_fix == "clean-grad":
-                    grads = clean_qk_grads(model, x, y, autocast, 1.0 / accum_per_rank)
-                    clean_grads = grads if clean_grads is None else [a + b for a, b in zip(clean_grads, grads)]
-            if clean_grads is not None:
-                for weight, grad in zip(qk_weights(model), clean_grads):
-                    weight.grad = dist.all_reduce(grad)
-            if injector is not None:
-                injector.inject_grads(model)
-            clip = guard.grad_clip(args.grad_clip)
-            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip if clip > 0 else float("inf"))
-            probe.before_step(model)
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            probe_stats = probe.after_step(model)
-            max_logit = dist.all_reduce(max_logit.float(), "max")
-            guard.after_optimizer_step(model, max_logit)
-            if step % args.monitor_interval == 0:
-                sigma, sigma_head = monitor.measure(model, args.power_iters)
-                event = guard.observe(step, max_logit, sigma_head, model)
-                if event:
-                    log.write(event, f"step {step:6d} | QK-Guard {event['event']}: {event['signal']} "
-                              f"{event['value']:.1f} > {guard.threshold:g} at layer {event['layer']} head "
-                              f"{event['head']}: {guard.action} on in layers {event['layers']}")
-            interval_steps += 1
-            step += 1
+        while run.step < args.max_steps:
+            lr, grad_norm, loss, max_logit = run.train_step()
+            event = run.watch(max_logit)
+            if event:
+                log.write(event, f"step {run.step:6d} | QK-Guard {event['event']}: {event['signal']} "
+                          f"{event['value']:.1f} > {run.guard.threshold:g} at layer {event['layer']} head "
+                          f"{event['head']}: {run.guard.action} on in layers {event['layers']}")
+            run.accumulate(loss, max_logit)
+            run.step += 1
 
-            if step % args.log_interval == 0 or step == args.max_steps:
-                mean_loss = dist.all_reduce(interval_loss / interval_steps).item()
-                elapsed = time.time() - interval_start
-                record = {"step": step - 1, "lr": lr, "loss": mean_loss, "grad_norm": grad_norm.item(),
-                          "tokens_per_s": tokens_per_step * interval_steps / elapsed,
-                          "max_logit": max_logit.tolist(), "sigma_q": sigma[:, 0].tolist(),
-                          "sigma_k": sigma[:, 1].tolist(), "sigma_q_head": sigma_head[:, 0].tolist(),
-                          "sigma_k_head": sigma_head[:, 1].tolist(),
-                          "guard": "on" if guard.triggered else ("dormant" if guard.enabled else "off")}
-                if injector is not None:
-                    record.update(injector.last_stats)
-                if probe_stats:
-                    record["probe"] = probe_stats
-                top = int(max_logit.argmax())
-                log.write(record, f"step {step - 1:6d} | loss {mean_loss:.4f} | lr {lr:.2e} | gnorm "
-                          f"{record['grad_norm']:.2f} | max logit {max_logit.max().item():7.1f} (L{top // max_logit.shape[1]}"
-                          f" H{top % max_logit.shape[1]}) | sigma(Wq) {sigma[:, 0].max().item():.2f} | "
-                          f"{record['tokens_per_s'] / 1e3:.1f}k tok/s | guard {record['guard']}")
-                if detector.update(step - 1, mean_loss):
-                    log.write({"event": "collapse", "step": detector.collapsed_at, "loss": mean_loss},
-                              f"step {step - 1:6d} | COLLAPSE detected (first bad step {detector.collapsed_at})")
+            if run.step % args.log_interval == 0 or run.step == args.max_steps:
+                interval_max = run.interval["max_logit"]
+                record = run.log_record(lr, grad_norm, time.time() - interval_start)
+                log.write(record, console_line(record, interval_max))
+                interval_start = time.time()
+                if run.detector.update(record["step"], record["loss"]):
+                    log.write({"event": "collapse", "step": run.detector.collapsed_at, "loss": record["loss"]},
+                              f"step {record['step']:6d} | COLLAPSE detected (first bad step "
+                              f"{run.detector.collapsed_at})")
                     if args.on_collapse == "stop":
                         status = "collapsed"
                         break
-                interval_loss.zero_()
-                interval_steps, interval_start = 0, time.time()
-            if step % args.eval_interval == 0 or step == args.max_steps:
-                val_loss = evaluate(train_model, batches, args, dist, autocast)
-                log.write({"event": "eval", "step": step, "val_loss": val_loss},
-                          f"step {step:6d} | val loss {val_loss:.4f}")
-            if step % args.ckpt_interval == 0:
+            if run.step % args.eval_interval == 0 or run.step == args.max_steps:
+                val_loss = evaluate(run.train_model, run.batches, args, dist, run.autocast)
+                log.write({"event": "eval", "step": run.step, "val_loss": val_loss},
+                          f"step {run.step:6d} | val loss {val_loss:.4f}")
+            if run.step % args.ckpt_interval == 0:
                 checkpoint()
             stop = bool(stop_signal)
             if dist.world > 1:   # a signal may reach the ranks at different steps: stop together
-                stop = dist.all_reduce(torch.tensor(float(stop), device=device), "max").item() > 0
+                stop = dist.all_reduce(torch.tensor(float(stop), device=dist.device), "max").item() > 0
             if stop:
                 status = "interrupted"
                 break
+        if status == "collapsed":   # the end record's val loss is the collapsed model's, not an old one
+            val_loss = evaluate(run.train_model, run.batches, args, dist, run.autocast)
         checkpoint()
     except BaseException as e:
-        log.write({"event": "end", "status": "error", "step": step, "error": f"{type(e).__name__}: {e}"})
+        log.write({"event": "end", "status": "error", "step": run.step, "error": f"{type(e).__name__}: {e}"})
         raise
-    log.write({"event": "end", "status": status, "step": step, "collapse_step": detector.collapsed_at,
-               "guard_trigger": guard.trigger, "val_loss": val_loss},
-              f"run {status} at step {step}; log and checkpoint in {args.out_dir}")
+    log.write({"event": "end", "status": status, "step": run.step, "collapse_step": run.detector.collapsed_at,
+               "guard_trigger": run.guard.trigger, "val_loss": val_loss},
+              f"run {status} at step {run.step}; log and checkpoint in {args.out_dir}")
     dist.close()
 
 
