@@ -26,6 +26,9 @@ ACCUM_MODES = ("fp32", "bf16", "bf16-safemax")
 IMPLS = ("auto", "triton", "torch", "sdpa", "reference")
 TRITON_HEAD_DIMS = (16, 32, 64, 128)
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+# Key block of the bf16-state modes when none is given: the state is rounded once per block, so the block is part
+# of the fault's definition; both implementations use this one (the prior work and REFERENCE.md use 128).
+BF16_STATE_BLOCK_N = 128
 POISON_OUTPUTS = False  # tests set this: every output buffer starts as NaN, so an unwritten element shows
 # triton.jit picks the interpreter when the decorator runs, so this is read once, at import.
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -280,11 +283,12 @@ def _attn_bwd_dq(Q, K, V, DO, LSE, DELTA, DQ, scale, softcap, T,
     tl.store(DQ + bh * T * HEAD_DIM + q_ptrs, _rn(dq, IS_BF16).to(DQ.dtype.element_ty), mask=offs_m[:, None] < T)
 
 
-def _fwd_config(D, dtype, block_n):
+def _fwd_config(D, dtype, block_n, accum):
     """(BLOCK_M, BLOCK_N, num_warps, num_stages) for an H100/H200; a later autotune can replace this."""
     es = torch.empty((), dtype=dtype).element_size()
     block_m = 64 if es == 4 else 128         # fp32 tiles take twice the registers and shared memory
-    block_n = block_n or (32 if es == 4 else 64)
+    if not block_n:   # fp32 state: a speed choice; bf16 state: part of the fault's definition
+        block_n = (32 if es == 4 else 64) if accum == "fp32" else BF16_STATE_BLOCK_N
     # Pipeline stages: each holds one K and one V tile; stay well inside ~227 KB of shared memory.
     stages = max(1, min(3, (160 * 1024 - block_m * D * es) // (2 * block_n * D * es)))
     return block_m, block_n, (8 if D >= 128 or es == 4 else 4), stages
@@ -307,7 +311,7 @@ def _fwd_triton(q, k, v, scale, softcap, accum, beta, block_n):
     o = _new(q.shape, q.dtype, q.device)
     lse = _new((B, H, T), torch.float32, q.device)
     row_max = _new((B, H, T), torch.float32, q.device)
-    BLOCK_M, BLOCK_N, warps, stages = _fwd_config(D, q.dtype, block_n)
+    BLOCK_M, BLOCK_N, warps, stages = _fwd_config(D, q.dtype, block_n, accum)
     grid = (triton.cdiv(T, BLOCK_M), B * H)
     _attn_fwd[grid](q, k, v, o, lse, row_max, scale, softcap, beta, T,
                     HEAD_DIM=D, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, SAFEMAX=accum == "bf16-safemax",
@@ -414,7 +418,7 @@ def _attn_fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     if impl == "triton":
         return _fwd_triton(q, k, v, scale, softcap, accum, beta, block_n or None)
-    return _fwd_torch(q, k, v, scale, softcap, accum, beta, block_n or 128)
+    return _fwd_torch(q, k, v, scale, softcap, accum, beta, block_n or BF16_STATE_BLOCK_N)
 
 
 @_attn_fwd_op.register_fake
@@ -430,7 +434,7 @@ def _attn_bwd_op(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Te
     do, q, k, v, o = (x.contiguous() for x in (do, q, k, v, o))
     if impl == "triton":
         return _bwd_triton(do, q, k, v, o, lse, scale, softcap, accum)
-    return _bwd_torch(do, q, k, v, o, lse, scale, softcap, accum, block_n or 128)
+    return _bwd_torch(do, q, k, v, o, lse, scale, softcap, accum, block_n or BF16_STATE_BLOCK_N)
 
 
 @_attn_bwd_op.register_fake
