@@ -5,11 +5,13 @@ The assay: move a controlled error to other sources, and probe the QK channel ca
     measure_fault   the real fault's error (bf16 softmax state vs fp32), per layer and head, on a real batch
     QKProbe         after each step, project W_q/W_k updates off their top-k singular directions, or remove
                     the same update energy from random other directions (the control)
+    clean_qk_grads  --qk-fix clean-grad: the gradient W_q, W_k would get without the fault; all else stays faulty
     check_assay_flags   reject flag combinations that make no sense
 
 The paper's claim under test: wherever an error enters, if its per-head sign persists from step to step
 (temporal sign-coherence), it drives the same W_q/W_k spectral runaway.
 """
+import contextlib
 import math
 
 import torch
@@ -290,6 +292,36 @@ class QKProbe:
     def load_state_dict(self, state):
         self.mode, self.k = state["mode"], state["k"]
         self.rng.set_state(state["rng"])
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The QK-only fix (--qk-fix clean-grad): W_q and W_k learn as if there were no fault; nothing else changes.
+
+def qk_weights(model):
+    return [w for attn in model.attentions for w in (attn.q_proj.weight, attn.k_proj.weight)]
+
+
+@contextlib.contextmanager
+def fault_free(model):
+    """The same model with every fault source off: fp32 softmax state and no injected error."""
+    faulty_accums, injector = [attn.accum for attn in model.attentions], model.injector
+    for attn in model.attentions:
+        attn.accum = "fp32"
+    model.injector = None
+    try:
+        yield
+    finally:
+        for attn, accum in zip(model.attentions, faulty_accums):
+            attn.accum = accum
+        model.injector = injector
+
+
+def clean_qk_grads(model, x, y, autocast, scale):
+    """--qk-fix clean-grad: the gradient W_q and W_k would get from the fault-free model on this batch; no
+    other .grad is touched, so every other weight keeps its faulty gradient."""
+    with fault_free(model), autocast():
+        _, loss, _ = model(x, y)
+    return torch.autograd.grad(loss * scale, qk_weights(model))
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -444,7 +444,7 @@ def test_settings_that_cannot_run_fail_before_training(tmp_path, data_dir, argv,
 # The assay wired into train.py
 
 def test_qk_fix_clean_grad_replaces_only_the_qk_gradients():
-    import train
+    import assay
     from assay import ErrorInjector
     torch.manual_seed(0)
     model = tiny_model(accum="bf16")
@@ -453,17 +453,17 @@ def test_qk_fix_clean_grad_replaces_only_the_qk_gradients():
     x, y = idx[:, :-1], idx[:, 1:]
     model(x, y)[1].backward()                           # the unmodified, faulty step
     faulty = {name: p.grad.clone() for name, p in model.named_parameters()}
-    clean = train.clean_qk_grads(model, x, y, contextlib.nullcontext, 1.0)
+    clean = assay.clean_qk_grads(model, x, y, contextlib.nullcontext, 1.0)
     for name, p in model.named_parameters():           # nothing but the returned tensors changed
         assert torch.equal(p.grad, faulty[name]), name
     assert model.injector is not None and all(a.accum == "bf16" for a in model.attentions), "fault restored"
     model.zero_grad()
-    with train.fault_free(model):
+    with assay.fault_free(model):
         model(x, y)[1].backward()
-    for w, g in zip(train.qk_weights(model), clean):
+    for w, g in zip(assay.qk_weights(model), clean):
         assert torch.allclose(g, w.grad, rtol=1e-5, atol=1e-8), "clean-grad must equal the fault-free gradient"
     names = {id(p): n for n, p in model.named_parameters()}
-    assert all(not torch.allclose(faulty[names[id(w)]], w.grad) for w in train.qk_weights(model)), \
+    assert all(not torch.allclose(faulty[names[id(w)]], w.grad) for w in assay.qk_weights(model)), \
         "the fault should change the QK gradient, or the test shows nothing"
 
 

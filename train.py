@@ -26,7 +26,8 @@ import numpy as np
 import torch
 
 import model as model_lib
-from assay import INJECT_SITES, PROBE_MODES, ErrorInjector, QKProbe, check_assay_flags
+from assay import (INJECT_SITES, PROBE_MODES, ErrorInjector, QKProbe, check_assay_flags, clean_qk_grads,
+                   qk_weights)
 from guard import ACTIONS, SCOPES, SIGNALS, CollapseDetector, QKGuard, SpectralMonitor
 from attention_kernel import ACCUM_MODES, attention
 
@@ -117,7 +118,7 @@ def build_parser(suppress_defaults=False):
     g = p.add_argument_group("the assay: a controlled error at any source, the QK-only fix, the causal probe")
     add(g, "--inject-site", default="none", choices=list(INJECT_SITES), help="where a controlled error enters: "
         "attn-out (where the bf16 fault lands), mlp-in, mlp-out, residual, or the gradient of W_v / W_up")
-    add(g, "--inject-scale", default=None, help="error rms over the rms of the signal it joins, or 'matched' "
+    add(g, "--inject-scale", type=injection_scale, default=None, help="error rms over the rms of the signal it joins, or 'matched' "
         "(size and per-head direction of the bf16 fault's bias, measured on the first batch)")
     add(g, "--inject-coherence", type=float, default=None, help="probability that a head's error sign persists "
         "to the next step (1: sign-coherent, the default; 0.5: a fresh random sign each step)")
@@ -164,44 +165,48 @@ def build_parser(suppress_defaults=False):
 def parse_args(argv=None):
     parser = build_parser()
     args = parser.parse_args(argv)
-    explicit = vars(build_parser(suppress_defaults=True).parse_args(argv))
-    for ns in (args, explicit):   # the same value whether typed now or saved in a checkpoint
-        scale = ns.get("inject_scale") if isinstance(ns, dict) else ns.inject_scale
-        if scale not in (None, "matched"):
-            try:
-                scale = float(scale)
-            except ValueError:
-                parser.error(f"--inject-scale {scale!r}: give a number > 0 or 'matched'")
-            ns.update(inject_scale=scale) if isinstance(ns, dict) else setattr(ns, "inject_scale", scale)
+    explicit = vars(build_parser(suppress_defaults=True).parse_args(argv))   # only what was typed
     try:
         check_assay_flags(args.inject_site, args.inject_scale, args.inject_coherence, args.probe, args.probe_k,
                           args.qk_fix, args.accum)
     except ValueError as e:
         parser.error(str(e))
-    if args.inject_layers != "all" and not all(i.strip().isdigit() for i in args.inject_layers.split(",")):
-        parser.error(f"--inject-layers {args.inject_layers!r}: give comma-separated layer indices, or all")
-    if args.guard == "on" and args.qknorm == "always" and args.guard_action == "qknorm":
-        parser.error("--guard on with --guard-action qknorm has nothing to switch when --qknorm always is set")
-    if args.guard == "on" and args.accum == "fp32" and args.guard_action == "fp32-accum":
-        parser.error("--guard-action fp32-accum has nothing to switch when --accum is already fp32")
-    if args.guard == "on" and args.qk_fix == "qknorm" and args.guard_action == "qknorm":
-        parser.error("--guard on with --guard-action qknorm has nothing to switch when --qk-fix qknorm is set")
-    bounded = args.qknorm == "always" or args.qk_fix == "qknorm" or 0 < args.softcap <= args.guard_threshold
-    if args.guard == "on" and args.guard_signal == "max-logit" and bounded:
-        parser.error("--guard-signal max-logit can never cross --guard-threshold when QK-norm or a smaller "
-                     "--softcap bounds the logits: use --guard-signal sigma-product")
-    if args.guard_scope == "crossed" and args.guard_action in ("lr-drop", "clip"):
-        parser.error(f"--guard-scope crossed: --guard-action {args.guard_action} acts on the whole model, "
-                     f"not on layers; use --guard-scope all")
-    if args.resume and "out_dir" not in explicit:
-        parser.error("--resume needs the --out-dir of the run to continue")
-    if "probe_k" in explicit and args.probe == "off":
-        parser.error("--probe-k has no effect with --probe off: choose --probe qk-topk or equal-energy")
-    if "inject_layers" in explicit and args.inject_site == "none":
-        parser.error("--inject-layers has no effect with --inject-site none")
-    if args.attn_impl == "sdpa" and ("block_n" in explicit or "safemax_beta" in explicit):
-        parser.error("--block-n and --safemax-beta belong to the streaming-softmax kernel, not to --attn-impl sdpa")
+    guard_on, action = args.guard == "on", args.guard_action
+    qk_normed = args.qknorm == "always" or args.qk_fix == "qknorm"
+    refusals = [   # (refused, why and what to do instead)
+        (args.inject_layers != "all" and not all(i.strip().isdigit() for i in args.inject_layers.split(",")),
+         f"--inject-layers {args.inject_layers!r}: give comma-separated layer indices, or all"),
+        (guard_on and action == "qknorm" and qk_normed,
+         "--guard-action qknorm has nothing to switch when --qknorm always or --qk-fix qknorm is set"),
+        (guard_on and action == "fp32-accum" and args.accum == "fp32",
+         "--guard-action fp32-accum has nothing to switch when --accum is already fp32"),
+        (guard_on and args.guard_signal == "max-logit" and (qk_normed or 0 < args.softcap <= args.guard_threshold),
+         "--guard-signal max-logit can never cross --guard-threshold when QK-norm or a smaller --softcap bounds "
+         "the logits: use --guard-signal sigma-product"),
+        (args.guard_scope == "crossed" and action in ("lr-drop", "clip"),
+         f"--guard-scope crossed: --guard-action {action} acts on the whole model; use --guard-scope all"),
+        (args.resume and "out_dir" not in explicit, "--resume needs the --out-dir of the run to continue"),
+        ("probe_k" in explicit and args.probe == "off",
+         "--probe-k has no effect with --probe off: choose --probe qk-topk or equal-energy"),
+        ("inject_layers" in explicit and args.inject_site == "none",
+         "--inject-layers has no effect with --inject-site none"),
+        (args.attn_impl == "sdpa" and ("block_n" in explicit or "safemax_beta" in explicit),
+         "--block-n and --safemax-beta belong to the streaming-softmax kernel, not to --attn-impl sdpa"),
+    ]
+    for refused, message in refusals:
+        if refused:
+            parser.error(message)
     return args, explicit, parser
+
+
+def injection_scale(text):
+    """--inject-scale: a number, or 'matched'."""
+    if text == "matched":
+        return text
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: give a number > 0 or 'matched'")
 
 
 def check_model_config(config, args, device):
@@ -430,33 +435,6 @@ def set_rng_state(states, dist):
 
 # ----------------------------------------------------------------------------------------------------------------
 # Training
-
-def qk_weights(model):
-    return [w for attn in model.attentions for w in (attn.q_proj.weight, attn.k_proj.weight)]
-
-
-@contextlib.contextmanager
-def fault_free(model):
-    """The same model with every fault source off: fp32 softmax state and no injected error."""
-    saved = [attn.accum for attn in model.attentions], model.injector
-    for attn in model.attentions:
-        attn.accum = "fp32"
-    model.injector = None
-    try:
-        yield
-    finally:
-        for attn, accum in zip(model.attentions, saved[0]):
-            attn.accum = accum
-        model.injector = saved[1]
-
-
-def clean_qk_grads(model, x, y, autocast, scale):
-    """--qk-fix clean-grad: the gradient W_q and W_k would get from the fault-free model on this batch; no
-    other .grad is touched, so every other weight keeps its faulty gradient."""
-    with fault_free(model), autocast():
-        _, loss, _ = model(x, y)
-    return torch.autograd.grad(loss * scale, qk_weights(model))
-
 
 def lr_at(step, args):
     if step < args.warmup_steps:
