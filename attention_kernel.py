@@ -41,10 +41,6 @@ def _new(shape, dtype, device):
     return torch.empty(shape, dtype=dtype, device=device)
 
 
-def _written(x):  # the PyTorch twin's whole-tensor results go through the same allocator
-    return _new(x.shape, x.dtype, x.device).copy_(x)
-
-
 # ----------------------------------------------------------------------------------------------------------------
 # Triton kernels. Layout: contiguous (batch*heads, T, D); one program per (query or key block, batch*head).
 
@@ -384,13 +380,13 @@ def _fwd_torch(q, k, v, scale, softcap, accum, beta, block_n):
         l[..., rows] = r(l[..., rows] * alpha + p.sum(-1))
         acc[..., rows, :] = r(acc[..., rows, :] * alpha[..., None] + _as(r(p), v.dtype) @ vf[:, :, keys])
         m[..., rows] = m_new
-    return _written(r(acc / l[..., None]).to(q.dtype)), _written(m + torch.log(l)), _written(top)
+    return r(acc / l[..., None]).to(q.dtype), m + torch.log(l), top
 
 
 def _bwd_torch(do, q, k, v, o, lse, scale, softcap, accum, block_n):
     T, dt = q.shape[2], q.dtype
     qf, kf, vf, dof = q.float(), k.float(), v.float(), do.float()
-    delta = _written((dof * o.float()).sum(-1))  # the stored (in bf16 mode: biased) O
+    delta = (dof * o.float()).sum(-1)  # the stored (in bf16 mode: biased) O
     dq = torch.zeros(qf.shape, device=q.device)
     dk, dv = _new(q.shape, dt, q.device), _new(q.shape, dt, q.device)
     pos = torch.arange(T, device=q.device)
@@ -406,7 +402,7 @@ def _bwd_torch(do, q, k, v, o, lse, scale, softcap, accum, block_n):
         ds = _as(ds, dt)
         dk[:, :, keys] = (ds.mT @ qf[:, :, rows] * scale).to(dt)
         dq[:, :, rows] += ds @ kf[:, :, keys]
-    return _written((dq * scale).to(dt)), dk, dv
+    return (dq * scale).to(dt), dk, dv   # dk, dv are written block by block: poisoned buffers
 
 
 # ----------------------------------------------------------------------------------------------------------------

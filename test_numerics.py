@@ -76,14 +76,14 @@ def all_finite(out):
 # fp32 state (the repair) against float64: output and all three gradients, ragged T, several head sizes.
 
 @pytest.mark.parametrize("impl", ["torch", "triton"])
-@pytest.mark.parametrize("dtype", [BF16, FP32])
+@pytest.mark.parametrize("dtype", [BF16, torch.float16, FP32])
 @pytest.mark.parametrize("T,D,block_n", [(1, 32, 16), (37, 64, 32), (130, 128, 64), (200, 64, None)])
 def test_fp32_state_matches_float64(impl, dtype, T, D, block_n, seed):
     need_triton(impl)
     q, k, v, do = (randn(2, 2, T, D, dtype=dtype) for _ in range(4))
     out = run(q, k, v, do, impl=impl, block_n=block_n)
     errs = errors(out, run(q, k, v, do, impl="reference"))
-    tol = 1e-2 if dtype == BF16 else 1e-4
+    tol = {BF16: 1e-2, torch.float16: 2e-3, FP32: 1e-4}[dtype]   # about 8x each format's unit roundoff
     assert all_finite(out), f"seed {seed}: unwritten (NaN) or non-finite output"
     assert out[0].dtype == dtype and all(g.dtype == dtype for g in out[1])
     assert max(errs) < tol, f"seed {seed}: rel errors o, dq, dk, dv = {errs}"
@@ -352,49 +352,52 @@ def test_poison_helper_fills_nan():
 # REFERENCE.md section 2 (Qiu & Yao): in GPT-2 small, after thousands of steps, the bf16 state makes the error in
 # dW_q a sum of similar rank-1 terms with a persistent sign, so W_q grows along one direction. Here: a tiny GPT
 # trains with fp32 state (one trajectory); at each of 8 consecutive steps the same batch is backpropagated three
-# times, and per layer e_t = dW_q(bf16 state) - dW_q(fp32 state). We measure cos(e_t, e_{t+1}) and cos(e_t, mean of
-# e_0..e_{t-1}), against two nulls: (1) the random level, E|cos| = sqrt(2/(pi*n)) = 0.012 for n = 64*64 (a cross-seed
-# check, cos of e from two unrelated models, gave mean |cos| 0.009..0.014, the same); (2) an unbiased rounding
+# times, and per layer e_t = dW_q(bf16 state) - dW_q(fp32 state). We measure cos(e_t, e_{t+1}) (cE) and
+# cos(e_t, mean of e_0..e_{t-1}) (cM), against two nulls: (1) the random level, E|cos| = sqrt(2/(pi*n)) = 0.012 for
+# n = 64*64 (cos of e from two unrelated models gave mean |cos| 0.009..0.014, the same); (2) an unbiased rounding
 # perturbation of the same computation, c_t = dW_q(fp32 state, key block 32) - dW_q(fp32 state, key block 64)
-# (pure fp32 summation order, ~1e-7 relative, but cosines are scale-free). Null (2) is the fair one: the errors are
-# concentrated in few directions, so even c_t's per-step cosines spread far beyond 0.012 in trained models.
+# (fp32 summation order only, ~1e-7 relative, but cosines are scale-free), whose cos(c_t, c_{t+1}) is cC. Null (2)
+# is the fair one: the errors are concentrated in few directions, so in trained models even cC spreads far beyond
+# 0.012 from step to step. And one positive control: the fp32 gradient's own cos(g_t, g_{t+1}) (cG).
 #
-# Measured (throwaway script, seeds from os.urandom; 2 layers, d=64, 2 heads, T=256, key block 64, batch 4, tokens
-# from a fixed pool of 8 six-grams over a 32-token vocabulary with 10% noise, so tokens and phrases repeat; fp32
-# inputs; AdamW lr 3e-3, clip 1.0; a fresh batch every step unless noted). Per-seed mean of cos(e_t, e_{t+1}) over
-# steps and both layers (cE), the same for the control (cC) and for the fp32 gradient itself (cG):
-#   from init, 8 steps, 10 seeds      cE -0.011..+0.046 (mean +0.011)  cC -0.010..+0.018  cG -0.05..+0.22
-#   from init, 16 steps, 5 seeds      cE +0.019..+0.062 (all > 0)      cC -0.009..+0.016
-#   from init, bf16 autocast, 5       cE -0.021..+0.022                cC -0.020..+0.013
-#   after 100 warm-up steps, 5        cE -0.168..+0.116 (per-step sd 0.1..0.57)   cC -0.078..+0.199
-#   100 warm-up, bf16 autocast, 5     cE -0.014..+0.083                cC -0.017..+0.187
-#   llama arch, 100 warm-up, 5        cE -0.077..+0.139                cC -0.087..+0.025
-#   300 warm-up, 16 steps, 5          cE -0.055..+0.238                cC -0.017..+0.061   (max logit 10..18;
+# Set-up: 2 layers, d=64, 2 heads, T=256, key block 64, batch 4, tokens from a fixed pool of 8 six-grams over a
+# 32-token vocabulary with 10% noise (so tokens and phrases repeat, and the model has structure to learn); fp32
+# inputs (the twin rounds S, m, l, acc to bf16 anyway); AdamW (0.9, 0.95), clip 1.0; a fresh batch each step, or
+# the same batch every step. Per-seed means over 8 steps and both layers, seeds from os.urandom, this test's code:
+#   lr 1e-3, fresh batches, 16 seeds:  cE -0.022..+0.053 (mean +0.012)  cM -0.022..+0.043  cC -0.010..+0.018
+#                                      cG +0.46..+0.55    |e|/|g| 1.2e-3..1.6e-3
+#   lr 1e-3, same batch, 16 seeds:     cE +0.018..+0.103 (mean +0.062; above cC in every seed)  cM +0.009..+0.079
+#                                      cC -0.013..+0.012  cG +0.77..+0.87  |e|/|g| 1.4e-3..1.8e-3
+#   lr 3e-3, fresh, 24 seeds:          cE -0.054..+0.047 (mean +0.005)   cC -0.033..+0.030  cG +0.07..+0.28
+#   lr 3e-3, same batch, 24 seeds:     cE -0.020..+0.103 (mean +0.03)    cC -0.018..+0.026  cG +0.12..+0.48
+# Longer runs (a throwaway script with the same model and data, lr 3e-3, fresh batches, 5 seeds each):
+#   from init, 16 steps               cE +0.019..+0.062 (all > 0)      cC -0.009..+0.016
+#   from init, bf16 autocast          cE -0.021..+0.022                cC -0.020..+0.013
+#   after 100 warm-up steps           cE -0.168..+0.116 (per-step sd 0.1..0.57)   cC -0.078..+0.199
+#   100 warm-up, bf16 autocast        cE -0.014..+0.083                cC -0.017..+0.187
+#   llama arch, 100 warm-up           cE -0.077..+0.139                cC -0.087..+0.025
+#   300 warm-up, 16 steps             cE -0.055..+0.238                cC -0.017..+0.061   (max logit 10..18;
 #                                       1.5..2% of (row, key block) pairs hold a tied bf16 max)
-#   llama, 300 warm-up, 16 steps, 5   cE -0.034..+0.036                cC -0.017..+0.038
-#   SAME batch every step, init, 10   cE -0.046..+0.061                cC -0.027..+0.030   cG +0.28..+0.41
-#   same batch, 100 warm-up (memorized, loss ~0), 5:  cE -0.001..+0.351 (4 of 5 > 0.19)  cC -0.148..+0.125
-# cos(e_t, running mean of e) behaved the same (init: -0.035..+0.059). |e|/|g| = 1.1e-3..1.6e-3 at init, up to
-# ~2e-2 later. The sign of <e_t, W_q> per head, and of e_t along W_q's top singular direction, did not persist
-# across steps either (no more often than for c_t).
+#   llama, 300 warm-up, 16 steps      cE -0.034..+0.036                cC -0.017..+0.038
+#   same batch, 100 warm-up (memorized, loss ~0): cE -0.001..+0.351 (4 of 5 > 0.19)  cC -0.148..+0.125
+# The sign of <e_t, W_q> per head, and of e_t along W_q's top singular direction, did not persist across steps
+# either (no more often than for c_t).
 #
-# So, honestly: at this scale, with a fresh batch each step, the bf16-state error in dW_q is NOT persistent in
-# direction: its step-to-step cosine is within the spread of the fp32 summation-order control, far from the
-# "sum of similar rank-1 terms" picture (which would give cosines of 0.3 or more). At most a weak component shows
-# (cE > 0 in all 5 seeds over 16 steps from init, ~0.03). It is a deterministic function of the weights and batch:
-# on one memorized batch it does persist (cos 0.2..0.35). Even on a repeated batch from init, one AdamW step
-# decorrelates it while the gradient keeps its direction (cG 0.28..0.41): the positive control below, showing
-# that this measurement does see persistence where there is some. The prior work's persistence may need what this
-# model lacks (thousands of steps, GPT-2 scale, bf16 S from a bf16 matmul with many exact ties); a run that shows
-# cos(e_t, e_{t+1}) > 0.2 here is a finding, not noise: report it.
+# So, honestly: at this scale the bf16-state error in dW_q is NOT persistent in direction across steps. With fresh
+# batches its step-to-step cosine is ~0.01, inside the fp32 control's spread, while the gradient itself keeps its
+# direction (cG ~0.5); far from the "sum of similar rank-1 terms" picture (cosines of 0.3 or more). Only a weak
+# persistent component shows on a repeated batch (cE ~0.06, above the control in all 16 seeds; 0.2..0.35 once that
+# batch is memorized). The prior work's persistence may need what this model lacks (thousands of steps, GPT-2
+# scale, S from a bf16 matmul with many exact ties). A run here with cE or cM above 0.2 would be a finding, not
+# noise: report it.
 #
-# What this test asserts (the from-init regime, the only one that fits ~30 s on two contended cores), for 2 fresh
-# seeds, with margin over everything measured above:
+# What this test asserts (from init, lr 1e-3, the regime that fits ~30 s on two contended cores), for one fresh seed,
+# with fresh batches and with a repeated batch, per run, with margin over everything measured above:
 #   - the fault is active: 3e-4 < |e|/|g| < 3e-2;
-#   - fresh batches: mean cos(e_t, e_{t+1}) < 0.2 and mean cos(e_t, running mean) < 0.2 (measured max 0.062);
-#     the control's |mean cos| < 0.1 (measured max 0.03);
-#   - same batch: the gradient persists, mean cos(g_t, g_{t+1}) > 0.15 (measured min 0.28), the error does not,
-#     mean cos(e_t, e_{t+1}) < 0.2 and at least 0.1 below the gradient's (measured gap >= 0.26).
+#   - no strong persistence: cE < 0.2 and cM < 0.2 (measured max 0.103 and 0.079); the control's |cC| < 0.1;
+#   - the measurement can see persistence where there is some: cG > 0.3 (measured min 0.46) and cG - cE > 0.25
+#     (measured min 0.41).
+# The weak same-batch persistence (cE > cC) is printed, not asserted: its margin per seed is too thin.
 
 def _ngram_tokens(gen, pool, vocab, B, T, noise=0.1):
     """B rows of T+1 tokens: n-grams drawn from `pool` (so tokens and phrases repeat), a fraction `noise` replaced."""
@@ -420,7 +423,7 @@ def _cos(a, b):
     return (a * b).sum(-1) / (a.norm(dim=-1) * b.norm(dim=-1))
 
 
-def wq_error_persistence(seed, same_batch, steps=8, B=4, T=256, vocab=32, block_n=64, lr=3e-3):
+def wq_error_persistence(seed, same_batch, steps=8, B=4, T=256, vocab=32, block_n=64, lr=1e-3):
     """Train a tiny GPT with fp32 state; each step, e_t = dW_q(bf16) - dW_q(fp32) on that step's batch, per layer.
     Returns per-seed means of: cE = cos(e_t, e_{t+1}), cM = cos(e_t, mean e_<t), cC = cos(c_t, c_{t+1}) for the
     summation-order control c_t, cG = cos(g_t, g_{t+1}) for the fp32 gradient; rel = |e| / |g|."""
@@ -455,18 +458,30 @@ def wq_error_persistence(seed, same_batch, steps=8, B=4, T=256, vocab=32, block_
 
 
 def test_wq_error_persistence_across_steps(seed):
-    rows = [(batches, s, wq_error_persistence(s, same)) for s in (seed, seed + 1)
-            for batches, same in (("fresh", False), ("same", True))]
+    rows = [(batches, seed, wq_error_persistence(seed, same)) for batches, same in (("fresh", False), ("same", True))]
     table = "\n".join(f"{b:>6} {s:>10} " + " ".join(f"{r[k]:+7.3f}" for k in ("cE", "cM", "cC", "cG"))
                       + f" {r['rel']:8.1e} {r['null']:6.3f}" for b, s, r in rows)
     table = (f"{'batch':>6} {'seed':>10} {'cE':>7} {'cM':>7} {'cC':>7} {'cG':>7} {'|e|/|g|':>8} {'null':>6}\n"
              + table)
     print("\ndW_q error e = bf16-state grad - fp32-state grad, tiny GPT, 8 steps from init; cE = cos(e_t, e_t+1), "
           "cM = cos(e_t, mean e_<t), cC = same for an fp32 summation-order control, cG = for the gradient\n" + table)
-    msg = f"seed {seed}: a cE or cM above 0.2 would be new: persistence the earlier measurements never showed\n{table}"
-    for batches, s, r in rows:
+    msg = (f"seed {seed}\n{table}\n(see the comment above: cE or cM >= 0.2 would be a persistence that "
+           f"no earlier measurement showed, a finding to report)")
+    for _, _, r in rows:
         assert 3e-4 < r["rel"] < 3e-2, msg
         assert r["cE"] < 0.2 and r["cM"] < 0.2, msg
         assert abs(r["cC"]) < 0.1, msg
-        if batches == "same":
-            assert r["cG"] > 0.15 and r["cG"] - r["cE"] > 0.1, msg
+        assert r["cG"] > 0.3 and r["cG"] - r["cE"] > 0.25, msg
+
+
+@pytest.mark.parametrize("accum", ["bf16", "bf16-safemax"])
+def test_bf16_state_defaults_to_the_same_key_block_in_both_implementations(accum, seed):
+    """The bf16 state is rounded once per key block, so the default block is part of the fault's definition."""
+    need_triton("triton")
+    q, k, v = (randn(1, 2, 300, 32) for _ in range(3))
+    by_default = [attention(q, k, v, accum=accum, impl=impl) for impl in ("torch", "triton")]
+    explicit = attention(q, k, v, accum=accum, impl="torch", block_n=ak.BF16_STATE_BLOCK_N)
+    other_block = attention(q, k, v, accum=accum, impl="torch", block_n=32)
+    assert torch.equal(by_default[0], explicit)
+    assert rel(by_default[1], by_default[0]) < 1e-3, f"seed {seed}"
+    assert not torch.equal(other_block, explicit), "a different block rounds the state elsewhere"
