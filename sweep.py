@@ -47,9 +47,9 @@ CLAIMS = {
                                 "--qk-fix clean-grad",
     }),
     4: ("sign-coherent errors run away, random signs do not", {
-        # the same flags as inject-mlp-out: a second, independent look at the coherent case
-        "inject-coherent": "--accum fp32 --inject-site mlp-out --inject-scale {scale} --inject-coherence 1",
-        "inject-random": "--accum fp32 --inject-site mlp-out --inject-scale {scale} --inject-coherence 0.5",
+        # at the attention output, where the kernel fault lands: a second site beside claim 3's mlp-out
+        "inject-coherent": "--accum fp32 --inject-site attn-out --inject-scale {scale} --inject-coherence 1",
+        "inject-random": "--accum fp32 --inject-site attn-out --inject-scale {scale} --inject-coherence 0.5",
     }),
     5: ("causal probe: removing QK's top directions stops the runaway, equal energy elsewhere does not", {
         "bf16-probe-topk": "--accum bf16 --probe qk-topk",
@@ -59,6 +59,9 @@ CLAIMS = {
         "bf16-guard-lr-drop": "--accum bf16 --guard on --guard-action lr-drop",
         "bf16-guard-clip": "--accum bf16 --guard on --guard-action clip",
         "bf16-guard-softcap": "--accum bf16 --guard on --guard-action softcap",
+        # for comparison at the same trigger (not judged by the rule): the weight-side QK action, the source fix
+        "bf16-guard-qkclip": "--accum bf16 --guard on --guard-action qkclip",
+        "bf16-guard-fp32-accum": "--accum bf16 --guard on --guard-action fp32-accum",
     }),
     7: ("the same on a second architecture (llama: RMSNorm, SwiGLU, rotary)", {
         "llama-bf16": "--arch llama --accum bf16 --guard off",
