@@ -572,6 +572,7 @@ def check():
 
 
 def bench():
+    """Prints the speed table; returns it as {(B, H, T, D): {kernel: {"fwd_ms", "fwd_bwd_ms"} or None}}."""
     if not torch.cuda.is_available():
         print("--bench needs a CUDA GPU (the Triton kernels are timed on the device); none found.")
         sys.exit(1)
@@ -580,7 +581,7 @@ def bench():
     sdpa = {"sdpa-flash": SDPBackend.FLASH_ATTENTION, "sdpa-cudnn": SDPBackend.CUDNN_ATTENTION,
             "sdpa-memeff": SDPBackend.EFFICIENT_ATTENTION}
     print(f"{'B,H,T,D':>18} {'kernel':>20} {'fwd ms':>8} {'TFLOP/s':>8} {'fwd+bwd ms':>11} {'TFLOP/s':>8}")
-    notes = []
+    notes, table = [], {}
     for B, H, T, D in [(16, 12, 1024, 64), (4, 32, 4096, 64), (4, 16, 4096, 128)]:
         q, k, v = (torch.randn(B, H, T, D, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
         do = torch.randn_like(q)
@@ -597,11 +598,14 @@ def bench():
                 t_f = do_bench(fn)
                 t_fb = do_bench(lambda: fn().backward(do), grad_to_none=[q, k, v])
                 cells = f"{t_f:8.3f} {flops / t_f * 1e-9:8.1f} {t_fb:11.3f} {3.5 * flops / t_fb * 1e-9:8.1f}"
+                table.setdefault((B, H, T, D), {})[name] = {"fwd_ms": t_f, "fwd_bwd_ms": t_fb}
             except Exception as e:  # e.g. an SDPA backend not available for this shape, GPU or build
                 cells = f"{'n/a':>8} {'n/a':>8} {'n/a':>11} {'n/a':>8}"
+                table.setdefault((B, H, T, D), {})[name] = None
                 notes.append(f"{name} {(B, H, T, D)}: {type(e).__name__}: {str(e).strip()[:160]}")
             print(f"{str((B, H, T, D)):>18} {name:>20} {cells}")
     print("\n".join(notes))
+    return table
 
 
 if __name__ == "__main__":

@@ -38,6 +38,8 @@ class GPTConfig:
     qk_norm: bool = False       # parameter-free QK normalization from step 0 (the always-on baseline)
     softcap: float = 0.0        # tanh soft-capping of attention logits; 0 = off
     attn_scale: float = 0.0     # logit scale; 0 = 1/sqrt(head_dim)
+    max_logit: bool = True      # return each layer's max attention logit (the monitor's signal); off only for
+                                # speed baselines (with attn_impl="sdpa" it costs an extra QK^T pass)
 
 
 # Named sizes. "cpu" trains in minutes on two cores; "assay" is the minute-scale collapse model of
@@ -95,6 +97,7 @@ class CausalSelfAttention(nn.Module):
         self.dropout = nn.Dropout(config.dropout)
         self.impl, self.block_n, self.beta = config.attn_impl, config.block_n, config.safemax_beta
         self.scale = config.attn_scale or None
+        self.return_max_logit = config.max_logit
         # Switched by the guard, per layer (see the module docstring).
         self.accum = config.accum
         self.qk_norm = config.qk_norm
@@ -112,14 +115,15 @@ class CausalSelfAttention(nn.Module):
         if rotary is not None:
             cos, sin = rotary
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        y, max_logit = attention(q, k, v, accum=self.accum, qk_norm=self.qk_norm, return_max_logit=True,
-                                 scale=self.scale, softcap=self.softcap, safemax_beta=self.beta,
-                                 impl=self.impl, block_n=self.block_n or None)
+        out = attention(q, k, v, accum=self.accum, qk_norm=self.qk_norm, return_max_logit=self.return_max_logit,
+                        scale=self.scale, softcap=self.softcap, safemax_beta=self.beta,
+                        impl=self.impl, block_n=self.block_n or None)
+        y, max_logit = out if self.return_max_logit else (out, None)
         y = y.transpose(1, 2).contiguous().view(B, T, C)   # channels h*head_dim:(h+1)*head_dim are head h's
         if inject is not None:
             y = inject(y, "attn-out", self.layer_idx)
         # max over the batch: the per-head signal the monitor and the guard watch
-        return self.dropout(self.o_proj(y)), max_logit.amax(dim=0)
+        return self.dropout(self.o_proj(y)), None if max_logit is None else max_logit.amax(dim=0)
 
 
 class MLP(nn.Module):
@@ -198,7 +202,8 @@ class GPT(nn.Module):
         return n - (self.pos_emb.weight.numel() if self.pos_emb is not None else 0)
 
     def forward(self, idx, targets=None):
-        """Returns (logits, loss or None, max_logit) with max_logit of shape (n_layer, n_head)."""
+        """Returns (logits, loss or None, max_logit) with max_logit of shape (n_layer, n_head), or None when
+        config.max_logit is off."""
         B, T = idx.shape
         if T > self.config.block_size:
             raise ValueError(f"sequence of length {T} is longer than block_size {self.config.block_size}")
@@ -217,7 +222,8 @@ class GPT(nn.Module):
         loss = None
         if targets is not None:
             loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1))
-        return logits, loss, torch.stack(max_logits).detach()
+        max_logit = torch.stack(max_logits).detach() if self.config.max_logit else None
+        return logits, loss, max_logit
 
     def configure_optimizer(self, lr, weight_decay, betas, fused=False):
         """AdamW with weight decay on matrices (linear weights, embeddings) only, not on norm gains."""

@@ -4,7 +4,6 @@
 """
 import hashlib
 import importlib.util
-import json
 import os
 import subprocess
 import sys

@@ -261,3 +261,35 @@ def test_read_log_drops_the_records_a_resume_replays(tmp_path):
     assert [r["loss"] for r in records if "loss" in r] == [10, 9, 8, 7, 16, 15, 14, 13]
     assert [r["step"] for r in records if r.get("event") == "eval"] == [0, 4], "the eval at the checkpoint stays"
     assert not any(r.get("event") == "guard_trigger" for r in records), "a trigger after the checkpoint is replayed"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# bench.py
+
+def test_bench_smoke(tmp_path):
+    """bench.py --smoke runs the benchmark's code paths at a tiny size on the CPU (even where a GPU is present,
+    so the test stays quick): the three training configurations, the monitor cost, the targets, the JSON."""
+    out_json = tmp_path / "bench.json"
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
+    out = subprocess.run([sys.executable, os.path.join(ROOT, "bench.py"), "--smoke", "--json", str(out_json)],
+                         capture_output=True, text=True, timeout=120, cwd=ROOT, env=env)
+    assert out.returncode == 0, out.stdout + out.stderr
+    lines = out.stdout.splitlines()
+    assert any(line.startswith("attention table: skipped") for line in lines)
+    for config in ("sdpa", "triton+monitor", "triton"):
+        assert any(line.split()[:1] == [config] and len(line.split()) == 5 for line in lines), config
+    assert "monitor cost (on - off) / off: " in out.stdout
+    summary = lines[lines.index(next(line for line in lines if line.startswith("targets"))):]
+    for target in ("attn fp32/cudnn fwd+bwd (16, 12, 1024, 64)", "attn bf16-safemax/fp32, worst of 3 shapes",
+                   "train tokens/s, triton+monitor / sdpa", "monitor cost, (on - off) / off"):
+        assert any(line.startswith(target) for line in summary), target
+
+    result = json.loads(out_json.read_text())
+    assert result["smoke"] is True and result["errors"] == []
+    assert set(result["train"]) == {"sdpa", "triton+monitor", "triton"}
+    for row in result["train"].values():
+        assert row["ms_per_step"] > 0 and row["tokens_per_s"] > 0 and row["steps"] == 2
+    assert isinstance(result["monitor_cost"], float)
+    assert len(result["targets"]) == 7
+    assert all(set(t) == {"target", "measured", "goal", "met"} for t in result["targets"])
+    assert [t["met"] for t in result["targets"][:5]] == [None] * 5        # no attention table on the CPU

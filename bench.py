@@ -1,0 +1,281 @@
+"""Speed against the issue's targets, in one run: the attention kernel, then a GPT-2 124M training step.
+
+    python bench.py                          # CUDA: attention table, training-step table, targets (~4 min, H200)
+    python bench.py --json out/bench.json    # the same, and the tables as JSON
+    python bench.py --smoke                  # tiny sizes on any device (CPU: no attention table): for CI
+
+Training step = what train.py's Trainer does per step: forward and backward under bf16 autocast, clip_grad_norm_
+to 1.0, fused AdamW, zero_grad; with the monitor on, also SpectralMonitor.measure and a dormant QKGuard.observe
+(which reads one flag back to the host every step). Three configurations, all under torch.compile:
+  sdpa            attn_impl="sdpa", no max-logit by-product, no monitor: the nanoGPT-style baseline
+  triton+monitor  attn_impl="triton", accum="fp32", monitor and dormant guard every step (as train.py runs)
+  triton          the same model with the monitor off
+Timing: CUDA events between consecutive steps, one synchronize before and one after (so nothing here adds a
+host sync that training does not have); median over the timed steps; warm-up steps (compilation) excluded.
+The two triton configurations share one compiled model and alternate in blocks, so drift hits both alike.
+"""
+import argparse
+import contextlib
+import gc
+import json
+import os
+import statistics
+import sys
+import time
+import traceback
+
+import torch
+
+import attention_kernel
+from guard import QKGuard, SpectralMonitor
+from model import MODEL_SIZES, GPT, GPTConfig
+
+H200_BF16_PEAK = 989e12    # dense bf16 FLOP/s, the MFU denominator (REFERENCE.md section 4)
+SHAPES = [(16, 12, 1024, 64), (4, 32, 4096, 64), (4, 16, 4096, 128)]   # attention_kernel.bench()'s shapes
+ROUNDS = 2                 # blocks per configuration when two configurations share a model (they alternate)
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--smoke", action="store_true", help="tiny sizes on any device: checks the code paths only")
+    p.add_argument("--steps", type=int, help="timed steps per configuration (default 50; smoke 2)")
+    p.add_argument("--warmup", type=int, help="untimed steps first, compilation included (default 10; smoke 1)")
+    p.add_argument("--batch-size", type=int, help="sequences per step (default 16; smoke 2)")
+    p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
+                   help="torch.compile the model (default: on with CUDA, off on CPU)")
+    p.add_argument("--json", metavar="PATH", help="also write the tables to this JSON file")
+    args = p.parse_args(argv)
+    cuda = torch.cuda.is_available()
+    if not cuda and not args.smoke:
+        p.error("the benchmark needs a CUDA GPU (its targets are for an H200); on CPU run it with --smoke")
+    for name, smoke, full in (("steps", 2, 50), ("warmup", 1, 10), ("batch_size", 2, 16)):
+        if getattr(args, name) is None:
+            setattr(args, name, smoke if args.smoke else full)
+    if args.steps < 1 or args.warmup < 0 or args.batch_size < 1:
+        p.error("--steps and --batch-size must be at least 1, --warmup at least 0")
+    args.device = torch.device("cuda" if cuda else "cpu")
+    args.compile = cuda if args.compile is None else args.compile
+    args.size = dict(n_layer=2, n_head=2, n_embd=64, block_size=64) if args.smoke else MODEL_SIZES["gpt2"]
+    # our kernel: Triton on CUDA (or in the interpreter if asked for), else its PyTorch twin
+    args.impl = "triton" if cuda or os.environ.get("TRITON_INTERPRET") == "1" else "torch"
+    return args
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# (1) Attention: attention_kernel.bench() prints the table and returns it; the ratios come from it.
+
+def ratio(a, b):
+    return a / b if a is not None and b is not None else None
+
+
+def attention_ratios(table):
+    """Per shape: fp32 fwd+bwd time over cuDNN's and flash's, and each bf16-state mode's over fp32's."""
+    out = {}
+    for shape in SHAPES:
+        t = {kernel: cells and cells["fwd_bwd_ms"] for kernel, cells in table.get(shape, {}).items()}
+        fp32 = t.get("triton-fp32")
+        out[shape] = {"fp32/cudnn": ratio(fp32, t.get("sdpa-cudnn")), "fp32/flash": ratio(fp32, t.get("sdpa-flash")),
+                      "bf16/fp32": ratio(t.get("triton-bf16"), fp32),
+                      "bf16-safemax/fp32": ratio(t.get("triton-bf16-safemax"), fp32)}
+    return out
+
+
+def fmt(x, spec=".3f", none="n/a"):
+    return none if x is None else format(x, spec)
+
+
+def bench_attention():
+    table = attention_kernel.bench()
+    ratios = attention_ratios(table)
+    print("\nfwd+bwd time ratios (below 1: the first is faster)")
+    names = ["fp32/cudnn", "fp32/flash", "bf16/fp32", "bf16-safemax/fp32"]
+    print(f"{'B,H,T,D':>18} " + " ".join(f"{n:>17}" for n in names))
+    for shape, r in ratios.items():
+        print(f"{str(shape):>18} " + " ".join(f"{fmt(r[n]):>17}" for n in names))
+    return table, ratios
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# (2) Training step
+
+def train_flops_per_token(model, T):
+    """6 N (forward and backward of every weight, N without position embeddings) plus attention's QK^T and PV
+    counted as nanoGPT and PaLM do: 12 * n_layer * n_embd * T per token, the full T x T (not halved for the
+    causal mask). That is how REFERENCE.md's 41.8% MFU was counted, so the numbers compare."""
+    c = model.config
+    return 6 * model.num_params() + 12 * c.n_layer * c.n_embd * T
+
+
+def build(args, attn_impl, max_logit):
+    torch.manual_seed(0)
+    config = GPTConfig(**args.size, attn_impl=attn_impl, accum="fp32", max_logit=max_logit)
+    model = GPT(config).to(args.device)
+    cuda = args.device.type == "cuda"
+    optimizer = model.configure_optimizer(lr=6e-4, weight_decay=0.1, betas=(0.9, 0.95), fused=cuda)
+    compiled = torch.compile(model) if args.compile else model
+    autocast = (lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if cuda else contextlib.nullcontext
+    tokens = torch.randint(config.vocab_size, (args.batch_size, config.block_size + 1), device=args.device)
+    x, y = tokens[:, :-1], tokens[:, 1:]
+    monitor, guard = SpectralMonitor(model), QKGuard(enabled=True)   # guard: default threshold, stays dormant
+    monitor.measure(model, iters=30)                                  # converged before step 0, as train.py does
+    count = [0]
+
+    def step(watch):
+        with autocast():
+            _, loss, max_logit = compiled(x, y)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        if watch:                  # Trainer.watch with --monitor-interval 1
+            _, sigma_head = monitor.measure(model)
+            guard.observe(count[0], max_logit.float(), sigma_head, model)
+            guard.after_optimizer_step(model, max_logit.float())
+        count[0] += 1
+    return model, step, guard
+
+
+def step_times(step, n, device):
+    """Milliseconds of each of n consecutive steps."""
+    if device.type != "cuda":
+        marks = [time.perf_counter()]
+        for _ in range(n):
+            step()
+            marks.append(time.perf_counter())
+        return [1e3 * (b - a) for a, b in zip(marks, marks[1:])]
+    torch.cuda.synchronize()
+    events = [torch.cuda.Event(enable_timing=True) for _ in range(n + 1)]
+    events[0].record()
+    for event in events[1:]:
+        step()
+        event.record()
+    torch.cuda.synchronize()
+    return [a.elapsed_time(b) for a, b in zip(events, events[1:])]
+
+
+def bench_model(args, attn_impl, max_logit, configs):
+    """configs: {name: monitor on?}, all timed on one compiled model, alternating in ROUNDS blocks."""
+    model, step, guard = build(args, attn_impl, max_logit)
+    tokens = args.batch_size * model.config.block_size
+    flops = train_flops_per_token(model, model.config.block_size) * tokens
+    cuda = args.device.type == "cuda"
+    for watch in configs.values():
+        for _ in range(args.warmup):
+            step(watch)
+    times, peak = {name: [] for name in configs}, {name: 0 for name in configs}
+    block = max(1, args.steps // ROUNDS) if len(configs) > 1 else args.steps
+    while any(len(t) < args.steps for t in times.values()):
+        for name, watch in configs.items():
+            if cuda:
+                torch.cuda.reset_peak_memory_stats()
+            times[name] += step_times(lambda: step(watch), min(block, args.steps - len(times[name])), args.device)
+            if cuda:
+                peak[name] = max(peak[name], torch.cuda.max_memory_allocated())
+    assert not guard.triggered, "the guard must stay dormant in a speed run"
+    rows = {}
+    for name in configs:
+        ms = statistics.median(times[name])
+        rows[name] = {"ms_per_step": ms, "tokens_per_s": tokens / ms * 1e3, "steps": len(times[name]),
+                      "mfu": flops / (ms * 1e-3) / H200_BF16_PEAK if cuda else None,
+                      "peak_mem_gib": peak[name] / 2**30 if cuda else None, "params": model.num_params(),
+                      "ms_each_step": [round(t, 4) for t in times[name]]}
+    model = step = guard = None   # free the GPU memory before the next model is built
+    gc.collect()
+    if cuda:
+        torch.cuda.empty_cache()
+    return rows
+
+
+def bench_training(args, errors):
+    rows = {}
+    runs = [("sdpa", False, {"sdpa": False}), (args.impl, True, {"triton+monitor": True, "triton": False})]
+    for attn_impl, max_logit, configs in runs:
+        try:
+            rows.update(bench_model(args, attn_impl, max_logit, configs))
+        except Exception:
+            traceback.print_exc()
+            errors.append(f"training step {'/'.join(configs)}")
+    c = args.size
+    print(f"\ntraining step: GPT {c['n_layer']}x{c['n_embd']} ({c['n_head']} heads), batch {args.batch_size} x "
+          f"{c['block_size']}, our attention impl {args.impl!r}, compile {args.compile}, median of {args.steps} "
+          f"steps after {args.warmup} warm-up")
+    print(f"{'config':>16} {'ms/step':>9} {'tokens/s':>11} {'MFU':>7} {'peak GiB':>9}")
+    for name, r in rows.items():
+        print(f"{name:>16} {r['ms_per_step']:9.2f} {r['tokens_per_s']:11,.0f} {fmt(r['mfu'], '7.1%'):>7} "
+              f"{fmt(r['peak_mem_gib'], '9.2f'):>9}")
+    on, off = rows.get("triton+monitor"), rows.get("triton")
+    cost = (on["ms_per_step"] - off["ms_per_step"]) / off["ms_per_step"] if on and off else None
+    print(f"monitor cost (on - off) / off: {fmt(cost, '+.2%')}")
+    print("MFU: (6 * params + 12 * n_layer * n_embd * T) FLOPs per token (attention counted over the full T x T, "
+          "as nanoGPT does) / 989 TFLOP/s bf16 dense")
+    return rows, cost
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# (3) The targets
+
+def targets(att, train, cost):
+    """[(target, measured, goal, met)]; met is None where nothing was measured."""
+    def row(name, value, limit, at_most, spec):
+        met = None if value is None else (value <= limit if at_most else value >= limit)
+        return {"target": name, "measured": value, "goal": f"{'<=' if at_most else '>='} {limit:{spec}}",
+                "met": met, "spec": spec}
+    out = []
+    for shape in SHAPES:
+        r = (att or {}).get(shape, {})
+        key = "fp32/cudnn" if shape == SHAPES[0] else "fp32/flash"
+        out.append(row(f"attn {key} fwd+bwd {shape}", r.get(key), 1.0, True, ".2f"))
+    for mode in ("bf16", "bf16-safemax"):
+        worst = [(att or {}).get(s, {}).get(f"{mode}/fp32") for s in SHAPES]
+        out.append(row(f"attn {mode}/fp32, worst of 3 shapes", None if None in worst else max(worst), 1.25, True,
+                       ".2f"))
+    sdpa, ours = train.get("sdpa"), train.get("triton+monitor")
+    speedup = ours["tokens_per_s"] / sdpa["tokens_per_s"] if ours and sdpa else None
+    out.append(row("train tokens/s, triton+monitor / sdpa", speedup, 1.0, False, ".2f"))
+    out.append(row("monitor cost, (on - off) / off", cost, 0.01, True, ".1%"))
+    return out
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    start, errors = time.time(), []
+    name = torch.cuda.get_device_name() if args.device.type == "cuda" else "cpu"
+    print(f"bench.py on {name}: torch {torch.__version__}" + (" (smoke run: tiny sizes)" if args.smoke else ""))
+    table, att = {}, None
+    if args.device.type != "cuda":
+        print("\nattention table: skipped (it times the Triton kernels on a CUDA GPU; none here)")
+    else:
+        print()
+        try:
+            table, att = bench_attention()
+        except Exception:
+            traceback.print_exc()
+            errors.append("attention table")
+        print(f"[{time.time() - start:.0f} s elapsed]")
+    train, cost = bench_training(args, errors)
+    print(f"[{time.time() - start:.0f} s elapsed]")
+
+    rows = targets(att, train, cost)
+    print(f"\ntargets{' (smoke run: verdicts mean nothing at this size and device)' if args.smoke else ''}")
+    print(f"{'target':<48} {'measured':>9} {'goal':>9} {'met':>4}")
+    for r in rows:
+        met = "n/a" if r["met"] is None else ("yes" if r["met"] else "no")
+        print(f"{r['target']:<48} {fmt(r['measured'], r['spec']):>9} {r['goal']:>9} {met:>4}")
+    if errors:
+        print(f"errors in: {', '.join(errors)} (traceback above)")
+    if args.json:
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+        result = {"device": name, "torch": torch.__version__, "smoke": args.smoke, "compile": args.compile,
+                  "attn_impl": args.impl, "batch_size": args.batch_size, "steps": args.steps, "warmup": args.warmup,
+                  "attention": {str(s): kernels for s, kernels in table.items()},
+                  "attention_ratios": {str(s): r for s, r in (att or {}).items()}, "train": train,
+                  "monitor_cost": cost, "targets": [{k: v for k, v in r.items() if k != "spec"} for r in rows],
+                  "errors": errors, "seconds": time.time() - start}
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=2)
+        print(f"wrote {args.json}")
+    return 1 if errors else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
