@@ -45,8 +45,8 @@ PRESETS = {
                         min_lr=6e-5, warmup_steps=2000, schedule="cosine", log_interval=10, eval_interval=1000,
                         eval_iters=50, ckpt_interval=1000),
 }
-# Flags that may change when a run is resumed; any other difference from the saved run is an error.
 PRESET_KEYS = {key for values in (*PRESETS.values(), *model_lib.MODEL_SIZES.values()) for key in values}
+# Flags that may change when a run is resumed; any other difference from the saved run is an error.
 RESUMABLE_CHANGES = {"max_steps", "log_interval", "eval_interval", "eval_iters", "ckpt_interval", "compile",
                      "on_collapse", "resume", "device", "out_dir"}
 QK_FIXES = ("off", "clean-grad", "qknorm")
