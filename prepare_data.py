@@ -366,6 +366,47 @@ def _build(dataset, out_dir, inputs, val_fraction, workers, force, glob):
     return out_dir
 
 
+# ----------------------------------------------------------------------------------------------------------------
+# The read side of the format, for train.py: checked against meta.json, sampled reproducibly.
+
+class TokenWindows:
+    """Random windows of block_size + 1 tokens. The windows of step s depend only on (seed, s), so a resumed run
+    sees exactly the batches an uninterrupted one would, every run with the same seed sees the same data order,
+    and N processes together see the same global batch as one."""
+
+    def __init__(self, data_dir, block_size, batch_size, seed, vocab_size, dataset="pycode"):
+        meta_path = os.path.join(data_dir, "meta.json")
+        redo = f"re-run `python prepare_data.py --dataset {dataset} --out-dir {data_dir} --force`"
+        with open(meta_path) as f:
+            meta = json.load(f)
+        self.content_hash = meta.get("content_sha256")
+        if meta.get("vocab_size", 0) > vocab_size:
+            raise SystemExit(f"error: {meta_path} says vocab_size {meta['vocab_size']}, more than the model's "
+                             f"{vocab_size}: re-prepare the data with prepare_data.py's GPT-2 tokenizer")
+        self.data = {}
+        for split in ("train", "val"):
+            path = os.path.join(data_dir, f"{split}.bin")
+            if not os.path.exists(path):
+                raise SystemExit(f"error: {path} is missing although {meta_path} exists: {redo}")
+            size = os.path.getsize(path)
+            expected = meta.get("tokens", {}).get(split)
+            if size % 2 or (expected is not None and size // 2 != expected):
+                raise SystemExit(f"error: {path} holds {size} bytes, not the {expected} uint16 tokens meta.json "
+                                 f"records: the file is damaged; {redo}")
+            if size // 2 <= block_size + 1:
+                raise SystemExit(f"error: {path} holds {size // 2} tokens, too few for --block-size {block_size}")
+            self.data[split] = np.memmap(path, dtype=np.uint16, mode="r")
+        self.block_size, self.batch_size, self.seed = block_size, batch_size, seed
+
+    def get(self, split, step, index):
+        """Window `index` of step `step` (for val: eval batch `index`, the same at every eval), int64
+        (batch_size, block_size + 1)."""
+        data, T = self.data[split], self.block_size
+        rng = np.random.default_rng([self.seed, 0 if split == "train" else 1, step, index])
+        starts = rng.integers(0, len(data) - T - 1, size=self.batch_size)
+        return np.stack([data[s:s + T + 1] for s in starts]).astype(np.int64)
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dataset", choices=DATASETS, default="pycode",

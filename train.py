@@ -26,6 +26,7 @@ import numpy as np
 import torch
 
 import model as model_lib
+import prepare_data
 from assay import (INJECT_SITES, PROBE_MODES, ErrorInjector, QKProbe, check_assay_flags, clean_qk_grads,
                    qk_weights)
 from guard import ACTIONS, SCOPES, SIGNALS, CollapseDetector, QKGuard, SpectralMonitor
@@ -291,42 +292,11 @@ class Dist:
 # ----------------------------------------------------------------------------------------------------------------
 # Data
 
-class Batches:
-    """Random windows of the token stream. The windows of step s depend only on (seed, s), so a resumed run sees
-    exactly the batches an uninterrupted one would, every run with the same seed sees the same data order, and
-    N processes together see the same global batch as one."""
-
-    def __init__(self, data_dir, block_size, batch_size, seed, vocab_size, dataset="pycode"):
-        meta_path = os.path.join(data_dir, "meta.json")
-        redo = f"re-run `python prepare_data.py --dataset {dataset} --out-dir {data_dir} --force`"
-        with open(meta_path) as f:
-            meta = json.load(f)
-        self.content_hash = meta.get("content_sha256")
-        if meta.get("vocab_size", 0) > vocab_size:
-            raise SystemExit(f"error: {meta_path} says vocab_size {meta['vocab_size']}, more than the model's "
-                             f"{vocab_size}: re-prepare the data with prepare_data.py's GPT-2 tokenizer")
-        self.data = {}
-        for split in ("train", "val"):
-            path = os.path.join(data_dir, f"{split}.bin")
-            if not os.path.exists(path):
-                raise SystemExit(f"error: {path} is missing although {meta_path} exists: {redo}")
-            size = os.path.getsize(path)
-            expected = meta.get("tokens", {}).get(split)
-            if size % 2 or (expected is not None and size // 2 != expected):
-                raise SystemExit(f"error: {path} holds {size} bytes, not the {expected} uint16 tokens meta.json "
-                                 f"records: the file is damaged; {redo}")
-            if size // 2 <= block_size + 1:
-                raise SystemExit(f"error: {path} holds {size // 2} tokens, too few for --block-size {block_size}")
-            self.data[split] = np.memmap(path, dtype=np.uint16, mode="r")
-        self.block_size, self.batch_size, self.seed = block_size, batch_size, seed
+class Batches(prepare_data.TokenWindows):
+    """prepare_data.TokenWindows as torch tensors on the training device: inputs and next-token targets."""
 
     def get(self, split, step, index, device):
-        """Micro-batch `index` of step `step` (for val: eval batch `index`, the same at every eval)."""
-        data, T = self.data[split], self.block_size
-        rng = np.random.default_rng([self.seed, 0 if split == "train" else 1, step, index])
-        starts = rng.integers(0, len(data) - T - 1, size=self.batch_size)
-        window = np.stack([data[s:s + T + 1] for s in starts]).astype(np.int64)
-        window = torch.from_numpy(window)
+        window = torch.from_numpy(super().get(split, step, index))
         if device.type == "cuda":
             window = window.pin_memory().to(device, non_blocking=True)
         return window[:, :-1].contiguous(), window[:, 1:].contiguous()
@@ -341,7 +311,6 @@ def ensure_data(args, dist):
         raise SystemExit(f"error: no prepared data in {args.data_dir} (meta.json missing): run "
                          f"`python prepare_data.py --dataset {args.dataset} --out-dir {args.data_dir} ...` first")
     if dist.local_rank == 0:
-        import prepare_data
         print(f"no data in {args.data_dir}: preparing the {args.dataset} dataset (once)")
         prepare_data.prepare(dataset=args.dataset, out_dir=args.data_dir)
     dist.barrier()
@@ -443,22 +412,6 @@ def lr_at(step, args):
         return args.lr
     progress = min(1.0, (step - args.warmup_steps) / max(1, args.decay_steps - args.warmup_steps))
     return args.min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (args.lr - args.min_lr)
-
-
-@torch.no_grad()
-def evaluate(model, batches, args, dist, autocast):
-    """Mean validation loss over the same eval_iters batches every time, split over the ranks."""
-    model.eval()
-    total = torch.zeros(2, device=dist.device)
-    for i in range(dist.rank, args.eval_iters, dist.world):
-        x, y = batches.get("val", 0, i, dist.device)
-        with autocast():
-            _, loss, _ = model(x, y)
-        total += torch.stack([loss.float(), torch.ones((), device=dist.device)])
-    model.train()
-    if dist.world > 1:
-        torch.distributed.all_reduce(total)
-    return (total[0] / total[1]).item()
 
 
 def start_run(args, explicit):
@@ -579,6 +532,22 @@ class Trainer:
         device = self.dist.device
         self.sigma, self.sigma_head = state["monitor"]["sigma"].to(device), state["monitor"]["sigma_head"].to(device)
 
+    @torch.no_grad()
+    def evaluate(self):
+        """Mean validation loss over the same eval_iters batches every time, split over the ranks."""
+        dist, model = self.dist, self.train_model
+        model.eval()
+        total = torch.zeros(2, device=dist.device)
+        for i in range(dist.rank, self.args.eval_iters, dist.world):
+            x, y = self.batches.get("val", 0, i, dist.device)
+            with self.autocast():
+                _, loss, _ = model(x, y)
+            total += torch.stack([loss.float(), torch.ones((), device=dist.device)])
+        model.train()
+        if dist.world > 1:
+            torch.distributed.all_reduce(total)
+        return (total[0] / total[1]).item()
+
     def train_step(self):
         """One optimizer step: forward/backward over the micro-batches (the assay's fixes and errors included),
         clip, update. Returns the step's lr, gradient norm, and max attention logit per layer and head."""
@@ -653,7 +622,8 @@ class Trainer:
         return record
 
 
-def console_line(record, max_logit):
+def console_line(record):
+    max_logit = torch.tensor(record["max_logit"])
     top = int(max_logit.argmax())
     return (f"step {record['step']:6d} | loss {record['loss']:.4f} | lr {record['lr']:.2e} | gnorm "
             f"{record['grad_norm']:.2f} | max logit {max_logit.max().item():7.1f} (L{top // max_logit.shape[1]} "
@@ -679,18 +649,24 @@ def main(argv=None):
 
     if dist.master:
         os.makedirs(args.out_dir, exist_ok=True)
-    log = RunLog(os.path.join(args.out_dir, "log.jsonl"), dist.master)
+    log, run_versions = RunLog(os.path.join(args.out_dir, "log.jsonl"), dist.master), versions(dist.device)
     if dist.master and state is None:
         with open(os.path.join(args.out_dir, "config.json"), "w") as f:
-            json.dump({"args": vars(args), "versions": versions(dist.device), "command": sys.argv,
+            json.dump({"args": vars(args), "versions": run_versions, "command": sys.argv,
                        "world_size": dist.world, "params": model.num_params()}, f, indent=2)
-    log.write({"event": "resume" if state else "start", "step": run.step, "versions": versions(dist.device),
+    log.write({"event": "resume" if state else "start", "step": run.step, "versions": run_versions,
                "world_size": dist.world, "command": sys.argv, "changed": changed},
               f"{'resuming' if state else 'starting'} {args.out_dir} at step {run.step}: {args.preset} preset, "
               f"{args.arch} {args.n_layer}x{args.n_embd}, {model.num_params() / 1e6:.2f}M params, accum "
               f"{args.accum}, guard {args.guard}, on {dist.device} x{dist.world}")
 
     last_checkpoint = [run.step]
+
+    def evaluate():
+        val_loss = run.evaluate()
+        log.write({"event": "eval", "step": run.step, "val_loss": val_loss},
+                  f"step {run.step:6d} | val loss {val_loss:.4f}")
+        return val_loss
 
     def checkpoint():
         state = run.state_dict()           # every rank takes part (the RNG states are gathered)
@@ -707,8 +683,7 @@ def main(argv=None):
     status, val_loss, interval_start = "completed", None, time.time()
     try:
         if state is None:
-            val_loss = evaluate(run.train_model, run.batches, args, dist, run.autocast)
-            log.write({"event": "eval", "step": 0, "val_loss": val_loss}, f"step {0:6d} | val loss {val_loss:.4f}")
+            val_loss = evaluate()
         while run.step < args.max_steps:
             lr, grad_norm, loss, max_logit = run.train_step()
             event = run.watch(max_logit)
@@ -720,9 +695,8 @@ def main(argv=None):
             run.step += 1
 
             if run.step % args.log_interval == 0 or run.step == args.max_steps:
-                interval_max = run.interval["max_logit"]
                 record = run.log_record(lr, grad_norm, time.time() - interval_start)
-                log.write(record, console_line(record, interval_max))
+                log.write(record, console_line(record))
                 interval_start = time.time()
                 if run.detector.update(record["step"], record["loss"]):
                     log.write({"event": "collapse", "step": run.detector.collapsed_at, "loss": record["loss"]},
@@ -732,9 +706,7 @@ def main(argv=None):
                         status = "collapsed"
                         break
             if run.step % args.eval_interval == 0 or run.step == args.max_steps:
-                val_loss = evaluate(run.train_model, run.batches, args, dist, run.autocast)
-                log.write({"event": "eval", "step": run.step, "val_loss": val_loss},
-                          f"step {run.step:6d} | val loss {val_loss:.4f}")
+                val_loss = evaluate()
             if run.step % args.ckpt_interval == 0:
                 checkpoint()
             stop = bool(stop_signal)
@@ -744,7 +716,7 @@ def main(argv=None):
                 status = "interrupted"
                 break
         if status == "collapsed":   # the end record's val loss is the collapsed model's, not an old one
-            val_loss = evaluate(run.train_model, run.batches, args, dist, run.autocast)
+            val_loss = evaluate()
         checkpoint()
     except BaseException as e:
         log.write({"event": "end", "status": "error", "step": run.step, "error": f"{type(e).__name__}: {e}"})
