@@ -10,8 +10,9 @@ Two implementations of the same algorithm with the same rounding points:
 Both sit behind torch.library custom ops, so a model calling attention() compiles with fullgraph=True.
 "sdpa" (PyTorch's fused kernels) and "reference" (float64, materialized) are there to compare against.
 
-    python attention_kernel.py --bench   # CUDA only: speed table against SDPA's backends
-    python attention_kernel.py --check   # errors against the float64 reference on this device
+    python attention_kernel.py --bench     # CUDA only: speed table against SDPA's backends
+    python attention_kernel.py --check     # errors against the float64 reference on this device
+    python attention_kernel.py --compile   # any machine: compile for an H100/H200 (sm_90); registers, spills
 """
 import math
 import os
@@ -35,14 +36,32 @@ _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def _new(shape, dtype, device):
-    """The one allocator for every buffer the kernels write (o, lse, row_max, delta, dq, dk, dv)."""
+    """The allocator of every buffer the kernels write (lse, row_max, delta; o, dq, dk, dv through _new_like)."""
     if POISON_OUTPUTS:
         return torch.full(shape, float("nan"), dtype=dtype, device=device)
     return torch.empty(shape, dtype=dtype, device=device)
 
 
+def _new_like(q):
+    """A (B, H, T, D) buffer in the one layout that o, dq, dk, dv, and the k, v, do they are computed from, share
+    with q: q's own strides when q is dense with a unit-stride head_dim (the model's (B, T, H, D).transpose(1, 2)
+    views, so that nothing is copied on the way in or out), else contiguous. The custom ops' fakes use it too,
+    so torch.compile sees the strides the kernels write."""
+    if q.stride(-1) != 1:
+        return _new(q.shape, q.dtype, q.device)
+    x = torch.empty_like(q)          # keeps a dense tensor's strides
+    return x.fill_(float("nan")) if POISON_OUTPUTS else x
+
+
+def _in_layout(like, *xs):
+    """xs with like's strides (the kernels take one set of strides for all): copies only where they differ."""
+    return [x if x.stride() == like.stride() else torch.empty_like(like).copy_(x) for x in xs]
+
+
 # ----------------------------------------------------------------------------------------------------------------
-# Triton kernels. Layout: contiguous (batch*heads, T, D); one program per (query or key block, batch*head).
+# Triton kernels. One program per (query or key block, batch*head). Every (B, H, T, D) tensor of a call shares
+# one layout, passed as (batch, head, time) strides with head_dim unit-stride: the model's transposed views as they
+# are. Key blocks left of the diagonal are wholly visible and skip the causal mask (most of the work at large T).
 
 @triton.jit
 def _round_bf16(x):
@@ -99,18 +118,74 @@ def _logits(qk, scale, softcap, BF16_STATE: tl.constexpr, SOFTCAP: tl.constexpr)
 
 
 @triton.jit
-def _attn_fwd(Q, K, V, O, LSE, ROWMAX, scale, softcap, beta, T,
+def _fwd_block(q, K, V, start_n, offs_m, m_i, l_i, acc, top, stride_t, scale, softcap, beta, T,
+               HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL_MASK: tl.constexpr,
+               BF16_STATE: tl.constexpr, SAFEMAX: tl.constexpr, SOFTCAP: tl.constexpr,
+               IS_BF16: tl.constexpr, DOT_FP32: tl.constexpr, IEEE: tl.constexpr):
+    # One step of the streaming softmax: fold key block [start_n, start_n + BLOCK_N) into (m, l, acc).
+    offs_n = start_n + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM)
+    kT_ptrs = K + offs_n[None, :] * stride_t + offs_d[:, None]
+    v_ptrs = V + offs_n[:, None] * stride_t + offs_d[None, :]
+    if CAUSAL_MASK:   # a block on the diagonal, possibly running past T
+        kT = tl.load(kT_ptrs, mask=offs_n[None, :] < T, other=0.0)
+        v = tl.load(v_ptrs, mask=offs_n[:, None] < T, other=0.0)
+    else:             # a block left of the diagonal: every row sees every key, all keys are < T
+        kT = tl.load(kT_ptrs)
+        v = tl.load(v_ptrs)
+    s, t = _logits(_dot(q, kT, tl.zeros([q.shape[0], BLOCK_N], tl.float32), DOT_FP32, IEEE),
+                   scale, softcap, BF16_STATE, SOFTCAP)
+    if CAUSAL_MASK:   # for a valid row this also hides keys past T (key <= row < T)
+        s = tl.where(offs_n[None, :] <= offs_m[:, None], s, float("-inf"))
+
+    rm = tl.max(s, 1)
+    top = tl.maximum(top, rm)
+    shift = rm
+    if SAFEMAX:
+        # A row max that repeats in this block (count > 1) makes p = exp(s - m) hold exact 1s, whose bf16
+        # P@V sums round with a bias. Shift by beta*rm (rm > 0) or 0 (rm <= 0) so every p < 1 (p = 1 only
+        # survives for a tie at exactly 0). Exact in real arithmetic (softmax is shift-invariant), but a
+        # large shift underflows: exp(-(beta-1)*rm) < 1e-38 once rm > ~87/(beta-1), and l can reach 0.
+        count = tl.sum((s == rm[:, None]).to(tl.int32), 1)
+        tied = (count > 1) & (rm > float("-inf"))  # rm = -inf: the row sees no key here, keep the no-op
+        shift = tl.where(tied, tl.where(rm > 0, beta * rm, 0.0), rm)
+    m_new = tl.maximum(m_i, shift)
+
+    if BF16_STATE:
+        # The fault. r() = round to bf16 and back. s = r(q.k * scale) [softcap, r() again] (_logits);
+        #   m_new = r(max(m, shift));  alpha = exp(r(m - m_new));  p = exp(r(s - m_new))
+        #   (exp in fp32 of a bf16 argument: a tie at the row max gives p = exactly 1)
+        #   l = r(l*alpha + rowsum(p));  acc = r(acc*alpha + r(p) @ v)
+        m_new = _round_bf16(m_new)
+        alpha = tl.exp(_round_bf16(m_i - m_new))
+        p = tl.exp(_round_bf16(s - m_new[:, None]))
+        l_i = _round_bf16(l_i * alpha + tl.sum(p, 1))
+        p = _round_bf16(p)
+        acc = _round_bf16(_dot(_rn(p, IS_BF16).to(V.dtype.element_ty), v, acc * alpha[:, None], DOT_FP32, IEEE))
+    else:
+        # The repair: s, m, l, acc in fp32; only P is cast to v's dtype for the P@V matmul (fp32 accumulate).
+        alpha = tl.exp(m_i - m_new)
+        p = tl.exp(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = _dot(_rn(p, IS_BF16).to(V.dtype.element_ty), v, acc * alpha[:, None], DOT_FP32, IEEE)
+    return m_new, l_i, acc, top
+
+
+@triton.jit
+def _attn_fwd(Q, K, V, O, LSE, ROWMAX, stride_b, stride_h, stride_t, H, T, scale, softcap, beta,
               HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
               BF16_STATE: tl.constexpr, SAFEMAX: tl.constexpr, SOFTCAP: tl.constexpr,
               IS_BF16: tl.constexpr, DOT_FP32: tl.constexpr, IEEE: tl.constexpr):
     pid_m = tl.program_id(0)
-    bh = tl.program_id(1).to(tl.int64)  # int64: B*H*T*D can pass 2**31
+    bh = tl.program_id(1)
+    head = (bh // H).to(tl.int64) * stride_b + (bh % H).to(tl.int64) * stride_h   # int64: may pass 2**31
+    Q += head
+    K += head
+    V += head
+    O += head
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)
-    Q += bh * T * HEAD_DIM
-    K += bh * T * HEAD_DIM
-    V += bh * T * HEAD_DIM
-    q = tl.load(Q + offs_m[:, None] * HEAD_DIM + offs_d[None, :], mask=offs_m[:, None] < T, other=0.0)
+    q = tl.load(Q + offs_m[:, None] * stride_t + offs_d[None, :], mask=offs_m[:, None] < T, other=0.0)
 
     # Streaming state per query row. Rows past T are computed on zeros and never stored.
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)      # running shift (the max, or the safemax shift)
@@ -118,176 +193,191 @@ def _attn_fwd(Q, K, V, O, LSE, ROWMAX, scale, softcap, beta, T,
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)          # running sum of exp(s - m) * v
     top = tl.full([BLOCK_M], float("-inf"), tl.float32)      # true max logit, for max_logit (never the shift)
 
-    # Causal: this query block needs keys [0, end of the block). Key block 0 holds key 0, which every row sees,
-    # so m_i is finite after the first iteration; a later block a row cannot see at all is an exact no-op.
-    hi = tl.minimum((pid_m + 1) * BLOCK_M, T)
-    for start_n in range(0, hi, BLOCK_N):
-        offs_n = start_n + tl.arange(0, BLOCK_N)
-        kT = tl.load(K + offs_n[None, :] * HEAD_DIM + offs_d[:, None], mask=offs_n[None, :] < T, other=0.0)
-        v = tl.load(V + offs_n[:, None] * HEAD_DIM + offs_d[None, :], mask=offs_n[:, None] < T, other=0.0)
-        s, t = _logits(_dot(q, kT, tl.zeros([BLOCK_M, BLOCK_N], tl.float32), DOT_FP32, IEEE),
-                       scale, softcap, BF16_STATE, SOFTCAP)
-        # Causal mask; for a valid row it also hides keys past T (key <= row < T).
-        s = tl.where(offs_n[None, :] <= offs_m[:, None], s, float("-inf"))
+    # Causal: this query block sees the key blocks up to its own end, in order from key 0 (which every row
+    # sees, so m_i is finite after the first block; a later block that a row cannot see is an exact no-op).
+    # The blocks left of the diagonal need no mask; the same blocks, in the same order, in both loops.
+    diag = pid_m * BLOCK_M // BLOCK_N * BLOCK_N
+    for start_n in range(0, diag, BLOCK_N):
+        m_i, l_i, acc, top = _fwd_block(q, K, V, start_n, offs_m, m_i, l_i, acc, top, stride_t, scale, softcap,
+                                        beta, T, HEAD_DIM, BLOCK_N, False, BF16_STATE, SAFEMAX, SOFTCAP,
+                                        IS_BF16, DOT_FP32, IEEE)
+    for start_n in range(diag, (pid_m + 1) * BLOCK_M, BLOCK_N):
+        m_i, l_i, acc, top = _fwd_block(q, K, V, start_n, offs_m, m_i, l_i, acc, top, stride_t, scale, softcap,
+                                        beta, T, HEAD_DIM, BLOCK_N, True, BF16_STATE, SAFEMAX, SOFTCAP,
+                                        IS_BF16, DOT_FP32, IEEE)
 
-        rm = tl.max(s, 1)
-        top = tl.maximum(top, rm)
-        shift = rm
-        if SAFEMAX:
-            # A row max that repeats in this block (count > 1) makes p = exp(s - m) hold exact 1s, whose bf16
-            # P@V sums round with a bias. Shift by beta*rm (rm > 0) or 0 (rm <= 0) so every p < 1 (p = 1 only
-            # survives for a tie at exactly 0). Exact in real arithmetic (softmax is shift-invariant), but a
-            # large shift underflows: exp(-(beta-1)*rm) < 1e-38 once rm > ~87/(beta-1), and l can reach 0.
-            count = tl.sum((s == rm[:, None]).to(tl.int32), 1)
-            tied = (count > 1) & (rm > float("-inf"))  # rm = -inf: the row sees no key here, keep the no-op
-            shift = tl.where(tied, tl.where(rm > 0, beta * rm, 0.0), rm)
-        m_new = tl.maximum(m_i, shift)
-
-        if BF16_STATE:
-            # The fault. r() = round to bf16 and back. s = r(q.k * scale) [softcap, r() again] (_logits);
-            #   m_new = r(max(m, shift));  alpha = exp(r(m - m_new));  p = exp(r(s - m_new))
-            #   (exp in fp32 of a bf16 argument: a tie at the row max gives p = exactly 1)
-            #   l = r(l*alpha + rowsum(p));  acc = r(acc*alpha + r(p) @ v)
-            m_new = _round_bf16(m_new)
-            alpha = tl.exp(_round_bf16(m_i - m_new))
-            p = tl.exp(_round_bf16(s - m_new[:, None]))
-            l_i = _round_bf16(l_i * alpha + tl.sum(p, 1))
-            p = _round_bf16(p)
-            acc = _round_bf16(_dot(_rn(p, IS_BF16).to(V.dtype.element_ty), v, acc * alpha[:, None],
-                                   DOT_FP32, IEEE))
-        else:
-            # The repair: s, m, l, acc in fp32; only P is cast to v's dtype for the P@V matmul (fp32 accumulate).
-            # At the end o = acc / l, cast once to the input dtype; lse = m + log(l) in fp32.
-            alpha = tl.exp(m_i - m_new)
-            p = tl.exp(s - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
-            acc = _dot(_rn(p, IS_BF16).to(V.dtype.element_ty), v, acc * alpha[:, None], DOT_FP32, IEEE)
-        m_i = m_new
-
+    # o = acc / l, cast once to the input dtype; lse = m + log(l) in fp32 (from the bf16 m and l in bf16 mode:
+    # the backward recomputes p = exp(s - lse)).
     o = acc / l_i[:, None]
     if BF16_STATE:
         o = _round_bf16(o)           # the bf16 O that the backward's delta = rowsum(dO * O) then sees
-    lse = m_i + tl.log(l_i)          # from the (bf16) m and l; the backward recomputes p = exp(s - lse)
     row_ok = offs_m < T
-    O += bh * T * HEAD_DIM
-    tl.store(O + offs_m[:, None] * HEAD_DIM + offs_d[None, :], _rn(o, IS_BF16).to(O.dtype.element_ty),
+    rows = bh.to(tl.int64) * T + offs_m                       # LSE, ROWMAX: contiguous (B, H, T)
+    tl.store(O + offs_m[:, None] * stride_t + offs_d[None, :], _rn(o, IS_BF16).to(O.dtype.element_ty),
              mask=row_ok[:, None])
-    tl.store(LSE + bh * T + offs_m, lse, mask=row_ok)
-    tl.store(ROWMAX + bh * T + offs_m, top, mask=row_ok)
+    tl.store(LSE + rows, m_i + tl.log(l_i), mask=row_ok)
+    tl.store(ROWMAX + rows, top, mask=row_ok)
 
 
 @triton.jit
-def _attn_bwd_delta(O, DO, DELTA, T, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr):
+def _attn_bwd_delta(O, DO, DELTA, stride_b, stride_h, stride_t, H, T, HEAD_DIM: tl.constexpr,
+                    BLOCK_M: tl.constexpr):
     # delta = rowsum(dO * O) with the STORED O: in bf16 mode the biased O enters the gradient, as in the prior work.
     pid_m = tl.program_id(0)
-    bh = tl.program_id(1).to(tl.int64)
+    bh = tl.program_id(1)
+    head = (bh // H).to(tl.int64) * stride_b + (bh % H).to(tl.int64) * stride_h
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)
-    ptrs = bh * T * HEAD_DIM + offs_m[:, None] * HEAD_DIM + offs_d[None, :]
+    ptrs = head + offs_m[:, None] * stride_t + offs_d[None, :]
     o = tl.load(O + ptrs, mask=offs_m[:, None] < T, other=0.0).to(tl.float32)
     do = tl.load(DO + ptrs, mask=offs_m[:, None] < T, other=0.0).to(tl.float32)
-    tl.store(DELTA + bh * T + offs_m, tl.sum(o * do, 1), mask=offs_m < T)
+    tl.store(DELTA + bh.to(tl.int64) * T + offs_m, tl.sum(o * do, 1), mask=offs_m < T)
 
 
 # The backward (all modes, fp32 math): recompute s with the forward's rounding, p = exp(s - lse),
 #   dv = p^T @ dO;  dp = dO @ v^T;  ds = p * (dp - delta)  [softcap: ds *= 1 - tanh^2];
 #   dq = ds @ k * scale;  dk = ds^T @ q * scale.  p and ds are cast to the input dtype for the matmuls.
+# Query rows past T load lse = +inf, so their p, and with it every contribution they make, is exactly 0.
 
 @triton.jit
-def _attn_bwd_dkdv(Q, K, V, DO, LSE, DELTA, DK, DV, scale, softcap, T,
+def _dkdv_block(k, v, dk, dv, Q, DO, LSE, DELTA, start_m, offs_n, stride_t, scale, softcap, T,
+                HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, CAUSAL_MASK: tl.constexpr,
+                BF16_STATE: tl.constexpr, SOFTCAP: tl.constexpr,
+                IS_BF16: tl.constexpr, DOT_FP32: tl.constexpr, IEEE: tl.constexpr):
+    # Add query block [start_m, start_m + BLOCK_M)'s share to dk and dv, in transposed form (keys x queries).
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM)
+    row_ok = offs_m < T
+    qT = tl.load(Q + offs_m[None, :] * stride_t + offs_d[:, None], mask=row_ok[None, :], other=0.0)
+    do = tl.load(DO + offs_m[:, None] * stride_t + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+    lse = tl.load(LSE + offs_m, mask=row_ok, other=float("inf"))
+    delta = tl.load(DELTA + offs_m, mask=row_ok, other=0.0)
+    sT, tT = _logits(_dot(k, qT, tl.zeros([k.shape[0], BLOCK_M], tl.float32), DOT_FP32, IEEE),
+                     scale, softcap, BF16_STATE, SOFTCAP)
+    if CAUSAL_MASK:
+        sT = tl.where(offs_n[:, None] <= offs_m[None, :], sT, float("-inf"))
+    pT = tl.exp(sT - lse[None, :])
+    dv = _dot(_rn(pT, IS_BF16).to(DO.dtype.element_ty), do, dv, DOT_FP32, IEEE)
+    dpT = _dot(v, tl.trans(do), tl.zeros([k.shape[0], BLOCK_M], tl.float32), DOT_FP32, IEEE)
+    dsT = pT * (dpT - delta[None, :])
+    if SOFTCAP:
+        dsT = dsT * (1.0 - tT * tT)
+    dk = _dot(_rn(dsT, IS_BF16).to(Q.dtype.element_ty), tl.trans(qT), dk, DOT_FP32, IEEE)
+    return dk, dv
+
+
+@triton.jit
+def _attn_bwd_dkdv(Q, K, V, DO, LSE, DELTA, DK, DV, stride_b, stride_h, stride_t, H, T, scale, softcap,
                    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                    BF16_STATE: tl.constexpr, SOFTCAP: tl.constexpr,
                    IS_BF16: tl.constexpr, DOT_FP32: tl.constexpr, IEEE: tl.constexpr):
-    # One key block per program; loop over the query blocks that can see it. Works in transposed form (keys x
-    # queries) so that dk and dv accumulate in registers.
+    # One key block per program, dk and dv accumulating in registers; loop over the query blocks that see it.
     pid_n = tl.program_id(0)
-    bh = tl.program_id(1).to(tl.int64)
+    bh = tl.program_id(1)
+    head = (bh // H).to(tl.int64) * stride_b + (bh % H).to(tl.int64) * stride_h
+    Q += head
+    DO += head
+    LSE += bh.to(tl.int64) * T
+    DELTA += bh.to(tl.int64) * T
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
-    Q += bh * T * HEAD_DIM
-    K += bh * T * HEAD_DIM
-    V += bh * T * HEAD_DIM
-    DO += bh * T * HEAD_DIM
-    LSE += bh * T
-    DELTA += bh * T
-    kv_ptrs = offs_n[:, None] * HEAD_DIM + offs_d[None, :]
+    kv_ptrs = head + offs_n[:, None] * stride_t + offs_d[None, :]
     k = tl.load(K + kv_ptrs, mask=offs_n[:, None] < T, other=0.0)
     v = tl.load(V + kv_ptrs, mask=offs_n[:, None] < T, other=0.0)
     dk = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
     dv = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
 
-    lo = (pid_n * BLOCK_N) // BLOCK_M * BLOCK_M  # earlier queries cannot see these keys
-    for start_m in range(lo, T, BLOCK_M):
-        offs_m = start_m + tl.arange(0, BLOCK_M)
-        qT = tl.load(Q + offs_m[None, :] * HEAD_DIM + offs_d[:, None], mask=offs_m[None, :] < T, other=0.0)
-        do = tl.load(DO + offs_m[:, None] * HEAD_DIM + offs_d[None, :], mask=offs_m[:, None] < T, other=0.0)
-        lse = tl.load(LSE + offs_m, mask=offs_m < T, other=0.0)
-        delta = tl.load(DELTA + offs_m, mask=offs_m < T, other=0.0)
-        sT, tT = _logits(_dot(k, qT, tl.zeros([BLOCK_N, BLOCK_M], tl.float32), DOT_FP32, IEEE),
-                         scale, softcap, BF16_STATE, SOFTCAP)
-        keep = (offs_n[:, None] <= offs_m[None, :]) & (offs_m[None, :] < T)
-        pT = tl.exp(tl.where(keep, sT, float("-inf")) - lse[None, :])
-        dv = _dot(_rn(pT, IS_BF16).to(DO.dtype.element_ty), do, dv, DOT_FP32, IEEE)
-        dpT = _dot(v, tl.trans(do), tl.zeros([BLOCK_N, BLOCK_M], tl.float32), DOT_FP32, IEEE)
-        dsT = pT * (dpT - delta[None, :])
-        if SOFTCAP:
-            dsT = dsT * (1.0 - tT * tT)
-        dk = _dot(_rn(dsT, IS_BF16).to(Q.dtype.element_ty), tl.trans(qT), dk, DOT_FP32, IEEE)
+    lo = pid_n * BLOCK_N // BLOCK_M * BLOCK_M                          # earlier queries cannot see these keys
+    full = ((pid_n + 1) * BLOCK_N + BLOCK_M - 1) // BLOCK_M * BLOCK_M  # from here on, every query sees them all
+    for start_m in range(lo, full, BLOCK_M):
+        dk, dv = _dkdv_block(k, v, dk, dv, Q, DO, LSE, DELTA, start_m, offs_n, stride_t, scale, softcap, T,
+                             HEAD_DIM, BLOCK_M, True, BF16_STATE, SOFTCAP, IS_BF16, DOT_FP32, IEEE)
+    for start_m in range(full, T, BLOCK_M):
+        dk, dv = _dkdv_block(k, v, dk, dv, Q, DO, LSE, DELTA, start_m, offs_n, stride_t, scale, softcap, T,
+                             HEAD_DIM, BLOCK_M, False, BF16_STATE, SOFTCAP, IS_BF16, DOT_FP32, IEEE)
 
     dk = dk * scale
-    out = bh * T * HEAD_DIM + kv_ptrs
-    tl.store(DK + out, _rn(dk, IS_BF16).to(DK.dtype.element_ty), mask=offs_n[:, None] < T)
-    tl.store(DV + out, _rn(dv, IS_BF16).to(DV.dtype.element_ty), mask=offs_n[:, None] < T)
+    tl.store(DK + kv_ptrs, _rn(dk, IS_BF16).to(DK.dtype.element_ty), mask=offs_n[:, None] < T)
+    tl.store(DV + kv_ptrs, _rn(dv, IS_BF16).to(DV.dtype.element_ty), mask=offs_n[:, None] < T)
 
 
 @triton.jit
-def _attn_bwd_dq(Q, K, V, DO, LSE, DELTA, DQ, scale, softcap, T,
+def _dq_block(q, do, lse, delta, dq, K, V, start_n, offs_m, stride_t, scale, softcap, T,
+              HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL_MASK: tl.constexpr,
+              BF16_STATE: tl.constexpr, SOFTCAP: tl.constexpr,
+              IS_BF16: tl.constexpr, DOT_FP32: tl.constexpr, IEEE: tl.constexpr):
+    # Add key block [start_n, start_n + BLOCK_N)'s share to dq.
+    offs_n = start_n + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM)
+    kT_ptrs = K + offs_n[None, :] * stride_t + offs_d[:, None]
+    vT_ptrs = V + offs_n[None, :] * stride_t + offs_d[:, None]
+    if CAUSAL_MASK:
+        kT = tl.load(kT_ptrs, mask=offs_n[None, :] < T, other=0.0)
+        vT = tl.load(vT_ptrs, mask=offs_n[None, :] < T, other=0.0)
+    else:
+        kT = tl.load(kT_ptrs)
+        vT = tl.load(vT_ptrs)
+    s, t = _logits(_dot(q, kT, tl.zeros([q.shape[0], BLOCK_N], tl.float32), DOT_FP32, IEEE),
+                   scale, softcap, BF16_STATE, SOFTCAP)
+    if CAUSAL_MASK:
+        s = tl.where(offs_n[None, :] <= offs_m[:, None], s, float("-inf"))
+    p = tl.exp(s - lse[:, None])
+    dp = _dot(do, vT, tl.zeros([q.shape[0], BLOCK_N], tl.float32), DOT_FP32, IEEE)
+    ds = p * (dp - delta[:, None])
+    if SOFTCAP:
+        ds = ds * (1.0 - t * t)
+    return _dot(_rn(ds, IS_BF16).to(K.dtype.element_ty), tl.trans(kT), dq, DOT_FP32, IEEE)
+
+
+@triton.jit
+def _attn_bwd_dq(Q, K, V, DO, LSE, DELTA, DQ, stride_b, stride_h, stride_t, H, T, scale, softcap,
                  HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                  BF16_STATE: tl.constexpr, SOFTCAP: tl.constexpr,
                  IS_BF16: tl.constexpr, DOT_FP32: tl.constexpr, IEEE: tl.constexpr):
-    # One query block per program; loop over the key blocks it can see.
+    # One query block per program; loop over the key blocks it sees, unmasked left of the diagonal (as forward).
     pid_m = tl.program_id(0)
-    bh = tl.program_id(1).to(tl.int64)
+    bh = tl.program_id(1)
+    head = (bh // H).to(tl.int64) * stride_b + (bh % H).to(tl.int64) * stride_h
+    K += head
+    V += head
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)
-    Q += bh * T * HEAD_DIM
-    K += bh * T * HEAD_DIM
-    V += bh * T * HEAD_DIM
-    DO += bh * T * HEAD_DIM
-    q_ptrs = offs_m[:, None] * HEAD_DIM + offs_d[None, :]
+    q_ptrs = head + offs_m[:, None] * stride_t + offs_d[None, :]
+    rows = bh.to(tl.int64) * T + offs_m
     q = tl.load(Q + q_ptrs, mask=offs_m[:, None] < T, other=0.0)
     do = tl.load(DO + q_ptrs, mask=offs_m[:, None] < T, other=0.0)
-    lse = tl.load(LSE + bh * T + offs_m, mask=offs_m < T, other=0.0)
-    delta = tl.load(DELTA + bh * T + offs_m, mask=offs_m < T, other=0.0)
+    lse = tl.load(LSE + rows, mask=offs_m < T, other=float("inf"))
+    delta = tl.load(DELTA + rows, mask=offs_m < T, other=0.0)
     dq = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
 
-    hi = tl.minimum((pid_m + 1) * BLOCK_M, T)
-    for start_n in range(0, hi, BLOCK_N):
-        offs_n = start_n + tl.arange(0, BLOCK_N)
-        kT = tl.load(K + offs_n[None, :] * HEAD_DIM + offs_d[:, None], mask=offs_n[None, :] < T, other=0.0)
-        vT = tl.load(V + offs_n[None, :] * HEAD_DIM + offs_d[:, None], mask=offs_n[None, :] < T, other=0.0)
-        s, t = _logits(_dot(q, kT, tl.zeros([BLOCK_M, BLOCK_N], tl.float32), DOT_FP32, IEEE),
-                       scale, softcap, BF16_STATE, SOFTCAP)
-        p = tl.exp(tl.where(offs_n[None, :] <= offs_m[:, None], s, float("-inf")) - lse[:, None])
-        dp = _dot(do, vT, tl.zeros([BLOCK_M, BLOCK_N], tl.float32), DOT_FP32, IEEE)
-        ds = p * (dp - delta[:, None])
-        if SOFTCAP:
-            ds = ds * (1.0 - t * t)
-        dq = _dot(_rn(ds, IS_BF16).to(K.dtype.element_ty), tl.trans(kT), dq, DOT_FP32, IEEE)
+    diag = pid_m * BLOCK_M // BLOCK_N * BLOCK_N
+    for start_n in range(0, diag, BLOCK_N):
+        dq = _dq_block(q, do, lse, delta, dq, K, V, start_n, offs_m, stride_t, scale, softcap, T,
+                       HEAD_DIM, BLOCK_N, False, BF16_STATE, SOFTCAP, IS_BF16, DOT_FP32, IEEE)
+    for start_n in range(diag, (pid_m + 1) * BLOCK_M, BLOCK_N):
+        dq = _dq_block(q, do, lse, delta, dq, K, V, start_n, offs_m, stride_t, scale, softcap, T,
+                       HEAD_DIM, BLOCK_N, True, BF16_STATE, SOFTCAP, IS_BF16, DOT_FP32, IEEE)
 
     dq = dq * scale
-    tl.store(DQ + bh * T * HEAD_DIM + q_ptrs, _rn(dq, IS_BF16).to(DQ.dtype.element_ty), mask=offs_m[:, None] < T)
+    tl.store(DQ + q_ptrs, _rn(dq, IS_BF16).to(DQ.dtype.element_ty), mask=offs_m[:, None] < T)
 
 
 def _fwd_config(D, dtype, block_n, accum):
-    """(BLOCK_M, BLOCK_N, num_warps, num_stages) for an H100/H200; a later autotune can replace this."""
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages) for an H100/H200, chosen so that no kernel spills registers on
+    sm_90: `python attention_kernel.py --compile` prints registers, spills and shared memory per kernel."""
     es = torch.empty((), dtype=dtype).element_size()
-    block_m = 64 if es == 4 else 128         # fp32 tiles take twice the registers and shared memory
     if not block_n:   # fp32 state: a speed choice; bf16 state: part of the fault's definition
         block_n = (32 if es == 4 else 64) if accum == "fp32" else BF16_STATE_BLOCK_N
+    # Registers grow with the S tile (BLOCK_M x BLOCK_N) and the accumulator (BLOCK_M x D) per thread, and the
+    # bf16 state's rounding needs more temporaries: 4 warps spill there (3 KB per thread at D=64), 8 do not.
+    if es == 4:       # fp32 tiles take twice the registers and shared memory
+        block_m = 64
+    else:
+        block_m = 128 if accum == "fp32" or D <= 64 else 64
+    warps = 4 if accum == "fp32" and block_m * (block_n + D) <= 128 * 128 else 8
     # Pipeline stages: each holds one K and one V tile; stay well inside ~227 KB of shared memory.
     stages = max(1, min(3, (160 * 1024 - block_m * D * es) // (2 * block_n * D * es)))
-    return block_m, block_n, (8 if D >= 128 or es == 4 else 4), stages
+    return block_m, block_n, warps, stages
 
 
 def _bwd_config(D, dtype):
@@ -302,30 +392,37 @@ def _mode_flags(accum, q):
                 IEEE=q.dtype == torch.float32 or _INTERPRET)
 
 
-def _fwd_triton(q, k, v, scale, softcap, accum, beta, block_n):
+def _layout_args(x):
+    """The kernels' layout arguments: (batch, head, time) strides of x, and the number of heads."""
+    return (*x.stride()[:3], x.shape[1])
+
+
+def _fwd_triton(q, k, v, o, scale, softcap, accum, beta, block_n):
+    """Writes o (q's layout, as are k and v); returns lse and the row max logit, (B, H, T) fp32."""
     B, H, T, D = q.shape
-    o = _new(q.shape, q.dtype, q.device)
     lse = _new((B, H, T), torch.float32, q.device)
     row_max = _new((B, H, T), torch.float32, q.device)
     BLOCK_M, BLOCK_N, warps, stages = _fwd_config(D, q.dtype, block_n, accum)
     grid = (triton.cdiv(T, BLOCK_M), B * H)
-    _attn_fwd[grid](q, k, v, o, lse, row_max, scale, softcap, beta, T,
+    _attn_fwd[grid](q, k, v, o, lse, row_max, *_layout_args(q), T, scale, softcap, beta,
                     HEAD_DIM=D, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, SAFEMAX=accum == "bf16-safemax",
                     SOFTCAP=softcap > 0, **_mode_flags(accum, q), num_warps=warps, num_stages=stages)
-    return o, lse, row_max
+    return lse, row_max
 
 
-def _bwd_triton(do, q, k, v, o, lse, scale, softcap, accum):
+def _bwd_triton(do, q, k, v, o, lse, dq, dk, dv, scale, softcap, accum):
+    """Writes dq, dk, dv; every (B, H, T, D) tensor here shares q's layout."""
     B, H, T, D = q.shape
+    layout = _layout_args(q)
     delta = _new((B, H, T), torch.float32, q.device)
-    _attn_bwd_delta[(triton.cdiv(T, 64), B * H)](o, do, delta, T, HEAD_DIM=D, BLOCK_M=64)
-    dq, dk, dv = (_new(q.shape, q.dtype, q.device) for _ in range(3))
+    _attn_bwd_delta[(triton.cdiv(T, 64), B * H)](o, do, delta, *layout, T, HEAD_DIM=D, BLOCK_M=64)
     BLOCK_M, BLOCK_N, warps, stages = _bwd_config(D, q.dtype)
     flags = dict(HEAD_DIM=D, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, SOFTCAP=softcap > 0, **_mode_flags(accum, q),
                  num_warps=warps, num_stages=stages)
-    _attn_bwd_dkdv[(triton.cdiv(T, BLOCK_N), B * H)](q, k, v, do, lse, delta, dk, dv, scale, softcap, T, **flags)
-    _attn_bwd_dq[(triton.cdiv(T, BLOCK_M), B * H)](q, k, v, do, lse, delta, dq, scale, softcap, T, **flags)
-    return dq, dk, dv
+    _attn_bwd_dkdv[(triton.cdiv(T, BLOCK_N), B * H)](q, k, v, do, lse, delta, dk, dv, *layout, T, scale, softcap,
+                                                     **flags)
+    _attn_bwd_dq[(triton.cdiv(T, BLOCK_M), B * H)](q, k, v, do, lse, delta, dq, *layout, T, scale, softcap,
+                                                   **flags)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -411,31 +508,36 @@ def _bwd_torch(do, q, k, v, o, lse, scale, softcap, accum, block_n):
 @torch.library.custom_op("qkguard::attn_fwd", mutates_args=())
 def _attn_fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, softcap: float, accum: str,
                  beta: float, impl: str, block_n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    o = _new_like(q)
+    q, k, v = _in_layout(o, q, k, v)
     if impl == "triton":
-        return _fwd_triton(q, k, v, scale, softcap, accum, beta, block_n or None)
-    return _fwd_torch(q, k, v, scale, softcap, accum, beta, block_n or BF16_STATE_BLOCK_N)
+        return o, *_fwd_triton(q, k, v, o, scale, softcap, accum, beta, block_n or None)
+    out, lse, row_max = _fwd_torch(q, k, v, scale, softcap, accum, beta, block_n or BF16_STATE_BLOCK_N)
+    return o.copy_(out), lse, row_max
 
 
 @_attn_fwd_op.register_fake
 def _(q, k, v, scale, softcap, accum, beta, impl, block_n):
     rows = q.shape[:3]
-    return q.new_empty(q.shape), q.new_empty(rows, dtype=torch.float32), q.new_empty(rows, dtype=torch.float32)
+    return _new_like(q), q.new_empty(rows, dtype=torch.float32), q.new_empty(rows, dtype=torch.float32)
 
 
 @torch.library.custom_op("qkguard::attn_bwd", mutates_args=())
 def _attn_bwd_op(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
                  lse: torch.Tensor, scale: float, softcap: float, accum: str, impl: str,
                  block_n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    do, q, k, v, o = (x.contiguous() for x in (do, q, k, v, o))
+    dq, dk, dv = (_new_like(q) for _ in range(3))
+    do, q, k, v, o = _in_layout(dq, do, q, k, v, o)
     if impl == "triton":
-        return _bwd_triton(do, q, k, v, o, lse, scale, softcap, accum)
-    return _bwd_torch(do, q, k, v, o, lse, scale, softcap, accum, block_n or BF16_STATE_BLOCK_N)
+        _bwd_triton(do, q, k, v, o, lse, dq, dk, dv, scale, softcap, accum)
+        return dq, dk, dv
+    grads = _bwd_torch(do, q, k, v, o, lse, scale, softcap, accum, block_n or BF16_STATE_BLOCK_N)
+    return tuple(buffer.copy_(g) for buffer, g in zip((dq, dk, dv), grads))
 
 
 @_attn_bwd_op.register_fake
 def _(do, q, k, v, o, lse, scale, softcap, accum, impl, block_n):
-    return q.new_empty(q.shape), q.new_empty(q.shape), q.new_empty(q.shape)
+    return _new_like(q), _new_like(q), _new_like(q)
 
 
 def _setup_context(ctx, inputs, output):
@@ -608,10 +710,65 @@ def bench():
     return table
 
 
+def compile_for_gpu(cases=None, arch=90):
+    """Compile the kernels that a (B, H, T, head_dim) bf16 call launches, for an sm_<arch> GPU, on any machine
+    (no GPU, no driver: Triton's own ptxas). Prints and returns per kernel: registers per thread, spilled bytes
+    and shared memory. Spills and shared memory past the GPU's limit are what to fix before timing anything."""
+    import subprocess
+    import tempfile
+    from triton.backends.compiler import GPUTarget
+    from triton.backends.nvidia.compiler import get_ptxas
+    if _INTERPRET:
+        raise SystemExit("--compile needs TRITON_INTERPRET unset (the interpreter replaces the compiler)")
+    cases = cases or [(D, accum) for D in (64, 128) for accum in ACCUM_MODES]
+    ptxas = get_ptxas(arch).path
+    print(f"compiled for sm_{arch} by triton {triton.__version__} (bf16 inputs, no softcap)")
+    print(f"{'kernel':>15} {'D':>4} {'accum':>13} {'BM,BN':>8} {'warps':>5} {'stages':>6} {'regs':>5} "
+          f"{'spill B':>8} {'smem KB':>8}")
+    rows = []
+    for D, accum in cases:
+        q = torch.empty(1, 1, 1, D, dtype=torch.bfloat16)
+        fwd, bwd = _fwd_config(D, q.dtype, None, accum), _bwd_config(D, q.dtype)
+        flags = {**_mode_flags(accum, q), "DOT_FP32": False, "IEEE": False, "SOFTCAP": False, "HEAD_DIM": D}
+        launches = [(_attn_fwd, fwd, dict(SAFEMAX=accum == "bf16-safemax"))]
+        if accum != "bf16-safemax":          # the backward is the same for both bf16-state modes
+            launches += [(_attn_bwd_dkdv, bwd, {}), (_attn_bwd_dq, bwd, {})]
+        for kernel, (block_m, block_n, warps, stages), extra in launches:
+            constexprs = {**flags, **extra, "BLOCK_M": block_m, "BLOCK_N": block_n}
+            names = kernel.arg_names
+            signature = {n: "constexpr" if n in constexprs else "*fp32" if n in ("LSE", "ROWMAX", "DELTA") else
+                         "*bf16" if n.isupper() and n != "H" and n != "T" else
+                         "fp32" if n in ("scale", "softcap", "beta") else "i32" for n in names}
+            # what the runtime sees for real calls: 16-byte aligned pointers, strides divisible by 16
+            attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
+                     if signature[n].startswith("*") or n.startswith("stride")}
+            src = triton.compiler.ASTSource(fn=kernel, signature=signature,
+                                            constexprs={k: v for k, v in constexprs.items() if k in names},
+                                            attrs=attrs)
+            compiled = triton.compile(src, target=GPUTarget("cuda", arch, 32),
+                                      options=dict(num_warps=warps, num_stages=stages))
+            with tempfile.TemporaryDirectory() as tmp:
+                path = os.path.join(tmp, "kernel.ptx")
+                with open(path, "w") as f:
+                    f.write(compiled.asm["ptx"])
+                log = subprocess.run([ptxas, "-v", f"--gpu-name=sm_{arch}a", path, "-o", path + ".cubin"],
+                                     capture_output=True, text=True, check=True).stderr
+            regs = int(log.split(" registers")[0].rsplit(" ", 1)[1])
+            spill = sum(int(log.split(f" bytes spill {kind}")[0].rsplit(" ", 1)[1]) for kind in ("stores", "loads"))
+            row = dict(kernel=kernel.__name__, D=D, accum=accum, block_m=block_m, block_n=block_n, warps=warps,
+                       stages=stages, registers=regs, spill_bytes=spill, shared_kb=compiled.metadata.shared / 1024)
+            rows.append(row)
+            print(f"{row['kernel']:>15} {D:>4} {accum:>13} {f'{block_m},{block_n}':>8} {warps:>5} {stages:>6} "
+                  f"{regs:>5} {spill:>8} {row['shared_kb']:>8.1f}")
+    return rows
+
+
 if __name__ == "__main__":
     if "--bench" in sys.argv:
         bench()
     elif "--check" in sys.argv:
         check()
+    elif "--compile" in sys.argv:
+        compile_for_gpu()
     else:
         print(__doc__)

@@ -316,6 +316,44 @@ def test_torch_compile_fullgraph_matches_eager(seed):
         assert torch.allclose(g1, g2, rtol=1e-5, atol=1e-7), f"seed {seed}: {(g1 - g2).abs().max()}"
 
 
+@pytest.mark.parametrize("impl", ["torch", "triton"])
+def test_strided_inputs_need_no_copies_and_change_nothing(impl, seed):
+    # The model hands over (B, T, H, D).transpose(1, 2) views. The kernels read them in place and write o, dq,
+    # dk, dv in the same layout, so o.transpose(1, 2) is contiguous for free; every result must equal, bit for
+    # bit, the result on contiguous copies, and a mixed layout (k, v contiguous) must give the same too.
+    need_triton(impl)
+    B, T, H, D = 2, 150, 3, 32
+    q, k, v, do = (randn(B, T, H, D, scale=2.0).transpose(1, 2) for _ in range(4))
+    for accum in ACCUM_MODES:
+        kw = dict(accum=accum, impl=impl, block_n=32)
+        strided = run(q, k, v, do, **kw)
+        dense = run(*(x.contiguous() for x in (q, k, v, do)), **kw)
+        mixed = run(q, k.contiguous(), v.contiguous(), do, **kw)
+        assert all_finite(strided), f"seed {seed}: {accum}: unwritten (NaN) output"
+        assert strided[0].stride() == q.stride() and all(g.stride() == q.stride() for g in strided[1])
+        assert strided[0].transpose(1, 2).is_contiguous()
+        for other in (dense, mixed):
+            assert all(torch.equal(a, b) for a, b in zip((strided[0], *strided[1]), (other[0], *other[1]))), \
+                f"seed {seed}: {accum}: the layout changed a result"
+
+
+def test_kernels_compile_for_an_h100_without_spills():
+    # No GPU here, but Triton compiles for one: every kernel the GPU runs at head_dim 64 (the GPT-2 shapes) must
+    # compile for sm_90, spill no registers and fit the 227 KB of shared memory. Slow (~30 s): real compiles.
+    import json
+    import subprocess
+    import sys
+    code = "import json, attention_kernel as a; print(json.dumps(a.compile_for_gpu([(64, m) for m in a.ACCUM_MODES])))"
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         cwd=os.path.dirname(os.path.abspath(__file__)))
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = json.loads(out.stdout.strip().splitlines()[-1])
+    assert {r["kernel"] for r in rows} == {"_attn_fwd", "_attn_bwd_dkdv", "_attn_bwd_dq"}
+    for r in rows:
+        assert r["spill_bytes"] == 0 and r["shared_kb"] <= 227, r
+
+
 def test_clear_errors(monkeypatch):
     q = torch.randn(1, 2, 8, 64, device=DEV)
     with pytest.raises(ValueError, match="fp32.*bf16.*bf16-safemax"):
