@@ -6,7 +6,7 @@
 
 Training step = what train.py's Trainer does per step: forward and backward under bf16 autocast, clip_grad_norm_
 to 1.0, fused AdamW, zero_grad; with the monitor on, also SpectralMonitor.measure and a dormant QKGuard.observe
-(which reads one flag back to the host every step). Three configurations, all under torch.compile:
+(deferred: its one flag reaches the host in the background, as in train.py). Three configurations, all under torch.compile:
   sdpa            attn_impl="sdpa", no max-logit by-product, no monitor: the nanoGPT-style baseline
   triton+monitor  attn_impl="triton", accum="fp32", monitor and dormant guard every step (as train.py runs)
   triton          the same model with the monitor off
@@ -129,7 +129,7 @@ def build(args, attn_impl, max_logit):
         optimizer.zero_grad(set_to_none=True)
         if watch:                  # Trainer.watch with --monitor-interval 1
             _, sigma_head = monitor.measure(model)
-            guard.observe(count[0], max_logit.float(), sigma_head, model)
+            guard.observe_deferred(count[0], max_logit.float(), sigma_head, model)
             guard.after_optimizer_step(model, max_logit.float())
         count[0] += 1
     return model, step, guard

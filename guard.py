@@ -72,6 +72,10 @@ class QKGuard:
             "sigma-product": sigma(W_q,h) * sigma(W_k,h) per head, the bound on the logit's bilinear form.
     scope   "all":     the action covers every layer from the trigger on (one switch, one recompile).
             "crossed": only layers whose signal crossed; a layer that crosses later joins then.
+
+    observe() checks at once, which reads one flag back to the host and so makes a GPU wait for the step to end.
+    observe_deferred(), what train.py uses, copies the flag in the background and acts on it at the next check:
+    the action starts one monitored step later, and the GPU never waits for the guard.
     """
 
     def __init__(self, enabled=False, signal="max-logit", threshold=200.0, action="qknorm", scope="all",
@@ -85,6 +89,7 @@ class QKGuard:
         self.tau, self.lr_factor, self.clip_norm, self.softcap = tau, lr_factor, clip_norm, softcap
         self.trigger = None      # {"step", "layer", "head", "value"} of the first crossing
         self.layers = []         # layers the action covers, sorted
+        self.pending = None      # observe_deferred: (step, signal values, crossed flag, copy-done event or None)
 
     @property
     def triggered(self):
@@ -96,14 +101,41 @@ class QKGuard:
             return max_logit
         return sigma_head[:, 0] * sigma_head[:, 1]
 
+    def watching(self):
+        return self.enabled and not (self.triggered and self.scope == "all")
+
     def observe(self, step, max_logit, sigma_head, model):
         """Check the signal; on a (new) crossing switch the action on. Returns the trigger event or None."""
-        if not self.enabled or (self.triggered and self.scope == "all"):
+        if not self.watching():
             return None
         values = self.signal_values(max_logit, sigma_head).float()
-        crossed = values > self.threshold
-        if not crossed.any():           # one small device->host copy per monitored step
+        if not (values > self.threshold).any():      # a device->host read: the GPU must finish the step first
             return None
+        return self.switch_on(step, values, model)
+
+    def observe_deferred(self, step, max_logit, sigma_head, model):
+        """observe() one monitored step late, without a host sync: act on the check queued last time (its flag
+        reached the host while this step ran), then queue this step's. An event names the step that crossed."""
+        event, pending, self.pending = None, self.pending, None
+        if pending is not None:
+            crossed_step, values, crossed, copied = pending
+            if copied is not None:
+                copied.synchronize()         # waits for that copy only, long done: not for the work queued since
+            if bool(crossed) and self.watching():
+                event = self.switch_on(crossed_step, values, model)
+        if self.watching():
+            values = self.signal_values(max_logit, sigma_head).float()
+            crossed, copied = (values > self.threshold).any(), None
+            if crossed.is_cuda:
+                crossed = crossed.to("cpu", non_blocking=True)   # pinned by the caching host allocator
+                copied = torch.cuda.Event()
+                copied.record()
+            self.pending = (step, values, crossed, copied)
+        return event
+
+    def switch_on(self, step, values, model):
+        """The signal crossed at `step`: extend the action to the new layers it covers. Returns the event."""
+        crossed = values > self.threshold
         crossed_layers = crossed.any(dim=1).nonzero().flatten().tolist()
         n_layer = values.shape[0]
         new_layers = list(range(n_layer)) if self.scope == "all" else crossed_layers
@@ -161,10 +193,15 @@ class QKGuard:
         return clipped
 
     def state_dict(self):
-        return {"trigger": self.trigger, "layers": list(self.layers)}
+        # a queued check travels too, so a resumed run acts on it at the same step as an uninterrupted one
+        pending = None if self.pending is None else {"step": self.pending[0], "values": self.pending[1].cpu()}
+        return {"trigger": self.trigger, "layers": list(self.layers), "pending": pending}
 
     def load_state_dict(self, state, model):
         self.trigger, self.layers = state["trigger"], list(state["layers"])
+        pending = state.get("pending")
+        self.pending = None if pending is None else \
+            (pending["step"], pending["values"], (pending["values"] > self.threshold).any(), None)
         self.apply_to_model(model)
 
 

@@ -179,6 +179,21 @@ def test_each_action_switches_only_its_own_knob(action):
     assert all(torch.equal(v, model.state_dict()[k]) for k, v in weights.items()), "the trigger changed weights"
 
 
+def test_the_deferred_check_acts_one_call_late_and_survives_a_checkpoint():
+    model = tiny_model()
+    guard = QKGuard(enabled=True, threshold=10.0, action="lr-drop")
+    sig, low, high = torch.ones(2, 2, 2), torch.full((2, 2), 1.0), torch.tensor([[1.0, 2.0], [30.0, 1.0]])
+    assert guard.observe_deferred(4, low, sig, model) is None
+    assert guard.observe_deferred(5, high, sig, model) is None and not guard.triggered, "queued, not yet acted on"
+    resumed = QKGuard(enabled=True, threshold=10.0, action="lr-drop")
+    resumed.load_state_dict(guard.state_dict(), tiny_model())
+    for g in (guard, resumed):
+        event = g.observe_deferred(6, low, sig, model)
+        assert event is not None and (event["step"], event["layer"], event["head"], event["value"]) == (5, 1, 0, 30.0)
+        assert g.triggered and g.lr_scale() == 0.1 and g.pending is None, "scope all: nothing left to watch"
+        assert g.observe_deferred(7, high, sig, model) is None, "latched: no second trigger"
+
+
 def test_qknorm_bounds_every_logit_by_scale_times_head_dim():
     torch.manual_seed(0)
     model = tiny_model()
@@ -294,9 +309,10 @@ def test_a_low_threshold_triggers_the_guard_and_logs_it(tmp_path, data_dir):
     assert len(triggers) == 1, "the guard fires once and latches"
     trigger = triggers[0]
     assert trigger["value"] > 0.3 and trigger["action"] == "qknorm" and 0 <= trigger["layer"] < 2
-    later = [r for r in records if "guard" in r and r["step"] > trigger["step"]]
+    assert trigger["active_from"] == trigger["step"] + 2, "deferred check: acted on after the next step"
+    later = [r for r in records if "guard" in r and r["step"] >= trigger["active_from"]]
     assert later and all(r["guard"] == "on" for r in later)
-    assert all(max(map(max, r["max_logit"])) <= 16 ** 0.5 + 1e-4 for r in later[1:]), "qknorm bounds the logits"
+    assert all(max(map(max, r["max_logit"])) <= 16 ** 0.5 + 1e-4 for r in later), "qknorm bounds the logits"
     assert records[-1]["guard_trigger"]["step"] == trigger["step"]
     assert "QK-Guard" in result.stdout
 
@@ -308,11 +324,12 @@ def test_lr_drop_cuts_the_learning_rate_from_the_trigger_on(tmp_path, data_dir):
                    "--schedule", "constant")
     assert result.returncode == 0, result.stderr
     records = read_log(out)
-    trigger = next(r for r in records if r.get("event") == "guard_trigger")["step"]
-    assert 0 < trigger < 29, "the logits of the initial model are far below 1.5; they pass it while training"
+    trigger = next(r for r in records if r.get("event") == "guard_trigger")
+    assert 0 < trigger["step"] < 27, "the logits of the initial model are far below 1.5; they pass it while training"
+    active = trigger["active_from"]
     lrs = {r["step"]: r["lr"] for r in records if "lr" in r}
-    assert all(lrs[s] == pytest.approx(1e-2) for s in lrs if s <= trigger)
-    assert all(lrs[s] == pytest.approx(2.5e-3) for s in lrs if s > trigger) and max(lrs) > trigger
+    assert all(lrs[s] == pytest.approx(1e-2) for s in lrs if s < active)
+    assert all(lrs[s] == pytest.approx(2.5e-3) for s in lrs if s >= active) and max(lrs) >= active
 
 
 @pytest.mark.parametrize("argv, names", [(["--accum", "bf17"], "--accum"), (["--no-such-flag"], "--no-such-flag"),

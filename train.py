@@ -585,14 +585,18 @@ class Trainer:
 
     def watch(self, max_logit):
         """The monitor and the guard, after the update: sigma of W_q/W_k, then a trigger check on the max logit
-        since the last monitored step (so no crossing is missed), then QK-Clip if that is the action."""
+        since the last monitored step (so no crossing is missed), then QK-Clip if that is the action. The check
+        is deferred (QKGuard.observe_deferred): a crossing at monitored step s acts from the update after the
+        next monitored step, which the event records as active_from; the GPU never waits for the guard."""
         self.monitor_max_logit = max_logit if self.monitor_max_logit is None \
             else torch.maximum(self.monitor_max_logit, max_logit)
         event = None
         if self.step % self.args.monitor_interval == 0:
             self.sigma, self.sigma_head = self.monitor.measure(self.model, self.args.power_iters)
-            event = self.guard.observe(self.step, self.monitor_max_logit, self.sigma_head, self.model)
+            event = self.guard.observe_deferred(self.step, self.monitor_max_logit, self.sigma_head, self.model)
             self.monitor_max_logit = None
+        if event:
+            event["active_from"] = self.step + 1
         self.guard.after_optimizer_step(self.model, max_logit)
         return event
 
@@ -688,9 +692,10 @@ def main(argv=None):
             lr, grad_norm, loss, max_logit = run.train_step()
             event = run.watch(max_logit)
             if event:
-                log.write(event, f"step {run.step:6d} | QK-Guard {event['event']}: {event['signal']} "
+                log.write(event, f"step {event['step']:6d} | QK-Guard {event['event']}: {event['signal']} "
                           f"{event['value']:.1f} > {run.guard.threshold:g} at layer {event['layer']} head "
-                          f"{event['head']}: {run.guard.action} on in layers {event['layers']}")
+                          f"{event['head']}: {run.guard.action} on in layers {event['layers']} from step "
+                          f"{event['active_from']}")
             run.accumulate(loss, max_logit)
             run.step += 1
 
