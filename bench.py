@@ -111,7 +111,7 @@ def build(args, attn_impl, max_logit):
     config = GPTConfig(**args.size, attn_impl=attn_impl, accum="fp32", max_logit=max_logit)
     model = GPT(config).to(args.device)
     cuda = args.device.type == "cuda"
-    optimizer = model.configure_optimizer(lr=6e-4, weight_decay=0.1, betas=(0.9, 0.95), fused=cuda)
+    optimizer = model.configure_optimizer(lr=6e-4, weight_decay=0.1, betas=(0.9, 0.95), fused=True)
     compiled = torch.compile(model) if args.compile else model
     autocast = (lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if cuda else contextlib.nullcontext
     tokens = torch.randint(config.vocab_size, (args.batch_size, config.block_size + 1), device=args.device)
