@@ -13,6 +13,7 @@ Both sit behind torch.library custom ops, so a model calling attention() compile
     python attention_kernel.py --bench     # CUDA only: speed table against SDPA's backends
     python attention_kernel.py --check     # errors against the float64 reference on this device
     python attention_kernel.py --compile   # any machine: compile for an H100/H200 (sm_90); registers, spills
+    python attention_kernel.py --tune      # CUDA only: time other launch configurations against the defaults
 """
 import math
 import os
@@ -380,11 +381,12 @@ def _fwd_config(D, dtype, block_n, accum):
     return block_m, block_n, warps, stages
 
 
-def _bwd_config(D, dtype):
-    """(BLOCK_M, BLOCK_N, num_warps, num_stages), shared by the dk/dv and dq kernels."""
+def _bwd_configs(D, dtype):
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages) of the dk/dv kernel, then of the dq kernel."""
     if dtype == torch.float32:
-        return 32, 32, 4, 1
-    return 64, 64, (8 if D >= 128 else 4), 2
+        return (32, 32, 4, 1), (32, 32, 4, 1)
+    config = (64, 64, 8 if D >= 128 else 4, 2)
+    return config, config
 
 
 def _mode_flags(accum, q):
@@ -397,32 +399,55 @@ def _layout_args(x):
     return (*x.stride()[:3], x.shape[1])
 
 
+# One launcher per kernel, each taking its (BLOCK_M, BLOCK_N, num_warps, num_stages): the tuner times them alone.
+
+def _launch_fwd(config, q, k, v, o, lse, row_max, scale, softcap, accum, beta):
+    B, H, T, D = q.shape
+    block_m, block_n, warps, stages = config
+    _attn_fwd[(triton.cdiv(T, block_m), B * H)](
+        q, k, v, o, lse, row_max, *_layout_args(q), T, scale, softcap, beta, HEAD_DIM=D, BLOCK_M=block_m,
+        BLOCK_N=block_n, SAFEMAX=accum == "bf16-safemax", SOFTCAP=softcap > 0, **_mode_flags(accum, q),
+        num_warps=warps, num_stages=stages)
+
+
+def _launch_dkdv(config, q, k, v, do, lse, delta, dk, dv, scale, softcap, accum):
+    B, H, T, D = q.shape
+    block_m, block_n, warps, stages = config
+    _attn_bwd_dkdv[(triton.cdiv(T, block_n), B * H)](
+        q, k, v, do, lse, delta, dk, dv, *_layout_args(q), T, scale, softcap, HEAD_DIM=D, BLOCK_M=block_m,
+        BLOCK_N=block_n, SOFTCAP=softcap > 0, **_mode_flags(accum, q), num_warps=warps, num_stages=stages)
+
+
+def _launch_dq(config, q, k, v, do, lse, delta, dq, scale, softcap, accum):
+    B, H, T, D = q.shape
+    block_m, block_n, warps, stages = config
+    _attn_bwd_dq[(triton.cdiv(T, block_m), B * H)](
+        q, k, v, do, lse, delta, dq, *_layout_args(q), T, scale, softcap, HEAD_DIM=D, BLOCK_M=block_m,
+        BLOCK_N=block_n, SOFTCAP=softcap > 0, **_mode_flags(accum, q), num_warps=warps, num_stages=stages)
+
+
 def _fwd_triton(q, k, v, o, scale, softcap, accum, beta, block_n):
     """Writes o (q's layout, as are k and v); returns lse and the row max logit, (B, H, T) fp32."""
     B, H, T, D = q.shape
     lse = _new((B, H, T), torch.float32, q.device)
     row_max = _new((B, H, T), torch.float32, q.device)
-    BLOCK_M, BLOCK_N, warps, stages = _fwd_config(D, q.dtype, block_n, accum)
-    grid = (triton.cdiv(T, BLOCK_M), B * H)
-    _attn_fwd[grid](q, k, v, o, lse, row_max, *_layout_args(q), T, scale, softcap, beta,
-                    HEAD_DIM=D, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, SAFEMAX=accum == "bf16-safemax",
-                    SOFTCAP=softcap > 0, **_mode_flags(accum, q), num_warps=warps, num_stages=stages)
+    _launch_fwd(_fwd_config(D, q.dtype, block_n, accum), q, k, v, o, lse, row_max, scale, softcap, accum, beta)
     return lse, row_max
+
+
+def _bwd_delta(o, do):
+    B, H, T, D = o.shape
+    delta = _new((B, H, T), torch.float32, o.device)
+    _attn_bwd_delta[(triton.cdiv(T, 64), B * H)](o, do, delta, *_layout_args(o), T, HEAD_DIM=D, BLOCK_M=64)
+    return delta
 
 
 def _bwd_triton(do, q, k, v, o, lse, dq, dk, dv, scale, softcap, accum):
     """Writes dq, dk, dv; every (B, H, T, D) tensor here shares q's layout."""
-    B, H, T, D = q.shape
-    layout = _layout_args(q)
-    delta = _new((B, H, T), torch.float32, q.device)
-    _attn_bwd_delta[(triton.cdiv(T, 64), B * H)](o, do, delta, *layout, T, HEAD_DIM=D, BLOCK_M=64)
-    BLOCK_M, BLOCK_N, warps, stages = _bwd_config(D, q.dtype)
-    flags = dict(HEAD_DIM=D, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, SOFTCAP=softcap > 0, **_mode_flags(accum, q),
-                 num_warps=warps, num_stages=stages)
-    _attn_bwd_dkdv[(triton.cdiv(T, BLOCK_N), B * H)](q, k, v, do, lse, delta, dk, dv, *layout, T, scale, softcap,
-                                                     **flags)
-    _attn_bwd_dq[(triton.cdiv(T, BLOCK_M), B * H)](q, k, v, do, lse, delta, dq, *layout, T, scale, softcap,
-                                                   **flags)
+    delta = _bwd_delta(o, do)
+    dkdv_config, dq_config = _bwd_configs(q.shape[3], q.dtype)
+    _launch_dkdv(dkdv_config, q, k, v, do, lse, delta, dk, dv, scale, softcap, accum)
+    _launch_dq(dq_config, q, k, v, do, lse, delta, dq, scale, softcap, accum)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -684,7 +709,7 @@ def bench():
             "sdpa-memeff": SDPBackend.EFFICIENT_ATTENTION}
     print(f"{'B,H,T,D':>18} {'kernel':>20} {'fwd ms':>8} {'TFLOP/s':>8} {'fwd+bwd ms':>11} {'TFLOP/s':>8}")
     notes, table = [], {}
-    for B, H, T, D in [(16, 12, 1024, 64), (4, 32, 4096, 64), (4, 16, 4096, 128)]:
+    for B, H, T, D in BENCH_SHAPES:
         q, k, v = (torch.randn(B, H, T, D, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
         do = torch.randn_like(q)
         flops = 4 * B * H * T * T * D / 2
@@ -728,11 +753,11 @@ def compile_for_gpu(cases=None, arch=90):
     rows = []
     for D, accum in cases:
         q = torch.empty(1, 1, 1, D, dtype=torch.bfloat16)
-        fwd, bwd = _fwd_config(D, q.dtype, None, accum), _bwd_config(D, q.dtype)
+        fwd, (dkdv, dq) = _fwd_config(D, q.dtype, None, accum), _bwd_configs(D, q.dtype)
         flags = {**_mode_flags(accum, q), "DOT_FP32": False, "IEEE": False, "SOFTCAP": False, "HEAD_DIM": D}
         launches = [(_attn_fwd, fwd, dict(SAFEMAX=accum == "bf16-safemax"))]
         if accum != "bf16-safemax":          # the backward is the same for both bf16-state modes
-            launches += [(_attn_bwd_dkdv, bwd, {}), (_attn_bwd_dq, bwd, {})]
+            launches += [(_attn_bwd_dkdv, dkdv, {}), (_attn_bwd_dq, dq, {})]
         for kernel, (block_m, block_n, warps, stages), extra in launches:
             constexprs = {**flags, **extra, "BLOCK_M": block_m, "BLOCK_N": block_n}
             names = kernel.arg_names
@@ -763,6 +788,73 @@ def compile_for_gpu(cases=None, arch=90):
     return rows
 
 
+BENCH_SHAPES = [(16, 12, 1024, 64), (4, 32, 4096, 64), (4, 16, 4096, 128)]   # (B, H, T, head_dim)
+
+
+def tune_candidates(kernel, accum):
+    """The launch configurations --tune tries for one kernel: (BLOCK_M, BLOCK_N, num_warps, num_stages). The
+    bf16-state forward keeps its key block (part of the fault's definition); the backward is tuned once, in fp32
+    state (the bf16 state only adds a rounding of s)."""
+    if kernel == "fwd":
+        block_ns = (64, 128) if accum == "fp32" else (BF16_STATE_BLOCK_N,)
+        return [(m, n, w, s) for m in (64, 128) for n in block_ns for w in (4, 8) for s in (2, 3)]
+    pairs = ((32, 128), (64, 64), (64, 128)) if kernel == "dkdv" else ((128, 32), (64, 64), (128, 64))
+    return [(m, n, w, s) for m, n in pairs for w in (4, 8) for s in (2, 3)]
+
+
+def _kernel_runs(q, k, v, do, accum):
+    """{kernel: run(config) -> its outputs}; the inputs each kernel needs (lse, delta) come from the defaults."""
+    B, H, T, D = q.shape
+    scale = D ** -0.5
+    o = _new_like(q)
+    lse, _ = _fwd_triton(q, k, v, o, scale, 0.0, accum, 2.0, None)
+    delta = _bwd_delta(o, do)
+    outs = {"fwd": (_new_like(q), _new((B, H, T), torch.float32, q.device), _new((B, H, T), torch.float32, q.device)),
+            "dkdv": (_new_like(q), _new_like(q)), "dq": (_new_like(q),)}
+    return {"fwd": lambda c: _launch_fwd(c, q, k, v, *outs["fwd"], scale, 0.0, accum, 2.0) or outs["fwd"],
+            "dkdv": lambda c: _launch_dkdv(c, q, k, v, do, lse, delta, *outs["dkdv"], scale, 0.0, accum) or outs["dkdv"],
+            "dq": lambda c: _launch_dq(c, q, k, v, do, lse, delta, *outs["dq"], scale, 0.0, accum) or outs["dq"]}
+
+
+def tune(shapes=BENCH_SHAPES, timer=None, candidates=tune_candidates):
+    """Time each kernel's candidate configurations against its default at each shape (bf16 inputs in the model's
+    layout), check that each gives the default's results, and print per kernel the default, the fastest, and
+    the agreement. Returns every row. To adopt a winner, edit _fwd_config or _bwd_configs."""
+    if timer is None:
+        from triton.testing import do_bench
+        timer = lambda fn: do_bench(fn, warmup=10, rep=50)   # noqa: E731 (ms, median)
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    rows = []
+    print(f"{'B,H,T,D':>18} {'kernel':>5} {'state':>5} {'default':>17} {'ms':>7} {'fastest':>17} {'ms':>7} "
+          f"{'speedup':>7} {'max rel diff':>12} {'failed':>6}")
+    for B, H, T, D in shapes:
+        q, k, v, do = (torch.randn(B, T, H, D, device=dev).to(torch.bfloat16).transpose(1, 2) for _ in range(4))
+        for accum in ("fp32", "bf16"):
+            runs = _kernel_runs(q, k, v, do, accum)
+            dkdv_default, dq_default = _bwd_configs(D, q.dtype)
+            defaults = {"fwd": _fwd_config(D, q.dtype, None, accum), "dkdv": dkdv_default, "dq": dq_default}
+            for kernel in ("fwd",) if accum != "fp32" else ("fwd", "dkdv", "dq"):
+                reference = [x.float().clone() for x in runs[kernel](defaults[kernel])]
+                tried = []
+                for config in dict.fromkeys([defaults[kernel], *candidates(kernel, accum)]):
+                    row = dict(shape=(B, H, T, D), kernel=kernel, accum=accum, config=config,
+                               default=config == defaults[kernel])
+                    try:
+                        out = runs[kernel](config)
+                        row["rel_diff"] = max(((a.float() - b).norm() / b.norm()).item() for a, b in zip(out, reference))
+                        row["ms"] = timer(lambda: runs[kernel](config))
+                    except Exception as e:   # e.g. out of shared memory for this block size
+                        row["error"] = f"{type(e).__name__}: {str(e)[:120]}"
+                    tried.append(row)
+                rows += tried
+                timed = [r for r in tried if "ms" in r]
+                base, best = timed[0], min(timed, key=lambda r: r["ms"])
+                print(f"{str((B, H, T, D)):>18} {kernel:>5} {accum:>5} {str(base['config']):>17} {base['ms']:7.3f} "
+                      f"{str(best['config']):>17} {best['ms']:7.3f} {base['ms'] / max(best['ms'], 1e-9):7.2f} "
+                      f"{max(r['rel_diff'] for r in timed):12.1e} {len(tried) - len(timed):>6}")
+    return rows
+
+
 if __name__ == "__main__":
     if "--bench" in sys.argv:
         bench()
@@ -770,5 +862,7 @@ if __name__ == "__main__":
         check()
     elif "--compile" in sys.argv:
         compile_for_gpu()
+    elif "--tune" in sys.argv:
+        tune()
     else:
         print(__doc__)

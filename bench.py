@@ -31,7 +31,7 @@ from guard import QKGuard, SpectralMonitor
 from model import MODEL_SIZES, GPT, GPTConfig
 
 H200_BF16_PEAK = 989e12    # dense bf16 FLOP/s, the MFU denominator (REFERENCE.md section 4)
-SHAPES = [(16, 12, 1024, 64), (4, 32, 4096, 64), (4, 16, 4096, 128)]   # attention_kernel.bench()'s shapes
+SHAPES = attention_kernel.BENCH_SHAPES   # attention_kernel.bench()'s (B, H, T, head_dim)
 ROUNDS = 2                 # blocks per configuration when two configurations share a model (they alternate)
 
 

@@ -354,6 +354,21 @@ def test_kernels_compile_for_an_h100_without_spills():
         assert r["spill_bytes"] == 0 and r["shared_kb"] <= 227, r
 
 
+def test_every_tuning_candidate_gives_the_defaults_results(seed):
+    # --tune times other launch configurations on a GPU; any of them may become a default, so each must compute
+    # the same thing: bit for bit in the bf16-state forward (its key block is fixed; the query block, warps and
+    # stages do not touch a row's arithmetic), up to summation order elsewhere. Uneven blocks (32 x 128,
+    # 128 x 32) take the backward's diagonal and tail loops through their other cases.
+    need_triton("triton")
+    rows = ak.tune(shapes=[(1, 2, 150, 32)], timer=lambda fn: 0.0)
+    assert {(r["kernel"], r["accum"]) for r in rows} == {("fwd", "fp32"), ("dkdv", "fp32"), ("dq", "fp32"),
+                                                         ("fwd", "bf16")}
+    for r in rows:
+        assert "error" not in r, f"seed {seed}: {r}"
+        tol = 0.0 if (r["kernel"], r["accum"]) == ("fwd", "bf16") else 2e-3
+        assert r["rel_diff"] <= tol, f"seed {seed}: {r}"
+
+
 def test_clear_errors(monkeypatch):
     q = torch.randn(1, 2, 8, 64, device=DEV)
     with pytest.raises(ValueError, match="fp32.*bf16.*bf16-safemax"):
