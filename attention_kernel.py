@@ -17,6 +17,7 @@ Both sit behind torch.library custom ops, so a model calling attention() compile
 """
 import math
 import os
+import re
 import sys
 
 import torch
@@ -749,7 +750,7 @@ def compile_for_gpu(cases=None, arch=90):
     ptxas = get_ptxas(arch).path
     print(f"compiled for sm_{arch} by triton {triton.__version__} (bf16 inputs, no softcap)")
     print(f"{'kernel':>15} {'D':>4} {'accum':>13} {'BM,BN':>8} {'warps':>5} {'stages':>6} {'regs':>5} "
-          f"{'spill B':>8} {'smem KB':>8}")
+          f"{'spill B':>8} {'smem KB':>8} {'wgmma wait':>11}")
     rows = []
     for D, accum in cases:
         q = torch.empty(1, 1, 1, D, dtype=torch.bfloat16)
@@ -778,28 +779,41 @@ def compile_for_gpu(cases=None, arch=90):
                     f.write(compiled.asm["ptx"])
                 log = subprocess.run([ptxas, "-v", f"--gpu-name=sm_{arch}a", path, "-o", path + ".cubin"],
                                      capture_output=True, text=True, check=True).stderr
-            regs = int(log.split(" registers")[0].rsplit(" ", 1)[1])
-            spill = sum(int(log.split(f" bytes spill {kind}")[0].rsplit(" ", 1)[1]) for kind in ("stores", "loads"))
+            regs = int(re.search(r"Used (\d+) registers", log).group(1))
+            spill = sum(int(n) for n in re.findall(r"(\d+) bytes spill (?:stores|loads)", log))
+            # ptxas says so when Hopper's asynchronous matrix multiplies must wait for registers: slow too
+            serialized = "wgmma" in log and "serialized" in log
             row = dict(kernel=kernel.__name__, D=D, accum=accum, block_m=block_m, block_n=block_n, warps=warps,
-                       stages=stages, registers=regs, spill_bytes=spill, shared_kb=compiled.metadata.shared / 1024)
+                       stages=stages, registers=regs, spill_bytes=spill, wgmma_serialized=serialized,
+                       shared_kb=compiled.metadata.shared / 1024)
             rows.append(row)
             print(f"{row['kernel']:>15} {D:>4} {accum:>13} {f'{block_m},{block_n}':>8} {warps:>5} {stages:>6} "
-                  f"{regs:>5} {spill:>8} {row['shared_kb']:>8.1f}")
+                  f"{regs:>5} {spill:>8} {row['shared_kb']:>8.1f} {'yes' if serialized else 'no':>11}")
     return rows
 
 
 BENCH_SHAPES = [(16, 12, 1024, 64), (4, 32, 4096, 64), (4, 16, 4096, 128)]   # (B, H, T, head_dim)
 
 
-def tune_candidates(kernel, accum):
+def tune_candidates(kernel, accum, D):
     """The launch configurations --tune tries for one kernel: (BLOCK_M, BLOCK_N, num_warps, num_stages). The
     bf16-state forward keeps its key block (part of the fault's definition); the backward is tuned once, in fp32
-    state (the bf16 state only adds a rounding of s)."""
+    state (the bf16 state only adds a rounding of s). Configurations whose tiles cannot fit the registers are
+    left out: counting the fp32 tiles a thread holds (S, and the accumulators o, or dk and dv, or dq), every
+    configuration past 128 elements per thread hit the 255-register ceiling on sm_90 under triton 3.6 and all
+    but two of them spilled; in the bf16-state forward, with its extra temporaries, every one past 96 spilled
+    (`--compile` on each candidate, 2026-11-30)."""
     if kernel == "fwd":
         block_ns = (64, 128) if accum == "fp32" else (BF16_STATE_BLOCK_N,)
-        return [(m, n, w, s) for m in (64, 128) for n in block_ns for w in (4, 8) for s in (2, 3)]
-    pairs = ((32, 128), (64, 64), (64, 128)) if kernel == "dkdv" else ((128, 32), (64, 64), (128, 64))
-    return [(m, n, w, s) for m, n in pairs for w in (4, 8) for s in (2, 3)]
+        configs = [(m, n, w, s) for m in (64, 128) for n in block_ns for w in (4, 8) for s in (2, 3)]
+    else:
+        pairs = ((32, 128), (64, 64), (64, 128)) if kernel == "dkdv" else ((128, 32), (64, 64), (128, 64))
+        configs = [(m, n, w, s) for m, n in pairs for w in (4, 8) for s in (2, 3)]
+    budget = 96 if kernel == "fwd" and accum != "fp32" else 128
+
+    def per_thread(m, n, w, s):
+        return (n * (m + 2 * D) if kernel == "dkdv" else m * (n + D)) / (32 * w)
+    return [c for c in configs if per_thread(*c) <= budget]
 
 
 def _kernel_runs(q, k, v, do, accum):
@@ -836,7 +850,7 @@ def tune(shapes=BENCH_SHAPES, timer=None, candidates=tune_candidates):
             for kernel in ("fwd",) if accum != "fp32" else ("fwd", "dkdv", "dq"):
                 reference = [x.float().clone() for x in runs[kernel](defaults[kernel])]
                 tried = []
-                for config in dict.fromkeys([defaults[kernel], *candidates(kernel, accum)]):
+                for config in dict.fromkeys([defaults[kernel], *candidates(kernel, accum, D)]):
                     row = dict(shape=(B, H, T, D), kernel=kernel, accum=accum, config=config,
                                default=config == defaults[kernel])
                     try:
