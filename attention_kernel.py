@@ -83,6 +83,13 @@ def _rn(x, IS_BF16: tl.constexpr):
 
 
 @triton.jit
+def _rows(offs, stride_t):
+    # Element offsets of time rows, in int64: the model's layout has stride_t = n_embd, so T * stride_t passes
+    # 2**31 for long sequences of wide models.
+    return offs.to(tl.int64) * stride_t
+
+
+@triton.jit
 def _dot(a, b, acc, DOT_FP32: tl.constexpr, IEEE: tl.constexpr):
     # acc + a @ b with fp32 accumulation. DOT_FP32: the interpreter's tl.dot is wrong on bf16/fp16 operands
     # (triton issue 11584); a product of two bf16/fp16 numbers is exact in fp32, so upcasting loses nothing.
@@ -127,8 +134,8 @@ def _fwd_block(q, K, V, start_n, offs_m, m_i, l_i, acc, top, stride_t, scale, so
     # One step of the streaming softmax: fold key block [start_n, start_n + BLOCK_N) into (m, l, acc).
     offs_n = start_n + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
-    kT_ptrs = K + offs_n[None, :] * stride_t + offs_d[:, None]
-    v_ptrs = V + offs_n[:, None] * stride_t + offs_d[None, :]
+    kT_ptrs = K + _rows(offs_n, stride_t)[None, :] + offs_d[:, None]
+    v_ptrs = V + _rows(offs_n, stride_t)[:, None] + offs_d[None, :]
     if CAUSAL_MASK:   # a block on the diagonal, possibly running past T
         kT = tl.load(kT_ptrs, mask=offs_n[None, :] < T, other=0.0)
         v = tl.load(v_ptrs, mask=offs_n[:, None] < T, other=0.0)
@@ -187,7 +194,7 @@ def _attn_fwd(Q, K, V, O, LSE, ROWMAX, stride_b, stride_h, stride_t, H, T, scale
     O += head
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)
-    q = tl.load(Q + offs_m[:, None] * stride_t + offs_d[None, :], mask=offs_m[:, None] < T, other=0.0)
+    q = tl.load(Q + _rows(offs_m, stride_t)[:, None] + offs_d[None, :], mask=offs_m[:, None] < T, other=0.0)
 
     # Streaming state per query row. Rows past T are computed on zeros and never stored.
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)      # running shift (the max, or the safemax shift)
@@ -215,7 +222,7 @@ def _attn_fwd(Q, K, V, O, LSE, ROWMAX, stride_b, stride_h, stride_t, H, T, scale
         o = _round_bf16(o)           # the bf16 O that the backward's delta = rowsum(dO * O) then sees
     row_ok = offs_m < T
     rows = bh.to(tl.int64) * T + offs_m                       # LSE, ROWMAX: contiguous (B, H, T)
-    tl.store(O + offs_m[:, None] * stride_t + offs_d[None, :], _rn(o, IS_BF16).to(O.dtype.element_ty),
+    tl.store(O + _rows(offs_m, stride_t)[:, None] + offs_d[None, :], _rn(o, IS_BF16).to(O.dtype.element_ty),
              mask=row_ok[:, None])
     tl.store(LSE + rows, m_i + tl.log(l_i), mask=row_ok)
     tl.store(ROWMAX + rows, top, mask=row_ok)
@@ -230,7 +237,7 @@ def _attn_bwd_delta(O, DO, DELTA, stride_b, stride_h, stride_t, H, T, HEAD_DIM: 
     head = (bh // H).to(tl.int64) * stride_b + (bh % H).to(tl.int64) * stride_h
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)
-    ptrs = head + offs_m[:, None] * stride_t + offs_d[None, :]
+    ptrs = head + _rows(offs_m, stride_t)[:, None] + offs_d[None, :]
     o = tl.load(O + ptrs, mask=offs_m[:, None] < T, other=0.0).to(tl.float32)
     do = tl.load(DO + ptrs, mask=offs_m[:, None] < T, other=0.0).to(tl.float32)
     tl.store(DELTA + bh.to(tl.int64) * T + offs_m, tl.sum(o * do, 1), mask=offs_m < T)
@@ -250,8 +257,8 @@ def _dkdv_block(k, v, dk, dv, Q, DO, LSE, DELTA, start_m, offs_n, stride_t, scal
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)
     row_ok = offs_m < T
-    qT = tl.load(Q + offs_m[None, :] * stride_t + offs_d[:, None], mask=row_ok[None, :], other=0.0)
-    do = tl.load(DO + offs_m[:, None] * stride_t + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+    qT = tl.load(Q + _rows(offs_m, stride_t)[None, :] + offs_d[:, None], mask=row_ok[None, :], other=0.0)
+    do = tl.load(DO + _rows(offs_m, stride_t)[:, None] + offs_d[None, :], mask=row_ok[:, None], other=0.0)
     lse = tl.load(LSE + offs_m, mask=row_ok, other=float("inf"))
     delta = tl.load(DELTA + offs_m, mask=row_ok, other=0.0)
     sT, tT = _logits(_dot(k, qT, tl.zeros([k.shape[0], BLOCK_M], tl.float32), DOT_FP32, IEEE),
@@ -283,7 +290,7 @@ def _attn_bwd_dkdv(Q, K, V, DO, LSE, DELTA, DK, DV, stride_b, stride_h, stride_t
     DELTA += bh.to(tl.int64) * T
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
-    kv_ptrs = head + offs_n[:, None] * stride_t + offs_d[None, :]
+    kv_ptrs = head + _rows(offs_n, stride_t)[:, None] + offs_d[None, :]
     k = tl.load(K + kv_ptrs, mask=offs_n[:, None] < T, other=0.0)
     v = tl.load(V + kv_ptrs, mask=offs_n[:, None] < T, other=0.0)
     dk = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
@@ -311,8 +318,8 @@ def _dq_block(q, do, lse, delta, dq, K, V, start_n, offs_m, stride_t, scale, sof
     # Add key block [start_n, start_n + BLOCK_N)'s share to dq.
     offs_n = start_n + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
-    kT_ptrs = K + offs_n[None, :] * stride_t + offs_d[:, None]
-    vT_ptrs = V + offs_n[None, :] * stride_t + offs_d[:, None]
+    kT_ptrs = K + _rows(offs_n, stride_t)[None, :] + offs_d[:, None]
+    vT_ptrs = V + _rows(offs_n, stride_t)[None, :] + offs_d[:, None]
     if CAUSAL_MASK:
         kT = tl.load(kT_ptrs, mask=offs_n[None, :] < T, other=0.0)
         vT = tl.load(vT_ptrs, mask=offs_n[None, :] < T, other=0.0)
@@ -344,7 +351,7 @@ def _attn_bwd_dq(Q, K, V, DO, LSE, DELTA, DQ, stride_b, stride_h, stride_t, H, T
     V += head
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)
-    q_ptrs = head + offs_m[:, None] * stride_t + offs_d[None, :]
+    q_ptrs = head + _rows(offs_m, stride_t)[:, None] + offs_d[None, :]
     rows = bh.to(tl.int64) * T + offs_m
     q = tl.load(Q + q_ptrs, mask=offs_m[:, None] < T, other=0.0)
     do = tl.load(DO + q_ptrs, mask=offs_m[:, None] < T, other=0.0)
@@ -799,35 +806,36 @@ def tune_candidates(kernel, accum, D):
     """The launch configurations --tune tries for one kernel: (BLOCK_M, BLOCK_N, num_warps, num_stages). The
     bf16-state forward keeps its key block (part of the fault's definition); the backward is tuned once, in fp32
     state (the bf16 state only adds a rounding of s). Configurations whose tiles cannot fit the registers are
-    left out: counting the fp32 tiles a thread holds (S, and the accumulators o, or dk and dv, or dq), every
-    configuration past 128 elements per thread hit the 255-register ceiling on sm_90 under triton 3.6 and all
-    but two of them spilled; in the bf16-state forward, with its extra temporaries, every one past 96 spilled
-    (`--compile` on each candidate, 2026-11-30)."""
+    left out: counting the fp32 tiles a thread holds (S, and the accumulators o, or dk and dv, or dq), all 40
+    configurations of this grid past 96 elements per thread used 254 or 255 registers on sm_90 under triton 3.6
+    and 34 of them spilled; none of the 56 at or below 96 spilled (`--compile` on each, 2026-11-30). The
+    default is always tried too.
+    """
     if kernel == "fwd":
         block_ns = (64, 128) if accum == "fp32" else (BF16_STATE_BLOCK_N,)
         configs = [(m, n, w, s) for m in (64, 128) for n in block_ns for w in (4, 8) for s in (2, 3)]
     else:
         pairs = ((32, 128), (64, 64), (64, 128)) if kernel == "dkdv" else ((128, 32), (64, 64), (128, 64))
         configs = [(m, n, w, s) for m, n in pairs for w in (4, 8) for s in (2, 3)]
-    budget = 96 if kernel == "fwd" and accum != "fp32" else 128
 
     def per_thread(m, n, w, s):
         return (n * (m + 2 * D) if kernel == "dkdv" else m * (n + D)) / (32 * w)
-    return [c for c in configs if per_thread(*c) <= budget]
+    return [c for c in configs if per_thread(*c) <= 96]
 
 
-def _kernel_runs(q, k, v, do, accum):
-    """{kernel: run(config) -> its outputs}; the inputs each kernel needs (lse, delta) come from the defaults."""
+def _kernel_launches(q, k, v, do, accum):
+    """{kernel: (launch(config), its output buffers)}; the lse and delta the backward reads come from the
+    default forward."""
     B, H, T, D = q.shape
     scale = D ** -0.5
     o = _new_like(q)
     lse, _ = _fwd_triton(q, k, v, o, scale, 0.0, accum, 2.0, None)
     delta = _bwd_delta(o, do)
-    outs = {"fwd": (_new_like(q), _new((B, H, T), torch.float32, q.device), _new((B, H, T), torch.float32, q.device)),
-            "dkdv": (_new_like(q), _new_like(q)), "dq": (_new_like(q),)}
-    return {"fwd": lambda c: _launch_fwd(c, q, k, v, *outs["fwd"], scale, 0.0, accum, 2.0) or outs["fwd"],
-            "dkdv": lambda c: _launch_dkdv(c, q, k, v, do, lse, delta, *outs["dkdv"], scale, 0.0, accum) or outs["dkdv"],
-            "dq": lambda c: _launch_dq(c, q, k, v, do, lse, delta, *outs["dq"], scale, 0.0, accum) or outs["dq"]}
+    fwd = (_new_like(q), _new((B, H, T), torch.float32, q.device), _new((B, H, T), torch.float32, q.device))
+    dkdv, dq = (_new_like(q), _new_like(q)), (_new_like(q),)
+    return {"fwd": (lambda c: _launch_fwd(c, q, k, v, *fwd, scale, 0.0, accum, 2.0), fwd),
+            "dkdv": (lambda c: _launch_dkdv(c, q, k, v, do, lse, delta, *dkdv, scale, 0.0, accum), dkdv),
+            "dq": (lambda c: _launch_dq(c, q, k, v, do, lse, delta, *dq, scale, 0.0, accum), dq)}
 
 
 def tune(shapes=BENCH_SHAPES, timer=None, candidates=tune_candidates):
@@ -836,7 +844,7 @@ def tune(shapes=BENCH_SHAPES, timer=None, candidates=tune_candidates):
     the agreement. Returns every row. To adopt a winner, edit _fwd_config or _bwd_configs."""
     if timer is None:
         from triton.testing import do_bench
-        timer = lambda fn: do_bench(fn, warmup=10, rep=50)   # noqa: E731 (ms, median)
+        timer = lambda fn: do_bench(fn, warmup=10, rep=50, return_mode="median")   # noqa: E731 (ms)
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     rows = []
     print(f"{'B,H,T,D':>18} {'kernel':>5} {'state':>5} {'default':>17} {'ms':>7} {'fastest':>17} {'ms':>7} "
@@ -844,24 +852,33 @@ def tune(shapes=BENCH_SHAPES, timer=None, candidates=tune_candidates):
     for B, H, T, D in shapes:
         q, k, v, do = (torch.randn(B, T, H, D, device=dev).to(torch.bfloat16).transpose(1, 2) for _ in range(4))
         for accum in ("fp32", "bf16"):
-            runs = _kernel_runs(q, k, v, do, accum)
+            launches = _kernel_launches(q, k, v, do, accum)
             dkdv_default, dq_default = _bwd_configs(D, q.dtype)
             defaults = {"fwd": _fwd_config(D, q.dtype, None, accum), "dkdv": dkdv_default, "dq": dq_default}
             for kernel in ("fwd",) if accum != "fp32" else ("fwd", "dkdv", "dq"):
-                reference = [x.float().clone() for x in runs[kernel](defaults[kernel])]
-                tried = []
-                for config in dict.fromkeys([defaults[kernel], *candidates(kernel, accum, D)]):
+                launch, outs = launches[kernel]
+                tried, reference = [], None
+                for config in dict.fromkeys([defaults[kernel], *candidates(kernel, accum, D)]):   # default first
                     row = dict(shape=(B, H, T, D), kernel=kernel, accum=accum, config=config,
                                default=config == defaults[kernel])
                     try:
-                        out = runs[kernel](config)
-                        row["rel_diff"] = max(((a.float() - b).norm() / b.norm()).item() for a, b in zip(out, reference))
-                        row["ms"] = timer(lambda: runs[kernel](config))
+                        for x in outs:       # NaN first: an element this configuration leaves unwritten shows
+                            x.fill_(float("nan"))
+                        launch(config)
+                        if not all(torch.isfinite(x).all() for x in outs):
+                            raise RuntimeError("unwritten (NaN) or non-finite output")
+                        reference = reference or [x.float().clone() for x in outs]
+                        row["rel_diff"] = max(((a.float() - b).norm() / b.norm()).item() for a, b in zip(outs, reference))
+                        row["ms"] = timer(lambda: launch(config))
                     except Exception as e:   # e.g. out of shared memory for this block size
                         row["error"] = f"{type(e).__name__}: {str(e)[:120]}"
                     tried.append(row)
                 rows += tried
                 timed = [r for r in tried if "ms" in r]
+                if "error" in tried[0]:
+                    print(f"{str((B, H, T, D)):>18} {kernel:>5} {accum:>5} default {tried[0]['config']} failed: "
+                          f"{tried[0]['error']}")
+                    continue
                 base, best = timed[0], min(timed, key=lambda r: r["ms"])
                 print(f"{str((B, H, T, D)):>18} {kernel:>5} {accum:>5} {str(base['config']):>17} {base['ms']:7.3f} "
                       f"{str(best['config']):>17} {best['ms']:7.3f} {base['ms'] / max(best['ms'], 1e-9):7.2f} "

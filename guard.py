@@ -104,11 +104,18 @@ class QKGuard:
     def watching(self):
         return self.enabled and not (self.triggered and self.scope == "all")
 
+    def watched_values(self, max_logit, sigma_head):
+        """The signal of the layers the action does not cover yet (covered layers -inf: a signal the action does
+        not lower, like sigma-product under qknorm, must not count as a new crossing at every check)."""
+        values = self.signal_values(max_logit, sigma_head).float().clone()
+        values[self.layers] = -math.inf
+        return values
+
     def observe(self, step, max_logit, sigma_head, model):
         """Check the signal; on a (new) crossing switch the action on. Returns the trigger event or None."""
         if not self.watching():
             return None
-        values = self.signal_values(max_logit, sigma_head).float()
+        values = self.watched_values(max_logit, sigma_head)
         if not (values > self.threshold).any():      # a device->host read: the GPU must finish the step first
             return None
         return self.switch_on(step, values, model)
@@ -124,14 +131,24 @@ class QKGuard:
             if bool(crossed) and self.watching():
                 event = self.switch_on(crossed_step, values, model)
         if self.watching():
-            values = self.signal_values(max_logit, sigma_head).float()
+            values = self.watched_values(max_logit, sigma_head)
             crossed, copied = (values > self.threshold).any(), None
             if crossed.is_cuda:
+                stream = torch.cuda.current_stream(crossed.device)
                 crossed = crossed.to("cpu", non_blocking=True)   # pinned by the caching host allocator
                 copied = torch.cuda.Event()
-                copied.record()
+                copied.record(stream)
             self.pending = (step, values, crossed, copied)
         return event
+
+    def pending_crossing(self):
+        """The step of a crossing queued but not yet acted on (the run's last check), or None."""
+        if self.pending is None:
+            return None
+        step, _, crossed, copied = self.pending
+        if copied is not None:
+            copied.synchronize()
+        return step if bool(crossed) else None
 
     def switch_on(self, step, values, model):
         """The signal crossed at `step`: extend the action to the new layers it covers. Returns the event."""

@@ -369,6 +369,17 @@ def test_every_tuning_candidate_gives_the_defaults_results(seed):
         assert r["rel_diff"] <= tol, f"seed {seed}: {r}"
 
 
+def test_the_tuner_catches_a_candidate_that_leaves_outputs_unwritten(monkeypatch):
+    need_triton("triton")
+    default = ak._bwd_configs(32, BF16)[1]
+    real = ak._launch_dq
+    monkeypatch.setattr(ak, "_launch_dq", lambda config, *a: real(config, *a) if config == default else None)
+    rows = ak.tune(shapes=[(1, 2, 40, 32)], timer=lambda fn: 0.0,
+                   candidates=lambda kernel, accum, D: [(128, 32, 4, 2)] if kernel == "dq" else [])
+    broken = [r for r in rows if r["kernel"] == "dq" and not r["default"]]
+    assert len(broken) == 1 and "unwritten" in broken[0].get("error", ""), broken
+
+
 def test_clear_errors(monkeypatch):
     q = torch.randn(1, 2, 8, 64, device=DEV)
     with pytest.raises(ValueError, match="fp32.*bf16.*bf16-safemax"):

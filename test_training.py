@@ -194,6 +194,26 @@ def test_the_deferred_check_acts_one_call_late_and_survives_a_checkpoint():
         assert g.observe_deferred(7, high, sig, model) is None, "latched: no second trigger"
 
 
+def test_covered_layers_never_count_as_a_new_crossing():
+    # scope "crossed" with a signal the action does not lower (sigma-product under qknorm): layer 0 stays above
+    # the threshold after it is covered; that must not queue a crossing (on a GPU, a host sync) at every check.
+    model = tiny_model()
+    guard = QKGuard(enabled=True, signal="sigma-product", threshold=10.0, action="qknorm", scope="crossed")
+    sigma_head = torch.ones(2, 2, 2)
+    sigma_head[0] = 5.0                                  # layer 0: 5 * 5 = 25 > 10; layer 1: 1
+    logits = torch.zeros(2, 2)
+    assert guard.observe_deferred(0, logits, sigma_head, model) is None and guard.pending_crossing() == 0
+    event = guard.observe_deferred(1, logits, sigma_head, model)
+    assert event["layers"] == [0] and model.attentions[0].qk_norm and not model.attentions[1].qk_norm
+    for step in range(2, 5):
+        assert guard.observe_deferred(step, logits, sigma_head, model) is None
+        assert guard.pending_crossing() is None, "a covered layer queued a crossing"
+    sigma_head[1] = 4.0                                  # layer 1 crosses later and joins
+    guard.observe_deferred(5, logits, sigma_head, model)
+    assert guard.pending_crossing() == 5
+    assert guard.observe_deferred(6, logits, sigma_head, model)["layers"] == [1]
+
+
 def test_qknorm_bounds_every_logit_by_scale_times_head_dim():
     torch.manual_seed(0)
     model = tiny_model()
@@ -366,7 +386,8 @@ def test_sigterm_then_resume_matches_an_uninterrupted_run(tmp_path, data_dir):
     # every piece of state the checkpoint must carry
     common = ["--max-steps", "150", "--eval-interval", "1000", "--ckpt-interval", "1000", "--dropout", "0.1",
               "--on-collapse", "continue", "--log-interval", "4", "--guard", "on", "--guard-threshold", "0.35",
-              "--inject-site", "mlp-out", "--inject-scale", "0.1", "--inject-coherence", "0.8", "--probe", "qk-topk"]
+              "--inject-site", "mlp-out", "--inject-scale", "0.1", "--inject-coherence", "0.8", "--probe", "qk-topk",
+              "--monitor-interval", "3"]   # a stop between checks must keep the max logit not yet checked
     full = train(tmp_path / "full", data_dir, *common)
     assert full.returncode == 0, full.stderr
     cut = tmp_path / "cut"

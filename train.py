@@ -502,7 +502,9 @@ class Trainer:
     def state_dict(self):
         return {"format": "qkguard-checkpoint-1", "step": self.step, "args": vars(self.args),
                 "model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
-                "monitor": {**self.monitor.state_dict(), "sigma": self.sigma.cpu(), "sigma_head": self.sigma_head.cpu()},
+                "monitor": {**self.monitor.state_dict(), "sigma": self.sigma.cpu(), "sigma_head": self.sigma_head.cpu(),
+                            # the max logit since the last monitored step (--monitor-interval > 1), not yet checked
+                            "max_logit": None if self.monitor_max_logit is None else self.monitor_max_logit.cpu()},
                 "guard": self.guard.state_dict(),
                 "detector": self.detector.state_dict(), "probe": self.probe.state_dict(),
                 "injector": self.injector.state_dict() if self.injector is not None else None,
@@ -531,6 +533,8 @@ class Trainer:
         self.step = state["step"]
         device = self.dist.device
         self.sigma, self.sigma_head = state["monitor"]["sigma"].to(device), state["monitor"]["sigma_head"].to(device)
+        unchecked = state["monitor"].get("max_logit")
+        self.monitor_max_logit = None if unchecked is None else unchecked.to(device)
 
     @torch.no_grad()
     def evaluate(self):
@@ -726,8 +730,10 @@ def main(argv=None):
     except BaseException as e:
         log.write({"event": "end", "status": "error", "step": run.step, "error": f"{type(e).__name__}: {e}"})
         raise
+    # guard_pending: a crossing at the last check, which the deferred guard had no step left to act on
     log.write({"event": "end", "status": status, "step": run.step, "collapse_step": run.detector.collapsed_at,
-               "guard_trigger": run.guard.trigger, "val_loss": val_loss},
+               "guard_trigger": run.guard.trigger, "guard_pending": run.guard.pending_crossing(),
+               "val_loss": val_loss},
               f"run {status} at step {run.step}; log and checkpoint in {args.out_dir}")
     dist.close()
 
