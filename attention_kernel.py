@@ -10,14 +10,11 @@ Two implementations of the same algorithm with the same rounding points:
 Both sit behind torch.library custom ops, so a model calling attention() compiles with fullgraph=True.
 "sdpa" (PyTorch's fused kernels) and "reference" (float64, materialized) are there to compare against.
 
-    python attention_kernel.py --bench     # CUDA only: speed table against SDPA's backends
     python attention_kernel.py --check     # errors against the float64 reference on this device
-    python attention_kernel.py --compile   # any machine: compile for an H100/H200 (sm_90); registers, spills
-    python attention_kernel.py --tune      # CUDA only: time other launch configurations against the defaults
+    (speed: bench.py times, tunes and compiles these kernels for a GPU)
 """
 import math
 import os
-import re
 import sys
 
 import torch
@@ -80,6 +77,12 @@ def _rn(x, IS_BF16: tl.constexpr):
     if IS_BF16:
         x = _round_bf16(x)
     return x
+
+
+@triton.jit
+def _head(bh, H, stride_b, stride_h):
+    # Element offset of head (b, h) = divmod(bh, H), in int64: B * H * T * D may pass 2**31.
+    return (bh // H).to(tl.int64) * stride_b + (bh % H).to(tl.int64) * stride_h
 
 
 @triton.jit
@@ -187,7 +190,7 @@ def _attn_fwd(Q, K, V, O, LSE, ROWMAX, stride_b, stride_h, stride_t, H, T, scale
               IS_BF16: tl.constexpr, DOT_FP32: tl.constexpr, IEEE: tl.constexpr):
     pid_m = tl.program_id(0)
     bh = tl.program_id(1)
-    head = (bh // H).to(tl.int64) * stride_b + (bh % H).to(tl.int64) * stride_h   # int64: may pass 2**31
+    head = _head(bh, H, stride_b, stride_h)
     Q += head
     K += head
     V += head
@@ -234,7 +237,7 @@ def _attn_bwd_delta(O, DO, DELTA, stride_b, stride_h, stride_t, H, T, HEAD_DIM: 
     # delta = rowsum(dO * O) with the STORED O: in bf16 mode the biased O enters the gradient, as in the prior work.
     pid_m = tl.program_id(0)
     bh = tl.program_id(1)
-    head = (bh // H).to(tl.int64) * stride_b + (bh % H).to(tl.int64) * stride_h
+    head = _head(bh, H, stride_b, stride_h)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)
     ptrs = head + _rows(offs_m, stride_t)[:, None] + offs_d[None, :]
@@ -283,7 +286,7 @@ def _attn_bwd_dkdv(Q, K, V, DO, LSE, DELTA, DK, DV, stride_b, stride_h, stride_t
     # One key block per program, dk and dv accumulating in registers; loop over the query blocks that see it.
     pid_n = tl.program_id(0)
     bh = tl.program_id(1)
-    head = (bh // H).to(tl.int64) * stride_b + (bh % H).to(tl.int64) * stride_h
+    head = _head(bh, H, stride_b, stride_h)
     Q += head
     DO += head
     LSE += bh.to(tl.int64) * T
@@ -346,7 +349,7 @@ def _attn_bwd_dq(Q, K, V, DO, LSE, DELTA, DQ, stride_b, stride_h, stride_t, H, T
     # One query block per program; loop over the key blocks it sees, unmasked left of the diagonal (as forward).
     pid_m = tl.program_id(0)
     bh = tl.program_id(1)
-    head = (bh // H).to(tl.int64) * stride_b + (bh % H).to(tl.int64) * stride_h
+    head = _head(bh, H, stride_b, stride_h)
     K += head
     V += head
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -373,7 +376,7 @@ def _attn_bwd_dq(Q, K, V, DO, LSE, DELTA, DQ, stride_b, stride_h, stride_t, H, T
 
 def _fwd_config(D, dtype, block_n, accum):
     """(BLOCK_M, BLOCK_N, num_warps, num_stages) for an H100/H200, chosen so that no kernel spills registers on
-    sm_90: `python attention_kernel.py --compile` prints registers, spills and shared memory per kernel."""
+    sm_90: `python bench.py --only resources` prints registers, spills and shared memory per kernel."""
     es = torch.empty((), dtype=dtype).element_size()
     if not block_n:   # fp32 state: a speed choice; bf16 state: part of the fault's definition
         block_n = (32 if es == 4 else 64) if accum == "fp32" else BF16_STATE_BLOCK_N
@@ -682,7 +685,7 @@ def attention(q, k, v, accum="fp32", qk_norm=False, return_max_logit=False, *,
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Command line: --check (errors against float64 on this device) and --bench (CUDA speed table).
+# Command line: --check, the errors against float64 on this device.
 
 def check():
     dev = "cuda" if torch.cuda.is_available() else "cpu"
@@ -706,194 +709,8 @@ def check():
                           + " ".join(f"{e:9.2e}" for e in errs))
 
 
-def bench():
-    """Prints the speed table; returns it as {(B, H, T, D): {kernel: {"fwd_ms", "fwd_bwd_ms"} or None}}."""
-    if not torch.cuda.is_available():
-        print("--bench needs a CUDA GPU (the Triton kernels are timed on the device); none found.")
-        sys.exit(1)
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-    from triton.testing import do_bench
-    sdpa = {"sdpa-flash": SDPBackend.FLASH_ATTENTION, "sdpa-cudnn": SDPBackend.CUDNN_ATTENTION,
-            "sdpa-memeff": SDPBackend.EFFICIENT_ATTENTION}
-    print(f"{'B,H,T,D':>18} {'kernel':>20} {'fwd ms':>8} {'TFLOP/s':>8} {'fwd+bwd ms':>11} {'TFLOP/s':>8}")
-    notes, table = [], {}
-    for B, H, T, D in BENCH_SHAPES:
-        q, k, v = (torch.randn(B, H, T, D, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
-        do = torch.randn_like(q)
-        flops = 4 * B * H * T * T * D / 2
-        runs = {f"triton-{a}": (lambda a=a: attention(q, k, v, accum=a, impl="triton")) for a in ACCUM_MODES}
-        for name, backend in sdpa.items():
-            def fn(backend=backend):
-                with sdpa_kernel(backend):
-                    return F.scaled_dot_product_attention(q, k, v, is_causal=True)
-            runs[name] = fn
-        for name, fn in runs.items():
-            try:
-                fn().backward(do)
-                t_f = do_bench(fn)
-                t_fb = do_bench(lambda: fn().backward(do), grad_to_none=[q, k, v])
-                cells = f"{t_f:8.3f} {flops / t_f * 1e-9:8.1f} {t_fb:11.3f} {3.5 * flops / t_fb * 1e-9:8.1f}"
-                table.setdefault((B, H, T, D), {})[name] = {"fwd_ms": t_f, "fwd_bwd_ms": t_fb}
-            except Exception as e:  # e.g. an SDPA backend not available for this shape, GPU or build
-                cells = f"{'n/a':>8} {'n/a':>8} {'n/a':>11} {'n/a':>8}"
-                table.setdefault((B, H, T, D), {})[name] = None
-                notes.append(f"{name} {(B, H, T, D)}: {type(e).__name__}: {str(e).strip()[:160]}")
-            print(f"{str((B, H, T, D)):>18} {name:>20} {cells}")
-    print("\n".join(notes))
-    return table
-
-
-def compile_for_gpu(cases=None, arch=90):
-    """Compile the kernels that a (B, H, T, head_dim) bf16 call launches, for an sm_<arch> GPU, on any machine
-    (no GPU, no driver: Triton's own ptxas). Prints and returns per kernel: registers per thread, spilled bytes
-    and shared memory. Spills and shared memory past the GPU's limit are what to fix before timing anything."""
-    import subprocess
-    import tempfile
-    from triton.backends.compiler import GPUTarget
-    from triton.backends.nvidia.compiler import get_ptxas
-    if _INTERPRET:
-        raise SystemExit("--compile needs TRITON_INTERPRET unset (the interpreter replaces the compiler)")
-    cases = cases or [(D, accum) for D in (64, 128) for accum in ACCUM_MODES]
-    ptxas = get_ptxas(arch).path
-    print(f"compiled for sm_{arch} by triton {triton.__version__} (bf16 inputs, no softcap)")
-    print(f"{'kernel':>15} {'D':>4} {'accum':>13} {'BM,BN':>8} {'warps':>5} {'stages':>6} {'regs':>5} "
-          f"{'spill B':>8} {'smem KB':>8} {'wgmma wait':>11}")
-    rows = []
-    for D, accum in cases:
-        q = torch.empty(1, 1, 1, D, dtype=torch.bfloat16)
-        fwd, (dkdv, dq) = _fwd_config(D, q.dtype, None, accum), _bwd_configs(D, q.dtype)
-        flags = {**_mode_flags(accum, q), "DOT_FP32": False, "IEEE": False, "SOFTCAP": False, "HEAD_DIM": D}
-        launches = [(_attn_fwd, fwd, dict(SAFEMAX=accum == "bf16-safemax"))]
-        if accum != "bf16-safemax":          # the backward is the same for both bf16-state modes
-            launches += [(_attn_bwd_dkdv, dkdv, {}), (_attn_bwd_dq, dq, {})]
-        for kernel, (block_m, block_n, warps, stages), extra in launches:
-            constexprs = {**flags, **extra, "BLOCK_M": block_m, "BLOCK_N": block_n}
-            names = kernel.arg_names
-            signature = {n: "constexpr" if n in constexprs else "*fp32" if n in ("LSE", "ROWMAX", "DELTA") else
-                         "*bf16" if n.isupper() and n != "H" and n != "T" else
-                         "fp32" if n in ("scale", "softcap", "beta") else "i32" for n in names}
-            # what the runtime sees for real calls: 16-byte aligned pointers, strides divisible by 16
-            attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
-                     if signature[n].startswith("*") or n.startswith("stride")}
-            src = triton.compiler.ASTSource(fn=kernel, signature=signature,
-                                            constexprs={k: v for k, v in constexprs.items() if k in names},
-                                            attrs=attrs)
-            compiled = triton.compile(src, target=GPUTarget("cuda", arch, 32),
-                                      options=dict(num_warps=warps, num_stages=stages))
-            with tempfile.TemporaryDirectory() as tmp:
-                path = os.path.join(tmp, "kernel.ptx")
-                with open(path, "w") as f:
-                    f.write(compiled.asm["ptx"])
-                log = subprocess.run([ptxas, "-v", f"--gpu-name=sm_{arch}a", path, "-o", path + ".cubin"],
-                                     capture_output=True, text=True, check=True).stderr
-            regs = int(re.search(r"Used (\d+) registers", log).group(1))
-            spill = sum(int(n) for n in re.findall(r"(\d+) bytes spill (?:stores|loads)", log))
-            # ptxas says so when Hopper's asynchronous matrix multiplies must wait for registers: slow too
-            serialized = "wgmma" in log and "serialized" in log
-            row = dict(kernel=kernel.__name__, D=D, accum=accum, block_m=block_m, block_n=block_n, warps=warps,
-                       stages=stages, registers=regs, spill_bytes=spill, wgmma_serialized=serialized,
-                       shared_kb=compiled.metadata.shared / 1024)
-            rows.append(row)
-            print(f"{row['kernel']:>15} {D:>4} {accum:>13} {f'{block_m},{block_n}':>8} {warps:>5} {stages:>6} "
-                  f"{regs:>5} {spill:>8} {row['shared_kb']:>8.1f} {'yes' if serialized else 'no':>11}")
-    return rows
-
-
-BENCH_SHAPES = [(16, 12, 1024, 64), (4, 32, 4096, 64), (4, 16, 4096, 128)]   # (B, H, T, head_dim)
-
-
-def tune_candidates(kernel, accum, D):
-    """The launch configurations --tune tries for one kernel: (BLOCK_M, BLOCK_N, num_warps, num_stages). The
-    bf16-state forward keeps its key block (part of the fault's definition); the backward is tuned once, in fp32
-    state (the bf16 state only adds a rounding of s). Configurations whose tiles cannot fit the registers are
-    left out: counting the fp32 tiles a thread holds (S, and the accumulators o, or dk and dv, or dq), all 40
-    configurations of this grid past 96 elements per thread used 254 or 255 registers on sm_90 under triton 3.6
-    and 34 of them spilled; none of the 56 at or below 96 spilled (`--compile` on each, 2026-11-30). The
-    default is always tried too.
-    """
-    if kernel == "fwd":
-        block_ns = (64, 128) if accum == "fp32" else (BF16_STATE_BLOCK_N,)
-        configs = [(m, n, w, s) for m in (64, 128) for n in block_ns for w in (4, 8) for s in (2, 3)]
-    else:
-        pairs = ((32, 128), (64, 64), (64, 128)) if kernel == "dkdv" else ((128, 32), (64, 64), (128, 64))
-        configs = [(m, n, w, s) for m, n in pairs for w in (4, 8) for s in (2, 3)]
-
-    def per_thread(m, n, w, s):
-        return (n * (m + 2 * D) if kernel == "dkdv" else m * (n + D)) / (32 * w)
-    return [c for c in configs if per_thread(*c) <= 96]
-
-
-def _kernel_launches(q, k, v, do, accum):
-    """{kernel: (launch(config), its output buffers)}; the lse and delta the backward reads come from the
-    default forward."""
-    B, H, T, D = q.shape
-    scale = D ** -0.5
-    o = _new_like(q)
-    lse, _ = _fwd_triton(q, k, v, o, scale, 0.0, accum, 2.0, None)
-    delta = _bwd_delta(o, do)
-    fwd = (_new_like(q), _new((B, H, T), torch.float32, q.device), _new((B, H, T), torch.float32, q.device))
-    dkdv, dq = (_new_like(q), _new_like(q)), (_new_like(q),)
-    return {"fwd": (lambda c: _launch_fwd(c, q, k, v, *fwd, scale, 0.0, accum, 2.0), fwd),
-            "dkdv": (lambda c: _launch_dkdv(c, q, k, v, do, lse, delta, *dkdv, scale, 0.0, accum), dkdv),
-            "dq": (lambda c: _launch_dq(c, q, k, v, do, lse, delta, *dq, scale, 0.0, accum), dq)}
-
-
-def tune(shapes=BENCH_SHAPES, timer=None, candidates=tune_candidates):
-    """Time each kernel's candidate configurations against its default at each shape (bf16 inputs in the model's
-    layout), check that each gives the default's results, and print per kernel the default, the fastest, and
-    the agreement. Returns every row. To adopt a winner, edit _fwd_config or _bwd_configs."""
-    if timer is None:
-        from triton.testing import do_bench
-        timer = lambda fn: do_bench(fn, warmup=10, rep=50, return_mode="median")   # noqa: E731 (ms)
-    dev = "cuda" if torch.cuda.is_available() else "cpu"
-    rows = []
-    print(f"{'B,H,T,D':>18} {'kernel':>5} {'state':>5} {'default':>17} {'ms':>7} {'fastest':>17} {'ms':>7} "
-          f"{'speedup':>7} {'max rel diff':>12} {'failed':>6}")
-    for B, H, T, D in shapes:
-        q, k, v, do = (torch.randn(B, T, H, D, device=dev).to(torch.bfloat16).transpose(1, 2) for _ in range(4))
-        for accum in ("fp32", "bf16"):
-            launches = _kernel_launches(q, k, v, do, accum)
-            dkdv_default, dq_default = _bwd_configs(D, q.dtype)
-            defaults = {"fwd": _fwd_config(D, q.dtype, None, accum), "dkdv": dkdv_default, "dq": dq_default}
-            for kernel in ("fwd",) if accum != "fp32" else ("fwd", "dkdv", "dq"):
-                launch, outs = launches[kernel]
-                tried, reference = [], None
-                for config in dict.fromkeys([defaults[kernel], *candidates(kernel, accum, D)]):   # default first
-                    row = dict(shape=(B, H, T, D), kernel=kernel, accum=accum, config=config,
-                               default=config == defaults[kernel])
-                    try:
-                        for x in outs:       # NaN first: an element this configuration leaves unwritten shows
-                            x.fill_(float("nan"))
-                        launch(config)
-                        if not all(torch.isfinite(x).all() for x in outs):
-                            raise RuntimeError("unwritten (NaN) or non-finite output")
-                        reference = reference or [x.float().clone() for x in outs]
-                        row["rel_diff"] = max(((a.float() - b).norm() / b.norm()).item() for a, b in zip(outs, reference))
-                        row["ms"] = timer(lambda: launch(config))
-                    except Exception as e:   # e.g. out of shared memory for this block size
-                        row["error"] = f"{type(e).__name__}: {str(e)[:120]}"
-                    tried.append(row)
-                rows += tried
-                timed = [r for r in tried if "ms" in r]
-                if "error" in tried[0]:
-                    print(f"{str((B, H, T, D)):>18} {kernel:>5} {accum:>5} default {tried[0]['config']} failed: "
-                          f"{tried[0]['error']}")
-                    continue
-                base, best = timed[0], min(timed, key=lambda r: r["ms"])
-                print(f"{str((B, H, T, D)):>18} {kernel:>5} {accum:>5} {str(base['config']):>17} {base['ms']:7.3f} "
-                      f"{str(best['config']):>17} {best['ms']:7.3f} {base['ms'] / max(best['ms'], 1e-9):7.2f} "
-                      f"{max(r['rel_diff'] for r in timed):12.1e} {len(tried) - len(timed):>6}")
-    return rows
-
-
 if __name__ == "__main__":
-    if "--bench" in sys.argv:
-        bench()
-    elif "--check" in sys.argv:
+    if "--check" in sys.argv:
         check()
-    elif "--compile" in sys.argv:
-        compile_for_gpu()
-    elif "--tune" in sys.argv:
-        tune()
     else:
         print(__doc__)

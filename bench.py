@@ -3,10 +3,14 @@
     python bench.py                          # CUDA: attention table, training-step table, targets (~4 min, H200)
     python bench.py --json out/bench.json    # the same, and the tables as JSON
     python bench.py --smoke                  # tiny sizes on any device (CPU: no attention table): for CI
+    python bench.py --only attention         # CUDA: the attention table alone
+    python bench.py --only tune              # CUDA: other launch configurations of our kernels, timed
+    python bench.py --only resources         # any machine: our kernels compiled for sm_90: registers, spills
 
 Training step = what train.py's Trainer does per step: forward and backward under bf16 autocast, clip_grad_norm_
 to 1.0, fused AdamW, zero_grad; with the monitor on, also SpectralMonitor.measure and a dormant QKGuard.observe
-(deferred: its one flag reaches the host in the background, as in train.py). Three configurations, all under torch.compile:
+(deferred: its one flag reaches the host in the background, as in train.py). Three configurations, all under
+torch.compile:
   sdpa            attn_impl="sdpa", no max-logit by-product, no monitor: the nanoGPT-style baseline
   triton+monitor  attn_impl="triton", accum="fp32", monitor and dormant guard every step (as train.py runs)
   triton          the same model with the monitor off
@@ -19,19 +23,24 @@ import contextlib
 import gc
 import json
 import os
+import re
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 import traceback
 
 import torch
+import torch.nn.functional as F
+import triton
 
-import attention_kernel
+import attention_kernel as ak
 from guard import QKGuard, SpectralMonitor
 from model import MODEL_SIZES, GPT, GPTConfig
 
 H200_BF16_PEAK = 989e12    # dense bf16 FLOP/s, the MFU denominator (REFERENCE.md section 4)
-SHAPES = attention_kernel.BENCH_SHAPES   # attention_kernel.bench()'s (B, H, T, head_dim)
+SHAPES = [(16, 12, 1024, 64), (4, 32, 4096, 64), (4, 16, 4096, 128)]   # attention (B, H, T, head_dim)
 ROUNDS = 2                 # blocks per configuration when two configurations share a model (they alternate)
 
 
@@ -44,9 +53,13 @@ def parse_args(argv=None):
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                    help="torch.compile the model (default: on with CUDA, off on CPU)")
     p.add_argument("--json", metavar="PATH", help="also write the tables to this JSON file")
+    p.add_argument("--only", choices=["attention", "tune", "resources"],
+                   help="attention: the attention table only; tune: time other launch configurations of our "
+                        "kernels; resources: compile them for sm_90 and print registers, spills, shared memory "
+                        "(any machine, no GPU needed)")
     args = p.parse_args(argv)
     cuda = torch.cuda.is_available()
-    if not cuda and not args.smoke:
+    if not cuda and not args.smoke and args.only != "resources":
         p.error("the benchmark needs a CUDA GPU (its targets are for an H200); on CPU run it with --smoke")
     for name, smoke, full in (("steps", 2, 50), ("warmup", 1, 10), ("batch_size", 2, 16)):
         if getattr(args, name) is None:
@@ -62,7 +75,41 @@ def parse_args(argv=None):
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# (1) Attention: attention_kernel.bench() prints the table and returns it; the ratios come from it.
+# (1) Attention: our kernel in each state beside SDPA's backends, and the ratios the targets need.
+
+def attention_table():
+    """Prints the speed table; returns it as {(B, H, T, D): {kernel: {"fwd_ms", "fwd_bwd_ms"} or None}}."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from triton.testing import do_bench
+    sdpa = {"sdpa-flash": SDPBackend.FLASH_ATTENTION, "sdpa-cudnn": SDPBackend.CUDNN_ATTENTION,
+            "sdpa-memeff": SDPBackend.EFFICIENT_ATTENTION}
+    print(f"{'B,H,T,D':>18} {'kernel':>20} {'fwd ms':>8} {'TFLOP/s':>8} {'fwd+bwd ms':>11} {'TFLOP/s':>8}")
+    notes, table = [], {}
+    for B, H, T, D in SHAPES:
+        q, k, v = (torch.randn(B, H, T, D, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+        do = torch.randn_like(q)
+        flops = 4 * B * H * T * T * D / 2
+        runs = {f"triton-{a}": (lambda a=a: ak.attention(q, k, v, accum=a, impl="triton")) for a in ak.ACCUM_MODES}
+        for name, backend in sdpa.items():
+            def fn(backend=backend):
+                with sdpa_kernel(backend):
+                    return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            runs[name] = fn
+        for name, fn in runs.items():
+            try:
+                fn().backward(do)
+                t_f = do_bench(fn)
+                t_fb = do_bench(lambda: fn().backward(do), grad_to_none=[q, k, v])
+                cells = f"{t_f:8.3f} {flops / t_f * 1e-9:8.1f} {t_fb:11.3f} {3.5 * flops / t_fb * 1e-9:8.1f}"
+                table.setdefault((B, H, T, D), {})[name] = {"fwd_ms": t_f, "fwd_bwd_ms": t_fb}
+            except Exception as e:  # e.g. an SDPA backend not available for this shape, GPU or build
+                cells = f"{'n/a':>8} {'n/a':>8} {'n/a':>11} {'n/a':>8}"
+                table.setdefault((B, H, T, D), {})[name] = None
+                notes.append(f"{name} {(B, H, T, D)}: {type(e).__name__}: {str(e).strip()[:160]}")
+            print(f"{str((B, H, T, D)):>18} {name:>20} {cells}")
+    print("\n".join(notes))
+    return table
+
 
 def ratio(a, b):
     return a / b if a is not None and b is not None else None
@@ -85,7 +132,7 @@ def fmt(x, spec=".3f", none="n/a"):
 
 
 def bench_attention():
-    table = attention_kernel.bench()
+    table = attention_table()
     ratios = attention_ratios(table)
     print("\nfwd+bwd time ratios (below 1: the first is faster)")
     names = ["fp32/cudnn", "fp32/flash", "bf16/fp32", "bf16-safemax/fp32"]
@@ -111,7 +158,7 @@ def build(args, attn_impl, max_logit):
     config = GPTConfig(**args.size, attn_impl=attn_impl, accum="fp32", max_logit=max_logit)
     model = GPT(config).to(args.device)
     cuda = args.device.type == "cuda"
-    optimizer = model.configure_optimizer(lr=6e-4, weight_decay=0.1, betas=(0.9, 0.95), fused=True)
+    optimizer = model.configure_optimizer(lr=6e-4, weight_decay=0.1, betas=(0.9, 0.95))
     compiled = torch.compile(model) if args.compile else model
     autocast = (lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if cuda else contextlib.nullcontext
     tokens = torch.randint(config.vocab_size, (args.batch_size, config.block_size + 1), device=args.device)
@@ -236,8 +283,152 @@ def targets(att, train, cost):
     return out
 
 
+# ----------------------------------------------------------------------------------------------------------------
+# (4) The kernels' launch configurations: what they cost in registers on sm_90 (any machine), and the tuner (CUDA)
+
+def compile_for_gpu(cases=None, arch=90):
+    """Compile the kernels that a (B, H, T, head_dim) bf16 call launches, for an sm_<arch> GPU, on any machine
+    (no GPU, no driver: Triton's own ptxas). Prints and returns per kernel: registers per thread, spilled bytes
+    and shared memory. Spills and shared memory past the GPU's limit are what to fix before timing anything."""
+    from triton.backends.compiler import GPUTarget
+    from triton.backends.nvidia.compiler import get_ptxas
+    if ak._INTERPRET:
+        raise SystemExit("--only resources needs TRITON_INTERPRET unset (the interpreter replaces the compiler)")
+    cases = cases or [(D, accum) for D in (64, 128) for accum in ak.ACCUM_MODES]
+    ptxas = get_ptxas(arch).path
+    print(f"compiled for sm_{arch} by triton {triton.__version__} (bf16 inputs, no softcap)")
+    print(f"{'kernel':>15} {'D':>4} {'accum':>13} {'BM,BN':>8} {'warps':>5} {'stages':>6} {'regs':>5} "
+          f"{'spill B':>8} {'smem KB':>8} {'wgmma wait':>11}")
+    rows = []
+    for D, accum in cases:
+        q = torch.empty(1, 1, 1, D, dtype=torch.bfloat16)
+        fwd, (dkdv, dq) = ak._fwd_config(D, q.dtype, None, accum), ak._bwd_configs(D, q.dtype)
+        flags = {**ak._mode_flags(accum, q), "DOT_FP32": False, "IEEE": False, "SOFTCAP": False, "HEAD_DIM": D}
+        launches = [(ak._attn_fwd, fwd, dict(SAFEMAX=accum == "bf16-safemax"))]
+        if accum != "bf16-safemax":          # the backward is the same for both bf16-state modes
+            launches += [(ak._attn_bwd_dkdv, dkdv, {}), (ak._attn_bwd_dq, dq, {})]
+        for kernel, (block_m, block_n, warps, stages), extra in launches:
+            constexprs = {**flags, **extra, "BLOCK_M": block_m, "BLOCK_N": block_n}
+            names = kernel.arg_names
+            signature = {n: "constexpr" if n in constexprs else "*fp32" if n in ("LSE", "ROWMAX", "DELTA") else
+                         "*bf16" if n.isupper() and n != "H" and n != "T" else
+                         "fp32" if n in ("scale", "softcap", "beta") else "i32" for n in names}
+            # what the runtime sees for real calls: 16-byte aligned pointers, strides divisible by 16
+            attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
+                     if signature[n].startswith("*") or n.startswith("stride")}
+            src = triton.compiler.ASTSource(fn=kernel, signature=signature,
+                                            constexprs={k: v for k, v in constexprs.items() if k in names},
+                                            attrs=attrs)
+            compiled = triton.compile(src, target=GPUTarget("cuda", arch, 32),
+                                      options=dict(num_warps=warps, num_stages=stages))
+            with tempfile.TemporaryDirectory() as tmp:
+                path = os.path.join(tmp, "kernel.ptx")
+                with open(path, "w") as f:
+                    f.write(compiled.asm["ptx"])
+                log = subprocess.run([ptxas, "-v", f"--gpu-name=sm_{arch}a", path, "-o", path + ".cubin"],
+                                     capture_output=True, text=True, check=True).stderr
+            regs = int(re.search(r"Used (\d+) registers", log).group(1))
+            spill = sum(int(n) for n in re.findall(r"(\d+) bytes spill (?:stores|loads)", log))
+            # ptxas says so when Hopper's asynchronous matrix multiplies must wait for registers: slow too
+            serialized = "wgmma" in log and "serialized" in log
+            row = dict(kernel=kernel.__name__, D=D, accum=accum, block_m=block_m, block_n=block_n, warps=warps,
+                       stages=stages, registers=regs, spill_bytes=spill, wgmma_serialized=serialized,
+                       shared_kb=compiled.metadata.shared / 1024)
+            rows.append(row)
+            print(f"{row['kernel']:>15} {D:>4} {accum:>13} {f'{block_m},{block_n}':>8} {warps:>5} {stages:>6} "
+                  f"{regs:>5} {spill:>8} {row['shared_kb']:>8.1f} {'yes' if serialized else 'no':>11}")
+    return rows
+
+
+def tune_candidates(kernel, accum, D):
+    """The launch configurations --tune tries for one kernel: (BLOCK_M, BLOCK_N, num_warps, num_stages). The
+    bf16-state forward keeps its key block (part of the fault's definition); the backward is tuned once, in fp32
+    state (the bf16 state only adds a rounding of s). Configurations whose tiles cannot fit the registers are
+    left out: counting the fp32 tiles a thread holds (S, and the accumulators o, or dk and dv, or dq), all 40
+    configurations of this grid past 96 elements per thread used 254 or 255 registers on sm_90 under triton 3.6
+    and 34 of them spilled; none of the 56 at or below 96 spilled (`--compile` on each, 2026-11-30). The
+    default is always tried too.
+    """
+    if kernel == "fwd":
+        block_ns = (64, 128) if accum == "fp32" else (ak.BF16_STATE_BLOCK_N,)
+        configs = [(m, n, w, s) for m in (64, 128) for n in block_ns for w in (4, 8) for s in (2, 3)]
+    else:
+        pairs = ((32, 128), (64, 64), (64, 128)) if kernel == "dkdv" else ((128, 32), (64, 64), (128, 64))
+        configs = [(m, n, w, s) for m, n in pairs for w in (4, 8) for s in (2, 3)]
+
+    def per_thread(m, n, w, s):
+        return (n * (m + 2 * D) if kernel == "dkdv" else m * (n + D)) / (32 * w)
+    return [c for c in configs if per_thread(*c) <= 96]
+
+
+def _kernel_launches(q, k, v, do, accum):
+    """{kernel: (launch(config), its output buffers)}; the lse and delta the backward reads come from the
+    default forward."""
+    B, H, T, D = q.shape
+    scale = D ** -0.5
+    o = ak._new_like(q)
+    lse, _ = ak._fwd_triton(q, k, v, o, scale, 0.0, accum, 2.0, None)
+    delta = ak._bwd_delta(o, do)
+    fwd = (ak._new_like(q), ak._new((B, H, T), torch.float32, q.device), ak._new((B, H, T), torch.float32, q.device))
+    dkdv, dq = (ak._new_like(q), ak._new_like(q)), (ak._new_like(q),)
+    return {"fwd": (lambda c: ak._launch_fwd(c, q, k, v, *fwd, scale, 0.0, accum, 2.0), fwd),
+            "dkdv": (lambda c: ak._launch_dkdv(c, q, k, v, do, lse, delta, *dkdv, scale, 0.0, accum), dkdv),
+            "dq": (lambda c: ak._launch_dq(c, q, k, v, do, lse, delta, *dq, scale, 0.0, accum), dq)}
+
+
+def tune(shapes=SHAPES, timer=None, candidates=tune_candidates):
+    """Time each kernel's candidate configurations against its default at each shape (bf16 inputs in the model's
+    layout), check that each gives the default's results, and print per kernel the default, the fastest, and
+    the agreement. Returns every row. To adopt a winner, edit attention_kernel._fwd_config or _bwd_configs."""
+    if timer is None:
+        from triton.testing import do_bench
+        timer = lambda fn: do_bench(fn, warmup=10, rep=50, return_mode="median")   # noqa: E731 (ms)
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    rows = []
+    print(f"{'B,H,T,D':>18} {'kernel':>5} {'state':>5} {'default':>17} {'ms':>7} {'fastest':>17} {'ms':>7} "
+          f"{'speedup':>7} {'max rel diff':>12} {'failed':>6}")
+    for B, H, T, D in shapes:
+        q, k, v, do = (torch.randn(B, T, H, D, device=dev).to(torch.bfloat16).transpose(1, 2) for _ in range(4))
+        for accum in ("fp32", "bf16"):
+            launches = _kernel_launches(q, k, v, do, accum)
+            dkdv_default, dq_default = ak._bwd_configs(D, q.dtype)
+            defaults = {"fwd": ak._fwd_config(D, q.dtype, None, accum), "dkdv": dkdv_default, "dq": dq_default}
+            for kernel in ("fwd",) if accum != "fp32" else ("fwd", "dkdv", "dq"):
+                launch, outs = launches[kernel]
+                tried, reference = [], None
+                for config in dict.fromkeys([defaults[kernel], *candidates(kernel, accum, D)]):   # default first
+                    row = dict(shape=(B, H, T, D), kernel=kernel, accum=accum, config=config,
+                               default=config == defaults[kernel])
+                    try:
+                        for x in outs:       # NaN first: an element this configuration leaves unwritten shows
+                            x.fill_(float("nan"))
+                        launch(config)
+                        if not all(torch.isfinite(x).all() for x in outs):
+                            raise RuntimeError("unwritten (NaN) or non-finite output")
+                        reference = reference or [x.float().clone() for x in outs]
+                        row["rel_diff"] = max(((a.float() - b).norm() / b.norm()).item() for a, b in zip(outs, reference))
+                        row["ms"] = timer(lambda: launch(config))
+                    except Exception as e:   # e.g. out of shared memory for this block size
+                        row["error"] = f"{type(e).__name__}: {str(e)[:120]}"
+                    tried.append(row)
+                rows += tried
+                timed = [r for r in tried if "ms" in r]
+                if "error" in tried[0]:
+                    print(f"{str((B, H, T, D)):>18} {kernel:>5} {accum:>5} default {tried[0]['config']} failed: "
+                          f"{tried[0]['error']}")
+                    continue
+                base, best = timed[0], min(timed, key=lambda r: r["ms"])
+                print(f"{str((B, H, T, D)):>18} {kernel:>5} {accum:>5} {str(base['config']):>17} {base['ms']:7.3f} "
+                      f"{str(best['config']):>17} {best['ms']:7.3f} {base['ms'] / max(best['ms'], 1e-9):7.2f} "
+                      f"{max(r['rel_diff'] for r in timed):12.1e} {len(tried) - len(timed):>6}")
+    return rows
+
+
 def main(argv=None):
     args = parse_args(argv)
+    if args.only:
+        {"attention": bench_attention, "tune": tune, "resources": compile_for_gpu}[args.only]()
+        return 0
     start, errors = time.time(), []
     name = torch.cuda.get_device_name() if args.device.type == "cuda" else "cpu"
     print(f"bench.py on {name}: torch {torch.__version__}" + (" (smoke run: tiny sizes)" if args.smoke else ""))

@@ -14,6 +14,7 @@ if not torch.cuda.is_available():
 import pytest
 
 import attention_kernel as ak
+import bench
 from attention_kernel import ACCUM_MODES, attention
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -343,7 +344,7 @@ def test_kernels_compile_for_an_h100_without_spills():
     import json
     import subprocess
     import sys
-    code = "import json, attention_kernel as a; print(json.dumps(a.compile_for_gpu([(64, m) for m in a.ACCUM_MODES])))"
+    code = "import json, bench; print(json.dumps(bench.compile_for_gpu([(64, m) for m in bench.ak.ACCUM_MODES])))"
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                          cwd=os.path.dirname(os.path.abspath(__file__)))
@@ -355,12 +356,12 @@ def test_kernels_compile_for_an_h100_without_spills():
 
 
 def test_every_tuning_candidate_gives_the_defaults_results(seed):
-    # --tune times other launch configurations on a GPU; any of them may become a default, so each must compute
+    # bench.py --only tune times other launch configurations on a GPU; any of them may become a default, so each must compute
     # the same thing: bit for bit in the bf16-state forward (its key block is fixed; the query block, warps and
     # stages do not touch a row's arithmetic), up to summation order elsewhere. Uneven blocks (32 x 128,
     # 128 x 32) take the backward's diagonal and tail loops through their other cases.
     need_triton("triton")
-    rows = ak.tune(shapes=[(1, 2, 150, 32)], timer=lambda fn: 0.0)
+    rows = bench.tune(shapes=[(1, 2, 150, 32)], timer=lambda fn: 0.0)
     assert {(r["kernel"], r["accum"]) for r in rows} == {("fwd", "fp32"), ("dkdv", "fp32"), ("dq", "fp32"),
                                                          ("fwd", "bf16")}
     for r in rows:
@@ -374,7 +375,7 @@ def test_the_tuner_catches_a_candidate_that_leaves_outputs_unwritten(monkeypatch
     default = ak._bwd_configs(32, BF16)[1]
     real = ak._launch_dq
     monkeypatch.setattr(ak, "_launch_dq", lambda config, *a: real(config, *a) if config == default else None)
-    rows = ak.tune(shapes=[(1, 2, 40, 32)], timer=lambda fn: 0.0,
+    rows = bench.tune(shapes=[(1, 2, 40, 32)], timer=lambda fn: 0.0,
                    candidates=lambda kernel, accum, D: [(128, 32, 4, 2)] if kernel == "dq" else [])
     broken = [r for r in rows if r["kernel"] == "dq" and not r["default"]]
     assert len(broken) == 1 and "unwritten" in broken[0].get("error", ""), broken

@@ -460,8 +460,7 @@ class Trainer:
         torch.manual_seed(args.seed + dist.rank)  # dropout masks differ per rank
         self.batches = Batches(args.data_dir, args.block_size, args.batch_size, args.seed, config.vocab_size,
                                args.dataset)
-        self.optimizer = model.configure_optimizer(args.lr, args.weight_decay, (args.beta1, args.beta2),
-                                                   fused=True)   # one kernel on a GPU; 3x the loop's speed on a CPU
+        self.optimizer = model.configure_optimizer(args.lr, args.weight_decay, (args.beta1, args.beta2))
         self.monitor = SpectralMonitor(model, seed=args.seed)
         self.guard = QKGuard(enabled=args.guard == "on", signal=args.guard_signal, threshold=args.guard_threshold,
                              action=args.guard_action, scope=args.guard_scope, tau=args.qkclip_tau,
