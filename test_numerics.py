@@ -108,9 +108,12 @@ def test_qk_norm_and_softcap_match_float64(impl, dtype, qk_norm, softcap, seed):
 # The Triton kernels and the PyTorch twin implement the same rounding points.
 # Tolerance: the two paths differ only in fp32 summation order (matmul and row sums), about 1e-7 relative. Such a
 # difference can push a value across a bf16 rounding boundary and flip one rounding by one bf16 ulp, but rarely
-# (measured: at most 16 of 65536 output elements at T=1024). So the difference must be an order of magnitude
-# below the mode's own error against float64 (plus 1e-6 for fp32 roundoff in the fp32-input case), and almost
-# every bf16 output element must agree bit for bit.
+# (measured: at most 16 of 65536 output elements at T=1024). So the difference must stay well below the mode's own
+# error against float64: at most half of it (plus 1e-6 for fp32 roundoff in the fp32-input case). A tenth was too
+# tight at this size: over 120 seeded bf16 runs the ratio's 95th percentile was 0.025 and its maximum 0.19 (a few
+# flipped roundings of p or ds land in one gradient), so one suite run in ten failed somewhere. A real difference
+# in the algorithm shows far above it: fp32 state where bf16 was asked gave 1.0, a key block of 32 instead of 64
+# gave 0.74 on dq and dk. Almost every bf16 output element must also agree bit for bit.
 
 @pytest.mark.parametrize("accum", ACCUM_MODES)
 @pytest.mark.parametrize("dtype,softcap", [(BF16, 0.0), (FP32, 0.0), (BF16, 5.0)])
@@ -122,7 +125,7 @@ def test_triton_matches_torch_twin(accum, dtype, softcap, seed):
     mode_err = errors(twin, run(q, k, v, do, impl="reference", softcap=softcap))
     diff = errors(tri, twin)
     for name, d, e in zip(("o", "dq", "dk", "dv"), diff, mode_err):
-        assert d <= 0.1 * e + 1e-6, f"seed {seed}: {name}: triton vs torch {d:.2e}, mode error {e:.2e}"
+        assert d <= 0.5 * e + 1e-6, f"seed {seed}: {name}: triton vs torch {d:.2e}, mode error {e:.2e}"
     if dtype == BF16:
         flipped = (tri[0] != twin[0]).float().mean().item()
         assert flipped < 0.01, f"seed {seed}: {flipped:.2%} of output elements differ"
