@@ -111,9 +111,9 @@ def test_qk_norm_and_softcap_match_float64(impl, dtype, qk_norm, softcap, seed):
 # (measured: at most 16 of 65536 output elements at T=1024). So the difference must stay well below the mode's own
 # error against float64: at most half of it (plus 1e-6 for fp32 roundoff in the fp32-input case). A tenth was too
 # tight at this size: over 120 seeded bf16 runs the ratio's 95th percentile was 0.025 and its maximum 0.19 (a few
-# flipped roundings of p or ds land in one gradient), so one suite run in ten failed somewhere. A real difference
-# in the algorithm shows far above it: fp32 state where bf16 was asked gave 1.0, a key block of 32 instead of 64
-# gave 0.74 on dq and dk. Almost every bf16 output element must also agree bit for bit.
+# flipped roundings of p or ds land in one gradient): over the nine cases, an estimated one suite run in ten
+# failed somewhere. A real difference in the algorithm shows far above it: fp32 state where bf16 was asked gave
+# 1.0, a key block of 32 instead of 64 gave 0.74 on dq and dk. Almost every bf16 output element must also agree bit for bit.
 
 @pytest.mark.parametrize("accum", ACCUM_MODES)
 @pytest.mark.parametrize("dtype,softcap", [(BF16, 0.0), (FP32, 0.0), (BF16, 5.0)])
