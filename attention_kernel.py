@@ -541,6 +541,12 @@ def _bwd_torch(do, q, k, v, o, lse, scale, softcap, accum, block_n):
 # ----------------------------------------------------------------------------------------------------------------
 # Custom ops: opaque to torch.compile (no graph break), with a fake for shapes and a registered backward.
 
+def _no_autocast(x):
+    """A caller's autocast stays on inside a custom op: it would run the twin's fp32 matmuls in bf16 and move
+    its rounding points (every state would then see bf16 logits)."""
+    return torch.autocast(x.device.type, enabled=False)
+
+
 @torch.library.custom_op("qkguard::attn_fwd", mutates_args=())
 def _attn_fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, softcap: float, accum: str,
                  beta: float, impl: str, block_n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -548,7 +554,8 @@ def _attn_fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
     q, k, v = _in_layout(o, q, k, v)
     if impl == "triton":
         return o, *_fwd_triton(q, k, v, o, scale, softcap, accum, beta, block_n or None)
-    out, lse, row_max = _fwd_torch(q, k, v, scale, softcap, accum, beta, block_n or BF16_STATE_BLOCK_N)
+    with _no_autocast(q):
+        out, lse, row_max = _fwd_torch(q, k, v, scale, softcap, accum, beta, block_n or BF16_STATE_BLOCK_N)
     return o.copy_(out), lse, row_max
 
 
@@ -567,7 +574,8 @@ def _attn_bwd_op(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Te
     if impl == "triton":
         _bwd_triton(do, q, k, v, o, lse, dq, dk, dv, scale, softcap, accum)
         return dq, dk, dv
-    grads = _bwd_torch(do, q, k, v, o, lse, scale, softcap, accum, block_n or BF16_STATE_BLOCK_N)
+    with _no_autocast(q):
+        grads = _bwd_torch(do, q, k, v, o, lse, scale, softcap, accum, block_n or BF16_STATE_BLOCK_N)
     return tuple(buffer.copy_(g) for buffer, g in zip((dq, dk, dv), grads))
 
 
@@ -612,7 +620,8 @@ def _max_logit_chunked(q, k, scale, chunk=256):
     best = torch.full(q.shape[:2], float("-inf"), device=q.device)
     for i in range(0, T, chunk):
         j = min(i + chunk, T)
-        s = q[:, :, i:j].float() @ k[:, :, :j].float().mT * scale
+        with _no_autocast(q):
+            s = q[:, :, i:j].float() @ k[:, :, :j].float().mT * scale
         causal = torch.arange(j, device=q.device)[None, :] <= torch.arange(i, j, device=q.device)[:, None]
         best = torch.maximum(best, s.masked_fill(~causal, float("-inf")).amax(dim=(-2, -1)))
     return best

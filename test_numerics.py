@@ -320,6 +320,23 @@ def test_torch_compile_fullgraph_matches_eager(seed):
         assert torch.allclose(g1, g2, rtol=1e-5, atol=1e-7), f"seed {seed}: {(g1 - g2).abs().max()}"
 
 
+@pytest.mark.parametrize("impl", ["torch", "triton", "sdpa"])
+def test_a_callers_autocast_changes_nothing_inside(impl, seed):
+    # train.py calls the model under bf16 autocast, which stays on inside the custom ops: it once ran the twin's
+    # fp32 matmuls in bf16 (fp32 state then erred like bf16 state) and rounded the sdpa path's max logit.
+    need_triton(impl)
+    q, k, v, do = (randn(2, 3, 100, 32, dtype=FP32, scale=2.0) for _ in range(4))
+    for accum in ACCUM_MODES if impl != "sdpa" else ("fp32",):
+        kw = dict(accum=accum, impl=impl, return_max_logit=True)
+        plain = attention(q, k, v, **kw)[1], run(q, k, v, do, accum=accum, impl=impl)
+        with torch.autocast(DEV, dtype=BF16):
+            autocast = attention(q, k, v, **kw)[1], run(q, k, v, do, accum=accum, impl=impl)
+        assert torch.equal(plain[0], autocast[0]), f"seed {seed}: {accum}: max logit changed"
+        if impl != "sdpa":   # sdpa itself follows autocast (bf16 output): only its max logit is ours
+            (o1, g1), (o2, g2) = plain[1], autocast[1]
+            assert all(torch.equal(a, b) for a, b in zip((o1, *g1), (o2, *g2))), f"seed {seed}: {accum}"
+
+
 @pytest.mark.parametrize("impl", ["torch", "triton"])
 def test_strided_inputs_need_no_copies_and_change_nothing(impl, seed):
     # The model hands over (B, T, H, D).transpose(1, 2) views. The kernels read them in place and write o, dq,
