@@ -628,8 +628,8 @@ def _max_logit_chunked(q, k, scale, chunk=256):
 
 
 def _rms_norm(x, eps=1e-6):
-    """Parameter-free RMS norm over head_dim in fp32, cast back: |q.k| <= head_dim afterwards."""
-    xf = x.float()
+    """Parameter-free RMS norm over head_dim in fp32 (float64 stays), cast back: |q.k| <= head_dim afterwards."""
+    xf = x.to(torch.promote_types(x.dtype, torch.float32))
     return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
 
 
@@ -643,8 +643,9 @@ def _validate(q, k, v, accum, impl, softcap, safemax_beta, block_n):
                          f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
     if q.shape[2] < 1:
         raise ValueError("time dimension is empty")
-    if q.dtype not in DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
-        raise ValueError(f"q, k, v must share one dtype among {DTYPES}; got {q.dtype}, {k.dtype}, {v.dtype}")
+    dtypes = DTYPES + ((torch.float64,) if impl == "reference" else ())   # float64 leaves: float64 gradients
+    if q.dtype not in dtypes or k.dtype != q.dtype or v.dtype != q.dtype:
+        raise ValueError(f"q, k, v must share one dtype among {dtypes}; got {q.dtype}, {k.dtype}, {v.dtype}")
     if softcap < 0:
         raise ValueError(f"softcap must be >= 0 (0 = off); got {softcap}")
     if accum == "bf16-safemax" and not safemax_beta > 1:
@@ -669,7 +670,8 @@ def _validate(q, k, v, accum, impl, softcap, safemax_beta, block_n):
 
 def attention(q, k, v, accum="fp32", qk_norm=False, return_max_logit=False, *,
               scale=None, softcap=0.0, safemax_beta=2.0, impl="auto", block_n=None):
-    """Causal multi-head attention. q, k, v: (batch, heads, time, head_dim), same dtype (bf16, fp16 or fp32).
+    """Causal multi-head attention. q, k, v: (batch, heads, time, head_dim), same dtype (bf16, fp16 or fp32; also
+    float64 for impl="reference").
     Returns o (same shape and dtype as q), or (o, max_logit) with max_logit (batch, heads) float32 when asked.
 
     accum: streaming-softmax state precision, one of ACCUM_MODES. qk_norm: parameter-free RMS norm of q and k
@@ -707,8 +709,9 @@ def check():
         for dtype in (torch.bfloat16, torch.float32):
             q, k, v = (torch.randn(B, H, T, D, device=dev, dtype=dtype, requires_grad=True) for _ in range(3))
             do = torch.randn(B, H, T, D, device=dev, dtype=dtype)
-            ref = attention(q, k, v, impl="reference")
-            ref_grads = torch.autograd.grad(ref, (q, k, v), do.double())
+            q64, k64, v64 = (x.detach().double().requires_grad_() for x in (q, k, v))   # float64 gradients too
+            ref = attention(q64, k64, v64, impl="reference")
+            ref_grads = torch.autograd.grad(ref, (q64, k64, v64), do.double())
             for impl in impls:
                 for accum in ACCUM_MODES:
                     o = attention(q, k, v, accum=accum, impl=impl)
