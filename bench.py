@@ -286,24 +286,27 @@ def targets(att, train, cost):
 # ----------------------------------------------------------------------------------------------------------------
 # (4) The kernels' launch configurations: what they cost in registers on sm_90 (any machine), and the tuner (CUDA)
 
-def compile_for_gpu(cases=None, arch=90):
-    """Compile the kernels that a (B, H, T, head_dim) bf16 call launches, for an sm_<arch> GPU, on any machine
-    (no GPU, no driver: Triton's own ptxas). Prints and returns per kernel: registers per thread, spilled bytes
-    and shared memory. Spills and shared memory past the GPU's limit are what to fix before timing anything."""
+def compile_for_gpu(cases=None, arch=90, dtype=torch.bfloat16):
+    """Compile the kernels that a (B, H, T, head_dim) call with `dtype` inputs launches, for an sm_<arch> GPU, on
+    any machine (no GPU, no driver: Triton's own ptxas). Prints and returns per kernel: registers per thread,
+    spilled bytes and shared memory. Spills and shared memory past the GPU's limit are what to fix before timing
+    anything."""
     from triton.backends.compiler import GPUTarget
     from triton.backends.nvidia.compiler import get_ptxas
     if ak._INTERPRET:
         raise SystemExit("--only resources needs TRITON_INTERPRET unset (the interpreter replaces the compiler)")
     cases = cases or [(D, accum) for D in (64, 128) for accum in ak.ACCUM_MODES]
     ptxas = get_ptxas(arch).path
-    print(f"compiled for sm_{arch} by triton {triton.__version__} (bf16 inputs, no softcap)")
+    pointer = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp32"}[dtype]
+    print(f"compiled for sm_{arch} by triton {triton.__version__} ({str(dtype)[6:]} inputs, no softcap)")
     print(f"{'kernel':>15} {'D':>4} {'accum':>13} {'BM,BN':>8} {'warps':>5} {'stages':>6} {'regs':>5} "
           f"{'spill B':>8} {'smem KB':>8} {'wgmma wait':>11}")
     rows = []
     for D, accum in cases:
-        q = torch.empty(1, 1, 1, D, dtype=torch.bfloat16)
+        q = torch.empty(1, 1, 1, D, dtype=dtype)
         fwd, (dkdv, dq) = ak._fwd_config(D, q.dtype, None, accum), ak._bwd_configs(D, q.dtype)
-        flags = {**ak._mode_flags(accum, q), "DOT_FP32": False, "IEEE": False, "SOFTCAP": False, "HEAD_DIM": D}
+        flags = {**ak._mode_flags(accum, q), "DOT_FP32": False, "IEEE": dtype == torch.float32, "SOFTCAP": False,
+                 "HEAD_DIM": D}
         launches = [(ak._attn_fwd, fwd, dict(SAFEMAX=accum == "bf16-safemax"))]
         if accum != "bf16-safemax":          # the backward is the same for both bf16-state modes
             launches += [(ak._attn_bwd_dkdv, dkdv, {}), (ak._attn_bwd_dq, dq, {})]
@@ -311,7 +314,7 @@ def compile_for_gpu(cases=None, arch=90):
             constexprs = {**flags, **extra, "BLOCK_M": block_m, "BLOCK_N": block_n}
             names = kernel.arg_names
             signature = {n: "constexpr" if n in constexprs else "*fp32" if n in ("LSE", "ROWMAX", "DELTA") else
-                         "*bf16" if n.isupper() and n != "H" and n != "T" else
+                         pointer if n.isupper() and n != "H" and n != "T" else
                          "fp32" if n in ("scale", "softcap", "beta") else "i32" for n in names}
             # what the runtime sees for real calls: 16-byte aligned pointers, strides divisible by 16
             attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)

@@ -2,7 +2,8 @@
 Read a sweep's runs and say, claim by claim, whether the paper's claims reproduced.
 
     python report.py runs/claims                          # tables on the console, PNG plots into runs/claims
-    python report.py runs/claims --markdown RESULTS.md    # the same tables as Markdown, with date, hardware, commands
+    python report.py runs/claims --markdown RESULTS.md    # also Markdown: tables, date, hardware, commands, and the
+                                                          # plots (into plots/ beside it, so the links survive a commit)
     python report.py runs/claims --plots figures/         # the plots elsewhere (they need matplotlib)
 
 Reads every <root>/<experiment>/seed<k>/ that train.py wrote (log.jsonl, config.json; see sweep.py). Runs still
@@ -231,7 +232,7 @@ def render(header, rows, markdown):
                      for r in cells for k in range(max(map(len, r))))
 
 
-def build(groups, root, markdown):
+def build(groups, root, markdown, plots=(), markdown_dir="."):
     known = [n for _, experiments in CLAIMS.values() for n in experiments]
     order = [n for n in known if n in groups] + sorted(set(groups) - set(known))
     title = (lambda level, text: "#" * level + " " + text) if markdown else (lambda level, text: f"== {text} ==")
@@ -250,6 +251,9 @@ def build(groups, root, markdown):
     for name in order:
         parts += [title(3, name), "All runs, medians: " + group_line(name, groups[name], finished_only=False),
                   render(GROUP_HEADER, group_rows(groups[name]), markdown)]
+    if markdown and plots:
+        parts += [title(2, "Plots"), "\n\n".join(f"![{os.path.splitext(os.path.basename(p))[0]}]"
+                                                  f"({os.path.relpath(p, markdown_dir)})" for p in plots)]
     if markdown:
         commands = [shlex.join(["python", *r.config["command"]]) for n in order for r in groups[n]
                     if r.config.get("command")]
@@ -304,7 +308,8 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("root", help="the sweep's --out-root, e.g. runs/claims")
     p.add_argument("--markdown", metavar="FILE", help="also write the tables as Markdown (for RESULTS.md)")
-    p.add_argument("--plots", metavar="DIR", help="where the PNG plots go (default: the runs folder)")
+    p.add_argument("--plots", metavar="DIR",
+                   help="where the PNG plots go (default: plots/ beside --markdown, else the runs folder)")
     args = p.parse_args(argv)
     if not os.path.isdir(args.root):
         print(f"error: {args.root} is not a folder: give the sweep's --out-root")
@@ -313,12 +318,15 @@ def main(argv=None):
     if not groups:
         print(f"no runs under {args.root} (expected <experiment>/seed<k>/log.jsonl)")
     print(build(groups, args.root, markdown=False))
-    if args.markdown:
-        with open(args.markdown, "w") as f:
-            f.write(build(groups, args.root, markdown=True))
-        print(f"markdown: {args.markdown}")
-    for path in plot_claims(groups, args.plots or args.root):
+    markdown_dir = os.path.dirname(os.path.abspath(args.markdown)) if args.markdown else None
+    plots = plot_claims(groups, args.plots or (os.path.join(markdown_dir, "plots") if args.markdown else args.root))
+    for path in plots:
         print(f"plot: {path}")
+    if args.markdown:
+        os.makedirs(markdown_dir, exist_ok=True)
+        with open(args.markdown, "w") as f:
+            f.write(build(groups, args.root, markdown=True, plots=plots, markdown_dir=markdown_dir))
+        print(f"markdown: {args.markdown}")
     return 0
 
 

@@ -2,6 +2,7 @@
 
 Run: python -m pytest -q test_tools.py   (CPU; well under a minute)
 """
+import importlib.util
 import json
 import os
 import subprocess
@@ -155,6 +156,12 @@ def test_markdown_has_tables_hardware_and_commands(tmp_path):
     assert "### bf16-safemax" in text and "| seed2 | collapsed | 14 |" in text
     assert "NVIDIA H200" in text
     assert f"python train.py --accum bf16 --seed 2 --out-dir {tmp_path / 'runs' / 'bf16' / 'seed2'}" in text
+    if importlib.util.find_spec("matplotlib"):       # the plots, linked relative to the Markdown file
+        assert "![claim1](plots/claim1.png)" in text and (tmp_path / "plots" / "claim1.png").exists()
+        # without --plots they go into plots/ beside the Markdown file (its folder made if need be)
+        assert report.main([str(tmp_path / "runs"), "--markdown", str(tmp_path / "out" / "R.md")]) == 0
+        assert "![claim1](plots/claim1.png)" in (tmp_path / "out" / "R.md").read_text()
+        assert (tmp_path / "out" / "plots" / "claim1.png").exists()
 
 
 def test_plots_or_a_clear_skip(tmp_path, monkeypatch, capsys):
