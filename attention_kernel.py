@@ -380,12 +380,14 @@ def _fwd_config(D, dtype, block_n, accum):
     es = torch.empty((), dtype=dtype).element_size()
     if not block_n:   # fp32 state: a speed choice; bf16 state: part of the fault's definition
         block_n = (32 if es == 4 else 64) if accum == "fp32" else BF16_STATE_BLOCK_N
+    if es == 4:
+        # fp32 inputs: IEEE dots run on the FMA units, not the tensor cores, with their operands in registers.
+        # Larger tiles spill tens of KB per thread: `python bench.py --only resources --dtype fp32`.
+        block_m = 16 if D > 64 else max(16, min(64, 2048 // block_n))
+        return block_m, block_n, 16 if D > 64 and block_n >= 128 else 8, 1
     # Registers grow with the S tile (BLOCK_M x BLOCK_N) and the accumulator (BLOCK_M x D) per thread, and the
     # bf16 state's rounding needs more temporaries: 4 warps spill there (3 KB per thread at D=64), 8 do not.
-    if es == 4:       # fp32 tiles take twice the registers and shared memory
-        block_m = 64
-    else:
-        block_m = 128 if accum == "fp32" or D <= 64 else 64
+    block_m = 128 if accum == "fp32" or D <= 64 else 64
     warps = 4 if accum == "fp32" and block_m * (block_n + D) <= 128 * 128 else 8
     # Pipeline stages: each holds one K and one V tile; stay well inside ~227 KB of shared memory.
     stages = max(1, min(3, (160 * 1024 - block_m * D * es) // (2 * block_n * D * es)))
@@ -394,8 +396,8 @@ def _fwd_config(D, dtype, block_n, accum):
 
 def _bwd_configs(D, dtype):
     """(BLOCK_M, BLOCK_N, num_warps, num_stages) of the dk/dv kernel, then of the dq kernel."""
-    if dtype == torch.float32:
-        return (32, 32, 4, 1), (32, 32, 4, 1)
+    if dtype == torch.float32:   # IEEE dots on the FMA units, as in _fwd_config
+        return (16, 32, 8, 1), (16, 32, 8, 1)
     config = (64, 64, 8 if D >= 128 else 4, 2)
     return config, config
 

@@ -6,6 +6,7 @@
     python bench.py --only attention         # CUDA: the attention table alone
     python bench.py --only tune              # CUDA: other launch configurations of our kernels, timed
     python bench.py --only resources         # any machine: our kernels compiled for sm_90: registers, spills
+    python bench.py --only resources --dtype fp32    # the same for fp32 inputs
 
 Training step = what train.py's Trainer does per step: forward and backward under bf16 autocast, clip_grad_norm_
 to 1.0, fused AdamW, zero_grad; with the monitor on, also SpectralMonitor.measure and a dormant QKGuard.observe
@@ -57,6 +58,8 @@ def parse_args(argv=None):
                    help="attention: the attention table only; tune: time other launch configurations of our "
                         "kernels; resources: compile them for sm_90 and print registers, spills, shared memory "
                         "(any machine, no GPU needed)")
+    p.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16",
+                   help="--only resources: the inputs' dtype (fp32 inputs take IEEE dots, on the FMA units)")
     args = p.parse_args(argv)
     cuda = torch.cuda.is_available()
     if not cuda and not args.smoke and args.only != "resources":
@@ -334,7 +337,7 @@ def compile_for_gpu(cases=None, arch=90, dtype=torch.bfloat16):
             spill = sum(int(n) for n in re.findall(r"(\d+) bytes spill (?:stores|loads)", log))
             # ptxas says so when Hopper's asynchronous matrix multiplies must wait for registers: slow too
             serialized = "wgmma" in log and "serialized" in log
-            row = dict(kernel=kernel.__name__, D=D, accum=accum, block_m=block_m, block_n=block_n, warps=warps,
+            row = dict(kernel=kernel.__name__, D=D, accum=accum, dtype=str(dtype)[6:], block_m=block_m, block_n=block_n, warps=warps,
                        stages=stages, registers=regs, spill_bytes=spill, wgmma_serialized=serialized,
                        shared_kb=compiled.metadata.shared / 1024)
             rows.append(row)
@@ -430,7 +433,8 @@ def tune(shapes=SHAPES, timer=None, candidates=tune_candidates):
 def main(argv=None):
     args = parse_args(argv)
     if args.only:
-        {"attention": bench_attention, "tune": tune, "resources": compile_for_gpu}[args.only]()
+        dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype]
+        {"attention": bench_attention, "tune": tune, "resources": lambda: compile_for_gpu(dtype=dtype)}[args.only]()
         return 0
     start, errors = time.time(), []
     name = torch.cuda.get_device_name() if args.device.type == "cuda" else "cpu"

@@ -363,18 +363,21 @@ def test_strided_inputs_need_no_copies_and_change_nothing(impl, seed):
 
 
 def test_kernels_compile_for_an_h100_without_spills():
-    # No GPU here, but Triton compiles for one: every kernel the GPU runs at head_dim 64 (the GPT-2 shapes) must
-    # compile for sm_90, spill no registers and fit the 227 KB of shared memory. Slow (~30 s): real compiles.
+    # No GPU here, but Triton compiles for one: every kernel the GPU runs at head_dim 64 (the GPT-2 shapes), for
+    # bf16 and fp32 inputs, must compile for sm_90, spill no registers and fit the 227 KB of shared memory.
+    # Slow (~30 s): real compiles.
     import json
     import subprocess
     import sys
-    code = "import json, bench; print(json.dumps(bench.compile_for_gpu([(64, m) for m in bench.ak.ACCUM_MODES])))"
+    code = ("import json, torch, bench; print(json.dumps([row for dtype in (torch.bfloat16, torch.float32) for row "
+            "in bench.compile_for_gpu([(64, m) for m in bench.ak.ACCUM_MODES], dtype=dtype)]))")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                          cwd=os.path.dirname(os.path.abspath(__file__)))
     assert out.returncode == 0, out.stderr[-3000:]
     rows = json.loads(out.stdout.strip().splitlines()[-1])
-    assert {r["kernel"] for r in rows} == {"_attn_fwd", "_attn_bwd_dkdv", "_attn_bwd_dq"}
+    assert {(r["kernel"], r["dtype"]) for r in rows} == {(kernel, dtype) for dtype in ("bfloat16", "float32")
+                                                         for kernel in ("_attn_fwd", "_attn_bwd_dkdv", "_attn_bwd_dq")}
     for r in rows:
         assert r["spill_bytes"] == 0 and r["shared_kb"] <= 227, r
 
