@@ -1,6 +1,6 @@
 """Speed against the issue's targets, in one run: the attention kernel, then a GPT-2 124M training step.
 
-    python bench.py                          # CUDA: attention table, training-step table, targets (~4 min, H200)
+    python bench.py                          # CUDA: attention table, training-step table, targets
     python bench.py --json out/bench.json    # the same, and the tables as JSON
     python bench.py --smoke                  # tiny sizes on any device (CPU: no attention table): for CI
     python bench.py --only attention         # CUDA: the attention table alone
