@@ -365,7 +365,7 @@ def test_strided_inputs_need_no_copies_and_change_nothing(impl, seed):
 def test_kernels_compile_for_an_h100_without_spills():
     # No GPU here, but Triton compiles for one: every kernel the GPU runs at head_dim 64 (the GPT-2 shapes), for
     # bf16 and fp32 inputs, must compile for sm_90, spill no registers and fit the 227 KB of shared memory.
-    # Slow (12 s here without a cache): real compiles.
+    # Slow (32 s here without a Triton cache): real compiles.
     import json
     import subprocess
     import sys
