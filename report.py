@@ -68,8 +68,9 @@ def kept_growing(run):
 
 
 def sigma_ratio(runs, reference):
-    a, b = (statistics.median(r.max_sigma or 0.0 for r in rs) for rs in (runs, reference))
-    return a / b if b > 0 else math.inf
+    """Median max sigma(W_q) of runs over reference's; nan (no verdict can pass) where a group logged none."""
+    sigmas = [[r.max_sigma for r in rs if r.max_sigma] for rs in (runs, reference)]
+    return statistics.median(sigmas[0]) / statistics.median(sigmas[1]) if all(sigmas) else math.nan
 
 
 def loss_gap(runs, reference, attr):

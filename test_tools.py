@@ -4,6 +4,7 @@ Run: python -m pytest -q test_tools.py   (CPU; well under a minute)
 """
 import importlib.util
 import json
+import math
 import os
 import subprocess
 import sys
@@ -133,18 +134,92 @@ def test_claim_2_guard_within_tolerance_of_qknorm(tmp_path, gap, trigger, expect
     assert verdict(tmp_path, 2) == expected
 
 
-def test_claims_3_to_6_use_runaway_and_sigma_ratio(tmp_path):
-    write_run(tmp_path, "inject-coherent", 1, growth=1.3)              # sigma 1.3^19 ~ 146, logit >> 1000
-    write_run(tmp_path, "inject-random", 1, growth=1.01)
-    assert verdict(tmp_path, 4) == "reproduced"
-    write_run(tmp_path, "bf16-probe-topk", 1, growth=1.01)
-    write_run(tmp_path, "bf16-probe-equal", 1, growth=1.03)            # ratio 1.76 / 1.21: not clearly larger
-    assert verdict(tmp_path, 5) == "not reproduced"
-    for name in ("bf16-guard-lr-drop", "bf16-guard-clip"):
-        write_run(tmp_path, name, 1, growth=1.3, trigger=3, collapse=12)
-    write_run(tmp_path, "bf16-guard-softcap", 1, growth=1.02, trigger=3)  # held: the non-QK claim fails
-    assert verdict(tmp_path, 6) == "not reproduced"
-    assert verdict(tmp_path, 3) == "not run"
+# Runs for claims 3 to 7, as write_run keywords (20 steps each; max logit = 10 sigma^2, sigma constant unless grown)
+S_RUNAWAY = math.sqrt(report.RUNAWAY_LOGIT / 10)   # the sigma whose max logit is RUNAWAY_LOGIT exactly
+CALM = {}                                          # sigma 1, max logit 10: healthy
+RAN_AWAY = dict(sigma=S_RUNAWAY)                   # max logit RUNAWAY_LOGIT: ran away (>=) without collapsing
+NEARLY = dict(sigma=0.9 * S_RUNAWAY)               # max logit 0.81 RUNAWAY_LOGIT: large, not a runaway
+COLLAPSED = dict(collapse=10)                      # sigma 1, but collapsed: ran away
+# claim 6. GREW and HELD trigger at step 9, then sigma grows growth^10 times to the last step (max logit < 400)
+FAILED = dict(trigger=3, growth=1.3, collapse=12)                 # triggered, then collapsed
+GREW = dict(trigger=9, growth=(1.1 * report.SIGMA_RATIO) ** 0.1)   # sigma x 1.1 SIGMA_RATIO after the trigger
+HELD = dict(trigger=9, growth=(0.9 * report.SIGMA_RATIO) ** 0.1)   # sigma x 0.9 SIGMA_RATIO: stopped
+UNGUARDED = dict(growth=1.3, collapse=12)                         # collapsed, but the guard never triggered
+
+
+def write_groups(root, groups):
+    """group -> list of write_run keywords, one per seed."""
+    for group, runs in groups.items():
+        for seed, kw in enumerate(runs, 1):
+            write_run(root, group, seed, **kw)
+
+
+@pytest.mark.parametrize("claim, group, control", [(3, "inject-mlp-out", "inject-mlp-out-qkfix"),
+                                                   (4, "inject-coherent", "inject-random")])
+@pytest.mark.parametrize("runs, controls, expected", [
+    ([RAN_AWAY, dict(collapse=10, sigma=S_RUNAWAY), CALM], [CALM, CALM], "reproduced"),  # 2/3 ran away, ratio 10
+    ([RAN_AWAY, NEARLY], [CALM, CALM], "not reproduced"),                # 1 of 2 ran away: no majority
+    ([RAN_AWAY, RAN_AWAY], [CALM, CALM, RAN_AWAY], "not reproduced"),    # the control ran away once
+    ([dict(collapse=10, sigma=report.SIGMA_RATIO)] * 2, [CALM], "not reproduced"),          # ratio = SIGMA_RATIO
+    ([dict(collapse=10, sigma=1.01 * report.SIGMA_RATIO)] * 2, [CALM], "reproduced"),       # just above it
+])
+def test_claims_3_and_4_runaway_vs_control(tmp_path, claim, group, control, runs, controls, expected):
+    # majority ran away (collapse or max logit >= RUNAWAY_LOGIT), control none, median sigma ratio > SIGMA_RATIO
+    write_groups(tmp_path, {group: runs, control: controls})
+    assert verdict(tmp_path, claim) == expected
+
+
+@pytest.mark.parametrize("topk, equal, expected", [
+    ([CALM, CALM], [dict(sigma=1.01 * report.SIGMA_RATIO)] * 2, "reproduced"),    # ratio just above SIGMA_RATIO
+    ([CALM, CALM], [dict(sigma=report.SIGMA_RATIO)] * 2, "not reproduced"),       # exactly SIGMA_RATIO
+    ([CALM, COLLAPSED], [RAN_AWAY, RAN_AWAY], "not reproduced"),                  # ratio 10, but top-k collapsed
+    ([RAN_AWAY, RAN_AWAY], [dict(sigma=3 * S_RUNAWAY)] * 2, "reproduced"),        # a large logit is no collapse
+    ([dict(steps=0)] * 2, [dict(steps=0)] * 2, "not reproduced"),                 # no sigma logged: no evidence
+])
+def test_claim_5_probe(tmp_path, topk, equal, expected):
+    # equal-energy's median max sigma(W_q) > SIGMA_RATIO x top-k's, and top-k collapsed in no seed
+    write_groups(tmp_path, {"bf16-probe-topk": topk, "bf16-probe-equal": equal})
+    assert verdict(tmp_path, 5) == expected
+
+
+@pytest.mark.parametrize("odd, runs, expected", [
+    ("bf16-guard-softcap", [FAILED, GREW], "reproduced"),
+    ("bf16-guard-softcap", [HELD, HELD], "not reproduced"),                 # the non-QK action worked
+    ("bf16-guard-clip", [GREW, HELD], "not reproduced"),                    # failed in 1 of 2: no majority
+    ("bf16-guard-lr-drop", [UNGUARDED, UNGUARDED], "not reproduced"),       # failed, but without a trigger
+])
+def test_claim_6_non_qk_actions_fail(tmp_path, odd, runs, expected):
+    # each group: a majority triggered, then ran away or grew sigma > SIGMA_RATIO x; the others fail in 2/3 seeds
+    # (one collapsed, one only grew), so both ways of failing must count
+    write_groups(tmp_path, {g: runs if g == odd else [FAILED, GREW, HELD]
+                            for g in ("bf16-guard-lr-drop", "bf16-guard-clip", "bf16-guard-softcap")})
+    assert verdict(tmp_path, 6) == expected
+
+
+def guard(gap=0.0, val_gap=None, **kw):
+    """A guarded llama run that triggered, its train (and val) loss `gap` off the reference's 3.0 (2.9)."""
+    return {"trigger": 5, "loss": 3.0 + gap, "val": 2.9 + (gap if val_gap is None else val_gap), **kw}
+
+
+@pytest.mark.parametrize("changes, expected", [
+    ({}, "reproduced"),
+    ({"llama-bf16": [COLLAPSED, CALM]}, "not reproduced"),                       # collapsed in 1 of 2
+    ({"llama-fp32": [CALM, COLLAPSED]}, "not reproduced"),                       # fp32 collapsed too
+    ({"llama-bf16-guard": [guard(), guard(collapse=10)],                        # the guard collapsed (its reference
+      "llama-bf16-qknorm-always": [CALM, COLLAPSED]}, "not reproduced"),          # too: the losses still match)
+    ({"llama-bf16-guard": [guard(), CALM]}, "not reproduced"),                   # triggered in 1 of 2
+    ({"llama-bf16-guard": [guard(0.9 * report.LOSS_TOL)] * 2}, "reproduced"),
+    ({"llama-bf16-guard": [guard(1.1 * report.LOSS_TOL, val_gap=0.0)] * 2}, "not reproduced"),   # train gap
+    ({"llama-bf16-guard": [guard(0.0, val_gap=-1.1 * report.LOSS_TOL)] * 2}, "not reproduced"),  # val gap
+    ({"llama-bf16-guard": [guard(2 * report.LOSS_TOL), guard()],                # equal medians, but seed by seed
+      "llama-bf16-qknorm-always": [CALM, guard(2 * report.LOSS_TOL, trigger=None)]}, "not reproduced"),
+])
+def test_claim_7_second_architecture(tmp_path, changes, expected):
+    # claim 1's rule on llama-bf16 / llama-fp32 and claim 2's on llama-bf16-guard / llama-bf16-qknorm-always
+    groups = {"llama-bf16": [COLLAPSED, dict(collapse=14)], "llama-fp32": [CALM, CALM],
+              "llama-bf16-guard": [guard(), guard()], "llama-bf16-qknorm-always": [CALM, CALM]}
+    write_groups(tmp_path, {**groups, **changes})
+    assert verdict(tmp_path, 7) == expected
 
 
 def test_markdown_has_tables_hardware_and_commands(tmp_path):
@@ -300,3 +375,24 @@ def test_bench_smoke(tmp_path):
     assert len(result["targets"]) == 7
     assert all(set(t) == {"target", "measured", "goal", "met"} for t in result["targets"])
     assert [t["met"] for t in result["targets"][:5]] == [None] * 5        # no attention table on the CPU
+
+
+@pytest.mark.parametrize("x, at_most_met, at_least_met", [(0.99, True, False), (1.0, True, True),
+                                                          (1.01, False, True)])
+def test_bench_targets_verdicts_at_their_limits(x, at_most_met, at_least_met):
+    # every measurement x times its limit (at-most: fp32 attention / cuDNN or flash 1.0, bf16 modes / fp32 1.25,
+    # monitor cost 1%; at-least: tokens/s over SDPA's 1.0): met on the right side, and at the limit itself
+    import bench
+    att = {s: {"fp32/cudnn": x, "fp32/flash": x, "bf16/fp32": 1.25 * x * w, "bf16-safemax/fp32": 1.25 * x * w}
+           for s, w in zip(bench.SHAPES, (0.5, 1.0, 0.8))}                 # the worst shape is the second
+    s0, s1, s2 = bench.SHAPES
+    att[s0]["fp32/flash"] = att[s1]["fp32/cudnn"] = att[s2]["fp32/cudnn"] = 2.0 - x   # not this shape's target
+    row = lambda tokens_per_s: {"ms_per_step": 16384 / tokens_per_s * 1e3, "tokens_per_s": tokens_per_s,
+                                "steps": 50, "mfu": None, "peak_mem_gib": None}
+    train = {"sdpa": row(1e5), "triton+monitor": row(1e5 * x), "triton": row(1.1e5)}
+    rows = bench.targets(att, train, 0.01 * x)
+    assert [r["met"] for r in rows] == [at_most_met] * 5 + [at_least_met, at_most_met]
+    assert [r["measured"] for r in rows] == pytest.approx([x, x, x, 1.25 * x, 1.25 * x, x, 0.01 * x])
+    att[s2]["bf16/fp32"] = None                                            # a shape not measured: no worst
+    rows = bench.targets(att, train, None)                                 # and no monitor cost
+    assert rows[3]["met"] is None and rows[3]["measured"] is None and rows[6]["met"] is None
