@@ -519,24 +519,67 @@ def test_qk_fix_clean_grad_replaces_only_the_qk_gradients():
         "the fault should change the QK gradient, or the test shows nothing"
 
 
+def top_part(dW, W, k):
+    """The part of dW that touches W's top-k singular directions on either side: dW - (I-UU^T) dW (I-VV^T)."""
+    U, _, Vh = torch.linalg.svd(W)
+    U, V = U[:, :k], Vh[:k].T
+    kept = dW - U @ (U.T @ dW)
+    return dW - (kept - (kept @ V) @ V.T)
+
+
 @pytest.mark.parametrize("argv", [
     ["--inject-site", "attn-out", "--inject-scale", "0.1"],
     ["--inject-site", "mlp-out", "--inject-scale", "0.1", "--inject-coherence", "0.5", "--qk-fix", "clean-grad"],
     ["--inject-site", "grad-wv", "--inject-scale", "0.2", "--inject-layers", "1"],
     ["--inject-site", "residual", "--inject-scale", "matched", "--probe", "qk-topk"],
-    ["--accum", "bf16", "--probe", "equal-energy", "--probe-k", "2"],
+    ["--accum", "bf16", "--probe", "equal-energy", "--probe-k", "4"],   # k: not the default 3, not n_layer 2
 ])
 def test_assay_runs_log_what_they_did(tmp_path, data_dir, argv):
     out = tmp_path / "run"
-    result = train(out, data_dir, "--max-steps", "3", *argv)
+    result = train(out, data_dir, "--max-steps", "3", "--ckpt-interval", "1", *argv)
     assert result.returncode == 0, result.stderr
     steps = [r for r in read_log(out) if "loss" in r and "event" not in r]
     assert len(steps) == 3
     if "--inject-site" in argv:
         assert all(r["inject_rms_ratio"] > 0 for r in steps)
+        assert all(len(r["inject_signs"]) == (1 if "--inject-layers" in argv else 2) for r in steps)
     if "--probe" in argv:
+        # the last update, from the last two checkpoints (ckpt.pt.prev: after step 2), against an SVD done here
+        k = int(argv[argv.index("--probe-k") + 1]) if "--probe-k" in argv else 3
+        before, after = (torch.load(out / name, weights_only=False)["model"] for name in ("ckpt.pt.prev", "ckpt.pt"))
         probe = steps[-1]["probe"]
-        assert len(probe["q_removed"]) == 2 and probe["q_removed"][0] > 0
+        for name in ("q", "k"):
+            assert len(probe[f"{name}_target"]) == 2
+            for layer, target in enumerate(probe[f"{name}_target"]):
+                W = before[f"blocks.{layer}.attn.{name}_proj.weight"]
+                dW = after[f"blocks.{layer}.attn.{name}_proj.weight"] - W
+                if "qk-topk" in argv:   # nothing left in the top k directions, while the (k+1)-th still moves
+                    assert top_part(dW, W, k).norm() < 1e-3 * dW.norm()
+                    assert top_part(dW, W, k + 1).norm() > 0.05 * dW.norm()
+                else:                   # the control took nothing from the top k: they hold what qk-topk removes
+                    assert top_part(dW, W, k).norm().item() == pytest.approx(target, rel=1e-3)
+                    assert probe[f"{name}_removed"][layer] > 0
+
+
+def test_clean_grad_and_inject_layers_move_exactly_the_weights_they_should(tmp_path, data_dir):
+    # One step without clipping (which would couple all gradients) from the same seed. clean-grad: W_q, W_k as in
+    # the fault-free run, every other weight as in the faulty run. --inject-layers 1: only layer 1's W_v moves.
+    def one_step(name, *argv):
+        result = train(tmp_path / name, data_dir, "--max-steps", "1", "--grad-clip", "0", *argv)
+        assert result.returncode == 0, result.stderr
+        return torch.load(tmp_path / name / "ckpt.pt", weights_only=False)["model"]
+
+    fault = ["--inject-site", "mlp-out", "--inject-scale", "0.5"]
+    clean, faulty = one_step("clean"), one_step("faulty", *fault)
+    fixed = one_step("fixed", *fault, "--qk-fix", "clean-grad")
+    qk = {name for name in clean if name.endswith(("q_proj.weight", "k_proj.weight"))}
+    assert len(qk) == 4
+    for name in clean:
+        torch.testing.assert_close(fixed[name], (clean if name in qk else faulty)[name], rtol=0, atol=1e-7, msg=name)
+    assert all(not torch.allclose(faulty[name], clean[name], rtol=0, atol=1e-6) for name in qk), \
+        "the fault should change the QK update, or the test shows nothing"
+    wv = one_step("wv", "--inject-site", "grad-wv", "--inject-scale", "0.5", "--inject-layers", "1")
+    assert {name for name in clean if not torch.equal(wv[name], clean[name])} == {"blocks.1.attn.v_proj.weight"}
 
 
 @pytest.mark.parametrize("argv, flag", [
