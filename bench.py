@@ -337,9 +337,9 @@ def compile_for_gpu(cases=None, arch=90, dtype=torch.bfloat16):
             spill = sum(int(n) for n in re.findall(r"(\d+) bytes spill (?:stores|loads)", log))
             # ptxas says so when Hopper's asynchronous matrix multiplies must wait for registers: slow too
             serialized = "wgmma" in log and "serialized" in log
-            row = dict(kernel=kernel.__name__, D=D, accum=accum, dtype=str(dtype)[6:], block_m=block_m, block_n=block_n, warps=warps,
-                       stages=stages, registers=regs, spill_bytes=spill, wgmma_serialized=serialized,
-                       shared_kb=compiled.metadata.shared / 1024)
+            row = dict(kernel=kernel.__name__, D=D, accum=accum, dtype=str(dtype)[6:], block_m=block_m,
+                       block_n=block_n, warps=warps, stages=stages, registers=regs, spill_bytes=spill,
+                       wgmma_serialized=serialized, shared_kb=compiled.metadata.shared / 1024)
             rows.append(row)
             print(f"{row['kernel']:>15} {D:>4} {accum:>13} {f'{block_m},{block_n}':>8} {warps:>5} {stages:>6} "
                   f"{regs:>5} {spill:>8} {row['shared_kb']:>8.1f} {'yes' if serialized else 'no':>11}")
