@@ -72,11 +72,12 @@ def _round_bf16(x):
 
 
 @triton.jit
-def _rn(x, IS_BF16: tl.constexpr):
-    # Call before casting fp32 to the input dtype: makes a later .to(tl.bfloat16) exact (round-to-nearest-even).
-    if IS_BF16:
+def _cast(x, P):
+    # fp32 x to the element type of pointer P (the input dtype). A bf16 target is rounded to nearest even first,
+    # so that the cast itself is exact and the interpreter (which truncates) agrees with the GPU.
+    if P.dtype.element_ty == tl.bfloat16:
         x = _round_bf16(x)
-    return x
+    return x.to(P.dtype.element_ty)
 
 
 @triton.jit
@@ -133,7 +134,7 @@ def _logits(qk, scale, softcap, BF16_STATE: tl.constexpr, SOFTCAP: tl.constexpr)
 def _fwd_block(q, K, V, start_n, offs_m, m_i, l_i, acc, top, stride_t, scale, softcap, beta, T,
                HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL_MASK: tl.constexpr,
                BF16_STATE: tl.constexpr, SAFEMAX: tl.constexpr, SOFTCAP: tl.constexpr,
-               IS_BF16: tl.constexpr, DOT_FP32: tl.constexpr, IEEE: tl.constexpr):
+               DOT_FP32: tl.constexpr, IEEE: tl.constexpr):
     # One step of the streaming softmax: fold key block [start_n, start_n + BLOCK_N) into (m, l, acc).
     offs_n = start_n + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
@@ -173,13 +174,13 @@ def _fwd_block(q, K, V, start_n, offs_m, m_i, l_i, acc, top, stride_t, scale, so
         p = tl.exp(_round_bf16(s - m_new[:, None]))
         l_i = _round_bf16(l_i * alpha + tl.sum(p, 1))
         p = _round_bf16(p)
-        acc = _round_bf16(_dot(_rn(p, IS_BF16).to(V.dtype.element_ty), v, acc * alpha[:, None], DOT_FP32, IEEE))
+        acc = _round_bf16(_dot(_cast(p, V), v, acc * alpha[:, None], DOT_FP32, IEEE))
     else:
         # The repair: s, m, l, acc in fp32; only P is cast to v's dtype for the P@V matmul (fp32 accumulate).
         alpha = tl.exp(m_i - m_new)
         p = tl.exp(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        acc = _dot(_rn(p, IS_BF16).to(V.dtype.element_ty), v, acc * alpha[:, None], DOT_FP32, IEEE)
+        acc = _dot(_cast(p, V), v, acc * alpha[:, None], DOT_FP32, IEEE)
     return m_new, l_i, acc, top
 
 
@@ -187,7 +188,7 @@ def _fwd_block(q, K, V, start_n, offs_m, m_i, l_i, acc, top, stride_t, scale, so
 def _attn_fwd(Q, K, V, O, LSE, ROWMAX, stride_b, stride_h, stride_t, H, T, scale, softcap, beta,
               HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
               BF16_STATE: tl.constexpr, SAFEMAX: tl.constexpr, SOFTCAP: tl.constexpr,
-              IS_BF16: tl.constexpr, DOT_FP32: tl.constexpr, IEEE: tl.constexpr):
+              DOT_FP32: tl.constexpr, IEEE: tl.constexpr):
     pid_m = tl.program_id(0)
     bh = tl.program_id(1)
     head = _head(bh, H, stride_b, stride_h)
@@ -212,11 +213,11 @@ def _attn_fwd(Q, K, V, O, LSE, ROWMAX, stride_b, stride_h, stride_t, H, T, scale
     for start_n in range(0, diag, BLOCK_N):
         m_i, l_i, acc, top = _fwd_block(q, K, V, start_n, offs_m, m_i, l_i, acc, top, stride_t, scale, softcap,
                                         beta, T, HEAD_DIM, BLOCK_N, False, BF16_STATE, SAFEMAX, SOFTCAP,
-                                        IS_BF16, DOT_FP32, IEEE)
+                                        DOT_FP32, IEEE)
     for start_n in range(diag, (pid_m + 1) * BLOCK_M, BLOCK_N):
         m_i, l_i, acc, top = _fwd_block(q, K, V, start_n, offs_m, m_i, l_i, acc, top, stride_t, scale, softcap,
                                         beta, T, HEAD_DIM, BLOCK_N, True, BF16_STATE, SAFEMAX, SOFTCAP,
-                                        IS_BF16, DOT_FP32, IEEE)
+                                        DOT_FP32, IEEE)
 
     # o = acc / l, cast once to the input dtype; lse = m + log(l) in fp32 (from the bf16 m and l in bf16 mode:
     # the backward recomputes p = exp(s - lse)).
@@ -225,8 +226,7 @@ def _attn_fwd(Q, K, V, O, LSE, ROWMAX, stride_b, stride_h, stride_t, H, T, scale
         o = _round_bf16(o)           # the bf16 O that the backward's delta = rowsum(dO * O) then sees
     row_ok = offs_m < T
     rows = bh.to(tl.int64) * T + offs_m                       # LSE, ROWMAX: contiguous (B, H, T)
-    tl.store(O + _rows(offs_m, stride_t)[:, None] + offs_d[None, :], _rn(o, IS_BF16).to(O.dtype.element_ty),
-             mask=row_ok[:, None])
+    tl.store(O + _rows(offs_m, stride_t)[:, None] + offs_d[None, :], _cast(o, O), mask=row_ok[:, None])
     tl.store(LSE + rows, m_i + tl.log(l_i), mask=row_ok)
     tl.store(ROWMAX + rows, top, mask=row_ok)
 
@@ -255,7 +255,7 @@ def _attn_bwd_delta(O, DO, DELTA, stride_b, stride_h, stride_t, H, T, HEAD_DIM: 
 def _dkdv_block(k, v, dk, dv, Q, DO, LSE, DELTA, start_m, offs_n, stride_t, scale, softcap, T,
                 HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, CAUSAL_MASK: tl.constexpr,
                 BF16_STATE: tl.constexpr, SOFTCAP: tl.constexpr,
-                IS_BF16: tl.constexpr, DOT_FP32: tl.constexpr, IEEE: tl.constexpr):
+                DOT_FP32: tl.constexpr, IEEE: tl.constexpr):
     # Add query block [start_m, start_m + BLOCK_M)'s share to dk and dv, in transposed form (keys x queries).
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)
@@ -269,12 +269,12 @@ def _dkdv_block(k, v, dk, dv, Q, DO, LSE, DELTA, start_m, offs_n, stride_t, scal
     if CAUSAL_MASK:
         sT = tl.where(offs_n[:, None] <= offs_m[None, :], sT, float("-inf"))
     pT = tl.exp(sT - lse[None, :])
-    dv = _dot(_rn(pT, IS_BF16).to(DO.dtype.element_ty), do, dv, DOT_FP32, IEEE)
+    dv = _dot(_cast(pT, DO), do, dv, DOT_FP32, IEEE)
     dpT = _dot(v, tl.trans(do), tl.zeros([k.shape[0], BLOCK_M], tl.float32), DOT_FP32, IEEE)
     dsT = pT * (dpT - delta[None, :])
     if SOFTCAP:
         dsT = dsT * (1.0 - tT * tT)
-    dk = _dot(_rn(dsT, IS_BF16).to(Q.dtype.element_ty), tl.trans(qT), dk, DOT_FP32, IEEE)
+    dk = _dot(_cast(dsT, Q), tl.trans(qT), dk, DOT_FP32, IEEE)
     return dk, dv
 
 
@@ -282,7 +282,7 @@ def _dkdv_block(k, v, dk, dv, Q, DO, LSE, DELTA, start_m, offs_n, stride_t, scal
 def _attn_bwd_dkdv(Q, K, V, DO, LSE, DELTA, DK, DV, stride_b, stride_h, stride_t, H, T, scale, softcap,
                    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                    BF16_STATE: tl.constexpr, SOFTCAP: tl.constexpr,
-                   IS_BF16: tl.constexpr, DOT_FP32: tl.constexpr, IEEE: tl.constexpr):
+                   DOT_FP32: tl.constexpr, IEEE: tl.constexpr):
     # One key block per program, dk and dv accumulating in registers; loop over the query blocks that see it.
     pid_n = tl.program_id(0)
     bh = tl.program_id(1)
@@ -303,21 +303,21 @@ def _attn_bwd_dkdv(Q, K, V, DO, LSE, DELTA, DK, DV, stride_b, stride_h, stride_t
     full = ((pid_n + 1) * BLOCK_N + BLOCK_M - 1) // BLOCK_M * BLOCK_M  # from here on, every query sees them all
     for start_m in range(lo, full, BLOCK_M):
         dk, dv = _dkdv_block(k, v, dk, dv, Q, DO, LSE, DELTA, start_m, offs_n, stride_t, scale, softcap, T,
-                             HEAD_DIM, BLOCK_M, True, BF16_STATE, SOFTCAP, IS_BF16, DOT_FP32, IEEE)
+                             HEAD_DIM, BLOCK_M, True, BF16_STATE, SOFTCAP, DOT_FP32, IEEE)
     for start_m in range(full, T, BLOCK_M):
         dk, dv = _dkdv_block(k, v, dk, dv, Q, DO, LSE, DELTA, start_m, offs_n, stride_t, scale, softcap, T,
-                             HEAD_DIM, BLOCK_M, False, BF16_STATE, SOFTCAP, IS_BF16, DOT_FP32, IEEE)
+                             HEAD_DIM, BLOCK_M, False, BF16_STATE, SOFTCAP, DOT_FP32, IEEE)
 
     dk = dk * scale
-    tl.store(DK + kv_ptrs, _rn(dk, IS_BF16).to(DK.dtype.element_ty), mask=offs_n[:, None] < T)
-    tl.store(DV + kv_ptrs, _rn(dv, IS_BF16).to(DV.dtype.element_ty), mask=offs_n[:, None] < T)
+    tl.store(DK + kv_ptrs, _cast(dk, DK), mask=offs_n[:, None] < T)
+    tl.store(DV + kv_ptrs, _cast(dv, DV), mask=offs_n[:, None] < T)
 
 
 @triton.jit
 def _dq_block(q, do, lse, delta, dq, K, V, start_n, offs_m, stride_t, scale, softcap, T,
               HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL_MASK: tl.constexpr,
               BF16_STATE: tl.constexpr, SOFTCAP: tl.constexpr,
-              IS_BF16: tl.constexpr, DOT_FP32: tl.constexpr, IEEE: tl.constexpr):
+              DOT_FP32: tl.constexpr, IEEE: tl.constexpr):
     # Add key block [start_n, start_n + BLOCK_N)'s share to dq.
     offs_n = start_n + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
@@ -338,14 +338,14 @@ def _dq_block(q, do, lse, delta, dq, K, V, start_n, offs_m, stride_t, scale, sof
     ds = p * (dp - delta[:, None])
     if SOFTCAP:
         ds = ds * (1.0 - t * t)
-    return _dot(_rn(ds, IS_BF16).to(K.dtype.element_ty), tl.trans(kT), dq, DOT_FP32, IEEE)
+    return _dot(_cast(ds, K), tl.trans(kT), dq, DOT_FP32, IEEE)
 
 
 @triton.jit
 def _attn_bwd_dq(Q, K, V, DO, LSE, DELTA, DQ, stride_b, stride_h, stride_t, H, T, scale, softcap,
                  HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                  BF16_STATE: tl.constexpr, SOFTCAP: tl.constexpr,
-                 IS_BF16: tl.constexpr, DOT_FP32: tl.constexpr, IEEE: tl.constexpr):
+                 DOT_FP32: tl.constexpr, IEEE: tl.constexpr):
     # One query block per program; loop over the key blocks it sees, unmasked left of the diagonal (as forward).
     pid_m = tl.program_id(0)
     bh = tl.program_id(1)
@@ -365,13 +365,13 @@ def _attn_bwd_dq(Q, K, V, DO, LSE, DELTA, DQ, stride_b, stride_h, stride_t, H, T
     diag = pid_m * BLOCK_M // BLOCK_N * BLOCK_N
     for start_n in range(0, diag, BLOCK_N):
         dq = _dq_block(q, do, lse, delta, dq, K, V, start_n, offs_m, stride_t, scale, softcap, T,
-                       HEAD_DIM, BLOCK_N, False, BF16_STATE, SOFTCAP, IS_BF16, DOT_FP32, IEEE)
+                       HEAD_DIM, BLOCK_N, False, BF16_STATE, SOFTCAP, DOT_FP32, IEEE)
     for start_n in range(diag, (pid_m + 1) * BLOCK_M, BLOCK_N):
         dq = _dq_block(q, do, lse, delta, dq, K, V, start_n, offs_m, stride_t, scale, softcap, T,
-                       HEAD_DIM, BLOCK_N, True, BF16_STATE, SOFTCAP, IS_BF16, DOT_FP32, IEEE)
+                       HEAD_DIM, BLOCK_N, True, BF16_STATE, SOFTCAP, DOT_FP32, IEEE)
 
     dq = dq * scale
-    tl.store(DQ + q_ptrs, _rn(dq, IS_BF16).to(DQ.dtype.element_ty), mask=offs_m[:, None] < T)
+    tl.store(DQ + q_ptrs, _cast(dq, DQ), mask=offs_m[:, None] < T)
 
 
 def _fwd_config(D, dtype, block_n, accum):
@@ -403,7 +403,7 @@ def _bwd_configs(D, dtype):
 
 
 def _mode_flags(accum, q):
-    return dict(BF16_STATE=accum != "fp32", IS_BF16=q.dtype == torch.bfloat16, DOT_FP32=_INTERPRET,
+    return dict(BF16_STATE=accum != "fp32", DOT_FP32=_INTERPRET,
                 IEEE=q.dtype == torch.float32 or _INTERPRET)
 
 
