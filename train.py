@@ -405,6 +405,16 @@ def set_rng_state(states, dist):
 # ----------------------------------------------------------------------------------------------------------------
 # Training
 
+def running_max(running, new):
+    """The elementwise max so far, on the device (None before the first value)."""
+    return new if running is None else torch.maximum(running, new)
+
+
+def moved(x, device):
+    """x on device; None stays None (the running maxima are None between intervals)."""
+    return None if x is None else x.to(device)
+
+
 def lr_at(step, args):
     if step < args.warmup_steps:
         return args.lr * (step + 1) / args.warmup_steps
@@ -503,13 +513,12 @@ class Trainer:
                 "model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
                 "monitor": {**self.monitor.state_dict(), "sigma": self.sigma.cpu(), "sigma_head": self.sigma_head.cpu(),
                             # the max logit since the last monitored step (--monitor-interval > 1), not yet checked
-                            "max_logit": None if self.monitor_max_logit is None else self.monitor_max_logit.cpu()},
+                            "max_logit": moved(self.monitor_max_logit, "cpu")},
                 "guard": self.guard.state_dict(),
                 "detector": self.detector.state_dict(), "probe": self.probe.state_dict(),
                 "injector": self.injector.state_dict() if self.injector is not None else None,
-                "interval": {"loss_sum": float(self.interval["loss_sum"]), "steps": self.interval["steps"],
-                             "max_logit": None if self.interval["max_logit"] is None
-                             else self.interval["max_logit"].cpu()},
+                "interval": {**self.interval, "loss_sum": float(self.interval["loss_sum"]),
+                             "max_logit": moved(self.interval["max_logit"], "cpu")},
                 "data_content_sha256": self.batches.content_hash, "rng": rng_state(self.dist)}
 
     def restore(self, state):
@@ -525,15 +534,12 @@ class Trainer:
         self.probe.load_state_dict(state["probe"])
         if self.injector is not None:
             self.injector.load_state_dict(state["injector"])
-        self.interval = state["interval"]
-        if self.interval["max_logit"] is not None:
-            self.interval["max_logit"] = self.interval["max_logit"].to(self.dist.device)
+        device = self.dist.device
+        self.interval = {**state["interval"], "max_logit": moved(state["interval"]["max_logit"], device)}
         set_rng_state(state["rng"], self.dist)
         self.step = state["step"]
-        device = self.dist.device
         self.sigma, self.sigma_head = state["monitor"]["sigma"].to(device), state["monitor"]["sigma_head"].to(device)
-        unchecked = state["monitor"].get("max_logit")
-        self.monitor_max_logit = None if unchecked is None else unchecked.to(device)
+        self.monitor_max_logit = moved(state["monitor"].get("max_logit"), device)
 
     @torch.no_grad()
     def evaluate(self):
@@ -569,7 +575,7 @@ class Trainer:
                 _, loss, step_max_logit = self.train_model(x, y)
             (loss / micro_steps).backward()
             loss_sum += loss.detach().float() / micro_steps
-            max_logit = step_max_logit if max_logit is None else torch.maximum(max_logit, step_max_logit)
+            max_logit = running_max(max_logit, step_max_logit)
             if args.qk_fix == "clean-grad":
                 grads = clean_qk_grads(model, x, y, self.autocast, 1.0 / micro_steps)
                 clean_grads = grads if clean_grads is None else [a + b for a, b in zip(clean_grads, grads)]
@@ -591,8 +597,7 @@ class Trainer:
         since the last monitored step (so no crossing is missed), then QK-Clip if that is the action. The check
         is deferred (QKGuard.observe_deferred): a crossing at monitored step s acts from the update after the
         next monitored step, which the event records as active_from; the GPU never waits for the guard."""
-        self.monitor_max_logit = max_logit if self.monitor_max_logit is None \
-            else torch.maximum(self.monitor_max_logit, max_logit)
+        self.monitor_max_logit = running_max(self.monitor_max_logit, max_logit)
         event = None
         if self.step % self.args.monitor_interval == 0:
             self.sigma, self.sigma_head = self.monitor.measure(self.model, self.args.power_iters)
@@ -608,8 +613,7 @@ class Trainer:
         interval = self.interval
         interval["loss_sum"] = interval["loss_sum"] + loss
         interval["steps"] += 1
-        interval["max_logit"] = max_logit if interval["max_logit"] is None \
-            else torch.maximum(interval["max_logit"], max_logit)
+        interval["max_logit"] = running_max(interval["max_logit"], max_logit)
 
     def log_record(self, lr, grad_norm, elapsed):
         """The record of the steps since the last one: mean loss, max logit over the interval, latest sigmas.
