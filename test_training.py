@@ -15,6 +15,7 @@ import torch
 
 import model as model_lib
 from guard import CollapseDetector, QKGuard, SpectralMonitor
+from test_assay import topk_removed
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 TINY = ["--n-layer", "2", "--n-head", "2", "--n-embd", "32", "--block-size", "32", "--batch-size", "4",
@@ -520,11 +521,9 @@ def test_qk_fix_clean_grad_replaces_only_the_qk_gradients():
 
 
 def top_part(dW, W, k):
-    """The part of dW that touches W's top-k singular directions on either side: dW - (I-UU^T) dW (I-VV^T)."""
+    """The part of dW that touches W's top-k singular directions on either side (test_assay.topk_removed)."""
     U, _, Vh = torch.linalg.svd(W)
-    U, V = U[:, :k], Vh[:k].T
-    kept = dW - U @ (U.T @ dW)
-    return dW - (kept - (kept @ V) @ V.T)
+    return topk_removed(dW, U[:, :k], Vh[:k].T)
 
 
 @pytest.mark.parametrize("argv", [
