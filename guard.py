@@ -124,12 +124,8 @@ class QKGuard:
         """observe() one monitored step late, without a host sync: act on the check queued last time (its flag
         reached the host while this step ran), then queue this step's. An event names the step that crossed."""
         event, pending, self.pending = None, self.pending, None
-        if pending is not None:
-            crossed_step, values, crossed, copied = pending
-            if copied is not None:
-                copied.synchronize()         # waits for that copy only, long done: not for the work queued since
-            if bool(crossed) and self.watching():
-                event = self.switch_on(crossed_step, values, model)
+        if pending is not None and self._crossed(pending) and self.watching():
+            event = self.switch_on(pending[0], pending[1], model)
         if self.watching():
             values = self.watched_values(max_logit, sigma_head)
             crossed, copied = (values > self.threshold).any(), None
@@ -141,14 +137,17 @@ class QKGuard:
             self.pending = (step, values, crossed, copied)
         return event
 
-    def pending_crossing(self):
-        """The step of a crossing queued but not yet acted on (the run's last check), or None."""
-        if self.pending is None:
-            return None
-        step, _, crossed, copied = self.pending
+    @staticmethod
+    def _crossed(pending):
+        """A queued check's flag on the host. Waits for that copy only, long done: not for the work queued since."""
+        _, _, crossed, copied = pending
         if copied is not None:
             copied.synchronize()
-        return step if bool(crossed) else None
+        return bool(crossed)
+
+    def pending_crossing(self):
+        """The step of a crossing queued but not yet acted on (the run's last check), or None."""
+        return self.pending[0] if self.pending is not None and self._crossed(self.pending) else None
 
     def switch_on(self, step, values, model):
         """The signal crossed at `step`: extend the action to the new layers it covers. Returns the event."""
