@@ -94,6 +94,17 @@ def _rows(offs, stride_t):
 
 
 @triton.jit
+def _load_block(ptrs, in_range, MASK: tl.constexpr):
+    # A key block on the diagonal may run past T: mask it. One left of the diagonal lies wholly below T, and its
+    # loads (most of them at large T) skip the mask.
+    if MASK:
+        x = tl.load(ptrs, mask=in_range, other=0.0)
+    else:
+        x = tl.load(ptrs)
+    return x
+
+
+@triton.jit
 def _dot(a, b, acc, DOT_FP32: tl.constexpr, IEEE: tl.constexpr):
     # acc + a @ b with fp32 accumulation. DOT_FP32: the interpreter's tl.dot is wrong on bf16/fp16 operands
     # (triton issue 11584); a product of two bf16/fp16 numbers is exact in fp32, so upcasting loses nothing.
@@ -138,14 +149,8 @@ def _fwd_block(q, K, V, start_n, offs_m, m_i, l_i, acc, top, stride_t, scale, so
     # One step of the streaming softmax: fold key block [start_n, start_n + BLOCK_N) into (m, l, acc).
     offs_n = start_n + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
-    kT_ptrs = K + _rows(offs_n, stride_t)[None, :] + offs_d[:, None]
-    v_ptrs = V + _rows(offs_n, stride_t)[:, None] + offs_d[None, :]
-    if CAUSAL_MASK:   # a block on the diagonal, possibly running past T
-        kT = tl.load(kT_ptrs, mask=offs_n[None, :] < T, other=0.0)
-        v = tl.load(v_ptrs, mask=offs_n[:, None] < T, other=0.0)
-    else:             # a block left of the diagonal: every row sees every key, all keys are < T
-        kT = tl.load(kT_ptrs)
-        v = tl.load(v_ptrs)
+    kT = _load_block(K + _rows(offs_n, stride_t)[None, :] + offs_d[:, None], offs_n[None, :] < T, CAUSAL_MASK)
+    v = _load_block(V + _rows(offs_n, stride_t)[:, None] + offs_d[None, :], offs_n[:, None] < T, CAUSAL_MASK)
     s, t = _logits(_dot(q, kT, tl.zeros([q.shape[0], BLOCK_N], tl.float32), DOT_FP32, IEEE),
                    scale, softcap, BF16_STATE, SOFTCAP)
     if CAUSAL_MASK:   # for a valid row this also hides keys past T (key <= row < T)
@@ -321,14 +326,9 @@ def _dq_block(q, do, lse, delta, dq, K, V, start_n, offs_m, stride_t, scale, sof
     # Add key block [start_n, start_n + BLOCK_N)'s share to dq.
     offs_n = start_n + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
-    kT_ptrs = K + _rows(offs_n, stride_t)[None, :] + offs_d[:, None]
-    vT_ptrs = V + _rows(offs_n, stride_t)[None, :] + offs_d[:, None]
-    if CAUSAL_MASK:
-        kT = tl.load(kT_ptrs, mask=offs_n[None, :] < T, other=0.0)
-        vT = tl.load(vT_ptrs, mask=offs_n[None, :] < T, other=0.0)
-    else:
-        kT = tl.load(kT_ptrs)
-        vT = tl.load(vT_ptrs)
+    kT_offs = _rows(offs_n, stride_t)[None, :] + offs_d[:, None]
+    kT = _load_block(K + kT_offs, offs_n[None, :] < T, CAUSAL_MASK)
+    vT = _load_block(V + kT_offs, offs_n[None, :] < T, CAUSAL_MASK)
     s, t = _logits(_dot(q, kT, tl.zeros([q.shape[0], BLOCK_N], tl.float32), DOT_FP32, IEEE),
                    scale, softcap, BF16_STATE, SOFTCAP)
     if CAUSAL_MASK:
