@@ -122,10 +122,13 @@ class QKGuard:
 
     def observe_deferred(self, step, max_logit, sigma_head, model):
         """observe() one monitored step late, without a host sync: act on the check queued last time (its flag
-        reached the host while this step ran), then queue this step's. An event names the step that crossed."""
+        reached the host while this step ran), then queue this step's. An event names the step that crossed, and
+        in active_from the first update that the action changes: the one after `step`."""
         event, pending, self.pending = None, self.pending, None
         if pending is not None and self._crossed(pending) and self.watching():
             event = self.switch_on(pending[0], pending[1], model)
+            if event:
+                event["active_from"] = step + 1
         if self.watching():
             values = self.watched_values(max_logit, sigma_head)
             crossed, copied = (values > self.threshold).any(), None

@@ -603,8 +603,6 @@ class Trainer:
             self.sigma, self.sigma_head = self.monitor.measure(self.model, self.args.power_iters)
             event = self.guard.observe_deferred(self.step, self.monitor_max_logit, self.sigma_head, self.model)
             self.monitor_max_logit = None
-        if event:
-            event["active_from"] = self.step + 1
         self.guard.after_optimizer_step(self.model, max_logit)
         return event
 
