@@ -490,6 +490,7 @@ class Trainer:
             self.sigma, self.sigma_head = self.monitor.measure(model, iters=30)   # converge before step 0
         else:
             self.restore(state)
+        self.saved_step = self.step   # nothing to save before the first update (a resume: it is on disk)
         self.train_model = torch.compile(model) if args.compile else model
         if dist.world > 1:
             self.train_model = torch.nn.parallel.DistributedDataParallel(
@@ -520,6 +521,13 @@ class Trainer:
                 "interval": {**self.interval, "loss_sum": float(self.interval["loss_sum"]),
                              "max_logit": moved(self.interval["max_logit"], "cpu")},
                 "data_content_sha256": self.batches.content_hash, "rng": rng_state(self.dist)}
+
+    def checkpoint(self):
+        """Save ckpt.pt, unless this step is already saved (a checkpoint interval that ends the run)."""
+        state = self.state_dict()           # every rank takes part (the RNG states are gathered)
+        if self.dist.master and self.saved_step != self.step:
+            save_checkpoint(os.path.join(self.args.out_dir, "ckpt.pt"), state)
+        self.saved_step = self.step
 
     def restore(self, state):
         if state.get("data_content_sha256") != self.batches.content_hash:
@@ -669,19 +677,11 @@ def main(argv=None):
               f"{args.arch} {args.n_layer}x{args.n_embd}, {model.num_params() / 1e6:.2f}M params, accum "
               f"{args.accum}, guard {args.guard}, on {dist.device} x{dist.world}")
 
-    last_checkpoint = [run.step]
-
     def evaluate():
         val_loss = run.evaluate()
         log.write({"event": "eval", "step": run.step, "val_loss": val_loss},
                   f"step {run.step:6d} | val loss {val_loss:.4f}")
         return val_loss
-
-    def checkpoint():
-        state = run.state_dict()           # every rank takes part (the RNG states are gathered)
-        if dist.master and last_checkpoint[0] != run.step:
-            save_checkpoint(os.path.join(args.out_dir, "ckpt.pt"), state)
-        last_checkpoint[0] = run.step
 
     stop_signal = []
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -718,7 +718,7 @@ def main(argv=None):
             if run.step % args.eval_interval == 0 or run.step == args.max_steps:
                 val_loss = evaluate()
             if run.step % args.ckpt_interval == 0:
-                checkpoint()
+                run.checkpoint()
             stop = bool(stop_signal)
             if dist.world > 1:   # a signal may reach the ranks at different steps: stop together
                 stop = dist.all_reduce(torch.tensor(float(stop), device=dist.device), "max").item() > 0
@@ -727,7 +727,7 @@ def main(argv=None):
                 break
         if status == "collapsed":   # the end record's val loss is the collapsed model's, not an old one
             val_loss = evaluate()
-        checkpoint()
+        run.checkpoint()
     except BaseException as e:
         log.write({"event": "end", "status": "error", "step": run.step, "error": f"{type(e).__name__}: {e}"})
         raise
