@@ -195,7 +195,7 @@ def measure_fault(model, idx, accum="bf16", dtype=torch.bfloat16):
         impl = "auto" if attn.impl in ("sdpa", "reference") else attn.impl   # those two have no state to break
         run = lambda mode: attention(q.to(dtype), k.to(dtype), v.to(dtype), accum=mode, qk_norm=attn.qk_norm,
                                      scale=attn.scale, softcap=attn.softcap, safemax_beta=attn.beta,
-                                     impl=impl, block_n=attn.block_n or None).float()
+                                     impl=impl, block_n=attn.block_n or None, rounding=attn.rounding).float()
         o_ref = run("fp32")
         err = run(accum) - o_ref                                     # (B, H, T, D)
         ref_rms = o_ref.pow(2).mean(dim=(0, 2, 3)).sqrt()           # (H,)

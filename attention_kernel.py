@@ -1,13 +1,26 @@
-"""Causal flash attention with a switchable streaming-softmax state: the fault and its repairs.
+"""Causal flash attention whose bf16 rounding points can be switched on one at a time: the fault and its repairs.
 
-accum="fp32"          the repair: running max m, running sum l and output accumulator acc kept in fp32.
-accum="bf16"          the fault (after Qiu & Yao, arXiv 2510.04212): S, m, l and acc rounded to bf16.
-accum="bf16-safemax"  the prior work's fix at the source: as "bf16", but a repeated row max is shifted away.
+The streaming softmax folds key block after key block into a running max m, a running sum l and an output
+accumulator O. Qiu & Yao (arXiv 2510.04212, code at github.com/ucker/why-low-precision-training-fails) keep every
+tensor of it in bf16; their training collapses, and fp32 state repairs it. Here each of their rounding points is a
+switch, r(x) meaning "round to bf16 (nearest even)":
 
-Two implementations of the same algorithm with the same rounding points:
-  - Triton kernels (CUDA, or CPU tensors under TRITON_INTERPRET=1, set before this module is imported);
-  - a PyTorch twin that loops over key blocks in Python (CPU training, and to cross-check the kernels).
-Both sit behind torch.library custom ops, so a model calling attention() compiles with fullgraph=True.
+  source     what is rounded to bf16 (when on)                                     switched by
+  logits     S = r(r(q k^T) * scale), as out of a bf16 matmul                       rounding=("logits", ...)
+  state      m, alpha = r(exp(r(m_old - m))), P = r(exp(r(S - m))), l = r(r(alpha   accum="bf16" (or
+             l) + max(r(rowsum P), 1e-10)), O = r(r(alpha O) + PV), o = r(O / l)    "bf16-safemax")
+  pv         each block's PV = r(P @ V) by itself before it is added to O           rounding=("pv", ...)
+  backward   lse, P, dP, delta, dS and the dq, dk, dv sums once per 64-row block    rounding=("backward", ...)
+
+accum="fp32" keeps the state in fp32 (the repair), "bf16" rounds it (the fault), and "bf16-safemax" adds the
+prior work's fix at the source (where a block's row max repeats within 1e-3, shift by beta*max, so no P is 1).
+rounding=None means "logits" and "pv" for bf16 inputs (the prior work's kernel around its state, so that "fp32" and
+"bf16" differ in the state alone) and nothing for other input dtypes; rounding=() is a standard flash kernel.
+
+Two implementations of one algorithm with the same rounding points, behind torch.library custom ops (so a model
+calling attention() compiles with fullgraph=True):
+  - a PyTorch twin, first below: the readable statement of the algorithm (CPU training, and the kernels' check);
+  - Triton kernels, the same algorithm fast (CUDA, or CPU tensors under TRITON_INTERPRET=1 set before import).
 "sdpa" (PyTorch's fused kernels) and "reference" (float64, materialized) are there to compare against.
 
     python attention_kernel.py --check     # errors against the float64 reference on this device
@@ -16,51 +29,168 @@ Both sit behind torch.library custom ops, so a model calling attention() compile
 import math
 import os
 import sys
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-ACCUM_MODES = ("fp32", "bf16", "bf16-safemax")
+ACCUM_MODES = ("fp32", "bf16", "bf16-safemax")   # the softmax state
+ROUNDING_SOURCES = ("logits", "pv", "backward")   # the other rounding points, each on its own
+DEFAULT_ROUNDING = ("logits", "pv")               # rounding=None with bf16 inputs
 IMPLS = ("auto", "triton", "torch", "sdpa", "reference")
 TRITON_HEAD_DIMS = (16, 32, 64, 128)
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-# Key block of the bf16-state modes when none is given: the state is rounded once per block, so the block is part
-# of the fault's definition; both implementations use this one (the prior work and REFERENCE.md use 128).
+# The state and the separate PV product are rounded once per key block, so the block is part of the fault's
+# definition: both implementations use this one unless block_n says otherwise (an H200 emulation of the fault used
+# 128; the prior work's model used 512-key blocks at context 1024).
 BF16_STATE_BLOCK_N = 128
+# The bf16 backward rounds its dq sums once per key block and its dk, dv sums once per query block of this size.
+BF16_BWD_BLOCK = 64
+# Safe-max: entries within SAFEMAX_TIE of the block max count as ties (the prior work's 1e-3). Its shift beta*max
+# leaves the tied entries at p = exp(-(beta-1)*max), which underflows past max ~ 87/(beta-1), and the prior work's
+# clamp of the block sum at 1e-10 then replaces l, both wrecking the output. So the shift above the max is capped:
+# exp(-16) = 1.1e-7 keeps the block sum far above the clamp and every entry within 20 of the max a normal float.
+SAFEMAX_TIE = 1e-3
+SAFEMAX_MAX_SHIFT = 16.0
+_TIE, _MAX_SHIFT = tl.constexpr(SAFEMAX_TIE), tl.constexpr(SAFEMAX_MAX_SHIFT)   # as the kernels see them
 POISON_OUTPUTS = False  # tests set this: every output buffer starts as NaN, so an unwritten element shows
 # triton.jit picks the interpreter when the decorator runs, so this is read once, at import.
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 
-def _new(shape, dtype, device):
-    """The allocator of every buffer the kernels write (lse, row_max, delta; o, dq, dk, dv through _new_like)."""
-    if POISON_OUTPUTS:
-        return torch.full(shape, float("nan"), dtype=dtype, device=device)
-    return torch.empty(shape, dtype=dtype, device=device)
+# ----------------------------------------------------------------------------------------------------------------
+# The PyTorch twin: the algorithm, vectorized over all queries, looping over key blocks. Matmuls run in fp32 on
+# upcast operands (exact products, as the tensor cores' fp32 accumulation).
+
+def _r(x):
+    """r(x): round fp32 to bf16 (nearest even) and back."""
+    return x.to(torch.bfloat16).float()
 
 
-def _new_like(q):
-    """A (B, H, T, D) buffer in the one layout that o, dq, dk, dv, and the k, v, do they are computed from, share
-    with q: q's own strides when q is dense with a unit-stride head_dim (the model's (B, T, H, D).transpose(1, 2)
-    views, so that nothing is copied on the way in or out), else contiguous. The custom ops' fakes use it too,
-    so torch.compile sees the strides the kernels write."""
-    if q.stride(-1) != 1:
-        return _new(q.shape, q.dtype, q.device)
-    x = torch.empty_like(q)          # keeps a dense tensor's strides
-    return x.fill_(float("nan")) if POISON_OUTPUTS else x
+def _keep(x):
+    return x
 
 
-def _in_layout(like, *xs):
-    """xs with like's strides (the kernels take one set of strides for all): copies only where they differ."""
-    return [x if x.stride() == like.stride() else torch.empty_like(like).copy_(x) for x in xs]
+def _as(x, dtype):
+    """Round fp32 to the input dtype and back: the matmul operand the kernel feeds."""
+    return x.to(dtype).float()
+
+
+def _tanh(x):
+    """tanh in the form the Triton kernel uses (no portable tl.tanh): saturates cleanly to +-1."""
+    return 1.0 - 2.0 / (torch.exp(2.0 * x) + 1.0)
+
+
+def _logits_torch(qk, scale, softcap, round_logits):
+    """S = r(r(q k^T) * scale) when rounded; softcap: S = r(c * tanh(S / c)). Returns (S, tanh or None)."""
+    r = _r if round_logits else _keep
+    s, t = r(r(qk) * scale), None
+    if softcap > 0:
+        t = _tanh(s / softcap)
+        s = r(softcap * t)
+    return s, t
+
+
+def _safemax_shift_torch(s, rm, beta):
+    """Where the row max rm repeats (within SAFEMAX_TIE), shift by beta*rm (rm > 0) or to 0 (rm < 0) instead of
+    rm, capped at SAFEMAX_MAX_SHIFT above rm, so that no p is exactly 1. Exact in real arithmetic (softmax is
+    shift-invariant). A shift the bf16 m cannot hold within the cap (|rm| beyond 2**12) is not made."""
+    tied = ((s >= (rm - SAFEMAX_TIE)[..., None]).sum(-1) > 1) & (rm > float("-inf"))
+    shift = rm + torch.where(rm > 0, (beta - 1) * rm, -rm).clamp(max=SAFEMAX_MAX_SHIFT)
+    return torch.where(tied & (_r(shift) <= rm + SAFEMAX_MAX_SHIFT), shift, rm)
+
+
+def _fwd_torch(q, k, v, scale, softcap, accum, rounding, beta, block_n):
+    """Returns o (input dtype), lse and the row max logit (B, H, T) fp32."""
+    B, H, T, D = q.shape
+    state_bf16 = accum != "fp32"
+    rs = _r if state_bf16 else _keep                  # the state's rounding points
+    rpv = _r if "pv" in rounding else _keep           # the block product's own rounding
+    qf, kf, vf = q.float(), k.float(), v.float()
+    m = torch.full((B, H, T), float("-inf"), device=q.device)       # running max (or safe-max shift)
+    l = torch.zeros((B, H, T), device=q.device)                      # running sum of P
+    acc = torch.zeros((B, H, T, D), device=q.device)                 # running sum of P V
+    top = torch.full((B, H, T), float("-inf"), device=q.device)     # true max logit (never the shift)
+    pos = torch.arange(T, device=q.device)
+    for j in range(0, T, block_n):
+        keys, rows = slice(j, min(j + block_n, T)), slice(j, T)     # rows < j see none of these keys: a no-op
+        s, _ = _logits_torch(qf[:, :, rows] @ kf[:, :, keys].mT, scale, softcap, "logits" in rounding)
+        s = s.masked_fill(pos[keys][None, :] > pos[rows][:, None], float("-inf"))
+        rm = s.amax(-1)
+        top[..., rows] = torch.maximum(top[..., rows], rm)
+        shift = _safemax_shift_torch(s, rm, beta) if accum == "bf16-safemax" else rm
+        m_old = m[..., rows]
+        m_new = rs(torch.maximum(m_old, shift))
+        alpha = rs(torch.exp(rs(m_old - m_new)))
+        p = rs(torch.exp(rs(s - m_new[..., None])))   # bf16 state: P is exactly 1 where a max repeats
+        block_sum = _r(p.sum(-1)).clamp_min(1e-10) if state_bf16 else p.sum(-1)
+        l[..., rows] = rs(rs(alpha * l[..., rows]) + block_sum)
+        pv = rpv(_as(p, v.dtype) @ vf[:, :, keys])
+        acc[..., rows, :] = rs(rs(acc[..., rows, :] * alpha[..., None]) + pv)
+        m[..., rows] = m_new
+    lse = _r(_r(torch.log(l)) + m) if "backward" in rounding else m + torch.log(l)
+    return rs(acc / l[..., None]).to(q.dtype), lse, top
+
+
+def _bwd_torch(do, q, k, v, o, lse, scale, softcap, rounding, block_n):
+    """The fp32 backward: recompute S with the forward's rounding, P = exp(S - lse), then
+    dV = P^T dO;  dP = dO V^T;  dS = P * (dP - delta) [softcap: * (1 - tanh^2)];  dQ = dS K scale;  dK = dS^T Q scale,
+    with delta = rowsum(dO * O) from the stored o (in bf16 modes the biased O enters the gradient here). P and dS
+    are cast to the input dtype for the matmuls."""
+    if "backward" in rounding:
+        return _bwd_torch_bf16(do, q, k, v, o, lse, scale, softcap, rounding)
+    T, dt = q.shape[2], q.dtype
+    qf, kf, vf, dof = q.float(), k.float(), v.float(), do.float()
+    delta = (dof * o.float()).sum(-1)
+    dq = torch.zeros(qf.shape, device=q.device)
+    dk, dv = _new(q.shape, dt, q.device), _new(q.shape, dt, q.device)   # written block by block: poisoned
+    pos = torch.arange(T, device=q.device)
+    for j in range(0, T, block_n):
+        keys, rows = slice(j, min(j + block_n, T)), slice(j, T)
+        s, t = _logits_torch(qf[:, :, rows] @ kf[:, :, keys].mT, scale, softcap, "logits" in rounding)
+        s = s.masked_fill(pos[keys][None, :] > pos[rows][:, None], float("-inf"))
+        p = torch.exp(s - lse[..., rows, None])
+        dv[:, :, keys] = (_as(p, dt).mT @ dof[:, :, rows]).to(dt)
+        ds = p * (dof[:, :, rows] @ vf[:, :, keys].mT - delta[..., rows, None])
+        if softcap > 0:
+            ds = ds * (1.0 - t * t)
+        ds = _as(ds, dt)
+        dk[:, :, keys] = (ds.mT @ qf[:, :, rows] * scale).to(dt)
+        dq[:, :, rows] += ds @ kf[:, :, keys]
+    return (dq * scale).to(dt), dk, dv
+
+
+def _bwd_torch_bf16(do, q, k, v, o, lse, scale, softcap, rounding):
+    """The prior work's bf16 backward: every tensor rounded as it is made (lse came rounded from the forward), the
+    scale inside dS, and dq, dk, dv summed in bf16, one (query block, key block) tile of BF16_BWD_BLOCK at a time:
+    dq over key blocks in order, dk and dv over query blocks in order (as the Triton kernels loop)."""
+    T, dt, n = q.shape[2], q.dtype, BF16_BWD_BLOCK
+    qf, kf, vf, dof = q.float(), k.float(), v.float(), do.float()
+    delta = _r(_r(dof * o.float()).sum(-1))
+    dq, dk, dv = (torch.zeros(qf.shape, device=q.device) for _ in range(3))
+    pos = torch.arange(T, device=q.device)
+    for j in range(0, T, n):
+        keys = slice(j, min(j + n, T))
+        for i in range(j, T, n):                     # the query blocks that see key block j, in order
+            rows = slice(i, min(i + n, T))
+            s, t = _logits_torch(qf[:, :, rows] @ kf[:, :, keys].mT, scale, softcap, "logits" in rounding)
+            s = s.masked_fill(pos[keys][None, :] > pos[rows][:, None], float("-inf"))
+            p = _r(torch.exp(_r(s - lse[..., rows, None])))
+            dv[:, :, keys] = _r(dv[:, :, keys] + _r(p.mT @ dof[:, :, rows]))
+            ds = _r(_r(p * scale) * _r(_r(dof[:, :, rows] @ vf[:, :, keys].mT) - delta[..., rows, None]))
+            if softcap > 0:
+                ds = _r(ds * (1.0 - t * t))
+            dq[:, :, rows] = _r(dq[:, :, rows] + _r(ds @ kf[:, :, keys]))
+            dk[:, :, keys] = _r(dk[:, :, keys] + _r(ds.mT @ qf[:, :, rows]))
+    return dq.to(dt), dk.to(dt), dv.to(dt)
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Triton kernels. One program per (query or key block, batch*head). Every (B, H, T, D) tensor of a call shares
-# one layout, passed as (batch, head, time) strides with head_dim unit-stride: the model's transposed views as they
-# are. Key blocks left of the diagonal are wholly visible and skip the causal mask (most of the work at large T).
+# The same algorithm as Triton kernels. One program per (query or key block, batch*head). Every (B, H, T, D) tensor
+# of a call shares one layout, passed as (batch, head, time) strides with head_dim unit-stride: the model's
+# transposed views as they are. Key blocks left of the diagonal are wholly visible and skip the causal mask.
 
 @triton.jit
 def _round_bf16(x):
@@ -69,6 +199,14 @@ def _round_bf16(x):
     bits = x.to(tl.int32, bitcast=True)
     bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536
     return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _r_if(x, ON: tl.constexpr):
+    # r(x) where this rounding source is on, else x
+    if ON:
+        x = _round_bf16(x)
+    return x
 
 
 @triton.jit
@@ -120,39 +258,48 @@ def _dot(a, b, acc, DOT_FP32: tl.constexpr, IEEE: tl.constexpr):
 
 
 @triton.jit
-def _tanh(x):
-    # No portable tl.tanh; this form saturates cleanly to +-1 (exp overflow gives 1, underflow gives -1).
+def _mm(a, b, DOT_FP32: tl.constexpr, IEEE: tl.constexpr):
+    # a @ b in fp32
+    return _dot(a, b, tl.zeros([a.shape[0], b.shape[1]], tl.float32), DOT_FP32=DOT_FP32, IEEE=IEEE)
+
+
+@triton.jit
+def _tanh_tl(x):
     return 1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0)
 
 
 @triton.jit
-def _logits(qk, scale, softcap, BF16_STATE: tl.constexpr, SOFTCAP: tl.constexpr):
-    # s = q.k * scale, rounded to bf16 in the bf16 modes (the prior work's S comes out of a bf16 matmul);
-    # softcap: s = c * tanh(s / c), rounded again. Returns (s, t) with t = tanh(.) for the backward.
-    s = qk * scale
-    if BF16_STATE:
-        s = _round_bf16(s)
+def _logits(qk, scale, softcap, ROUND_LOGITS: tl.constexpr, SOFTCAP: tl.constexpr):
+    # As _logits_torch: S = r(r(q k^T) * scale) [softcap: r(c * tanh(S / c))]; returns (S, tanh) for the backward.
+    s = _r_if(_r_if(qk, ON=ROUND_LOGITS) * scale, ON=ROUND_LOGITS)
     t = s
     if SOFTCAP:
-        t = _tanh(s / softcap)
-        s = softcap * t
-        if BF16_STATE:
-            s = _round_bf16(s)
+        t = _tanh_tl(s / softcap)
+        s = _r_if(softcap * t, ON=ROUND_LOGITS)
     return s, t
+
+
+@triton.jit
+def _safemax_shift(s, rm, beta):
+    # As _safemax_shift_torch. rm = -inf (a row that sees no key of this block) keeps the no-op shift.
+    tied = (tl.sum((s >= (rm - _TIE)[:, None]).to(tl.int32), 1) > 1) & (rm > float("-inf"))
+    shift = rm + tl.minimum(tl.where(rm > 0, (beta - 1.0) * rm, -rm), _MAX_SHIFT)
+    return tl.where(tied & (_round_bf16(shift) <= rm + _MAX_SHIFT), shift, rm)
 
 
 @triton.jit
 def _fwd_block(q, K, V, start_n, offs_m, m_i, l_i, acc, top, stride_t, scale, softcap, beta, T,
                HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL_MASK: tl.constexpr,
-               BF16_STATE: tl.constexpr, SAFEMAX: tl.constexpr, SOFTCAP: tl.constexpr,
-               DOT_FP32: tl.constexpr, IEEE: tl.constexpr):
-    # One step of the streaming softmax: fold key block [start_n, start_n + BLOCK_N) into (m, l, acc).
+               BF16_STATE: tl.constexpr, SAFEMAX: tl.constexpr, ROUND_LOGITS: tl.constexpr,
+               ROUND_PV: tl.constexpr, SOFTCAP: tl.constexpr, DOT_FP32: tl.constexpr, IEEE: tl.constexpr):
+    # One step of the streaming softmax, as the loop body of _fwd_torch: fold key block [start_n, start_n +
+    # BLOCK_N) into (m, l, acc).
     offs_n = start_n + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
     kT = _load_block(K + _rows(offs_n, stride_t)[None, :] + offs_d[:, None], offs_n[None, :] < T, CAUSAL_MASK)
     v = _load_block(V + _rows(offs_n, stride_t)[:, None] + offs_d[None, :], offs_n[:, None] < T, CAUSAL_MASK)
-    s, t = _logits(_dot(q, kT, tl.zeros([q.shape[0], BLOCK_N], tl.float32), DOT_FP32, IEEE),
-                   scale, softcap, BF16_STATE, SOFTCAP)
+    s, t = _logits(_dot(q, kT, tl.zeros([q.shape[0], BLOCK_N], tl.float32), DOT_FP32=DOT_FP32, IEEE=IEEE),
+                   scale, softcap, ROUND_LOGITS=ROUND_LOGITS, SOFTCAP=SOFTCAP)
     if CAUSAL_MASK:   # for a valid row this also hides keys past T (key <= row < T)
         s = tl.where(offs_n[None, :] <= offs_m[:, None], s, float("-inf"))
 
@@ -160,39 +307,28 @@ def _fwd_block(q, K, V, start_n, offs_m, m_i, l_i, acc, top, stride_t, scale, so
     top = tl.maximum(top, rm)
     shift = rm
     if SAFEMAX:
-        # A row max that repeats in this block (count > 1) makes p = exp(s - m) hold exact 1s, whose bf16
-        # P@V sums round with a bias. Shift by beta*rm (rm > 0) or 0 (rm <= 0) so every p < 1 (p = 1 only
-        # survives for a tie at exactly 0). Exact in real arithmetic (softmax is shift-invariant), but a
-        # large shift underflows: exp(-(beta-1)*rm) < 1e-38 once rm > ~87/(beta-1), and l can reach 0.
-        count = tl.sum((s == rm[:, None]).to(tl.int32), 1)
-        tied = (count > 1) & (rm > float("-inf"))  # rm = -inf: the row sees no key here, keep the no-op
-        shift = tl.where(tied, tl.where(rm > 0, beta * rm, 0.0), rm)
-    m_new = tl.maximum(m_i, shift)
-
-    if BF16_STATE:
-        # The fault. r() = round to bf16 and back. s = r(q.k * scale) [softcap, r() again] (_logits);
-        #   m_new = r(max(m, shift));  alpha = exp(r(m - m_new));  p = exp(r(s - m_new))
-        #   (exp in fp32 of a bf16 argument: a tie at the row max gives p = exactly 1)
-        #   l = r(l*alpha + rowsum(p));  acc = r(acc*alpha + r(p) @ v)
-        m_new = _round_bf16(m_new)
-        alpha = tl.exp(_round_bf16(m_i - m_new))
-        p = tl.exp(_round_bf16(s - m_new[:, None]))
-        l_i = _round_bf16(l_i * alpha + tl.sum(p, 1))
-        p = _round_bf16(p)
-        acc = _round_bf16(_dot(_cast(p, V), v, acc * alpha[:, None], DOT_FP32, IEEE))
-    else:
-        # The repair: s, m, l, acc in fp32; only P is cast to v's dtype for the P@V matmul (fp32 accumulate).
-        alpha = tl.exp(m_i - m_new)
-        p = tl.exp(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = _dot(_cast(p, V), v, acc * alpha[:, None], DOT_FP32, IEEE)
+        shift = _safemax_shift(s, rm, beta)
+    m_new = _r_if(tl.maximum(m_i, shift), ON=BF16_STATE)
+    alpha = _r_if(tl.exp(_r_if(m_i - m_new, ON=BF16_STATE)), ON=BF16_STATE)
+    p = _r_if(tl.exp(_r_if(s - m_new[:, None], ON=BF16_STATE)), ON=BF16_STATE)
+    block_sum = tl.sum(p, 1)
+    if BF16_STATE:   # clamped where the row sees the block (elsewhere the step must stay a no-op)
+        block_sum = _round_bf16(block_sum)
+        block_sum = tl.where(rm > float("-inf"), tl.maximum(block_sum, 1e-10), block_sum)
+    l_i = _r_if(_r_if(l_i * alpha, ON=BF16_STATE) + block_sum, ON=BF16_STATE)
+    if BF16_STATE or ROUND_PV:
+        pv = _dot(_cast(p, V), v, tl.zeros([q.shape[0], HEAD_DIM], tl.float32), DOT_FP32=DOT_FP32, IEEE=IEEE)
+        acc = _r_if(_r_if(acc * alpha[:, None], ON=BF16_STATE) + _r_if(pv, ON=ROUND_PV), ON=BF16_STATE)
+    else:            # a standard fp32-state kernel: P V accumulates straight into acc
+        acc = _dot(_cast(p, V), v, acc * alpha[:, None], DOT_FP32=DOT_FP32, IEEE=IEEE)
     return m_new, l_i, acc, top
 
 
 @triton.jit
 def _attn_fwd(Q, K, V, O, LSE, ROWMAX, stride_b, stride_h, stride_t, H, T, scale, softcap, beta,
               HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-              BF16_STATE: tl.constexpr, SAFEMAX: tl.constexpr, SOFTCAP: tl.constexpr,
+              BF16_STATE: tl.constexpr, SAFEMAX: tl.constexpr, ROUND_LOGITS: tl.constexpr,
+              ROUND_PV: tl.constexpr, BWD_BF16: tl.constexpr, SOFTCAP: tl.constexpr,
               DOT_FP32: tl.constexpr, IEEE: tl.constexpr):
     pid_m = tl.program_id(0)
     bh = tl.program_id(1)
@@ -206,40 +342,40 @@ def _attn_fwd(Q, K, V, O, LSE, ROWMAX, stride_b, stride_h, stride_t, H, T, scale
     q = tl.load(Q + _rows(offs_m, stride_t)[:, None] + offs_d[None, :], mask=offs_m[:, None] < T, other=0.0)
 
     # Streaming state per query row. Rows past T are computed on zeros and never stored.
-    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)      # running shift (the max, or the safemax shift)
-    l_i = tl.zeros([BLOCK_M], tl.float32)                    # running sum of exp(s - m)
-    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)          # running sum of exp(s - m) * v
-    top = tl.full([BLOCK_M], float("-inf"), tl.float32)      # true max logit, for max_logit (never the shift)
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    top = tl.full([BLOCK_M], float("-inf"), tl.float32)
 
     # Causal: this query block sees the key blocks up to its own end, in order from key 0 (which every row
     # sees, so m_i is finite after the first block; a later block that a row cannot see is an exact no-op).
-    # The blocks left of the diagonal need no mask; the same blocks, in the same order, in both loops.
     diag = pid_m * BLOCK_M // BLOCK_N * BLOCK_N
     for start_n in range(0, diag, BLOCK_N):
-        m_i, l_i, acc, top = _fwd_block(q, K, V, start_n, offs_m, m_i, l_i, acc, top, stride_t, scale, softcap,
-                                        beta, T, HEAD_DIM, BLOCK_N, False, BF16_STATE, SAFEMAX, SOFTCAP,
-                                        DOT_FP32, IEEE)
+        m_i, l_i, acc, top = _fwd_block(
+            q, K, V, start_n, offs_m, m_i, l_i, acc, top, stride_t, scale, softcap, beta, T,
+            HEAD_DIM=HEAD_DIM, BLOCK_N=BLOCK_N, CAUSAL_MASK=False, BF16_STATE=BF16_STATE, SAFEMAX=SAFEMAX,
+            ROUND_LOGITS=ROUND_LOGITS, ROUND_PV=ROUND_PV, SOFTCAP=SOFTCAP, DOT_FP32=DOT_FP32, IEEE=IEEE)
     for start_n in range(diag, (pid_m + 1) * BLOCK_M, BLOCK_N):
-        m_i, l_i, acc, top = _fwd_block(q, K, V, start_n, offs_m, m_i, l_i, acc, top, stride_t, scale, softcap,
-                                        beta, T, HEAD_DIM, BLOCK_N, True, BF16_STATE, SAFEMAX, SOFTCAP,
-                                        DOT_FP32, IEEE)
+        m_i, l_i, acc, top = _fwd_block(
+            q, K, V, start_n, offs_m, m_i, l_i, acc, top, stride_t, scale, softcap, beta, T,
+            HEAD_DIM=HEAD_DIM, BLOCK_N=BLOCK_N, CAUSAL_MASK=True, BF16_STATE=BF16_STATE, SAFEMAX=SAFEMAX,
+            ROUND_LOGITS=ROUND_LOGITS, ROUND_PV=ROUND_PV, SOFTCAP=SOFTCAP, DOT_FP32=DOT_FP32, IEEE=IEEE)
 
-    # o = acc / l, cast once to the input dtype; lse = m + log(l) in fp32 (from the bf16 m and l in bf16 mode:
-    # the backward recomputes p = exp(s - lse)).
-    o = acc / l_i[:, None]
-    if BF16_STATE:
-        o = _round_bf16(o)           # the bf16 O that the backward's delta = rowsum(dO * O) then sees
+    o = _r_if(acc / l_i[:, None], ON=BF16_STATE)    # the O that the backward's delta = rowsum(dO * O) then sees
+    lse = m_i + tl.log(l_i)
+    if BWD_BF16:
+        lse = _round_bf16(_round_bf16(tl.log(l_i)) + m_i)
     row_ok = offs_m < T
     rows = bh.to(tl.int64) * T + offs_m                       # LSE, ROWMAX: contiguous (B, H, T)
     tl.store(O + _rows(offs_m, stride_t)[:, None] + offs_d[None, :], _cast(o, O), mask=row_ok[:, None])
-    tl.store(LSE + rows, m_i + tl.log(l_i), mask=row_ok)
+    tl.store(LSE + rows, lse, mask=row_ok)
     tl.store(ROWMAX + rows, top, mask=row_ok)
 
 
 @triton.jit
 def _attn_bwd_delta(O, DO, DELTA, stride_b, stride_h, stride_t, H, T, HEAD_DIM: tl.constexpr,
-                    BLOCK_M: tl.constexpr):
-    # delta = rowsum(dO * O) with the STORED O: in bf16 mode the biased O enters the gradient, as in the prior work.
+                    BLOCK_M: tl.constexpr, BWD_BF16: tl.constexpr):
+    # delta = rowsum(dO * O) with the STORED O: in bf16 modes the biased O enters the gradient, as in the prior work.
     pid_m = tl.program_id(0)
     bh = tl.program_id(1)
     head = _head(bh, H, stride_b, stride_h)
@@ -248,18 +384,36 @@ def _attn_bwd_delta(O, DO, DELTA, stride_b, stride_h, stride_t, H, T, HEAD_DIM: 
     ptrs = head + _rows(offs_m, stride_t)[:, None] + offs_d[None, :]
     o = tl.load(O + ptrs, mask=offs_m[:, None] < T, other=0.0).to(tl.float32)
     do = tl.load(DO + ptrs, mask=offs_m[:, None] < T, other=0.0).to(tl.float32)
-    tl.store(DELTA + bh.to(tl.int64) * T + offs_m, tl.sum(o * do, 1), mask=offs_m < T)
+    delta = _r_if(tl.sum(_r_if(o * do, ON=BWD_BF16), 1), ON=BWD_BF16)
+    tl.store(DELTA + bh.to(tl.int64) * T + offs_m, delta, mask=offs_m < T)
 
 
-# The backward (all modes, fp32 math): recompute s with the forward's rounding, p = exp(s - lse),
-#   dv = p^T @ dO;  dp = dO @ v^T;  ds = p * (dp - delta)  [softcap: ds *= 1 - tanh^2];
-#   dq = ds @ k * scale;  dk = ds^T @ q * scale.  p and ds are cast to the input dtype for the matmuls.
-# Query rows past T load lse = +inf, so their p, and with it every contribution they make, is exactly 0.
+@triton.jit
+def _ds(p, dp, delta, t, scale, SOFTCAP: tl.constexpr, BWD_BF16: tl.constexpr):
+    # dS = P * (dP - delta) [* (1 - tanh^2)]; the bf16 backward rounds each product and takes the scale inside.
+    if BWD_BF16:
+        ds = _round_bf16(_round_bf16(p * scale) * _round_bf16(dp - delta))
+    else:
+        ds = p * (dp - delta)
+    if SOFTCAP:
+        ds = _r_if(ds * (1.0 - t * t), ON=BWD_BF16)
+    return ds
+
+
+@triton.jit
+def _add_tile(acc, a, b, DOT_FP32: tl.constexpr, IEEE: tl.constexpr, BWD_BF16: tl.constexpr):
+    # acc + a @ b: accumulated in fp32, or (bf16 backward) r(acc + r(a @ b)) once per tile.
+    if BWD_BF16:
+        acc = _round_bf16(acc + _round_bf16(_mm(a, b, DOT_FP32=DOT_FP32, IEEE=IEEE)))
+    else:
+        acc = _dot(a, b, acc, DOT_FP32=DOT_FP32, IEEE=IEEE)
+    return acc
+
 
 @triton.jit
 def _dkdv_block(k, v, dk, dv, Q, DO, LSE, DELTA, start_m, offs_n, stride_t, scale, softcap, T,
                 HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, CAUSAL_MASK: tl.constexpr,
-                BF16_STATE: tl.constexpr, SOFTCAP: tl.constexpr,
+                ROUND_LOGITS: tl.constexpr, BWD_BF16: tl.constexpr, SOFTCAP: tl.constexpr,
                 DOT_FP32: tl.constexpr, IEEE: tl.constexpr):
     # Add query block [start_m, start_m + BLOCK_M)'s share to dk and dv, in transposed form (keys x queries).
     offs_m = start_m + tl.arange(0, BLOCK_M)
@@ -267,26 +421,24 @@ def _dkdv_block(k, v, dk, dv, Q, DO, LSE, DELTA, start_m, offs_n, stride_t, scal
     row_ok = offs_m < T
     qT = tl.load(Q + _rows(offs_m, stride_t)[None, :] + offs_d[:, None], mask=row_ok[None, :], other=0.0)
     do = tl.load(DO + _rows(offs_m, stride_t)[:, None] + offs_d[None, :], mask=row_ok[:, None], other=0.0)
-    lse = tl.load(LSE + offs_m, mask=row_ok, other=float("inf"))
+    lse = tl.load(LSE + offs_m, mask=row_ok, other=float("inf"))   # rows past T: p = 0, no contribution
     delta = tl.load(DELTA + offs_m, mask=row_ok, other=0.0)
-    sT, tT = _logits(_dot(k, qT, tl.zeros([k.shape[0], BLOCK_M], tl.float32), DOT_FP32, IEEE),
-                     scale, softcap, BF16_STATE, SOFTCAP)
+    sT, tT = _logits(_dot(k, qT, tl.zeros([k.shape[0], BLOCK_M], tl.float32), DOT_FP32=DOT_FP32, IEEE=IEEE),
+                     scale, softcap, ROUND_LOGITS=ROUND_LOGITS, SOFTCAP=SOFTCAP)
     if CAUSAL_MASK:
         sT = tl.where(offs_n[:, None] <= offs_m[None, :], sT, float("-inf"))
-    pT = tl.exp(sT - lse[None, :])
-    dv = _dot(_cast(pT, DO), do, dv, DOT_FP32, IEEE)
-    dpT = _dot(v, tl.trans(do), tl.zeros([k.shape[0], BLOCK_M], tl.float32), DOT_FP32, IEEE)
-    dsT = pT * (dpT - delta[None, :])
-    if SOFTCAP:
-        dsT = dsT * (1.0 - tT * tT)
-    dk = _dot(_cast(dsT, Q), tl.trans(qT), dk, DOT_FP32, IEEE)
+    pT = _r_if(tl.exp(_r_if(sT - lse[None, :], ON=BWD_BF16)), ON=BWD_BF16)
+    dv = _add_tile(dv, _cast(pT, DO), do, DOT_FP32=DOT_FP32, IEEE=IEEE, BWD_BF16=BWD_BF16)
+    dpT = _r_if(_mm(v, tl.trans(do), DOT_FP32=DOT_FP32, IEEE=IEEE), ON=BWD_BF16)
+    dsT = _ds(pT, dpT, delta[None, :], tT, scale, SOFTCAP=SOFTCAP, BWD_BF16=BWD_BF16)
+    dk = _add_tile(dk, _cast(dsT, Q), tl.trans(qT), DOT_FP32=DOT_FP32, IEEE=IEEE, BWD_BF16=BWD_BF16)
     return dk, dv
 
 
 @triton.jit
 def _attn_bwd_dkdv(Q, K, V, DO, LSE, DELTA, DK, DV, stride_b, stride_h, stride_t, H, T, scale, softcap,
                    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                   BF16_STATE: tl.constexpr, SOFTCAP: tl.constexpr,
+                   ROUND_LOGITS: tl.constexpr, BWD_BF16: tl.constexpr, SOFTCAP: tl.constexpr,
                    DOT_FP32: tl.constexpr, IEEE: tl.constexpr):
     # One key block per program, dk and dv accumulating in registers; loop over the query blocks that see it.
     pid_n = tl.program_id(0)
@@ -308,12 +460,15 @@ def _attn_bwd_dkdv(Q, K, V, DO, LSE, DELTA, DK, DV, stride_b, stride_h, stride_t
     full = ((pid_n + 1) * BLOCK_N + BLOCK_M - 1) // BLOCK_M * BLOCK_M  # from here on, every query sees them all
     for start_m in range(lo, full, BLOCK_M):
         dk, dv = _dkdv_block(k, v, dk, dv, Q, DO, LSE, DELTA, start_m, offs_n, stride_t, scale, softcap, T,
-                             HEAD_DIM, BLOCK_M, True, BF16_STATE, SOFTCAP, DOT_FP32, IEEE)
+                             HEAD_DIM=HEAD_DIM, BLOCK_M=BLOCK_M, CAUSAL_MASK=True, ROUND_LOGITS=ROUND_LOGITS,
+                             BWD_BF16=BWD_BF16, SOFTCAP=SOFTCAP, DOT_FP32=DOT_FP32, IEEE=IEEE)
     for start_m in range(full, T, BLOCK_M):
         dk, dv = _dkdv_block(k, v, dk, dv, Q, DO, LSE, DELTA, start_m, offs_n, stride_t, scale, softcap, T,
-                             HEAD_DIM, BLOCK_M, False, BF16_STATE, SOFTCAP, DOT_FP32, IEEE)
+                             HEAD_DIM=HEAD_DIM, BLOCK_M=BLOCK_M, CAUSAL_MASK=False, ROUND_LOGITS=ROUND_LOGITS,
+                             BWD_BF16=BWD_BF16, SOFTCAP=SOFTCAP, DOT_FP32=DOT_FP32, IEEE=IEEE)
 
-    dk = dk * scale
+    if not BWD_BF16:      # the bf16 backward has the scale inside dS
+        dk = dk * scale
     tl.store(DK + kv_ptrs, _cast(dk, DK), mask=offs_n[:, None] < T)
     tl.store(DV + kv_ptrs, _cast(dv, DV), mask=offs_n[:, None] < T)
 
@@ -321,7 +476,7 @@ def _attn_bwd_dkdv(Q, K, V, DO, LSE, DELTA, DK, DV, stride_b, stride_h, stride_t
 @triton.jit
 def _dq_block(q, do, lse, delta, dq, K, V, start_n, offs_m, stride_t, scale, softcap, T,
               HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL_MASK: tl.constexpr,
-              BF16_STATE: tl.constexpr, SOFTCAP: tl.constexpr,
+              ROUND_LOGITS: tl.constexpr, BWD_BF16: tl.constexpr, SOFTCAP: tl.constexpr,
               DOT_FP32: tl.constexpr, IEEE: tl.constexpr):
     # Add key block [start_n, start_n + BLOCK_N)'s share to dq.
     offs_n = start_n + tl.arange(0, BLOCK_N)
@@ -329,22 +484,20 @@ def _dq_block(q, do, lse, delta, dq, K, V, start_n, offs_m, stride_t, scale, sof
     kT_offs = _rows(offs_n, stride_t)[None, :] + offs_d[:, None]
     kT = _load_block(K + kT_offs, offs_n[None, :] < T, CAUSAL_MASK)
     vT = _load_block(V + kT_offs, offs_n[None, :] < T, CAUSAL_MASK)
-    s, t = _logits(_dot(q, kT, tl.zeros([q.shape[0], BLOCK_N], tl.float32), DOT_FP32, IEEE),
-                   scale, softcap, BF16_STATE, SOFTCAP)
+    s, t = _logits(_dot(q, kT, tl.zeros([q.shape[0], BLOCK_N], tl.float32), DOT_FP32=DOT_FP32, IEEE=IEEE),
+                   scale, softcap, ROUND_LOGITS=ROUND_LOGITS, SOFTCAP=SOFTCAP)
     if CAUSAL_MASK:
         s = tl.where(offs_n[None, :] <= offs_m[:, None], s, float("-inf"))
-    p = tl.exp(s - lse[:, None])
-    dp = _dot(do, vT, tl.zeros([q.shape[0], BLOCK_N], tl.float32), DOT_FP32, IEEE)
-    ds = p * (dp - delta[:, None])
-    if SOFTCAP:
-        ds = ds * (1.0 - t * t)
-    return _dot(_cast(ds, K), tl.trans(kT), dq, DOT_FP32, IEEE)
+    p = _r_if(tl.exp(_r_if(s - lse[:, None], ON=BWD_BF16)), ON=BWD_BF16)
+    dp = _r_if(_mm(do, vT, DOT_FP32=DOT_FP32, IEEE=IEEE), ON=BWD_BF16)
+    ds = _ds(p, dp, delta[:, None], t, scale, SOFTCAP=SOFTCAP, BWD_BF16=BWD_BF16)
+    return _add_tile(dq, _cast(ds, K), tl.trans(kT), DOT_FP32=DOT_FP32, IEEE=IEEE, BWD_BF16=BWD_BF16)
 
 
 @triton.jit
 def _attn_bwd_dq(Q, K, V, DO, LSE, DELTA, DQ, stride_b, stride_h, stride_t, H, T, scale, softcap,
                  HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                 BF16_STATE: tl.constexpr, SOFTCAP: tl.constexpr,
+                 ROUND_LOGITS: tl.constexpr, BWD_BF16: tl.constexpr, SOFTCAP: tl.constexpr,
                  DOT_FP32: tl.constexpr, IEEE: tl.constexpr):
     # One query block per program; loop over the key blocks it sees, unmasked left of the diagonal (as forward).
     pid_m = tl.program_id(0)
@@ -365,46 +518,64 @@ def _attn_bwd_dq(Q, K, V, DO, LSE, DELTA, DQ, stride_b, stride_h, stride_t, H, T
     diag = pid_m * BLOCK_M // BLOCK_N * BLOCK_N
     for start_n in range(0, diag, BLOCK_N):
         dq = _dq_block(q, do, lse, delta, dq, K, V, start_n, offs_m, stride_t, scale, softcap, T,
-                       HEAD_DIM, BLOCK_N, False, BF16_STATE, SOFTCAP, DOT_FP32, IEEE)
+                       HEAD_DIM=HEAD_DIM, BLOCK_N=BLOCK_N, CAUSAL_MASK=False, ROUND_LOGITS=ROUND_LOGITS,
+                       BWD_BF16=BWD_BF16, SOFTCAP=SOFTCAP, DOT_FP32=DOT_FP32, IEEE=IEEE)
     for start_n in range(diag, (pid_m + 1) * BLOCK_M, BLOCK_N):
         dq = _dq_block(q, do, lse, delta, dq, K, V, start_n, offs_m, stride_t, scale, softcap, T,
-                       HEAD_DIM, BLOCK_N, True, BF16_STATE, SOFTCAP, DOT_FP32, IEEE)
+                       HEAD_DIM=HEAD_DIM, BLOCK_N=BLOCK_N, CAUSAL_MASK=True, ROUND_LOGITS=ROUND_LOGITS,
+                       BWD_BF16=BWD_BF16, SOFTCAP=SOFTCAP, DOT_FP32=DOT_FP32, IEEE=IEEE)
 
-    dq = dq * scale
+    if not BWD_BF16:
+        dq = dq * scale
     tl.store(DQ + q_ptrs, _cast(dq, DQ), mask=offs_m[:, None] < T)
 
 
-def _fwd_config(D, dtype, block_n, accum):
-    """(BLOCK_M, BLOCK_N, num_warps, num_stages) for an H100/H200, chosen so that no kernel spills registers on
-    sm_90: `python bench.py --only resources` prints registers, spills and shared memory per kernel."""
+# ----------------------------------------------------------------------------------------------------------------
+# Launch configurations (BLOCK_M, BLOCK_N, num_warps, num_stages) for an H100/H200, chosen from sm_90 compiles so
+# that no kernel spills registers (`python bench.py --only resources` prints registers, spills and shared memory;
+# `python bench.py --only tune` times other configurations on a GPU).
+
+def _rounds_per_block(accum, rounding):
+    """Whether the forward rounds something once per key block (the state, or the separate P V product)."""
+    return accum != "fp32" or "pv" in rounding
+
+
+def _fwd_config(D, dtype, block_n, accum, rounding=()):
     es = torch.empty((), dtype=dtype).element_size()
-    if not block_n:   # fp32 state: a speed choice; bf16 state: part of the fault's definition
-        block_n = (32 if es == 4 else 64) if accum == "fp32" else BF16_STATE_BLOCK_N
+    rounded = _rounds_per_block(accum, rounding)
+    if not block_n:   # a standard fp32-state kernel: a speed choice; else part of the fault's definition
+        block_n = BF16_STATE_BLOCK_N if rounded else (32 if es == 4 else 64)
     if es == 4:
-        # fp32 inputs: IEEE dots run on the FMA units, not the tensor cores, with their operands in registers.
-        # Larger tiles spill tens of KB per thread: `python bench.py --only resources --dtype fp32`.
+        # fp32 inputs: IEEE dots run on the FMA units, not the tensor cores, with their operands in registers;
+        # larger tiles spill tens of KB per thread (`python bench.py --only resources --dtype fp32`).
+        if rounded:      # the rounded modes hold a second tile (the separate P V): 16 warps share it
+            return 32 if D <= 64 else 16, block_n, 16 if block_n >= 128 else 8, 1
         block_m = 16 if D > 64 else max(16, min(64, 2048 // block_n))
         return block_m, block_n, 16 if D > 64 and block_n >= 128 else 8, 1
-    # Registers grow with the S tile (BLOCK_M x BLOCK_N) and the accumulator (BLOCK_M x D) per thread, and the
-    # bf16 state's rounding needs more temporaries: 4 warps spill there (3 KB per thread at D=64), 8 do not.
-    block_m = 128 if accum == "fp32" or D <= 64 else 64
-    warps = 4 if accum == "fp32" and block_m * (block_n + D) <= 128 * 128 else 8
-    # Pipeline stages: each holds one K and one V tile; stay well inside ~227 KB of shared memory.
+    # Registers grow with the S tile (BLOCK_M x BLOCK_N) and the accumulator (BLOCK_M x D) per thread; the rounded
+    # modes need more temporaries (a separate P V tile): 4 warps spill there (3 KB per thread at D=64), 8 do not.
+    block_m = 128 if not rounded or D <= 64 else 64
+    warps = 4 if not rounded and block_m * (block_n + D) <= 128 * 128 else 8
+    # Pipeline stages: each holds one K and one V tile; stay well inside the 227 KB of shared memory per SM.
     stages = max(1, min(3, (160 * 1024 - block_m * D * es) // (2 * block_n * D * es)))
     return block_m, block_n, warps, stages
 
 
-def _bwd_configs(D, dtype):
-    """(BLOCK_M, BLOCK_N, num_warps, num_stages) of the dk/dv kernel, then of the dq kernel."""
+def _bwd_configs(D, dtype, rounding=()):
+    """The dk/dv kernel's configuration, then the dq kernel's."""
+    if "backward" in rounding:   # the bf16 sums are rounded once per BF16_BWD_BLOCK tile: the tile is fixed
+        config = (BF16_BWD_BLOCK, BF16_BWD_BLOCK, 8 if D >= 128 else 4, 1)
+        return config, config
     if dtype == torch.float32:   # IEEE dots on the FMA units, as in _fwd_config
         return (16, 32, 8, 1), (16, 32, 8, 1)
     config = (64, 64, 8 if D >= 128 else 4, 2)
     return config, config
 
 
-def _mode_flags(accum, q):
-    return dict(BF16_STATE=accum != "fp32", DOT_FP32=_INTERPRET,
-                IEEE=q.dtype == torch.float32 or _INTERPRET)
+def _flags(accum, rounding, q):
+    """The constexpr switches of a call: the rounding sources, and how this machine runs dots."""
+    return dict(BF16_STATE=accum != "fp32", ROUND_LOGITS="logits" in rounding, ROUND_PV="pv" in rounding,
+                BWD_BF16="backward" in rounding, DOT_FP32=_INTERPRET, IEEE=q.dtype == torch.float32 or _INTERPRET)
 
 
 def _layout_args(x):
@@ -412,136 +583,91 @@ def _layout_args(x):
     return (*x.stride()[:3], x.shape[1])
 
 
-# One launcher per kernel, each taking its (BLOCK_M, BLOCK_N, num_warps, num_stages): the tuner times them alone.
+# One launcher per kernel, each taking its configuration: the tuner times them alone.
 
-def _launch_fwd(config, q, k, v, o, lse, row_max, scale, softcap, accum, beta):
+def _launch_fwd(config, q, k, v, o, lse, row_max, scale, softcap, accum, rounding, beta):
     B, H, T, D = q.shape
     block_m, block_n, warps, stages = config
     _attn_fwd[(triton.cdiv(T, block_m), B * H)](
         q, k, v, o, lse, row_max, *_layout_args(q), T, scale, softcap, beta, HEAD_DIM=D, BLOCK_M=block_m,
-        BLOCK_N=block_n, SAFEMAX=accum == "bf16-safemax", SOFTCAP=softcap > 0, **_mode_flags(accum, q),
+        BLOCK_N=block_n, SAFEMAX=accum == "bf16-safemax", SOFTCAP=softcap > 0, **_flags(accum, rounding, q),
         num_warps=warps, num_stages=stages)
 
 
-def _launch_dkdv(config, q, k, v, do, lse, delta, dk, dv, scale, softcap, accum):
+def _bwd_flags(accum, rounding, q):
+    flags = _flags(accum, rounding, q)
+    return {key: flags[key] for key in ("ROUND_LOGITS", "BWD_BF16", "DOT_FP32", "IEEE")}
+
+
+def _launch_dkdv(config, q, k, v, do, lse, delta, dk, dv, scale, softcap, accum, rounding):
     B, H, T, D = q.shape
     block_m, block_n, warps, stages = config
     _attn_bwd_dkdv[(triton.cdiv(T, block_n), B * H)](
         q, k, v, do, lse, delta, dk, dv, *_layout_args(q), T, scale, softcap, HEAD_DIM=D, BLOCK_M=block_m,
-        BLOCK_N=block_n, SOFTCAP=softcap > 0, **_mode_flags(accum, q), num_warps=warps, num_stages=stages)
+        BLOCK_N=block_n, SOFTCAP=softcap > 0, **_bwd_flags(accum, rounding, q), num_warps=warps,
+        num_stages=stages)
 
 
-def _launch_dq(config, q, k, v, do, lse, delta, dq, scale, softcap, accum):
+def _launch_dq(config, q, k, v, do, lse, delta, dq, scale, softcap, accum, rounding):
     B, H, T, D = q.shape
     block_m, block_n, warps, stages = config
     _attn_bwd_dq[(triton.cdiv(T, block_m), B * H)](
         q, k, v, do, lse, delta, dq, *_layout_args(q), T, scale, softcap, HEAD_DIM=D, BLOCK_M=block_m,
-        BLOCK_N=block_n, SOFTCAP=softcap > 0, **_mode_flags(accum, q), num_warps=warps, num_stages=stages)
+        BLOCK_N=block_n, SOFTCAP=softcap > 0, **_bwd_flags(accum, rounding, q), num_warps=warps,
+        num_stages=stages)
 
 
-def _fwd_triton(q, k, v, o, scale, softcap, accum, beta, block_n):
+def _fwd_triton(q, k, v, o, scale, softcap, accum, rounding, beta, block_n):
     """Writes o (q's layout, as are k and v); returns lse and the row max logit, (B, H, T) fp32."""
     B, H, T, D = q.shape
     lse = _new((B, H, T), torch.float32, q.device)
     row_max = _new((B, H, T), torch.float32, q.device)
-    _launch_fwd(_fwd_config(D, q.dtype, block_n, accum), q, k, v, o, lse, row_max, scale, softcap, accum, beta)
+    _launch_fwd(_fwd_config(D, q.dtype, block_n, accum, rounding), q, k, v, o, lse, row_max, scale, softcap,
+                accum, rounding, beta)
     return lse, row_max
 
 
-def _bwd_delta(o, do):
+def _bwd_delta(o, do, rounding=()):
     B, H, T, D = o.shape
     delta = _new((B, H, T), torch.float32, o.device)
-    _attn_bwd_delta[(triton.cdiv(T, 64), B * H)](o, do, delta, *_layout_args(o), T, HEAD_DIM=D, BLOCK_M=64)
+    _attn_bwd_delta[(triton.cdiv(T, 64), B * H)](o, do, delta, *_layout_args(o), T, HEAD_DIM=D, BLOCK_M=64,
+                                                 BWD_BF16="backward" in rounding)
     return delta
 
 
-def _bwd_triton(do, q, k, v, o, lse, dq, dk, dv, scale, softcap, accum):
+def _bwd_triton(do, q, k, v, o, lse, dq, dk, dv, scale, softcap, accum, rounding):
     """Writes dq, dk, dv; every (B, H, T, D) tensor here shares q's layout."""
-    delta = _bwd_delta(o, do)
-    dkdv_config, dq_config = _bwd_configs(q.shape[3], q.dtype)
-    _launch_dkdv(dkdv_config, q, k, v, do, lse, delta, dk, dv, scale, softcap, accum)
-    _launch_dq(dq_config, q, k, v, do, lse, delta, dq, scale, softcap, accum)
+    delta = _bwd_delta(o, do, rounding)
+    dkdv_config, dq_config = _bwd_configs(q.shape[3], q.dtype, rounding)
+    _launch_dkdv(dkdv_config, q, k, v, do, lse, delta, dk, dv, scale, softcap, accum, rounding)
+    _launch_dq(dq_config, q, k, v, do, lse, delta, dq, scale, softcap, accum, rounding)
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# The PyTorch twin: the same algorithm and rounding points, vectorized over all queries, looping over key blocks.
-# Matmuls run in fp32 on upcast operands (exact products, like the tensor cores' fp32 accumulation).
+# Buffers, and the custom ops: opaque to torch.compile (no graph break), with a fake for shapes and a backward.
 
-def _r(x):
-    return x.to(torch.bfloat16).float()
-
-
-def _as(x, dtype):  # round fp32 to the input dtype and back (the matmul operand the kernel feeds)
-    return x.to(dtype).float()
+def _new(shape, dtype, device):
+    """The allocator of every buffer the kernels write (lse, row_max, delta; o, dq, dk, dv through _new_like)."""
+    if POISON_OUTPUTS:
+        return torch.full(shape, float("nan"), dtype=dtype, device=device)
+    return torch.empty(shape, dtype=dtype, device=device)
 
 
-def _logits_torch(qk, scale, softcap, bf16):
-    s = qk * scale
-    if bf16:
-        s = _r(s)
-    t = None
-    if softcap > 0:
-        t = 1.0 - 2.0 / (torch.exp(2.0 * (s / softcap)) + 1.0)  # tanh, same formula as the kernel
-        s = softcap * t
-        if bf16:
-            s = _r(s)
-    return s, t
+def _new_like(q):
+    """A (B, H, T, D) buffer in the one layout that o, dq, dk, dv, and the k, v, do they are computed from, share
+    with q: q's own strides when q is dense with a unit-stride head_dim (the model's (B, T, H, D).transpose(1, 2)
+    views, so that nothing is copied on the way in or out), else contiguous. The fakes use it too, so
+    torch.compile sees the strides the kernels write."""
+    if q.stride(-1) != 1:
+        return _new(q.shape, q.dtype, q.device)
+    x = torch.empty_like(q)          # keeps a dense tensor's strides
+    return x.fill_(float("nan")) if POISON_OUTPUTS else x
 
 
-def _fwd_torch(q, k, v, scale, softcap, accum, beta, block_n):
-    B, H, T, D = q.shape
-    bf16 = accum != "fp32"
-    r = _r if bf16 else (lambda x: x)
-    qf, kf, vf = q.float(), k.float(), v.float()
-    m = torch.full((B, H, T), float("-inf"), device=q.device)
-    l = torch.zeros((B, H, T), device=q.device)
-    acc = torch.zeros((B, H, T, D), device=q.device)
-    top = torch.full((B, H, T), float("-inf"), device=q.device)
-    pos = torch.arange(T, device=q.device)
-    for j in range(0, T, block_n):
-        keys, rows = slice(j, min(j + block_n, T)), slice(j, T)  # rows < j see none of these keys: a no-op
-        s, _ = _logits_torch(qf[:, :, rows] @ kf[:, :, keys].mT, scale, softcap, bf16)
-        s = s.masked_fill(pos[keys][None, :] > pos[rows][:, None], float("-inf"))
-        rm = s.amax(-1)
-        top[..., rows] = torch.maximum(top[..., rows], rm)
-        shift = rm
-        if accum == "bf16-safemax":  # see the kernel for the rule and its underflow caveat
-            tied = ((s == rm[..., None]).sum(-1) > 1) & (rm > float("-inf"))
-            shift = torch.where(tied, torch.where(rm > 0, beta * rm, 0.0), rm)
-        m_old = m[..., rows]
-        m_new = r(torch.maximum(m_old, shift))
-        alpha = torch.exp(r(m_old - m_new))
-        p = torch.exp(r(s - m_new[..., None]))
-        l[..., rows] = r(l[..., rows] * alpha + p.sum(-1))
-        acc[..., rows, :] = r(acc[..., rows, :] * alpha[..., None] + _as(r(p), v.dtype) @ vf[:, :, keys])
-        m[..., rows] = m_new
-    return r(acc / l[..., None]).to(q.dtype), m + torch.log(l), top
+def _in_layout(like, *xs):
+    """xs with like's strides (the kernels take one set of strides for all): copies only where they differ."""
+    return [x if x.stride() == like.stride() else torch.empty_like(like).copy_(x) for x in xs]
 
-
-def _bwd_torch(do, q, k, v, o, lse, scale, softcap, accum, block_n):
-    T, dt = q.shape[2], q.dtype
-    qf, kf, vf, dof = q.float(), k.float(), v.float(), do.float()
-    delta = (dof * o.float()).sum(-1)  # the stored (in bf16 mode: biased) O
-    dq = torch.zeros(qf.shape, device=q.device)
-    dk, dv = _new(q.shape, dt, q.device), _new(q.shape, dt, q.device)
-    pos = torch.arange(T, device=q.device)
-    for j in range(0, T, block_n):
-        keys, rows = slice(j, min(j + block_n, T)), slice(j, T)
-        s, t = _logits_torch(qf[:, :, rows] @ kf[:, :, keys].mT, scale, softcap, accum != "fp32")
-        s = s.masked_fill(pos[keys][None, :] > pos[rows][:, None], float("-inf"))
-        p = torch.exp(s - lse[..., rows, None])
-        dv[:, :, keys] = (_as(p, dt).mT @ dof[:, :, rows]).to(dt)
-        ds = p * (dof[:, :, rows] @ vf[:, :, keys].mT - delta[..., rows, None])
-        if softcap > 0:
-            ds = ds * (1.0 - t * t)
-        ds = _as(ds, dt)
-        dk[:, :, keys] = (ds.mT @ qf[:, :, rows] * scale).to(dt)
-        dq[:, :, rows] += ds @ kf[:, :, keys]
-    return (dq * scale).to(dt), dk, dv   # dk, dv are written block by block: poisoned buffers
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# Custom ops: opaque to torch.compile (no graph break), with a fake for shapes and a registered backward.
 
 def _no_autocast(x):
     """A caller's autocast stays on inside a custom op: it would run the twin's fp32 matmuls in bf16 and move
@@ -549,55 +675,67 @@ def _no_autocast(x):
     return torch.autocast(x.device.type, enabled=False)
 
 
+def _sources(rounding):
+    return tuple(rounding.split(",")) if rounding else ()
+
+
 @torch.library.custom_op("qkguard::attn_fwd", mutates_args=())
-def _attn_fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, softcap: float, accum: str,
-                 beta: float, impl: str, block_n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _attn_fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, delta_error: Optional[torch.Tensor],
+                 scale: float, softcap: float, accum: str, rounding: str, beta: float, impl: str,
+                 block_n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     o = _new_like(q)
     q, k, v = _in_layout(o, q, k, v)
+    sources = _sources(rounding)
     if impl == "triton":
-        return o, *_fwd_triton(q, k, v, o, scale, softcap, accum, beta, block_n or None)
+        return o, *_fwd_triton(q, k, v, o, scale, softcap, accum, sources, beta, block_n or None)
     with _no_autocast(q):
-        out, lse, row_max = _fwd_torch(q, k, v, scale, softcap, accum, beta, block_n or BF16_STATE_BLOCK_N)
+        out, lse, row_max = _fwd_torch(q, k, v, scale, softcap, accum, sources, beta, block_n or BF16_STATE_BLOCK_N)
     return o.copy_(out), lse, row_max
 
 
 @_attn_fwd_op.register_fake
-def _(q, k, v, scale, softcap, accum, beta, impl, block_n):
+def _(q, k, v, delta_error, scale, softcap, accum, rounding, beta, impl, block_n):
     rows = q.shape[:3]
     return _new_like(q), q.new_empty(rows, dtype=torch.float32), q.new_empty(rows, dtype=torch.float32)
 
 
 @torch.library.custom_op("qkguard::attn_bwd", mutates_args=())
 def _attn_bwd_op(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
-                 lse: torch.Tensor, scale: float, softcap: float, accum: str, impl: str,
-                 block_n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                 lse: torch.Tensor, delta_error: Optional[torch.Tensor], scale: float, softcap: float, accum: str,
+                 rounding: str, impl: str, block_n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     dq, dk, dv = (_new_like(q) for _ in range(3))
+    if delta_error is not None:
+        # The assay's backward-side error site: delta = rowsum(dO * (O + e)) with e = delta_error[h] * rms(O_h),
+        # the way a biased O reaches the gradient (through delta, so only dq and dk), with the forward untouched.
+        rms = o.float().pow(2).mean(dim=(0, 2, 3)).sqrt()                              # (H,)
+        o = (o.float() + (delta_error.float() * rms[:, None])[None, :, None, :]).to(o.dtype)
     do, q, k, v, o = _in_layout(dq, do, q, k, v, o)
+    sources = _sources(rounding)
     if impl == "triton":
-        _bwd_triton(do, q, k, v, o, lse, dq, dk, dv, scale, softcap, accum)
+        _bwd_triton(do, q, k, v, o, lse, dq, dk, dv, scale, softcap, accum, sources)
         return dq, dk, dv
     with _no_autocast(q):
-        grads = _bwd_torch(do, q, k, v, o, lse, scale, softcap, accum, block_n or BF16_STATE_BLOCK_N)
+        grads = _bwd_torch(do, q, k, v, o, lse, scale, softcap, sources, block_n or BF16_STATE_BLOCK_N)
     return tuple(buffer.copy_(g) for buffer, g in zip((dq, dk, dv), grads))
 
 
 @_attn_bwd_op.register_fake
-def _(do, q, k, v, o, lse, scale, softcap, accum, impl, block_n):
+def _(do, q, k, v, o, lse, delta_error, scale, softcap, accum, rounding, impl, block_n):
     return _new_like(q), _new_like(q), _new_like(q)
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, scale, softcap, accum, beta, impl, block_n = inputs
+    q, k, v, delta_error, scale, softcap, accum, rounding, beta, impl, block_n = inputs
     o, lse, row_max = output
-    ctx.save_for_backward(q, k, v, o, lse)
-    ctx.args = (scale, softcap, accum, impl, block_n)
+    ctx.save_for_backward(q, k, v, o, lse, delta_error)
+    ctx.args = (scale, softcap, accum, rounding, impl, block_n)
     ctx.mark_non_differentiable(lse, row_max)
 
 
 def _backward(ctx, do, _dlse, _drow_max):
-    q, k, v, o, lse = ctx.saved_tensors
-    dq, dk, dv = torch.ops.qkguard.attn_bwd(do, q, k, v, o, lse, *ctx.args)
-    return dq, dk, dv, None, None, None, None, None, None
+    q, k, v, o, lse, delta_error = ctx.saved_tensors
+    dq, dk, dv = torch.ops.qkguard.attn_bwd(do, q, k, v, o, lse, delta_error, *ctx.args)
+    return dq, dk, dv, None, None, None, None, None, None, None, None
 
 
 _attn_fwd_op.register_autograd(_backward, setup_context=_setup_context)
@@ -635,7 +773,20 @@ def _rms_norm(x, eps=1e-6):
     return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
 
 
-def _validate(q, k, v, accum, impl, softcap, safemax_beta, block_n):
+def resolve_rounding(rounding, dtype, impl="auto"):
+    """rounding as a tuple of ROUNDING_SOURCES: None -> DEFAULT_ROUNDING for bf16 inputs of the streaming kernel,
+    else none; a string "logits,pv" or "none" is accepted too."""
+    if rounding is None:
+        return DEFAULT_ROUNDING if dtype == torch.bfloat16 and impl not in ("sdpa", "reference") else ()
+    if isinstance(rounding, str):
+        rounding = () if rounding == "none" else tuple(rounding.split(","))
+    unknown = [s for s in rounding if s not in ROUNDING_SOURCES]
+    if unknown:
+        raise ValueError(f"unknown rounding source {unknown[0]!r}; use some of {ROUNDING_SOURCES}, or 'none'")
+    return tuple(s for s in ROUNDING_SOURCES if s in rounding)     # one canonical order
+
+
+def _validate(q, k, v, accum, impl, softcap, safemax_beta, block_n, rounding, delta_error):
     if accum not in ACCUM_MODES:
         raise ValueError(f"unknown accum={accum!r}; use one of {ACCUM_MODES}")
     if impl not in IMPLS:
@@ -648,10 +799,15 @@ def _validate(q, k, v, accum, impl, softcap, safemax_beta, block_n):
     dtypes = DTYPES + ((torch.float64,) if impl == "reference" else ())   # float64 leaves: float64 gradients
     if q.dtype not in dtypes or k.dtype != q.dtype or v.dtype != q.dtype:
         raise ValueError(f"q, k, v must share one dtype among {dtypes}; got {q.dtype}, {k.dtype}, {v.dtype}")
-    if softcap < 0:
-        raise ValueError(f"softcap must be >= 0 (0 = off); got {softcap}")
-    if accum == "bf16-safemax" and not safemax_beta > 1:
-        raise ValueError(f"safemax_beta must be > 1 (the prior work uses 2..8); got {safemax_beta}")
+    if not softcap >= 0 or math.isinf(softcap):
+        raise ValueError(f"softcap must be finite and >= 0 (0 = off); got {softcap}")
+    if accum == "bf16-safemax" and not (safemax_beta > 1 and math.isfinite(safemax_beta)):
+        raise ValueError(f"safemax_beta must be finite and > 1 (the prior work uses 2..8); got {safemax_beta}")
+    if "backward" in rounding and q.dtype != torch.bfloat16:
+        raise ValueError(f"rounding 'backward' is the prior work's bf16 backward: it needs bf16 inputs; got {q.dtype}")
+    if delta_error is not None and tuple(delta_error.shape) != (q.shape[1], q.shape[3]):
+        raise ValueError(f"delta_error must be (heads, head_dim) = {(q.shape[1], q.shape[3])}; got "
+                         f"{tuple(delta_error.shape)}")
     if impl == "auto":
         impl = "triton" if q.is_cuda else "torch"
     if impl == "triton":
@@ -665,23 +821,29 @@ def _validate(q, k, v, accum, impl, softcap, safemax_beta, block_n):
             raise ValueError(f"impl='triton' needs block_n a power of two in [16, 128]; got {block_n}")
     if block_n is not None and block_n < 1:
         raise ValueError(f"block_n must be a positive integer; got {block_n}")
-    if impl == "sdpa" and (accum != "fp32" or softcap > 0):
-        raise ValueError("impl='sdpa' supports only accum='fp32' and softcap=0; use impl='triton' or 'torch'")
+    if impl in ("sdpa", "reference") and (accum != "fp32" or softcap > 0 and impl == "sdpa" or rounding
+                                          or delta_error is not None):
+        raise ValueError(f"impl={impl!r} supports only accum='fp32', no rounding sources and no delta_error"
+                         f"{' or softcap' if impl == 'sdpa' else ''}; use impl='triton' or 'torch'")
     return impl
 
 
-def attention(q, k, v, accum="fp32", qk_norm=False, return_max_logit=False, *,
-              scale=None, softcap=0.0, safemax_beta=2.0, impl="auto", block_n=None):
+def attention(q, k, v, accum="fp32", qk_norm=False, return_max_logit=False, *, scale=None, softcap=0.0,
+              safemax_beta=2.0, impl="auto", block_n=None, rounding=None, delta_error=None):
     """Causal multi-head attention. q, k, v: (batch, heads, time, head_dim), same dtype (bf16, fp16 or fp32; also
     float64 for impl="reference").
     Returns o (same shape and dtype as q), or (o, max_logit) with max_logit (batch, heads) float32 when asked.
 
-    accum: streaming-softmax state precision, one of ACCUM_MODES. qk_norm: parameter-free RMS norm of q and k
-    (scale unchanged, so |logit| <= scale * head_dim). softcap > 0: logits <- softcap * tanh(logits / softcap).
-    max_logit: max over the unmasked logits entering the softmax (after scale, qk_norm, softcap); no gradient.
-    impl: one of IMPLS ("reference" returns float64). block_n: key block size of the streaming loop.
+    accum: the streaming-softmax state, one of ACCUM_MODES. rounding: the other bf16 rounding points, some of
+    ROUNDING_SOURCES (see the module docstring; None: "logits" and "pv" for bf16 inputs, none otherwise).
+    qk_norm: parameter-free RMS norm of q and k (scale unchanged, so |logit| <= scale * head_dim). softcap > 0:
+    logits <- softcap * tanh(logits / softcap). max_logit: max over the unmasked logits entering the softmax (after
+    scale, qk_norm, softcap); no gradient. impl: one of IMPLS ("reference" returns float64). block_n: key block of
+    the streaming loop. delta_error: (heads, head_dim), the assay's error in the O that the backward's delta sees,
+    in units of each head's rms(O); the forward is unchanged.
     """
-    impl = _validate(q, k, v, accum, impl, softcap, safemax_beta, block_n)
+    rounding = resolve_rounding(rounding, q.dtype, impl)
+    impl = _validate(q, k, v, accum, impl, softcap, safemax_beta, block_n, rounding, delta_error)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     if qk_norm:
         q, k = _rms_norm(q), _rms_norm(k)
@@ -691,8 +853,8 @@ def attention(q, k, v, accum="fp32", qk_norm=False, return_max_logit=False, *,
         o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
         max_logit = _max_logit_chunked(q, k, scale) if return_max_logit else None
     else:
-        o, _, row_max = torch.ops.qkguard.attn_fwd(q, k, v, scale, float(softcap), accum, float(safemax_beta),
-                                                   impl, int(block_n or 0))
+        o, _, row_max = torch.ops.qkguard.attn_fwd(q, k, v, delta_error, scale, float(softcap), accum,
+                                                   ",".join(rounding), float(safemax_beta), impl, int(block_n or 0))
         max_logit = row_max.detach().amax(dim=-1)
     return (o, max_logit) if return_max_logit else o
 
@@ -705,7 +867,8 @@ def check():
     impls = (["triton"] if dev == "cuda" or _INTERPRET else []) + ["torch"]
     shapes = ([(4, 12, 1024, 64), (2, 16, 2048, 128), (2, 4, 1000, 64)] if dev == "cuda"
               else [(1, 2, 256, 64), (1, 2, 130, 32)])
-    print(f"relative error vs float64 reference on {dev} (norm of difference / norm of reference)")
+    print(f"relative error vs float64 reference on {dev} (norm of difference / norm of reference); "
+          f"rounding: the default for the input dtype")
     print(f"{'B,H,T,D':>16} {'dtype':>9} {'impl':>7} {'accum':>13} {'o':>9} {'dq':>9} {'dk':>9} {'dv':>9}")
     for B, H, T, D in shapes:
         for dtype in (torch.bfloat16, torch.float32):

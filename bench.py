@@ -42,6 +42,10 @@ from model import MODEL_SIZES, GPT, GPTConfig
 
 H200_BF16_PEAK = 989e12    # dense bf16 FLOP/s, the MFU denominator (REFERENCE.md section 4)
 SHAPES = [(16, 12, 1024, 64), (4, 32, 4096, 64), (4, 16, 4096, 128)]   # attention (B, H, T, head_dim)
+# Our kernel's modes in the attention table: (accum, rounding). "fp32" is a standard flash kernel (the speed
+# target); the others keep the prior work's logits and P V roundings (train.py's defaults for bf16 inputs).
+KERNEL_MODES = {"fp32": ("fp32", ()), "fp32-rounded": ("fp32", None), "bf16": ("bf16", None),
+                "bf16-safemax": ("bf16-safemax", None)}
 ROUNDS = 2                 # blocks per configuration when two configurations share a model (they alternate)
 
 
@@ -92,7 +96,8 @@ def attention_table():
         q, k, v = (torch.randn(B, H, T, D, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
         do = torch.randn_like(q)
         flops = 4 * B * H * T * T * D / 2
-        runs = {f"triton-{a}": (lambda a=a: ak.attention(q, k, v, accum=a, impl="triton")) for a in ak.ACCUM_MODES}
+        runs = {f"triton-{name}": (lambda a=a, r=r: ak.attention(q, k, v, accum=a, impl="triton", rounding=r))
+                for name, (a, r) in KERNEL_MODES.items()}
         for name, backend in sdpa.items():
             def fn(backend=backend):
                 with sdpa_kernel(backend):
@@ -123,7 +128,7 @@ def attention_ratios(table):
     out = {}
     for shape in SHAPES:
         t = {kernel: cells and cells["fwd_bwd_ms"] for kernel, cells in table.get(shape, {}).items()}
-        fp32 = t.get("triton-fp32")
+        fp32 = t.get("triton-fp32")                # the standard kernel
         out[shape] = {"fp32/cudnn": ratio(fp32, t.get("sdpa-cudnn")), "fp32/flash": ratio(fp32, t.get("sdpa-flash")),
                       "bf16/fp32": ratio(t.get("triton-bf16"), fp32),
                       "bf16-safemax/fp32": ratio(t.get("triton-bf16-safemax"), fp32)}
@@ -158,7 +163,7 @@ def train_flops_per_token(model, T):
 
 def build(args, attn_impl, max_logit):
     torch.manual_seed(0)
-    config = GPTConfig(**args.size, attn_impl=attn_impl, accum="fp32", max_logit=max_logit)
+    config = GPTConfig(**args.size, attn_impl=attn_impl, accum="fp32", rounding="none", max_logit=max_logit)
     model = GPT(config).to(args.device)
     cuda = args.device.type == "cuda"
     optimizer = model.configure_optimizer(lr=6e-4, weight_decay=0.1, betas=(0.9, 0.95))
@@ -298,20 +303,24 @@ def compile_for_gpu(cases=None, arch=90, dtype=torch.bfloat16):
     from triton.backends.nvidia.compiler import get_ptxas
     if ak._INTERPRET:
         raise SystemExit("--only resources needs TRITON_INTERPRET unset (the interpreter replaces the compiler)")
-    cases = cases or [(D, accum) for D in (64, 128) for accum in ak.ACCUM_MODES]
+    cases = cases or [(D, accum, rounding) for D in (64, 128) for accum, rounding in RESOURCE_MODES]
     ptxas = get_ptxas(arch).path
     pointer = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp32"}[dtype]
     print(f"compiled for sm_{arch} by triton {triton.__version__} ({str(dtype)[6:]} inputs, no softcap)")
-    print(f"{'kernel':>15} {'D':>4} {'accum':>13} {'BM,BN':>8} {'warps':>5} {'stages':>6} {'regs':>5} "
-          f"{'spill B':>8} {'smem KB':>8} {'wgmma wait':>11}")
-    rows = []
-    for D, accum in cases:
+    print(f"{'kernel':>15} {'D':>4} {'accum':>13} {'rounding':>22} {'BM,BN':>8} {'warps':>5} {'stages':>6} "
+          f"{'regs':>5} {'spill B':>8} {'smem KB':>8} {'wgmma wait':>11}")
+    rows, backwards = [], set()
+    for D, accum, rounding in cases:
+        if "backward" in rounding and dtype != torch.bfloat16:
+            continue                         # the bf16 backward takes bf16 inputs only
         q = torch.empty(1, 1, 1, D, dtype=dtype)
-        fwd, (dkdv, dq) = ak._fwd_config(D, q.dtype, None, accum), ak._bwd_configs(D, q.dtype)
-        flags = {**ak._mode_flags(accum, q), "DOT_FP32": False, "IEEE": dtype == torch.float32, "SOFTCAP": False,
-                 "HEAD_DIM": D}
+        fwd, (dkdv, dq) = ak._fwd_config(D, q.dtype, None, accum, rounding), ak._bwd_configs(D, q.dtype, rounding)
+        flags = {**ak._flags(accum, rounding, q), "DOT_FP32": False, "IEEE": dtype == torch.float32,
+                 "SOFTCAP": False, "HEAD_DIM": D}
         launches = [(ak._attn_fwd, fwd, dict(SAFEMAX=accum == "bf16-safemax"))]
-        if accum != "bf16-safemax":          # the backward is the same for both bf16-state modes
+        backward = (D, "logits" in rounding, "backward" in rounding)   # all the backward kernels depend on
+        if backward not in backwards:
+            backwards.add(backward)
             launches += [(ak._attn_bwd_dkdv, dkdv, {}), (ak._attn_bwd_dq, dq, {})]
         for kernel, (block_m, block_n, warps, stages), extra in launches:
             constexprs = {**flags, **extra, "BLOCK_M": block_m, "BLOCK_N": block_n}
@@ -337,19 +346,28 @@ def compile_for_gpu(cases=None, arch=90, dtype=torch.bfloat16):
             spill = sum(int(n) for n in re.findall(r"(\d+) bytes spill (?:stores|loads)", log))
             # ptxas says so when Hopper's asynchronous matrix multiplies must wait for registers: slow too
             serialized = "wgmma" in log and "serialized" in log
-            row = dict(kernel=kernel.__name__, D=D, accum=accum, dtype=str(dtype)[6:], block_m=block_m,
+            row = dict(kernel=kernel.__name__, D=D, accum=accum, rounding=",".join(rounding) or "none",
+                       dtype=str(dtype)[6:], block_m=block_m,
                        block_n=block_n, warps=warps, stages=stages, registers=regs, spill_bytes=spill,
                        wgmma_serialized=serialized, shared_kb=compiled.metadata.shared / 1024)
             rows.append(row)
-            print(f"{row['kernel']:>15} {D:>4} {accum:>13} {f'{block_m},{block_n}':>8} {warps:>5} {stages:>6} "
+            print(f"{row['kernel']:>15} {D:>4} {accum:>13} {row['rounding']:>22} {f'{block_m},{block_n}':>8} "
+                  f"{warps:>5} {stages:>6} "
                   f"{regs:>5} {spill:>8} {row['shared_kb']:>8.1f} {'yes' if serialized else 'no':>11}")
     return rows
 
 
+# The modes whose kernels --only resources compiles: the standard kernel, the defaults of each state, and
+# everything rounded (the bf16 backward has its own fixed tiles).
+RESOURCE_MODES = [("fp32", ()), ("fp32", ak.DEFAULT_ROUNDING), ("bf16", ak.DEFAULT_ROUNDING),
+                  ("bf16-safemax", ak.DEFAULT_ROUNDING), ("bf16", ak.ROUNDING_SOURCES)]
+
+
 def tune_candidates(kernel, accum, D):
     """The launch configurations --tune tries for one kernel: (BLOCK_M, BLOCK_N, num_warps, num_stages). The
-    bf16-state forward keeps its key block (part of the fault's definition); the backward is tuned once, in fp32
-    state (the bf16 state only adds a rounding of s). Configurations whose tiles cannot fit the registers are
+    rounded forward keeps its key block (part of the fault's definition); the backward is tuned once, for the
+    standard kernel (the rounded logits only add a rounding of s; the bf16 backward's tiles are part of its
+    definition). Configurations whose tiles cannot fit the registers are
     left out: counting the fp32 tiles a thread holds (S, and the accumulators o, or dk and dv, or dq), all 40
     configurations of this grid past 96 elements per thread used 254 or 255 registers on sm_90 under triton 3.6
     and 34 of them spilled; none of the 56 at or below 96 spilled (`--compile` on each, 2026-11-30). The
@@ -367,19 +385,20 @@ def tune_candidates(kernel, accum, D):
     return [c for c in configs if per_thread(*c) <= 96]
 
 
-def _kernel_launches(q, k, v, do, accum):
+def _kernel_launches(q, k, v, do, accum, rounding):
     """{kernel: (launch(config), its output buffers)}; the lse and delta the backward reads come from the
     default forward."""
     B, H, T, D = q.shape
     scale = D ** -0.5
     o = ak._new_like(q)
-    lse, _ = ak._fwd_triton(q, k, v, o, scale, 0.0, accum, 2.0, None)
-    delta = ak._bwd_delta(o, do)
+    lse, _ = ak._fwd_triton(q, k, v, o, scale, 0.0, accum, rounding, 2.0, None)
+    delta = ak._bwd_delta(o, do, rounding)
     fwd = (ak._new_like(q), ak._new((B, H, T), torch.float32, q.device), ak._new((B, H, T), torch.float32, q.device))
     dkdv, dq = (ak._new_like(q), ak._new_like(q)), (ak._new_like(q),)
-    return {"fwd": (lambda c: ak._launch_fwd(c, q, k, v, *fwd, scale, 0.0, accum, 2.0), fwd),
-            "dkdv": (lambda c: ak._launch_dkdv(c, q, k, v, do, lse, delta, *dkdv, scale, 0.0, accum), dkdv),
-            "dq": (lambda c: ak._launch_dq(c, q, k, v, do, lse, delta, *dq, scale, 0.0, accum), dq)}
+    bwd = (scale, 0.0, accum, rounding)
+    return {"fwd": (lambda c: ak._launch_fwd(c, q, k, v, *fwd, scale, 0.0, accum, rounding, 2.0), fwd),
+            "dkdv": (lambda c: ak._launch_dkdv(c, q, k, v, do, lse, delta, *dkdv, *bwd), dkdv),
+            "dq": (lambda c: ak._launch_dq(c, q, k, v, do, lse, delta, *dq, *bwd), dq)}
 
 
 def tune(shapes=SHAPES, timer=None, candidates=tune_candidates):
@@ -395,10 +414,11 @@ def tune(shapes=SHAPES, timer=None, candidates=tune_candidates):
           f"{'speedup':>7} {'max rel diff':>12} {'failed':>6}")
     for B, H, T, D in shapes:
         q, k, v, do = (torch.randn(B, T, H, D, device=dev).to(torch.bfloat16).transpose(1, 2) for _ in range(4))
-        for accum in ("fp32", "bf16"):
-            launches = _kernel_launches(q, k, v, do, accum)
-            dkdv_default, dq_default = ak._bwd_configs(D, q.dtype)
-            defaults = {"fwd": ak._fwd_config(D, q.dtype, None, accum), "dkdv": dkdv_default, "dq": dq_default}
+        for accum, rounding in (("fp32", ()), ("bf16", ak.DEFAULT_ROUNDING)):
+            launches = _kernel_launches(q, k, v, do, accum, rounding)
+            dkdv_default, dq_default = ak._bwd_configs(D, q.dtype, rounding)
+            defaults = {"fwd": ak._fwd_config(D, q.dtype, None, accum, rounding), "dkdv": dkdv_default,
+                        "dq": dq_default}
             for kernel in ("fwd",) if accum != "fp32" else ("fwd", "dkdv", "dq"):
                 launch, outs = launches[kernel]
                 tried, reference = [], None

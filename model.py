@@ -33,6 +33,10 @@ class GPTConfig:
     # attention numerics (see attention_kernel.py)
     attn_impl: str = "auto"     # "auto" (Triton on CUDA, PyTorch twin on CPU), "triton", "torch", "sdpa"
     accum: str = "fp32"         # streaming-softmax state precision: "fp32", "bf16", "bf16-safemax"
+    rounding: str | None = None # the kernel's other bf16 rounding points, e.g. "logits,pv" or "none"; None: the
+                                # kernel's default for the input dtype (bf16: logits and P V, as the prior work)
+    attn_dtype: str = "bf16"    # q, k, v enter attention in bf16 (rounded there if the model runs in fp32, as bf16
+                                # autocast makes them on a GPU), or "native": in the dtype they were computed in
     block_n: int = 0            # key block of the streaming loop; 0 = the kernel's default
     safemax_beta: float = 2.0
     qk_norm: bool = False       # parameter-free QK normalization from step 0 (the always-on baseline)
@@ -96,12 +100,15 @@ class CausalSelfAttention(nn.Module):
         self.o_proj.residual_out = True
         self.dropout = nn.Dropout(config.dropout)
         self.impl, self.block_n, self.beta = config.attn_impl, config.block_n, config.safemax_beta
+        self.rounding = config.rounding
+        self.attn_dtype = torch.bfloat16 if config.attn_dtype == "bf16" else None
         self.scale = config.attn_scale or None
         self.return_max_logit = config.max_logit
         # Switched by the guard, per layer (see the module docstring).
         self.accum = config.accum
         self.qk_norm = config.qk_norm
         self.softcap = config.softcap
+        self.delta_error = None   # the assay's backward-side error site (assay.py sets it): see attention()
 
     def head_weights(self):
         """W_q and W_k viewed per head: two (n_head, head_dim, n_embd) views of the live weights."""
@@ -115,11 +122,14 @@ class CausalSelfAttention(nn.Module):
         if rotary is not None:
             cos, sin = rotary
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        computed_in = q.dtype
+        if self.attn_dtype is not None:   # a no-op under bf16 autocast; on a CPU in fp32, the GPU's inputs
+            q, k, v = q.to(self.attn_dtype), k.to(self.attn_dtype), v.to(self.attn_dtype)
         out = attention(q, k, v, accum=self.accum, qk_norm=self.qk_norm, return_max_logit=self.return_max_logit,
-                        scale=self.scale, softcap=self.softcap, safemax_beta=self.beta,
-                        impl=self.impl, block_n=self.block_n or None)
+                        scale=self.scale, softcap=self.softcap, safemax_beta=self.beta, impl=self.impl,
+                        block_n=self.block_n or None, rounding=self.rounding, delta_error=self.delta_error)
         y, max_logit = out if self.return_max_logit else (out, None)
-        y = y.transpose(1, 2).contiguous().view(B, T, C)   # channels h*head_dim:(h+1)*head_dim are head h's
+        y = y.transpose(1, 2).contiguous().view(B, T, C).to(computed_in)   # channels h*hd:(h+1)*hd are head h's
         if inject is not None:
             y = inject(y, "attn-out", self.layer_idx)
         # max over the batch: the per-head signal the monitor and the guard watch

@@ -30,7 +30,7 @@ import prepare_data
 from assay import (INJECT_SITES, PROBE_MODES, ErrorInjector, QKProbe, check_assay_flags, clean_qk_grads,
                    qk_weights)
 from guard import ACTIONS, SCOPES, SIGNALS, CollapseDetector, QKGuard, SpectralMonitor
-from attention_kernel import ACCUM_MODES, attention
+from attention_kernel import ACCUM_MODES, ROUNDING_SOURCES, attention
 
 # Training defaults per preset; any flag given on the command line wins. "auto" picks "cpu" or "assay".
 PRESETS = {
@@ -88,6 +88,13 @@ def build_parser(suppress_defaults=False):
         help="auto: the Triton kernel on CUDA, its PyTorch twin on a CPU; sdpa: PyTorch SDPA (fp32 only)")
     add(g, "--accum", default="fp32", choices=list(ACCUM_MODES), help="streaming-softmax state precision: "
         "fp32 (the repair), bf16 (the fault), bf16-safemax (the prior work's fix at the source)")
+    add(g, "--round", default="auto", type=rounding_sources, help="the kernel's other bf16 rounding points, "
+        "comma-separated: logits (S out of a bf16 matmul), pv (each block's P V rounded by itself), backward (the "
+        "prior work's bf16 backward); none; or auto: logits,pv for bf16 attention inputs (the prior work's kernel "
+        "around its state, so that --accum changes the state alone)")
+    add(g, "--attn-dtype", default="bf16", choices=["bf16", "native"], help="q, k, v enter attention in bf16 "
+        "(on a CPU they are rounded there, as bf16 autocast makes them on a GPU, so the fault sees the GPU's "
+        "inputs), or native: in the dtype they were computed in")
     add(g, "--block-n", type=int, default=0, help="key block of the streaming loop (0: the kernel's default)")
     add(g, "--safemax-beta", type=float, default=2.0, help="bf16-safemax: shift repeated maxima by beta*max")
     add(g, "--qknorm", default="off", choices=["off", "always"], help="parameter-free QK-norm from step 0 "
@@ -200,6 +207,17 @@ def parse_args(argv=None):
     return args, explicit, parser
 
 
+def rounding_sources(text):
+    """--round: auto, none, or a comma-separated list of the kernel's rounding sources."""
+    if text in ("auto", "none"):
+        return text
+    unknown = [s for s in text.split(",") if s not in ROUNDING_SOURCES]
+    if unknown:
+        raise argparse.ArgumentTypeError(f"{unknown[0]!r} is not a rounding source: give auto, none, or some of "
+                                         f"{','.join(ROUNDING_SOURCES)} separated by commas")
+    return text
+
+
 def injection_scale(text):
     """--inject-scale: a number, or 'matched'."""
     if text == "matched":
@@ -215,11 +233,11 @@ def check_model_config(config, args, device):
     if config.n_embd % config.n_head:
         raise SystemExit(f"error: --n-embd {config.n_embd} is not a multiple of --n-head {config.n_head}")
     softcap = args.softcap_value if args.guard == "on" and args.guard_action == "softcap" else config.softcap
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    dtype = torch.bfloat16 if device.type == "cuda" or config.attn_dtype == "bf16" else torch.float32
     probe = torch.zeros(1, 1, 1, config.n_embd // config.n_head, device=device, dtype=dtype)
     try:
         attention(probe, probe, probe, accum=config.accum, impl=config.attn_impl, softcap=softcap,
-                  safemax_beta=config.safemax_beta, block_n=config.block_n or None)
+                  safemax_beta=config.safemax_beta, block_n=config.block_n or None, rounding=config.rounding)
     except ValueError as e:
         raise SystemExit(f"error: the attention settings cannot run: {e}")
 
@@ -464,6 +482,7 @@ class Trainer:
             arch=args.arch, n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd,
             block_size=args.block_size, dropout=args.dropout, attn_impl=args.attn_impl, accum=args.accum,
             block_n=args.block_n, safemax_beta=args.safemax_beta, qk_norm=args.qknorm == "always",
+            rounding=None if args.round == "auto" else args.round, attn_dtype=args.attn_dtype,
             softcap=args.softcap, attn_scale=args.attn_scale)
         check_model_config(config, args, device)
         self.model = model = model_lib.GPT(config).to(device)
