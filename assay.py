@@ -1,10 +1,13 @@
 """
 The assay: move a controlled error to other sources, and probe the QK channel causally.
 
-    ErrorInjector   a per-head error of chosen size and sign-coherence at one site (inside or outside attention)
+    ErrorInjector   a per-head error of chosen size and sign-coherence at one site: in the forward (it then
+                    changes the model), or in the backward where the kernel's fault reaches the gradient (delta),
+                    or in a weight's gradient; reached through hooks and an attribute, not the model's code
     measure_fault   the real fault's error (bf16 softmax state vs fp32), per layer and head, on a real batch
-    QKProbe         after each step, project W_q/W_k updates off their top-k singular directions, or remove
-                    the same update energy from random other directions (the control)
+    Probe           after each step, project the update of W_q/W_k off their top-k singular directions; the
+                    controls do the same to a fixed random subspace, to W_v's or the MLP's top-k directions, or
+                    remove the same energy from random other directions
     clean_qk_grads  --qk-fix clean-grad: the gradient W_q, W_k would get without the fault; all else stays faulty
     check_assay_flags   reject flag combinations that make no sense
 
@@ -19,10 +22,11 @@ import torch
 from attention_kernel import ACCUM_MODES, attention
 from model import apply_rotary
 
-INJECT_SITES = ("none", "attn-out", "mlp-in", "mlp-out", "residual", "grad-wv", "grad-mlp")
-ACTIVATION_SITES = ("attn-out", "mlp-in", "mlp-out", "residual")
+INJECT_SITES = ("none", "attn-out", "mlp-in", "mlp-out", "residual", "delta", "grad-wv", "grad-mlp")
+ACTIVATION_SITES = ("attn-out", "mlp-in", "mlp-out", "residual")   # forward: the error changes the model
 GRAD_SITES = ("grad-wv", "grad-mlp")
-PROBE_MODES = ("off", "qk-topk", "equal-energy")
+BACKWARD_SITES = ("delta",) + GRAD_SITES                           # the gradient is wrong, the model is not
+PROBE_MODES = ("off", "qk-topk", "qk-fixed", "v-topk", "mlp-topk", "equal-energy")
 
 
 def _rms(x):
@@ -50,6 +54,8 @@ class ErrorInjector:
     from the detached activation, so gradients flow through unchanged. "The signal" is head h's channel group
     of this call's activation (all batch rows and tokens). Gradient sites: "the signal" is the row group of the
     weight's gradient, measured after backward and before clipping; the error is added to that gradient.
+    delta: the backward's delta = rowsum(dO * O) sees O + e, e_h = s_h * scale_h * rms(O_h) * d_h, as a biased O
+    reaches the gradient in the kernel fault (only dq and dk change; the forward does not). attach(model) first.
     """
 
     def __init__(self, site, scale, coherence, n_layer, n_head, n_embd, layers=None, seed=0):
@@ -65,6 +71,7 @@ class ErrorInjector:
         self.signs = torch.randint(0, 2, (n_layer, n_head), generator=self.sign_rng).float() * 2 - 1
         self.step = None
         self._err_sq, self._sig_sq = 0.0, 0.0                            # since begin_step, for last_stats
+        self.enabled, self.handles, self.attentions = True, [], []
 
     def begin_step(self, step):
         """Update the signs: each (layer, head) keeps its sign with probability `coherence`, else flips.
@@ -74,6 +81,8 @@ class ErrorInjector:
             self.signs = torch.where(flip, -self.signs, self.signs)
         self.step = step
         self._err_sq, self._sig_sq = 0.0, 0.0
+        if self.site == "delta":
+            self._set_delta_errors()
 
     def direction(self, layer, shape, device):
         """The fixed direction of a layer, unit rms in each of the n_head row groups of dim 0. Seeded by
@@ -94,7 +103,7 @@ class ErrorInjector:
         self._err_sq, self._sig_sq = self._err_sq + error_sq, self._sig_sq + signal_sq
 
     def __call__(self, x, site, layer):
-        if site != self.site or layer not in self.layers:
+        if not self.enabled or site != self.site or layer not in self.layers:
             return x
         heads = x.detach().float().reshape(-1, self.n_head, self.head_dim)        # (B*T, H, head_dim)
         signal_rms = heads.pow(2).mean(dim=(0, 2)).sqrt()                        # (H,)
@@ -102,6 +111,50 @@ class ErrorInjector:
         error = (self.amplitude(layer, x.device) * signal_rms)[:, None] * d     # (H, head_dim): same at every token
         self._track(error.pow(2).sum() * heads.shape[0], heads.pow(2).sum())
         return x + error.flatten().to(x.dtype)
+
+    def attach(self, model):
+        """Reach the site: a hook on the module whose input or output the error joins, or (delta) the attention
+        modules' delta_error attribute, which begin_step sets. The model's own code has no branch for it."""
+        self.attentions = model.attentions
+        hook = {"attn-out": lambda b, layer: b.attn.o_proj.register_forward_pre_hook(
+                    lambda m, args: (self(args[0], "attn-out", layer),)),
+                "mlp-in": lambda b, layer: b.mlp.register_forward_pre_hook(
+                    lambda m, args: (self(args[0], "mlp-in", layer),)),
+                "mlp-out": lambda b, layer: b.mlp.register_forward_hook(
+                    lambda m, args, out: self(out, "mlp-out", layer)),
+                "residual": lambda b, layer: b.register_forward_hook(
+                    lambda m, args, out: (self(out[0], "residual", layer), out[1]))}.get(self.site)
+        if hook is not None:
+            self.handles = [hook(block, layer) for layer, block in enumerate(model.blocks)]
+        return self
+
+    def detach(self):
+        for handle in self.handles:
+            handle.remove()
+        self.handles = []
+
+    def _set_delta_errors(self):
+        """delta: head h's error in the O that the backward's delta sees, in units of rms(O_h) (see attention())."""
+        for layer, attn in enumerate(self.attentions):
+            on = self.enabled and layer in self.layers
+            attn.delta_error = (self.amplitude(layer, attn.q_proj.weight.device)[:, None] * self.direction(
+                layer, (self.n_head, self.head_dim), attn.q_proj.weight.device)) if on else None
+        if self.enabled:   # exact by construction: |amplitude| * rms(O) * (unit-rms direction)
+            amp = torch.stack([self.amplitude(layer, "cpu") for layer in self.layers])
+            self._track(amp.pow(2).sum(), amp.numel())
+
+    @contextlib.contextmanager
+    def paused(self):
+        """No error inside the block (the fault-free passes of clean-grad and of measure_fault)."""
+        self.enabled = False
+        if self.site == "delta":
+            self._set_delta_errors()
+        try:
+            yield
+        finally:
+            self.enabled = True
+            if self.site == "delta":
+                self._set_delta_errors()
 
     def inject_grads(self, model):
         """Gradient sites: call after backward, before clipping. Head h's rows of v_proj.weight.grad (grad-wv),
@@ -154,7 +207,7 @@ class ErrorInjector:
         inj.signs = torch.ones_like(inj.signs)      # start with the measured sign, not its negation
         for layer in inj.layers:
             d = _unit_rms_groups(fault["bias_dir"][layer].clone(), cfg.n_head)   # (H, head_dim)
-            if site in ACTIVATION_SITES:
+            if site in ACTIVATION_SITES or site == "delta":
                 inj.directions[layer] = d
             elif site == "grad-wv":
                 cols = torch.randn(cfg.n_embd, generator=torch.Generator().manual_seed(seed * 1000 + layer + 1))
@@ -169,7 +222,8 @@ def measure_fault(model, idx, accum="bf16", dtype=torch.bfloat16):
     Each layer's attention is run twice on the same q, k, v (cast to `dtype`, as under bf16 autocast):
     once with the faulty softmax state `accum` and once with fp32 state, so the difference is the state's
     error alone. q, k, v are recomputed from the attention module's input, captured by a forward pre-hook
-    while the model runs (with its own settings, injector off), the same way CausalSelfAttention does.
+    while the model runs (with its own settings; pause an attached injector first), the same way
+    CausalSelfAttention does.
     Returns float32 tensors: error_ratio (L, H) = rms(O_faulty - O_fp32) / rms(O_fp32) over batch and
     tokens; bias_dir (L, H, head_dim) = the mean of O_faulty - O_fp32 over batch and tokens; bias_ratio
     (L, H) = rms(bias_dir) / rms(O_fp32).
@@ -177,11 +231,9 @@ def measure_fault(model, idx, accum="bf16", dtype=torch.bfloat16):
     inputs = {}
     hooks = [attn.register_forward_pre_hook(lambda m, args: inputs.__setitem__(m.layer_idx, args[:2]))
              for attn in model.attentions]
-    injector, model.injector = model.injector, None
     try:
         model(idx)
     finally:
-        model.injector = injector
         for h in hooks:
             h.remove()
     stats = {"error_ratio": [], "bias_ratio": [], "bias_dir": []}
@@ -217,21 +269,24 @@ def _orthonormal_complement(basis, generator):
     return torch.linalg.qr(g).Q
 
 
-class QKProbe:
-    """After each optimizer step, project the update of W_q and W_k (per layer, whole matrices) off their
-    current top-k singular directions (qk-topk), or remove the same update energy (same Frobenius norm) from
-    random other directions (equal-energy, the control).
+class Probe:
+    """After each optimizer step, project a weight's update off a rank-k subspace on both sides: the causal probe
+    (W_q, W_k off their own top-k singular directions) and controls that must still run away if it works.
 
     With W the weight before the step, dW = W_after - W the step's update (AdamW, weight decay and all), and U, V
-    W's top-k left and right singular vectors (torch.linalg.svd: exact, and cheap at these sizes):
-      qk-topk:       dW' = (I - U U^T) dW (I - V V^T). The removed part dW - dW' is every component of dW
-                     that touches a top-k direction on either side; its Frobenius norm is e.
-      equal-energy:  remove a part R of norm e that is orthogonal to U and V on both sides. Draw random
-                     orthonormal bases P of U's complement and Q of V's complement (fresh each step); dW's
-                     out-of-top-k part is then P C Q^T with C = P^T dW Q, a grid of rank-1 coefficients. Take
-                     whole coefficients in a random order until their energy reaches e^2 (the last one in part):
-                     R = P (M * C) Q^T, M in [0, 1], ||R|| = e exactly; if C holds less than e, all of it goes
-                     and the log shows the shortfall.
+    orthonormal (n, k) bases on W's output and input sides:
+      qk-topk:       U, V = W_q's (W_k's) current top-k singular vectors (torch.linalg.svd: exact, and cheap at
+                     these sizes); dW' = (I - U U^T) dW (I - V V^T). The removed part dW - dW' is every component
+                     of dW that touches a top-k direction on either side; its Frobenius norm is e.
+      qk-fixed:      the same projection, with U, V a random subspace of the same rank drawn once per weight and
+                     kept for the whole run (unlike fresh random directions, it cannot average out).
+      v-topk, mlp-topk:  qk-topk's projection on W_v, or on the MLP's input matrix, instead: a non-QK weight.
+      equal-energy:  remove a part R of norm e from W_q, W_k that is orthogonal to U and V (their top-k) on both
+                     sides. Draw random orthonormal bases P of U's complement and Q of V's complement (fresh each
+                     step); dW's out-of-top-k part is then P C Q^T with C = P^T dW Q, a grid of rank-1
+                     coefficients. Take whole coefficients in a random order until their energy reaches e^2 (the
+                     last one in part): R = P (M * C) Q^T, M in [0, 1], ||R|| = e exactly; if C holds less than
+                     e, all of it goes and the log shows the shortfall.
       off:           nothing.
     The optimizer's moments are left alone: only the applied update changes.
     """
@@ -241,22 +296,32 @@ class QKProbe:
             raise ValueError(f"unknown probe mode {mode!r}; use one of {PROBE_MODES}")
         if k < 1:
             raise ValueError(f"probe k must be >= 1; got {k}")
-        self.mode, self.k = mode, k
+        self.mode, self.k, self.seed = mode, k, seed
         self.rng = torch.Generator().manual_seed(seed)
-        self.saved = []   # per weight: (weight, its value before the step, U, V)
+        self.saved = []   # per weight: (layer, name, weight, its value before the step, U, V)
 
     def _weights(self, model):
-        return [(i, name, getattr(attn, name + "_proj").weight)
-                for i, attn in enumerate(model.attentions) for name in ("q", "k")]
+        names = {"v-topk": ("v",), "mlp-topk": ("mlp_in",)}.get(self.mode, ("q", "k"))
+        return [(i, name, block.mlp.up_proj.weight if name == "mlp_in" else getattr(block.attn, name + "_proj").weight)
+                for i, block in enumerate(model.blocks) for name in names]
+
+    def _fixed_basis(self, w, index):
+        """qk-fixed: the same random (U, V) for weight `index` at every step, from (seed, index) alone."""
+        gen = torch.Generator().manual_seed(self.seed * 1000 + index)
+        return tuple(torch.linalg.qr(torch.randn(n, self.k, generator=gen)).Q.to(w.device) for n in w.shape)
 
     @torch.no_grad()
     def before_step(self, model):
         if self.mode == "off":
             return
         self.saved = []
-        for i, name, w in self._weights(model):
-            U, _, Vh = torch.linalg.svd(w.float(), full_matrices=False)
-            self.saved.append((i, name, w, w.detach().clone(), U[:, :self.k], Vh[:self.k].T))
+        for index, (i, name, w) in enumerate(self._weights(model)):
+            if self.mode == "qk-fixed":
+                U, V = self._fixed_basis(w, index)
+            else:
+                U, _, Vh = torch.linalg.svd(w.float(), full_matrices=False)
+                U, V = U[:, :self.k], Vh[:self.k].T
+            self.saved.append((i, name, w, w.detach().clone(), U, V))
 
     def _equal_energy(self, dW, U, V, energy):
         P, Q = _orthonormal_complement(U, self.rng), _orthonormal_complement(V, self.rng)
@@ -279,7 +344,7 @@ class QKProbe:
             kept = dW - U @ (U.T @ dW)
             kept = kept - (kept @ V) @ V.T                             # (I - U U^T) dW (I - V V^T)
             target = (dW - kept).norm()
-            removed = dW - kept if self.mode == "qk-topk" else self._equal_energy(dW, U, V, target)
+            removed = self._equal_energy(dW, U, V, target) if self.mode == "equal-energy" else dW - kept
             w.copy_((w_before.float() + dW - removed).to(w.dtype))
             for key, value in (("update", dW.norm()), ("removed", removed.norm()), ("target", target)):
                 log.setdefault(f"{name}_{key}", []).append(value.item())
@@ -287,7 +352,7 @@ class QKProbe:
         return log
 
     def state_dict(self):
-        return {"mode": self.mode, "k": self.k, "rng": self.rng.get_state()}
+        return {"mode": self.mode, "k": self.k, "rng": self.rng.get_state()}   # qk-fixed's bases: from the seed
 
     def load_state_dict(self, state):
         self.mode, self.k = state["mode"], state["k"]
@@ -302,24 +367,23 @@ def qk_weights(model):
 
 
 @contextlib.contextmanager
-def fault_free(model):
+def fault_free(model, injector=None):
     """The same model with every fault source off: fp32 softmax state and no injected error."""
-    faulty_accums, injector = [attn.accum for attn in model.attentions], model.injector
+    faulty_accums = [attn.accum for attn in model.attentions]
     for attn in model.attentions:
         attn.accum = "fp32"
-    model.injector = None
     try:
-        yield
+        with injector.paused() if injector is not None else contextlib.nullcontext():
+            yield
     finally:
         for attn, accum in zip(model.attentions, faulty_accums):
             attn.accum = accum
-        model.injector = injector
 
 
-def clean_qk_grads(model, x, y, autocast, scale):
+def clean_qk_grads(model, x, y, autocast, scale, injector=None):
     """--qk-fix clean-grad: the gradient W_q and W_k would get from the fault-free model on this batch; no
     other .grad is touched, so every other weight keeps its faulty gradient."""
-    with fault_free(model), autocast():
+    with fault_free(model, injector), autocast():
         _, loss, _ = model(x, y)
     return torch.autograd.grad(loss * scale, qk_weights(model))
 
@@ -356,6 +420,10 @@ def check_assay_flags(site, scale, coherence, probe, probe_k, qk_fix, accum):
     if qk_fix == "clean-grad" and site in GRAD_SITES and accum == "fp32":
         raise ValueError(f"--qk-fix clean-grad recomputes the forward without the fault, but --inject-site {site} "
                          "never touches the forward: the clean QK gradient would be the faulty one")
+    if qk_fix == "clean-grad" and site in ACTIVATION_SITES:
+        raise ValueError(f"--qk-fix clean-grad with --inject-site {site} trains W_q, W_k on the model without the "
+                         "error, a different objective rather than a QK-only fix: use --qk-fix qknorm for a "
+                         "forward site (clean-grad is for the backward sites delta, grad-wv, grad-mlp)")
     if qk_fix not in (None, False, "off") and site == "none" and accum == "fp32":
         raise ValueError("--qk-fix corrects the QK channel while a fault is active, but there is none: "
                          "set --inject-site or a faulty --accum")

@@ -2,8 +2,9 @@
 QK-Guard: watch the query-key channel, stay dormant, and at the first threshold crossing switch an action on.
 
 Three parts, one screen each:
-  SpectralMonitor   the largest singular value of W_q and W_k, per layer and per head, by power iteration
-                    carried across steps (a few matrix-vector products per step, never a full SVD).
+  SpectralMonitor   the largest singular value of every weight matrix (W_q, W_k, W_v, W_o, MLP in and out) per
+                    layer, and of W_q, W_k per head, by power iteration carried across steps (a few matrix-vector
+                    products per step, never a full SVD): a runaway through the QK channel shows in W_q, W_k alone.
   QKGuard           the dormant controller: signal -> first crossing of a threshold -> an action latched on for
                     the rest of the run (its state travels in the checkpoint, so it stays latched on resume).
   CollapseDetector  a non-finite loss, or a loss stuck above its running minimum by a margin.
@@ -12,57 +13,102 @@ The max attention logit itself costs nothing to watch: the attention kernel retu
 model hands it back from forward() as an (n_layer, n_head) tensor.
 """
 import math
+from typing import NamedTuple, Optional
 
 import torch
 
 SIGNALS = ("max-logit", "sigma-product")
-ACTIONS = ("qknorm", "qkclip", "lr-drop", "clip", "softcap", "fp32-accum")
+# Each signal's default threshold, in its own units (README, "How QK-Guard works", says where they come from).
+#   max-logit:     healthy fp32-state runs peaked at a max attention logit of 52 and 137 on an H200 (6 layers, width
+#                  384; lr 2e-3 and 3e-3), runaways passed 1800 before collapsing; 200 sits between.
+#   sigma-product: sigma(W_q,h) * sigma(W_k,h); see DEFAULT_THRESHOLD's note in the README.
+DEFAULT_THRESHOLD = {"max-logit": 200.0, "sigma-product": 100.0}
+# What each action does once triggered, and where train.py's loop applies it.
+ACTIONS = {
+    "qknorm":     "attention: parameter-free QK-norm in the covered layers (the paper's action)",
+    "qkclip":     "weights, after each update: an offending head's W_q, W_k rows times sqrt(tau / S_max) (Kimi K2)",
+    "lr-drop":    "optimizer: the learning rate times --lr-drop-factor (non-QK control)",
+    "clip":       "optimizer: gradient-norm clip at --clip-tight (non-QK control; Adam rescales a clipped "
+                  "gradient back, so this acts mostly through the moments)",
+    "softcap":    "attention: logits soft-capped at --softcap-value (non-QK control; in bf16 the capped logits "
+                  "pile up at the cap, making ties of their own)",
+    "fp32-accum": "attention: fp32 softmax state in the covered layers (the fix at the source)",
+}
 SCOPES = ("all", "crossed")
+WEIGHT_KINDS = ("q", "k", "v", "o", "mlp_in", "mlp_out")   # logged as sigma_<kind>, one value per layer
+
+
+def weight_matrices(model):
+    """{kind: the per-layer weight matrices of that kind}. mlp_in is the up projection (SwiGLU's gate aside)."""
+    blocks = model.blocks
+    return {"q": [b.attn.q_proj.weight for b in blocks], "k": [b.attn.k_proj.weight for b in blocks],
+            "v": [b.attn.v_proj.weight for b in blocks], "o": [b.attn.o_proj.weight for b in blocks],
+            "mlp_in": [b.mlp.up_proj.weight for b in blocks], "mlp_out": [b.mlp.down_proj.weight for b in blocks]}
 
 
 class SpectralMonitor:
-    """sigma_max(W) ~= |W v| where v, the top right singular vector, is refined by `iters` power steps per call
-    (one, by default).
+    """sigma_max(W) ~= |W v| where v, the top right singular vector, is refined by `iters` power steps per call.
 
     The weights move slowly between optimizer steps, so the vector carried over from the last step is already
     close, and a single iteration keeps it converged (the test checks 1% of the exact value after warm-up).
-    Each call stacks an fp32 copy of every W_q and W_k (2 * n_layer * d^2 floats) for a few batched products.
+    Each kind's matrices (one per layer, same shape) are stacked in fp32 for a few batched products.
+    The latest values live here: sigma {kind: (n_layer,)} and sigma_head (n_layer, 2, n_head), [:, 0] W_q.
     """
 
     def __init__(self, model, seed=0):
-        attn = model.attentions[0]
-        n_layer, n_head, n_embd = len(model.attentions), attn.n_head, attn.q_proj.weight.shape[1]
         gen = torch.Generator().manual_seed(seed)
-        device = attn.q_proj.weight.device
-        # index 0 holds W_q's vectors, index 1 W_k's
-        self.v_full = torch.randn(n_layer, 2, n_embd, generator=gen).to(device)
-        self.v_head = torch.randn(n_layer, 2, n_head, n_embd, generator=gen).to(device)
+        attn = model.attentions[0]
+        n_layer, self.n_head = len(model.attentions), attn.n_head
+        device, n_embd = attn.q_proj.weight.device, attn.q_proj.weight.shape[1]
+        self.v = {kind: torch.randn(n_layer, ws[0].shape[1], generator=gen).to(device)
+                  for kind, ws in weight_matrices(model).items()}
+        self.v["qk_head"] = torch.randn(n_layer, 2, self.n_head, n_embd, generator=gen).to(device)
+        self.sigma, self.sigma_head = None, None
+
+    @staticmethod
+    def _power_step(w, v):
+        """One step of v <- W^T W v, normalized, over any leading batch dims."""
+        v = torch.einsum("...oi,...o->...i", w, torch.einsum("...oi,...i->...o", w, v))
+        return v / v.norm(dim=-1, keepdim=True).clamp_min(1e-30)
 
     @torch.no_grad()
     def measure(self, model, iters=1):
-        """Returns sigma (n_layer, 2) and sigma_head (n_layer, 2, n_head); [:, 0] is W_q, [:, 1] is W_k."""
-        attns = model.attentions
-        # every layer's W_q and W_k in one (n_layer, 2, C_out, C_in) stack: a handful of batched kernels per
-        # step instead of a handful per matrix; head h owns output rows h*head_dim:(h+1)*head_dim
-        w = torch.stack([torch.stack([a.q_proj.weight, a.k_proj.weight]) for a in attns]).float()
-        w_heads = w.unflatten(2, (attns[0].n_head, -1))                  # (n_layer, 2, n_head, head_dim, C_in)
-        v, vh = self.v_full, self.v_head
-        for _ in range(iters):   # v <- W^T W v, normalized
-            v = torch.einsum("lwoi,lwo->lwi", w, torch.einsum("lwoi,lwi->lwo", w, v))
-            v = v / v.norm(dim=-1, keepdim=True).clamp_min(1e-30)
-            vh = torch.einsum("lwhoi,lwho->lwhi", w_heads, torch.einsum("lwhoi,lwhi->lwho", w_heads, vh))
-            vh = vh / vh.norm(dim=-1, keepdim=True).clamp_min(1e-30)
-        self.v_full, self.v_head = v, vh
-        sigma = torch.einsum("lwoi,lwi->lwo", w, v).norm(dim=-1)
-        sigma_head = torch.einsum("lwhoi,lwhi->lwho", w_heads, vh).norm(dim=-1)
-        return sigma, sigma_head
+        """Refresh self.sigma and self.sigma_head; returns (sigma, sigma_head)."""
+        stacks = {kind: torch.stack(ws).float() for kind, ws in weight_matrices(model).items()}  # (layer, out, in)
+        # per head: head h owns output rows h*head_dim:(h+1)*head_dim of W_q and W_k
+        stacks["qk_head"] = torch.stack([stacks["q"], stacks["k"]], dim=1).unflatten(2, (self.n_head, -1))
+        norms = {}
+        for kind, w in stacks.items():
+            for _ in range(iters):
+                self.v[kind] = self._power_step(w, self.v[kind])
+            norms[kind] = torch.einsum("...oi,...i->...o", w, self.v[kind]).norm(dim=-1)
+        self.sigma_head = norms.pop("qk_head")       # (n_layer, 2, n_head)
+        self.sigma = norms                           # {kind: (n_layer,)}
+        return self.sigma, self.sigma_head
+
+    def record(self):
+        """The latest values as the log wants them: sigma_<kind> per layer, sigma_{q,k}_head per layer and head."""
+        out = {f"sigma_{kind}": s.tolist() for kind, s in self.sigma.items()}
+        out.update(sigma_q_head=self.sigma_head[:, 0].tolist(), sigma_k_head=self.sigma_head[:, 1].tolist())
+        return out
 
     def state_dict(self):
-        return {"v_full": self.v_full.cpu(), "v_head": self.v_head.cpu()}
+        return {"v": {k: v.cpu() for k, v in self.v.items()}, "sigma": {k: s.cpu() for k, s in self.sigma.items()},
+                "sigma_head": self.sigma_head.cpu()}
 
     def load_state_dict(self, state):
-        self.v_full = state["v_full"].to(self.v_full.device)
-        self.v_head = state["v_head"].to(self.v_head.device)
+        device = self.v["q"].device
+        self.v = {k: v.to(device) for k, v in state["v"].items()}
+        self.sigma = {k: s.to(device) for k, s in state["sigma"].items()}
+        self.sigma_head = state["sigma_head"].to(device)
+
+
+class Pending(NamedTuple):
+    """A check queued by observe_deferred: the flag `crossed` travels to the host while the next steps run."""
+    step: int
+    values: torch.Tensor             # the watched signal, (n_layer, n_head)
+    crossed: torch.Tensor            # any value above the threshold: a bool, on the host once `copied` is done
+    copied: Optional[object]         # the CUDA event of that copy, or None where there is nothing to wait for
 
 
 class QKGuard:
@@ -78,18 +124,19 @@ class QKGuard:
     the action starts one monitored step later, and the GPU never waits for the guard.
     """
 
-    def __init__(self, enabled=False, signal="max-logit", threshold=200.0, action="qknorm", scope="all",
+    def __init__(self, enabled=False, signal="max-logit", threshold=None, action="qknorm", scope="all",
                  tau=100.0, lr_factor=0.1, clip_norm=0.1, softcap=50.0):
         for name, value, valid in (("signal", signal, SIGNALS), ("action", action, ACTIONS),
                                    ("scope", scope, SCOPES)):
             if value not in valid:
                 raise ValueError(f"unknown guard {name} {value!r}: choose one of {', '.join(valid)}")
-        self.enabled, self.signal, self.threshold = enabled, signal, threshold
+        self.enabled, self.signal = enabled, signal
+        self.threshold = DEFAULT_THRESHOLD[signal] if threshold is None else threshold
         self.action, self.scope = action, scope
         self.tau, self.lr_factor, self.clip_norm, self.softcap = tau, lr_factor, clip_norm, softcap
         self.trigger = None      # {"step", "layer", "head", "value"} of the first crossing
         self.layers = []         # layers the action covers, sorted
-        self.pending = None      # observe_deferred: (step, signal values, crossed flag, copy-done event or None)
+        self.pending = None      # observe_deferred's queued check: a Pending
 
     @property
     def triggered(self):
@@ -126,7 +173,7 @@ class QKGuard:
         in active_from the first update that the action changes: the one after `step`."""
         event, pending, self.pending = None, self.pending, None
         if pending is not None and self._crossed(pending) and self.watching():
-            event = self.switch_on(pending[0], pending[1], model)
+            event = self.switch_on(pending.step, pending.values, model)
             if event:
                 event["active_from"] = step + 1
         if self.watching():
@@ -137,20 +184,19 @@ class QKGuard:
                 crossed = crossed.to("cpu", non_blocking=True)   # pinned by the caching host allocator
                 copied = torch.cuda.Event()
                 copied.record(stream)
-            self.pending = (step, values, crossed, copied)
+            self.pending = Pending(step, values, crossed, copied)
         return event
 
     @staticmethod
     def _crossed(pending):
         """A queued check's flag on the host. Waits for that copy only, long done: not for the work queued since."""
-        _, _, crossed, copied = pending
-        if copied is not None:
-            copied.synchronize()
-        return bool(crossed)
+        if pending.copied is not None:
+            pending.copied.synchronize()
+        return bool(pending.crossed)
 
     def pending_crossing(self):
         """The step of a crossing queued but not yet acted on (the run's last check), or None."""
-        return self.pending[0] if self.pending is not None and self._crossed(self.pending) else None
+        return self.pending.step if self.pending is not None and self._crossed(self.pending) else None
 
     def switch_on(self, step, values, model):
         """The signal crossed at `step`: extend the action to the new layers it covers. Returns the event."""
@@ -174,8 +220,10 @@ class QKGuard:
         self.apply_to_model(model)
         return event
 
+    # The actions, by where train.py's loop applies them (see ACTIONS).
+
     def apply_to_model(self, model):
-        """Switch the attention-side actions on in the covered layers (also used after a resume)."""
+        """The attention-side actions, switched on in the covered layers (also after a resume)."""
         for layer in self.layers:
             attn = model.attentions[layer]
             if self.action == "qknorm":
@@ -186,17 +234,19 @@ class QKGuard:
                 attn.accum = "fp32"
 
     def lr_scale(self):
+        """lr-drop: applied where the loop sets the learning rate."""
         return self.lr_factor if self.triggered and self.action == "lr-drop" else 1.0
 
     def grad_clip(self, base_clip):
+        """clip: applied where the loop clips the gradient."""
         if self.triggered and self.action == "clip":
             return min(base_clip, self.clip_norm) if base_clip > 0 else self.clip_norm
         return base_clip
 
     @torch.no_grad()
     def after_optimizer_step(self, model, max_logit):
-        """QK-Clip (Kimi K2): scale W_q and W_k rows of every covered head whose max logit exceeds tau by
-        sqrt(tau / S_max) each, so that head's logits shrink by tau / S_max: the same inputs give max = tau."""
+        """qkclip, after the update (Kimi K2's QK-Clip): scale W_q and W_k rows of every covered head whose max
+        logit exceeds tau by sqrt(tau / S_max) each, so that head's logits shrink by tau / S_max."""
         if not (self.triggered and self.action == "qkclip"):
             return 0
         clipped = 0
@@ -213,27 +263,35 @@ class QKGuard:
 
     def state_dict(self):
         # a queued check travels too, so a resumed run acts on it at the same step as an uninterrupted one
-        pending = None if self.pending is None else {"step": self.pending[0], "values": self.pending[1].cpu()}
+        pending = None if self.pending is None else {"step": self.pending.step, "values": self.pending.values.cpu()}
         return {"trigger": self.trigger, "layers": list(self.layers), "pending": pending}
 
     def load_state_dict(self, state, model):
         self.trigger, self.layers = state["trigger"], list(state["layers"])
         pending = state.get("pending")
         self.pending = None if pending is None else \
-            (pending["step"], pending["values"], (pending["values"] > self.threshold).any(), None)
+            Pending(pending["step"], pending["values"], (pending["values"] > self.threshold).any(), None)
         self.apply_to_model(model)
 
 
 class CollapseDetector:
     """Collapse = a non-finite loss, or the smoothed loss above its running minimum + margin for `patience`
     logged steps in a row. Smoothing (an EMA of the logged losses) keeps the noise of small batches from
-    counting; a spike that recovers is not a collapse. The recorded step is the first of the bad streak."""
+    counting; a spike that recovers is not a collapse. The recorded step is the first of the bad streak.
+
+    The guard's own switch (QK-norm turning on cuts logits of hundreds to at most head_dim * scale in one step)
+    can shake the loss for a while: pause(until) keeps such a transient from counting, up to step `until`. A
+    loss that stays above the old minimum by the margin after that still counts."""
 
     def __init__(self, margin=1.0, patience=5, smoothing=0.9):
         self.margin, self.patience, self.smoothing = margin, patience, smoothing
         self.ema, self.best = None, math.inf
         self.streak_start, self.streak = None, 0
         self.collapsed_at = None
+        self.paused_until = -1
+
+    def pause(self, until):
+        self.paused_until = max(self.paused_until, until)
 
     def update(self, step, loss):
         """Feed one logged loss; returns True the first time a collapse is detected."""
@@ -243,7 +301,7 @@ class CollapseDetector:
             self.collapsed_at = step
             return True
         self.ema = loss if self.ema is None else self.smoothing * self.ema + (1 - self.smoothing) * loss
-        if self.ema > self.best + self.margin:
+        if self.ema > self.best + self.margin and step >= self.paused_until:
             self.streak += 1
             self.streak_start = step if self.streak == 1 else self.streak_start
             if self.streak >= self.patience:

@@ -115,7 +115,7 @@ class CausalSelfAttention(nn.Module):
         shape = (self.n_head, self.head_dim, -1)
         return self.q_proj.weight.view(shape), self.k_proj.weight.view(shape)
 
-    def forward(self, x, rotary=None, inject=None):
+    def forward(self, x, rotary=None):
         B, T, C = x.shape
         q, k, v = (proj(x).view(B, T, self.n_head, self.head_dim).transpose(1, 2)
                    for proj in (self.q_proj, self.k_proj, self.v_proj))
@@ -130,8 +130,6 @@ class CausalSelfAttention(nn.Module):
                         block_n=self.block_n or None, rounding=self.rounding, delta_error=self.delta_error)
         y, max_logit = out if self.return_max_logit else (out, None)
         y = y.transpose(1, 2).contiguous().view(B, T, C).to(computed_in)   # channels h*hd:(h+1)*hd are head h's
-        if inject is not None:
-            y = inject(y, "attn-out", self.layer_idx)
         # max over the batch: the per-head signal the monitor and the guard watch
         return self.dropout(self.o_proj(y)), None if max_logit is None else max_logit.amax(dim=0)
 
@@ -163,16 +161,10 @@ class Block(nn.Module):
         self.norm2 = make_norm(config)
         self.mlp = MLP(config)
 
-    def forward(self, x, rotary=None, inject=None):
-        attn_out, max_logit = self.attn(self.norm1(x), rotary, inject)
+    def forward(self, x, rotary=None):
+        attn_out, max_logit = self.attn(self.norm1(x), rotary)
         x = x + attn_out
-        if inject is None:
-            return x + self.mlp(self.norm2(x)), max_logit
-        # the assay's error sites outside attention (see assay.py)
-        layer = self.attn.layer_idx
-        mlp_out = self.mlp(inject(self.norm2(x), "mlp-in", layer))
-        x = x + inject(mlp_out, "mlp-out", layer)
-        return inject(x, "residual", layer), max_logit
+        return x + self.mlp(self.norm2(x)), max_logit
 
 
 class GPT(nn.Module):
@@ -193,7 +185,6 @@ class GPT(nn.Module):
             self.register_buffer("rotary_cos", cos, persistent=False)
             self.register_buffer("rotary_sin", sin, persistent=False)
         self.apply(self._init_weights)
-        self.injector = None    # the assay's controlled error: a callable (activation, site, layer) -> activation
 
     def _init_weights(self, module):
         # GPT-2 init; projections that write into the residual stream are scaled down by depth
@@ -226,7 +217,7 @@ class GPT(nn.Module):
         x = self.drop(x)
         max_logits = []
         for block in self.blocks:
-            x, max_logit = block(x, rotary, self.injector)
+            x, max_logit = block(x, rotary)
             max_logits.append(max_logit)
         logits = self.lm_head(self.norm_f(x))
         loss = None
@@ -234,6 +225,17 @@ class GPT(nn.Module):
             loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1))
         max_logit = torch.stack(max_logits).detach() if self.config.max_logit else None
         return logits, loss, max_logit
+
+    @torch.no_grad()
+    def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None):
+        """Continue each row of idx (B, T) by max_new_tokens sampled tokens; the context is cropped to block_size."""
+        for _ in range(max_new_tokens):
+            logits = self(idx[:, -self.config.block_size:])[0][:, -1, :].float() / temperature
+            if top_k is not None:
+                kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, [-1]]
+                logits = logits.masked_fill(logits < kth, float("-inf"))
+            idx = torch.cat([idx, torch.multinomial(F.softmax(logits, dim=-1), num_samples=1)], dim=1)
+        return idx
 
     def configure_optimizer(self, lr, weight_decay, betas):
         """AdamW with weight decay on matrices (linear weights, embeddings) only, not on norm gains."""

@@ -1,13 +1,15 @@
 """
-Read a sweep's runs and say, claim by claim, whether the paper's claims reproduced.
+Read a sweep's runs and say, claim by claim, whether the paper's claims reproduced, and how sure that is.
 
     python report.py runs/claims                          # tables on the console, PNG plots into runs/claims
     python report.py runs/claims --markdown RESULTS.md    # also Markdown: tables, date, hardware, commands, and the
                                                           # plots (into plots/ beside it, so the links survive a commit)
     python report.py runs/claims --plots figures/         # the plots elsewhere (they need matplotlib)
+    python report.py --runs runs/A runs/B --png fig.png   # loss, max logit, sigma(W_q) of a few runs, one figure
 
-Reads every <root>/<experiment>/seed<k>/ that train.py wrote (log.jsonl, config.json; see sweep.py). Runs still
-going, interrupted, crashed or empty are listed as such and left out of the verdicts.
+Reads every <root>/<experiment>/seed<k>/ that train.py wrote (log.jsonl, config.json; see sweep.py). Arms are
+compared seed by seed (sweep.py gives every arm the same seeds). A run that did not finish, or a seed missing from
+an arm that another arm of the claim ran, counts against the claim: it is scored the way that hurts the claim.
 """
 import argparse
 import glob
@@ -18,92 +20,52 @@ import shlex
 import statistics
 import time
 
-from sweep import CLAIMS, read_log
+from sweep import CLAIMS, COHERENCES, DOSES, SITES, inject_arm, read_log
 
 # ---------------------------------------------------------------------------------------------------------------
-# The verdict rules. A rule reads the finished runs (end status completed or collapsed) of the groups it names; a
-# claim whose rule names a group without a finished run is "not run". The texts are printed with the verdicts.
+# The verdict rules' constants.
+ALPHA = 0.05             # a contrast holds at one-sided p < ALPHA (exact sign test over the seeds where arms differ)
 FINAL_WINDOW = 5         # final train loss = mean of the last FINAL_WINDOW logged losses
 LOSS_TOL = 0.03          # nat: the paper's largest gap between QK-Guard and always-on QK-norm
-RUNAWAY_LOGIT = 1000.0   # a runaway's max attention logit (REFERENCE.md sec. 3: healthy 52-137, collapsing 1808+)
-SIGMA_RATIO = 2.0        # "clearly larger" max sigma(W_q): by more than this factor (the paper's probe: 237 / 11.1)
-# A run "ran away" if it collapsed or its max attention logit reached RUNAWAY_LOGIT.
-RULES = {
-    1: ("bf16 collapsed in a majority of seeds; fp32 and bf16-safemax in none",
-        lambda g: collapses_vs_not(g["bf16"], g["fp32"], g["bf16-safemax"])),
-    2: ("bf16-guard collapsed in no seed and triggered in a majority; its final train and val losses are within "
-        "LOSS_TOL of bf16-qknorm-always's, seed by seed",
-        lambda g: guard_matches(g["bf16-guard"], g["bf16-qknorm-always"])),
-    3: ("inject-mlp-out ran away in a majority of seeds, inject-mlp-out-qkfix in none, and the median max "
-        "sigma(W_q) of the first is more than SIGMA_RATIO times the second's",
-        lambda g: runs_away_vs_not(g["inject-mlp-out"], g["inject-mlp-out-qkfix"])),
-    4: ("inject-coherent ran away in a majority of seeds, inject-random in none, and the median max sigma(W_q) "
-        "of coherent is more than SIGMA_RATIO times random's",
-        lambda g: runs_away_vs_not(g["inject-coherent"], g["inject-random"])),
-    5: ("the median max sigma(W_q) of bf16-probe-equal is more than SIGMA_RATIO times bf16-probe-topk's, and "
-        "bf16-probe-topk collapsed in no seed",
-        lambda g: probe_holds(g["bf16-probe-topk"], g["bf16-probe-equal"])),
-    6: ("in each of bf16-guard-lr-drop, -clip and -softcap, in a majority of seeds, the guard triggered and the "
-        "run failed anyway: it ran away, or its sigma(W_q) grew more than SIGMA_RATIO times after the trigger",
-        lambda g: all_fail(g["bf16-guard-lr-drop"], g["bf16-guard-clip"], g["bf16-guard-softcap"])),
-    7: ("llama-bf16 collapsed in a majority of seeds, llama-fp32 in none; llama-bf16-guard collapsed in none, "
-        "triggered in a majority, and its final losses are within LOSS_TOL of llama-bf16-qknorm-always's",
-        lambda g: both(collapses_vs_not(g["llama-bf16"], g["llama-fp32"]),
-                       guard_matches(g["llama-bf16-guard"], g["llama-bf16-qknorm-always"]))),
-}
+RUNAWAY_LOGIT = 1000.0   # a runaway's max attention logit (H200 emulation: healthy runs peaked at 52-137, the
+                         # runaways reached 1808 and 10240; Wortsman et al. saw divergence past 1e4)
+SIGMA_RATIO = 2.0        # "through the QK channel": sigma(W_q or W_k) grew more than SIGMA_RATIO times as much as
+                         # any other weight matrix's (v, o, MLP in, MLP out)
+NON_QK_KINDS = ("v", "o", "mlp_in", "mlp_out")
 
 
-# The words of the rules. Each check returns (holds, a note with the numbers it compared).
-def collapsed(run): return run.collapsed
-def triggered(run): return run.trigger is not None
-def ran_away(run): return run.collapsed or (run.max_logit or 0.0) >= RUNAWAY_LOGIT
-def most(runs, pred): return sum(map(pred, runs)) > len(runs) / 2
-def none(runs, pred): return not any(map(pred, runs))
-def both(a, b): return a[0] and b[0], "; ".join(n for n in (a[1], b[1]) if n)
+# ---------------------------------------------------------------------------------------------------------------
+# Exact statistics, no dependencies: the one-sided sign test and Clopper-Pearson intervals.
+
+def binom_tail(k, n):
+    """P(X >= k) for X ~ Binomial(n, 1/2)."""
+    return sum(math.comb(n, i) for i in range(k, n + 1)) / 2 ** n if n else 1.0
 
 
-def kept_growing(run):
-    after = [s for step, s in zip(run.steps, run.sigma) if step >= run.trigger and not math.isnan(s)]
-    return len(after) > 1 and max(after) > SIGMA_RATIO * after[0]
+def sign_test(pairs):
+    """pairs: (a, b) booleans per seed. One-sided test of "a happens where b does not more often than the reverse":
+    (a-only count, b-only count, p)."""
+    a_only = sum(a and not b for a, b in pairs)
+    b_only = sum(b and not a for a, b in pairs)
+    return a_only, b_only, binom_tail(a_only, a_only + b_only)
 
 
-def sigma_ratio(runs, reference):
-    """Median max sigma(W_q) of runs over reference's; nan (no verdict can pass) where a group logged none."""
-    sigmas = [[r.max_sigma for r in rs if r.max_sigma] for rs in (runs, reference)]
-    return statistics.median(sigmas[0]) / statistics.median(sigmas[1]) if all(sigmas) else math.nan
+def clopper_pearson(k, n, alpha=ALPHA):
+    """Exact two-sided 1 - alpha interval for a rate of k in n (bisection on the binomial tails)."""
+    def cdf(p, j):   # P(X <= j) for X ~ Binomial(n, p)
+        return sum(math.comb(n, i) * p ** i * (1 - p) ** (n - i) for i in range(j + 1))
 
-
-def loss_gap(runs, reference, attr):
-    """The largest |loss - reference loss| over the seeds both groups ran (inf when they share none)."""
-    ref = {r.seed: getattr(r, attr) for r in reference}
-    gaps = [abs(getattr(r, attr) - ref[r.seed]) for r in runs
-            if ref.get(r.seed) is not None and getattr(r, attr) is not None]
-    return max(gaps) if gaps else math.inf
-
-
-def collapses_vs_not(faulty, *repaired):
-    return most(faulty, collapsed) and all(none(rs, collapsed) for rs in repaired), ""
-
-
-def guard_matches(guarded, reference):
-    train, val = loss_gap(guarded, reference, "final_train"), loss_gap(guarded, reference, "final_val")
-    ok = none(guarded, collapsed) and most(guarded, triggered) and train <= LOSS_TOL and val <= LOSS_TOL
-    return ok, f"largest loss gap to always-on QK-norm: train {train:.3f}, val {val:.3f}"
-
-
-def runs_away_vs_not(runs, control):
-    ratio = sigma_ratio(runs, control)
-    return most(runs, ran_away) and none(control, ran_away) and ratio > SIGMA_RATIO, f"sigma ratio {ratio:.2f}"
-
-
-def probe_holds(topk, equal):
-    ratio = sigma_ratio(equal, topk)
-    return ratio > SIGMA_RATIO and none(topk, collapsed), f"sigma ratio {ratio:.2f}"
-
-
-def all_fail(*groups):
-    failed = [most(runs, lambda r: triggered(r) and (ran_away(r) or kept_growing(r))) for runs in groups]
-    return all(failed), "failed: " + ", ".join(f"{rs[0].group} {'yes' if f else 'no'}" for rs, f in zip(groups, failed))
+    def solve(f):    # the p in [0, 1] where the increasing f crosses alpha / 2
+        lo, hi = 0.0, 1.0
+        for _ in range(60):
+            mid = (lo + hi) / 2
+            lo, hi = (mid, hi) if f(mid) < alpha / 2 else (lo, mid)
+        return (lo + hi) / 2
+    if n == 0:
+        return 0.0, 1.0
+    lower = 0.0 if k == 0 else solve(lambda p: 1 - cdf(p, k - 1))
+    upper = 1.0 if k == n else 1 - solve(lambda p: cdf(1 - p, k))
+    return lower, upper
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -133,7 +95,10 @@ class Run:
         self.finished = self.status in ("completed", "collapsed")
         self.steps, self.loss = [r["step"] for r in steps], [r["loss"] for r in steps]
         nan_if_none = lambda v: math.nan if v is None else v
-        self.sigma = [nan_if_none(finite_max(r.get("sigma_q", []))) for r in steps]           # max over layers
+        # per kind, the max over layers at each logged step
+        self.sigmas = {kind: [nan_if_none(finite_max(r.get(f"sigma_{kind}", []))) for r in steps]
+                       for kind in ("q", "k", *NON_QK_KINDS)}
+        self.sigma = self.sigmas["q"]
         self.logit = [nan_if_none(finite_max(sum(r.get("max_logit", []), []))) for r in steps]  # layers, heads
         self.max_sigma, self.max_logit = finite_max(self.sigma), finite_max(self.logit)
         first = lambda kind: next((r["step"] for r in events if r["event"] == kind), None)
@@ -147,6 +112,14 @@ class Run:
         evals = [r["val_loss"] for r in events if r["event"] == "eval"]
         self.final_val = evals[-1] if evals else end.get("val_loss")
 
+    def growth(self, kind):
+        """How many times its first logged value sigma(kind) grew to, at most (nan if not logged)."""
+        values = [v for v in self.sigmas[kind] if not math.isnan(v)]
+        return max(values) / values[0] if values and values[0] > 0 else math.nan
+
+    def logit_after(self, step):
+        return finite_max([v for s, v in zip(self.steps, self.logit) if s > step]) or 0.0
+
 
 def load_runs(root):
     """group -> its runs, seeds in numeric order."""
@@ -158,31 +131,229 @@ def load_runs(root):
     return groups
 
 
-class NotRun(KeyError):
-    pass
+# ---------------------------------------------------------------------------------------------------------------
+# The words of the rules. A predicate reads one finished run; `outcomes` scores a whole arm seed by seed.
+
+def collapsed(run): return run.collapsed
+def triggered(run): return run.trigger is not None
+def ran_away(run): return run.collapsed or (run.max_logit or 0.0) >= RUNAWAY_LOGIT
 
 
-class Finished(dict):
-    """The rules' view, group -> finished runs: reading a group without any raises NotRun."""
+def qk_specific(run):
+    """The runaway went through the QK channel: sigma(W_q or W_k) grew more than SIGMA_RATIO times as much as the
+    most-grown other weight matrix. False where the other kinds were not logged."""
+    qk, other = max(run.growth("q"), run.growth("k")), finite_max([run.growth(k) for k in NON_QK_KINDS])
+    return other is not None and not math.isnan(qk) and qk > SIGMA_RATIO * other
 
-    def __missing__(self, name):
-        raise NotRun(name)
+
+class Claim:
+    """The runs of one claim, by arm and seed, and the counting the rules share."""
+
+    def __init__(self, groups, arms):
+        self.runs = {a: {r.seed: r for r in groups.get(a, [])} for a in {*groups, *arms}}
+        self.seeds = sorted({s for a in arms for s in self.runs[a]}, key=lambda s: (len(s), s))
+
+    def outcomes(self, arm, pred, claim_wants):
+        """Per seed: pred(run) for a finished run; for an unfinished or missing one, the value that hurts the
+        claim (claim_wants is the value the claim hopes for in this arm)."""
+        out = []
+        for seed in self.seeds:
+            run = self.runs[arm].get(seed)
+            out.append(pred(run) if run is not None and run.finished else not claim_wants)
+        return out
+
+    def unfinished(self, arm):
+        return sum(not (self.runs[arm].get(s) and self.runs[arm][s].finished) for s in self.seeds)
+
+    def count(self, arm, name, pred, claim_wants):
+        """A line: arm, name, k/n with its exact 95% interval; returns (line, outcomes)."""
+        out = self.outcomes(arm, pred, claim_wants)
+        lo, hi = clopper_pearson(sum(out), len(out))
+        left = self.unfinished(arm)
+        return (f"{arm}: {name} {sum(out)}/{len(out)} [95% CI {lo:.2f}-{hi:.2f}]"
+                + (f" ({left} unfinished, counted against)" if left else "")), out
+
+    def contrast(self, a, a_pred, b, b_pred, name, alpha=ALPHA):
+        """Does a's event happen where b's does not (seed by seed)? The claim wants a's event and not b's."""
+        la, oa = self.count(a, name, a_pred, True)
+        lb, ob = self.count(b, name, b_pred, False)
+        k, j, p = sign_test(list(zip(oa, ob)))
+        holds = p < alpha
+        return holds, [la, lb, f"sign test, {a} over {b}: {k} seeds one way, {j} the other, p = {p:.3g}"
+                       f"{'' if alpha == ALPHA else f' (threshold {alpha:.3g})'} -> {'holds' if holds else 'fails'}"]
+
+
+def collapses_vs_not(c, faulty, *repaired):
+    holds, lines = True, []
+    for arm in repaired:
+        ok, more = c.contrast(faulty, collapsed, arm, collapsed, "collapsed")
+        holds, lines = holds and ok, lines + more
+    return holds, lines
+
+
+def guard_prevents(c, unguarded, guarded, reference):
+    """The guard arm collapses in no seed, fewer than the unguarded arm (sign test), triggers before each
+    unguarded collapse of the same seed, and ends within LOSS_TOL of always-on QK-norm in every seed."""
+    never = c.outcomes(guarded, collapsed, False)
+    ok, lines = c.contrast(unguarded, collapsed, guarded, collapsed, "collapsed")
+    leads, early = [], True
+    for seed in c.seeds:
+        bad, good = c.runs[unguarded].get(seed), c.runs[guarded].get(seed)
+        if bad and bad.finished and bad.collapsed:
+            lead = None if not (good and good.trigger is not None) else bad.collapse_step - good.trigger
+            leads.append(f"{seed} {lead if lead is not None else 'none'}")
+            early = early and lead is not None and lead > 0
+    gaps = {}
+    for attr in ("final_train", "final_val"):
+        diffs = [abs(getattr(c.runs[guarded][s], attr) - getattr(c.runs[reference][s], attr))
+                 if all(s in c.runs[a] and c.runs[a][s].finished and getattr(c.runs[a][s], attr) is not None
+                        for a in (guarded, reference)) else math.inf for s in c.seeds]
+        gaps[attr] = max(diffs) if diffs else math.inf
+    holds = not any(never) and ok and early and max(gaps.values()) <= LOSS_TOL
+    return holds, lines + [
+        f"trigger lead over the unguarded collapse (seed steps): {', '.join(leads) or 'no unguarded collapse'}",
+        f"largest gap to {reference}: train {gaps['final_train']:.3f}, val {gaps['final_val']:.3f} nat "
+        f"(tolerance {LOSS_TOL})"]
+
+
+def guard_is_dormant(c, healthy, guarded):
+    """On healthy training the guard fires in no seed, and while dormant it changes nothing (final losses within
+    LOSS_TOL of the unguarded healthy run, seed by seed)."""
+    line, fired = c.count(guarded, "triggered", triggered, False)
+    gaps = [abs(c.runs[guarded][s].final_val - c.runs[healthy][s].final_val) for s in c.seeds
+            if all(s in c.runs[a] and c.runs[a][s].finished and c.runs[a][s].final_val is not None
+                   for a in (guarded, healthy)) and c.runs[guarded][s].trigger is None]
+    cost = max(gaps) if gaps else math.inf
+    return not any(fired) and cost <= LOSS_TOL, [
+        line, f"dormant cost, largest |val loss - {healthy}'s| over {len(gaps)} untriggered seeds: {cost:.4f}"]
+
+
+def dose_contrast(c, site, better, worse, better_pred, worse_pred, name):
+    """The contrast at each dose of the grid; holds at some dose with p < ALPHA / len(DOSES) (Bonferroni)."""
+    holds, lines = False, []
+    for dose in DOSES:
+        a, b = better(site, dose), worse(site, dose)
+        ok, more = c.contrast(a, better_pred, b, worse_pred, name, alpha=ALPHA / len(DOSES))
+        holds, lines = holds or ok, lines + more
+    return holds, lines
+
+
+def runs_away_through_qk(run):
+    return ran_away(run) and qk_specific(run)
+
+
+def injection_claim(c, site):
+    """Claim 3 at one site: the coherent error runs away through the QK channel where its QK-only fix does not."""
+    return dose_contrast(c, site, lambda s, d: inject_arm(s, d, 1.0)[0], lambda s, d: inject_arm(s, d, 1.0, True)[0],
+                         runs_away_through_qk, ran_away, "ran away (through QK for the first)")
+
+
+def coherence_claim(c, site):
+    """Claim 4 at one site: coherent errors run away where random-sign ones (coherence 0.5) do not."""
+    return dose_contrast(c, site, lambda s, d: inject_arm(s, d, 1.0)[0], lambda s, d: inject_arm(s, d, 0.5)[0],
+                         ran_away, ran_away, "ran away")
+
+
+def probe_holds(c):
+    """The top-k probe stops the runaway of the unprobed bf16 run, while each control still runs away."""
+    holds, lines = c.contrast("bf16", ran_away, "bf16-probe-topk", ran_away, "ran away")
+    for control in ("bf16-probe-fixed", "bf16-probe-v-topk", "bf16-probe-mlp-topk"):
+        ok, more = c.contrast(control, ran_away, "bf16-probe-topk", ran_away, "ran away")
+        holds, lines = holds and ok, lines + more[::2]
+    costs = []
+    for arm in ("bf16-probe-topk", "bf16-probe-fixed", "bf16-probe-v-topk", "bf16-probe-mlp-topk", "bf16-probe-equal"):
+        diffs = [c.runs[arm][s].final_val - c.runs["fp32"][s].final_val for s in c.seeds
+                 if all(s in c.runs.get(a, {}) and c.runs[a][s].finished and c.runs[a][s].final_val is not None
+                        for a in (arm, "fp32"))]
+        costs.append(f"{arm} {statistics.median(diffs):+.3f}" if diffs else f"{arm} n/a")
+    return holds, lines + ["loss cost, median final val loss - fp32's: " + ", ".join(costs)]
+
+
+def non_qk_actions_fail(c):
+    """Each non-QK action, at the same trigger, fails where QK-norm does not: it collapses, runs away after the
+    trigger, or ends more than LOSS_TOL above QK-norm's val loss on the same seed."""
+    qknorm = c.runs["bf16-guard"]
+
+    def failed(run):
+        ref = qknorm.get(run.seed)
+        worse = ref is None or not ref.finished or ref.final_val is None or run.final_val is None or \
+            run.final_val > ref.final_val + LOSS_TOL
+        after = run.logit_after(run.trigger if run.trigger is not None else -1)
+        return run.collapsed or after >= RUNAWAY_LOGIT or worse
+    holds, lines = True, []
+    for arm in ("bf16-guard-lr-drop", "bf16-guard-clip", "bf16-guard-softcap"):
+        ok, more = c.contrast(arm, failed, "bf16-guard", lambda r: r.collapsed or r.logit_after(
+            r.trigger if r.trigger is not None else -1) >= RUNAWAY_LOGIT, "failed")
+        holds, lines = holds and ok, lines + ([more[0], more[2]] if lines else more)
+    for arm in ("bf16-guard-qkclip", "bf16-guard-fp32-accum"):
+        if c.runs.get(arm):
+            lines.append(c.count(arm, "failed", failed, False)[0] + " (for comparison, not judged)")
+    return holds, lines
+
+
+def joined(*results):
+    """Several checks as one: all must hold."""
+    return all(ok for ok, _ in results), [line for _, lines in results for line in lines]
+
+
+# One rule per row: (claim, the rule in words, its arms, the check). The words print beside the verdicts.
+def _inject_arms(coherences, fix, sites=tuple(SITES)):
+    return [inject_arm(s, d, c, fix)[0] for s in sites for d in DOSES for c in coherences]
+
+
+RULES = [
+    ("1", "bf16 state collapses, fp32 state and bf16-safemax do not: bf16 collapses where fp32 does not, and where "
+          "bf16-safemax does not, each by a sign test at p < ALPHA",
+     ["bf16", "fp32", "bf16-safemax"], lambda c: collapses_vs_not(c, "bf16", "fp32", "bf16-safemax")),
+    ("2", "QK-Guard prevents it: bf16-guard collapses in no seed, fewer than bf16 (sign test), triggers before "
+          "each bf16 collapse of the same seed, and ends within LOSS_TOL of bf16-qknorm-always in every seed",
+     ["bf16", "bf16-guard", "bf16-qknorm-always"], lambda c: guard_prevents(c, "bf16", "bf16-guard",
+                                                                             "bf16-qknorm-always")),
+    ("2v", "the guard is valid: on healthy training (fp32 state) it fires in no seed, and while dormant it changes "
+           "the final val loss by at most LOSS_TOL",
+     ["fp32", "fp32-guard"], lambda c: guard_is_dormant(c, "fp32", "fp32-guard")),
+    ("3", "an error outside attention (mlp-out, coherence 1) runs away through the QK channel where the same "
+          "error with QK-norm does not, at some dose of the grid (sign test, p < ALPHA / 4 doses)",
+     _inject_arms((1.0,), False, ["mlp-out"]) + _inject_arms((1.0,), True, ["mlp-out"]),
+     lambda c: injection_claim(c, "mlp-out")),
+    ("3+", "positive control: the same at the backward's delta, where the kernel fault lands, against W_q, W_k "
+           "trained on the error-free gradient",
+     _inject_arms((1.0,), False, ["delta"]) + _inject_arms((1.0,), True, ["delta"]),
+     lambda c: injection_claim(c, "delta")),
+    ("4", "sign-coherence, not size: at both sites, coherence 1 runs away where coherence 0.5 does not, at some "
+          "dose (sign test, p < ALPHA / 4 doses)",
+     _inject_arms(COHERENCES, False), lambda c: joined(*(coherence_claim(c, site) for site in SITES))),
+    ("5", "the causal probe: bf16 runs away where bf16-probe-topk does not, and so does each control (a fixed "
+          "random QK subspace, W_v's top-k, the MLP's top-k) (sign tests, p < ALPHA)",
+     ["bf16", "bf16-probe-topk", "bf16-probe-fixed", "bf16-probe-v-topk", "bf16-probe-mlp-topk"], probe_holds),
+    ("6", "non-QK actions fail: lr-drop, clip and softcap at the guard's trigger each fail (collapse, logits past "
+          "RUNAWAY_LOGIT after the trigger, or a val loss more than LOSS_TOL above QK-norm's) where QK-norm does "
+          "not (sign tests, p < ALPHA). Caveats: Adam rescales a clipped gradient back, so clip acts mostly "
+          "through the moments; a bf16 softcap piles logits at the cap, making ties of its own",
+     ["bf16-guard", "bf16-guard-lr-drop", "bf16-guard-clip", "bf16-guard-softcap"], non_qk_actions_fail),
+    ("7", "the same on llama: llama-bf16 collapses where llama-fp32 does not, and llama-bf16-guard prevents it "
+          "within LOSS_TOL of always-on QK-norm",
+     ["llama-bf16", "llama-fp32", "llama-bf16-guard", "llama-bf16-qknorm-always"],
+     lambda c: joined(collapses_vs_not(c, "llama-bf16", "llama-fp32"),
+                      guard_prevents(c, "llama-bf16", "llama-bf16-guard", "llama-bf16-qknorm-always"))),
+]
 
 
 def verdicts(groups):
-    """One row per claim: number, verdict, and what was measured."""
-    finished = Finished({n: [r for r in rs if r.finished] for n, rs in groups.items() if any(r.finished for r in rs)})
+    """One row per rule: [claim, verdict, what was measured]. A rule with an arm that has no run folder at all is
+    "not run"; otherwise it is judged, every missing or unfinished run counted against it."""
     rows = []
-    for number, (title, experiments) in CLAIMS.items():
-        try:
-            ok, note = RULES[number][1](finished)
-            verdict = "reproduced" if ok else "not reproduced"
-            left_out = sum(not r.finished for n in experiments for r in groups.get(n, []))
-            note = "; ".join(n for n in (note, left_out and f"{left_out} unfinished runs left out") if n)
-        except NotRun as e:
-            verdict, note = "not run", f"no finished run of {e.args[0]}"
-        lines = [title] + [group_line(n, groups.get(n, [])) for n in experiments] + ([note] if note else [])
-        rows.append([str(number), verdict, "\n".join(lines)])
+    for claim, text, arms, rule in RULES:
+        title = {"2v": "QK-Guard stays dormant on healthy training, at no cost",
+                 "3+": "positive control: the backward's delta, where the kernel fault reaches the gradient"}.get(
+                     claim, CLAIMS[int(claim[0])][0])
+        missing = [a for a in arms if not groups.get(a)]
+        if missing:
+            rows.append([claim, "not run", f"{title}\nno runs of {', '.join(missing[:3])}"
+                                           f"{f' and {len(missing) - 3} more arms' if len(missing) > 3 else ''}"])
+            continue
+        holds, lines = rule(Claim(groups, arms))
+        rows.append([claim, "reproduced" if holds else "not reproduced", "\n".join([title] + lines)])
     return rows
 
 
@@ -198,28 +369,46 @@ def median(values):
     return statistics.median(values) if values else None
 
 
-def group_line(name, runs, finished_only=True):
+def group_line(name, runs):
     """A group in one line: collapses, median collapse step, maxima and losses (medians), trigger steps."""
-    done = [r for r in runs if r.finished or not finished_only]
-    if not done:
-        return f"{name}: " + (f"no finished runs ({len(runs)} unfinished)" if runs else "no runs")
-    m = lambda attr, spec: num(median(getattr(r, attr) for r in done), spec)
-    triggers = [r.trigger for r in done if r.trigger is not None]
-    return (f"{name}: {sum(map(collapsed, done))}/{len(done)} collapsed" +
-            (f" (median step {m('collapse_step', '.0f')})" if any(map(collapsed, done)) else "") +
+    if not runs:
+        return f"{name}: no runs"
+    m = lambda attr, spec: num(median(getattr(r, attr) for r in runs), spec)
+    triggers = [r.trigger for r in runs if r.trigger is not None]
+    unfinished = sum(not r.finished for r in runs)
+    return (f"{name}: {sum(map(collapsed, runs))}/{len(runs)} collapsed" +
+            (f" (median step {m('collapse_step', '.0f')})" if any(map(collapsed, runs)) else "") +
             f", max sigma(W_q) {m('max_sigma', '.3g')}, max logit {m('max_logit', '.3g')}, train "
             f"{m('final_train', '.4f')}, val {m('final_val', '.4f')}" +
-            (f", guard triggered at {', '.join(map(str, triggers))}" if triggers else ""))
+            (f", guard triggered at {', '.join(map(str, triggers))}" if triggers else "") +
+            (f"; {unfinished} unfinished" if unfinished else ""))
 
 
-GROUP_HEADER = ["seed", "status", "collapse step", "max sigma(W_q)", "max logit", "guard trigger", "final train",
-                "final val", "last step"]
+GROUP_HEADER = ["seed", "status", "collapse step", "max sigma(W_q)", "sigma growth q / others", "max logit",
+                "guard trigger", "final train", "final val", "last step"]
 
 
 def group_rows(runs):
-    return [[r.seed, r.status, num(r.collapse_step), num(r.max_sigma, ".3g"), num(r.max_logit, ".3g"),
-             num(r.trigger), num(r.final_train, ".4f"), num(r.final_val, ".4f"), num(r.steps[-1] if r.steps else None)]
-            for r in runs]
+    def growth(r):
+        others = finite_max([r.growth(k) for k in NON_QK_KINDS])
+        return f"{num(max(r.growth('q'), r.growth('k')), '.3g')} / {num(others, '.3g')}"
+    return [[r.seed, r.status, num(r.collapse_step), num(r.max_sigma, ".3g"), growth(r), num(r.max_logit, ".3g"),
+             num(r.trigger), num(r.final_train, ".4f"), num(r.final_val, ".4f"),
+             num(r.steps[-1] if r.steps else None)] for r in runs]
+
+
+def dose_table(groups):
+    """Claims 3 and 4: runaways per (site, coherence or fix) and dose, as k/n over the finished runs."""
+    rows = []
+    for site in SITES:
+        for label, name in [(f"c{c:g}", lambda d, c=c: inject_arm(site, d, c)[0]) for c in COHERENCES] + \
+                [("c1 + QK-only fix", lambda d: inject_arm(site, d, 1.0, True)[0])]:
+            cells = []
+            for dose in DOSES:
+                done = [r for r in groups.get(name(dose), []) if r.finished]
+                cells.append(f"{sum(map(ran_away, done))}/{len(done)}" if done else "-")
+            rows.append([site, label] + cells)
+    return rows
 
 
 def render(header, rows, markdown):
@@ -234,7 +423,7 @@ def render(header, rows, markdown):
 
 
 def build(groups, root, markdown, plots=(), markdown_dir="."):
-    known = [n for _, experiments in CLAIMS.values() for n in experiments]
+    known = list(dict.fromkeys(n for _, experiments in CLAIMS.values() for n in experiments))
     order = [n for n in known if n in groups] + sorted(set(groups) - set(known))
     title = (lambda level, text: "#" * level + " " + text) if markdown else (lambda level, text: f"== {text} ==")
     parts = []
@@ -244,13 +433,19 @@ def build(groups, root, markdown, plots=(), markdown_dir="."):
         parts += [title(1, "The paper's claims, reproduced at minute scale"),
                   f"Written by `python report.py {root}` on {time.strftime('%Y-%m-%d %H:%M')}. "
                   f"Hardware: {', '.join(hardware) or 'unknown'}."]
-    parts += [title(2, "Claims"), render(["claim", "verdict", "what was measured (medians over finished seeds)"],
+    parts += [title(2, "Claims"), render(["claim", "verdict", "arms: n, counts [exact 95% interval]; tests"],
                                          verdicts(groups), markdown),
-              f"Rules (FINAL_WINDOW={FINAL_WINDOW}, LOSS_TOL={LOSS_TOL}, RUNAWAY_LOGIT={RUNAWAY_LOGIT:g}, "
-              f"SIGMA_RATIO={SIGMA_RATIO:g}; a run ran away if it collapsed or its max logit reached RUNAWAY_LOGIT):",
-              "\n".join(f"{n}. {text}." for n, (text, _) in RULES.items()), title(2, "Runs")]
+              f"Rules (ALPHA={ALPHA}, FINAL_WINDOW={FINAL_WINDOW}, LOSS_TOL={LOSS_TOL}, "
+              f"RUNAWAY_LOGIT={RUNAWAY_LOGIT:g}, SIGMA_RATIO={SIGMA_RATIO:g}; a run ran away if it collapsed or "
+              f"its max logit reached RUNAWAY_LOGIT; arms are compared seed by seed with an exact one-sided sign "
+              f"test over the seeds where they differ; an unfinished or missing run counts against the claim):",
+              "\n".join(f"{claim}. {text}." for claim, text, _, _ in RULES)]
+    if any(g.startswith("inject-") for g in groups):
+        parts += [title(2, "Dose-response (claims 3 and 4): runs that ran away / finished runs"),
+                  render(["site", "coherence"] + [f"dose {d:g}" for d in DOSES], dose_table(groups), markdown)]
+    parts.append(title(2, "Runs"))
     for name in order:
-        parts += [title(3, name), "All runs, medians: " + group_line(name, groups[name], finished_only=False),
+        parts += [title(3, name), "Medians: " + group_line(name, groups[name]),
                   render(GROUP_HEADER, group_rows(groups[name]), markdown)]
     if markdown and plots:
         parts += [title(2, "Plots"), "\n\n".join(f"![{os.path.splitext(os.path.basename(p))[0]}]"
@@ -263,58 +458,125 @@ def build(groups, root, markdown, plots=(), markdown_dir="."):
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Plots: per claim, loss / max sigma(W_q) / max logit against step; the guard trigger a vertical line, a collapse an x
+# Plots: per claim, loss / max logit / sigma(W_q) / the most-grown other weight against step (trigger a vertical
+# line, collapse an x), and the survival curves (fraction of seeds not yet collapsed)
 
-def plot_claims(groups, out_dir):
+def _pyplot():
     try:
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
+        return plt
     except ImportError:
         print("plots skipped: matplotlib is not installed (pip install matplotlib, then run report.py again)")
+        return None
+
+
+def survival(runs):
+    """Kaplan-Meier: [(step, fraction not yet collapsed)]; runs that did not collapse are censored at their end."""
+    times = sorted((r.collapse_step if r.collapsed and r.collapse_step is not None else (r.steps or [0])[-1],
+                    r.collapsed) for r in runs)
+    at_risk, alive, curve = len(times), 1.0, [(0, 1.0)]
+    for step, event in times:
+        if event:
+            alive *= (at_risk - 1) / at_risk
+            curve.append((step, alive))
+        at_risk -= 1
+    return curve
+
+
+PANELS = {"loss": ("train loss", "linear"), "logit": ("max attention logit", "log"),
+          "sigma": ("max sigma(W_q) over layers", "log"), "others": ("max sigma of W_v, W_o, MLP", "log")}
+
+
+def plot_runs(runs, axes, colors, panels=tuple(PANELS)):
+    """One line per run in each panel; the guard trigger a dotted vertical line, a collapse an x."""
+    def series(run, panel):
+        if panel == "others":
+            return [finite_max([run.sigmas[k][i] for k in NON_QK_KINDS]) or math.nan for i in range(len(run.steps))]
+        return getattr(run, panel)
+    for run in runs:
+        color, k = colors[run.group], run.seed[4:]
+        style = ["-", "--", ":", "-."][(int(k) - 1) % 4 if k.isdigit() else 0]
+        for ax, panel in zip(axes, panels):
+            ys = [y if y is not None and math.isfinite(y) and y > 0 else math.nan for y in series(run, panel)]
+            ax.plot(run.steps, ys, color=color, ls=style, lw=1, label=f"{run.group} {run.seed}")
+            if run.trigger is not None:
+                ax.axvline(run.trigger, color=color, ls=":", lw=0.8)
+            if run.collapse_step is not None and run.steps:
+                i = min(range(len(ys)), key=lambda j: abs(run.steps[j] - run.collapse_step))
+                ax.plot([run.steps[i]], [finite_max(ys) if math.isnan(ys[i]) else ys[i]], "x", color=color,
+                        ms=10, mew=2)
+    for ax, panel in zip(axes, panels):
+        label, scale = PANELS[panel]
+        ax.set(ylabel=label, yscale=scale)
+        ax.grid(alpha=0.3)
+    axes[-1].set_xlabel("step")
+
+
+def plot_claims(groups, out_dir):
+    plt = _pyplot()
+    if plt is None:
         return []
     os.makedirs(out_dir, exist_ok=True)
     saved = []
     for number, (title, experiments) in CLAIMS.items():
-        runs = [r for n in experiments for r in groups.get(n, []) if r.steps]
+        arms = [n for n in experiments if groups.get(n)]
+        runs = [r for n in arms for r in groups[n] if r.steps]
         if not runs:
             continue
-        fig, axes = plt.subplots(3, 1, sharex=True, figsize=(9, 10))
-        for run in runs:
-            color, k = f"C{list(experiments).index(run.group)}", run.seed[4:]
-            style = ["-", "--", ":", "-."][(int(k) - 1) % 4 if k.isdigit() else 0]
-            for ax, ys in zip(axes, (run.loss, run.sigma, run.logit)):
-                ys = [y if math.isfinite(y) and y > 0 else math.nan for y in ys]    # log axes take only y > 0
-                ax.plot(run.steps, ys, color=color, ls=style, lw=1, label=f"{run.group} {run.seed}")
-                if run.trigger is not None:
-                    ax.axvline(run.trigger, color=color, ls=":", lw=0.8)
-                if run.collapse_step is not None:
-                    i = min(range(len(ys)), key=lambda j: abs(run.steps[j] - run.collapse_step))
-                    ax.plot([run.steps[i]], [finite_max(ys) if math.isnan(ys[i]) else ys[i]], "x", color=color,
-                            ms=10, mew=2)
-        for ax, label, scale in zip(axes, ("train loss", "max sigma(W_q) over layers", "max attention logit"),
-                                    ("linear", "log", "log")):
-            ax.set(ylabel=label, yscale=scale)
-            ax.grid(alpha=0.3)
-        axes[2].set_xlabel("step")
+        colors = {n: f"C{i % 10}" for i, n in enumerate(arms)}
+        fig, axes = plt.subplots(5, 1, sharex=True, figsize=(9, 14))
+        plot_runs(runs, axes[:4], colors)
+        for n in arms:
+            steps, alive = zip(*survival(groups[n]))
+            axes[4].step(steps, alive, where="post", color=colors[n], label=n)
+        axes[4].set(ylabel="fraction not collapsed", ylim=(-0.05, 1.05))
+        axes[4].grid(alpha=0.3)
         axes[0].set_title(f"claim {number}: {title}", fontsize=10)
-        axes[0].legend(fontsize=7, ncol=2)
+        axes[0].legend(fontsize=6, ncol=2)
         saved.append(os.path.join(out_dir, f"claim{number}.png"))
         fig.savefig(saved[-1], dpi=110, bbox_inches="tight")
         plt.close(fig)
     return saved
 
 
+def plot_some_runs(paths, png):
+    """--runs: one figure of a few run folders (the demo's unguarded and guarded runs, say)."""
+    plt = _pyplot()
+    if plt is None:
+        return None
+    runs = [Run(os.path.abspath(p)) for p in paths]
+    for run, path in zip(runs, paths):
+        run.group, run.seed = os.path.basename(os.path.normpath(path)), "seed1"
+    fig, axes = plt.subplots(3, 1, sharex=True, figsize=(8, 8))
+    plot_runs(runs, axes, {r.group: f"C{i}" for i, r in enumerate(runs)}, panels=("loss", "logit", "sigma"))
+    axes[0].legend(fontsize=8)
+    axes[0].set_title("dotted line: guard trigger; x: collapse", fontsize=9)
+    fig.savefig(png, dpi=110, bbox_inches="tight")
+    plt.close(fig)
+    return png
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("root", help="the sweep's --out-root, e.g. runs/claims")
+    p.add_argument("root", nargs="?", help="the sweep's --out-root, e.g. runs/claims")
     p.add_argument("--markdown", metavar="FILE", help="also write the tables as Markdown (for RESULTS.md)")
     p.add_argument("--plots", metavar="DIR",
                    help="where the PNG plots go (default: plots/ beside --markdown, else the runs folder)")
+    p.add_argument("--runs", nargs="+", metavar="DIR", help="plot these run folders instead (with --png)")
+    p.add_argument("--png", default="runs.png", help="--runs: the figure's file (default runs.png)")
     args = p.parse_args(argv)
-    if not os.path.isdir(args.root):
-        print(f"error: {args.root} is not a folder: give the sweep's --out-root")
-        return 1
+    if args.runs:
+        missing = [d for d in args.runs if not os.path.exists(os.path.join(d, "log.jsonl"))]
+        if missing:
+            p.error(f"no log.jsonl in {', '.join(missing)}: give run folders that train.py wrote")
+        png = plot_some_runs(args.runs, args.png)
+        if png:
+            print(f"plot: {png}")
+        return 0
+    if args.root is None or not os.path.isdir(args.root):
+        p.error(f"{args.root} is not a folder: give the sweep's --out-root (or --runs DIR ...)")
     groups = load_runs(args.root)
     if not groups:
         print(f"no runs under {args.root} (expected <experiment>/seed<k>/log.jsonl)")

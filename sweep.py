@@ -1,15 +1,17 @@
 """
 Launch the paper's claims as a batch of train.py runs, side by side on one GPU (or CPU).
 
-    python sweep.py                                   # every claim, 3 seeds, into runs/claims/<experiment>/seed<k>/
-    python sweep.py --claims 1,2 --seeds 2            # some claims
+    python sweep.py                                   # every claim, 8 seeds, into runs/claims/<experiment>/seed<k>/
+    python sweep.py --claims 1,2 --seeds 4            # some claims
     python sweep.py --claims 1 --dry-run              # print the commands only
     python sweep.py --claims 1 -- --max-steps 50 --n-layer 2 --device cpu   # extra flags go to every run
     python sweep.py --resume                          # also continue runs that were interrupted or crashed
 
-Each run is one train.py subprocess with its stdout.log / stderr.log in its own folder; at most --parallel run at
-once. A run whose log already ends with a completed or collapsed "end" record is skipped, so launching the same
-sweep again only runs what is left. Read the results with `python report.py runs/claims`.
+Every arm of every claim runs the same seeds (seed k passes --seed k: the same initial weights and batch order),
+so report.py compares arms seed by seed. Each run is one train.py subprocess with its stdout.log / stderr.log in
+its own folder; at most --parallel run at once. A run whose log already ends with a completed or collapsed "end"
+record is skipped, so launching the same sweep again only runs what is left. Read the results with
+`python report.py runs/claims`.
 """
 import argparse
 import json
@@ -22,40 +24,65 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
-# The size of the controlled error of claims 3 and 4 (error rms / rms of the signal it joins; see assay.py).
-# To be calibrated on the GPU: the smallest scale at which inject-coherent runs away within the run's steps while
-# inject-random does not, e.g. `python sweep.py --only inject-coherent,inject-random --seeds 1 --inject-scale X
-# --out-root runs/calib-X` for X in 0.02 0.05 0.1 0.2. Then write the chosen value here.
-INJECT_SCALE = 0.1
+# Seeds per arm. report.py judges a contrast between two arms with an exact sign test over the seeds where they
+# differ: at least 5 such seeds, all one way, are needed for p < 0.05 (1/32), so 8 seeds leave room for a few
+# seeds where both arms agree. 3 seeds can never reach p < 0.05 (1/8 at best).
+SEEDS = 8
+# Claims 3 and 4: the injected error's size (error rms / rms of the signal it joins; see assay.py), fixed in
+# advance as a grid rather than tuned on the contrast it is then judged by, crossed with its sign-coherence.
+DOSES = (0.01, 0.03, 0.1, 0.3)
+COHERENCES = (0.5, 0.75, 1.0)
+# The injection sites, each with its QK-only fix: in the forward (outside attention), QK-norm; in the backward
+# (delta, where the kernel fault reaches the gradient), W_q and W_k trained on the error-free gradient.
+SITES = {"mlp-out": "qknorm", "delta": "clean-grad"}
 
-# The experiments, grouped by the claim they test: name -> train.py flags ({scale} becomes the inject scale).
-# Flags left out take train.py's defaults (on a GPU: the assay preset of REFERENCE.md section 3).
+
+def inject_arm(site, dose, coherence, fix=False):
+    """(name, flags) of one cell of the dose grid."""
+    name = f"inject-{site}-{dose:g}-c{coherence:g}" + ("-qkfix" if fix else "")
+    flags = f"--accum fp32 --inject-site {site} --inject-scale {dose:g} --inject-coherence {coherence:g}"
+    return name, flags + (f" --qk-fix {SITES[site]}" if fix else "")
+
+
+def _grid(coherences, fix):
+    return dict(inject_arm(site, dose, c, fix) for site in SITES for dose in DOSES for c in coherences)
+
+
+# The experiments, grouped by the claim they test: name -> train.py flags. An arm shared by several claims (bf16,
+# fp32, bf16-guard) is one set of runs. Flags left out take train.py's defaults (on a GPU: the assay preset).
 CLAIMS = {
-    1: ("bf16 softmax state collapses; fp32 and bf16-safemax do not", {
-        "bf16": "--accum bf16 --guard off",
-        "fp32": "--accum fp32 --guard off",
-        "bf16-safemax": "--accum bf16-safemax --guard off",
+    1: ("bf16 softmax state collapses; fp32 state and bf16-safemax do not", {
+        "bf16": "--accum bf16",
+        "fp32": "--accum fp32",
+        "bf16-safemax": "--accum bf16-safemax",
+        # which rounding source drives it, one at a time (reported, not judged)
+        "state-only": "--accum bf16 --round none",
+        "logits-only": "--accum fp32 --round logits",
+        "pv-only": "--accum fp32 --round pv",
+        "standard": "--accum fp32 --round none",
+        "bf16-all": "--accum bf16 --round logits,pv,backward",
     }),
-    2: ("QK-Guard prevents it, within 0.03 nat of always-on QK-norm", {
+    2: ("QK-Guard prevents it, within 0.03 nat of always-on QK-norm; it stays dormant on healthy training", {
+        "bf16": "--accum bf16",
         "bf16-guard": "--accum bf16 --guard on",
         "bf16-qknorm-always": "--accum bf16 --qknorm always",
-        "fp32-qknorm-always": "--accum fp32 --qknorm always",
+        "fp32": "--accum fp32",
+        "fp32-guard": "--accum fp32 --guard on",
     }),
     3: ("an error outside attention drives the same QK runaway; the QK-only fix stops it", {
-        "inject-mlp-out": "--accum fp32 --inject-site mlp-out --inject-scale {scale} --inject-coherence 1",
-        "inject-mlp-out-qkfix": "--accum fp32 --inject-site mlp-out --inject-scale {scale} --inject-coherence 1 "
-                                "--qk-fix clean-grad",
-    }),
-    4: ("sign-coherent errors run away, random signs do not", {
-        # at the attention output, where the kernel fault lands: a second site beside claim 3's mlp-out
-        "inject-coherent": "--accum fp32 --inject-site attn-out --inject-scale {scale} --inject-coherence 1",
-        "inject-random": "--accum fp32 --inject-site attn-out --inject-scale {scale} --inject-coherence 0.5",
-    }),
-    5: ("causal probe: removing QK's top directions stops the runaway, equal energy elsewhere does not", {
+        **_grid((1.0,), fix=False), **_grid((1.0,), fix=True)}),
+    4: ("sign-coherent errors run away, random signs do not", _grid(COHERENCES, fix=False)),
+    5: ("causal probe: removing QK's top directions stops the runaway; the same removal elsewhere does not", {
+        "bf16": "--accum bf16",
+        "fp32": "--accum fp32",
         "bf16-probe-topk": "--accum bf16 --probe qk-topk",
+        "bf16-probe-fixed": "--accum bf16 --probe qk-fixed",
+        "bf16-probe-v-topk": "--accum bf16 --probe v-topk",
+        "bf16-probe-mlp-topk": "--accum bf16 --probe mlp-topk",
         "bf16-probe-equal": "--accum bf16 --probe equal-energy",
     }),
     6: ("non-QK actions at the same trigger fail", {
+        "bf16-guard": "--accum bf16 --guard on",
         "bf16-guard-lr-drop": "--accum bf16 --guard on --guard-action lr-drop",
         "bf16-guard-clip": "--accum bf16 --guard on --guard-action clip",
         "bf16-guard-softcap": "--accum bf16 --guard on --guard-action softcap",
@@ -64,23 +91,24 @@ CLAIMS = {
         "bf16-guard-fp32-accum": "--accum bf16 --guard on --guard-action fp32-accum",
     }),
     7: ("the same on a second architecture (llama: RMSNorm, SwiGLU, rotary)", {
-        "llama-bf16": "--arch llama --accum bf16 --guard off",
-        "llama-fp32": "--arch llama --accum fp32 --guard off",
+        "llama-bf16": "--arch llama --accum bf16",
+        "llama-fp32": "--arch llama --accum fp32",
         "llama-bf16-guard": "--arch llama --accum bf16 --guard on",
         "llama-bf16-qknorm-always": "--arch llama --accum bf16 --qknorm always",
+        "llama-fp32-guard": "--arch llama --accum fp32 --guard on",
     }),
 }
 DONE = ("completed", "collapsed")    # end statuses that mean "nothing left to run"
 STOP_WAIT_S = 300                    # after Ctrl-C, how long children get to save their checkpoint
 
 
-def experiments(claims, only=None, scale=INJECT_SCALE):
-    """name -> list of train.py flags, for the chosen claims (and names)."""
+def experiments(claims, only=None):
+    """name -> list of train.py flags, for the chosen claims (and names); a shared arm appears once."""
     chosen = {}
     for number in claims:
         for name, flags in CLAIMS[number][1].items():
             if only is None or name in only:
-                chosen[name] = shlex.split(flags.format(scale=scale))
+                chosen[name] = shlex.split(flags)
     return chosen
 
 
@@ -243,18 +271,19 @@ def main(argv=None):
                                 usage="%(prog)s [options] [-- extra train.py flags for every run]")
     p.add_argument("--claims", default=",".join(map(str, CLAIMS)), help="comma-separated claim numbers (1-7)")
     p.add_argument("--only", default=None, help="comma-separated experiment names, within those claims")
-    p.add_argument("--seeds", type=int, default=3, help="seeds 1..N: seed k passes --seed k")
+    p.add_argument("--seeds", type=int, default=SEEDS, help="seeds 1..N: seed k passes --seed k (see SEEDS)")
     p.add_argument("--parallel", type=int, default=None, help="runs at once (default: 8 on CUDA, 1 on CPU)")
     p.add_argument("--out-root", default="runs/claims", help="runs go to <out-root>/<experiment>/seed<k>/")
-    p.add_argument("--inject-scale", type=float, default=INJECT_SCALE, help="error size of claims 3 and 4")
     p.add_argument("--resume", action="store_true", help="continue unfinished runs from their checkpoints")
     p.add_argument("--dry-run", action="store_true", help="print the commands, run nothing")
     args = p.parse_args(argv)
+    if args.seeds < 1 or (args.parallel is not None and args.parallel < 1):
+        p.error("--seeds and --parallel must be at least 1")
     if not set(args.claims.split(",")) <= set(map(str, CLAIMS)):
         p.error(f"--claims {args.claims!r}: give some of {','.join(map(str, CLAIMS))}")
     claims = [int(c) for c in args.claims.split(",")]
     only = None if args.only is None else set(args.only.split(","))
-    names_flags = experiments(claims, only, args.inject_scale)
+    names_flags = experiments(claims, only)
     if only is not None and only - set(names_flags):
         p.error(f"--only: {', '.join(sorted(only - set(names_flags)))} not in claims {args.claims}")
 

@@ -1,10 +1,12 @@
 """Tests of the assay: injected error sizes and sign statistics, where the error lands, the QK probe's
 projection and its equal-energy control, the matched fault, and the flag checks. Fresh random inputs each run."""
+import contextlib
+
 import pytest
 import torch
 
 import model
-from assay import (ACTIVATION_SITES, ErrorInjector, QKProbe, check_assay_flags, measure_fault)
+from assay import (ACTIVATION_SITES, ErrorInjector, Probe, check_assay_flags, clean_qk_grads, measure_fault)
 from attention_kernel import attention
 
 
@@ -127,14 +129,51 @@ def test_injection_changes_only_selected_layers(site):
     gpt = tiny_gpt()
     idx = torch.randint(0, 128, (2, 16))
     logits, outs = block_outputs(gpt, idx)
-    gpt.injector = ErrorInjector(site, 0.5, 1.0, n_layer=2, n_head=2, n_embd=32, layers=[1])
-    gpt.injector.begin_step(0)
+    inj = ErrorInjector(site, 0.5, 1.0, n_layer=2, n_head=2, n_embd=32, layers=[1]).attach(gpt)
+    inj.begin_step(0)
     logits_inj, outs_inj = block_outputs(gpt, idx)
     torch.testing.assert_close(outs_inj[0], outs[0], rtol=0, atol=0)          # layer 0 untouched
     assert (outs_inj[1] - outs[1]).abs().max() > 1e-3
     assert (logits_inj - logits).abs().max() > 1e-3
-    gpt.injector = ErrorInjector(site, 0.5, 1.0, n_layer=2, n_head=2, n_embd=32)   # all layers
+    with inj.paused():                                                        # the fault-free passes
+        torch.testing.assert_close(block_outputs(gpt, idx)[0], logits, rtol=0, atol=0)
+    inj.detach()
+    torch.testing.assert_close(block_outputs(gpt, idx)[0], logits, rtol=0, atol=0)
+    ErrorInjector(site, 0.5, 1.0, n_layer=2, n_head=2, n_embd=32).attach(gpt)   # all layers
     assert (block_outputs(gpt, idx)[1][0] - outs[0]).abs().max() > 1e-3
+
+
+def test_delta_site_changes_only_the_qk_gradients_of_its_layers():
+    # The backward-side site: the forward is untouched, and in the selected layer only W_q and W_k (through dq,
+    # dk) get another gradient; W_v, W_o, the MLP of that layer keep theirs. Layers below it see the change too
+    # (dq, dk flow into their output): that is the fault's own path.
+    gpt = tiny_gpt()
+    idx = torch.randint(0, 128, (2, 16))
+
+    def grads():
+        gpt.zero_grad(set_to_none=True)
+        logits, loss, _ = gpt(idx, idx)
+        loss.backward()
+        return logits.detach(), {n: p.grad.clone() for n, p in gpt.named_parameters()}
+    logits, clean = grads()
+    inj = ErrorInjector("delta", 0.5, 1.0, n_layer=2, n_head=2, n_embd=32, layers=[1]).attach(gpt)
+    inj.begin_step(0)
+    assert gpt.attentions[0].delta_error is None and gpt.attentions[1].delta_error.shape == (2, 16)
+    logits_inj, faulty = grads()
+    torch.testing.assert_close(logits_inj, logits, rtol=0, atol=0)
+    moved = {n for n in clean if not torch.equal(clean[n], faulty[n])}
+    assert {"blocks.1.attn.q_proj.weight", "blocks.1.attn.k_proj.weight"} <= moved
+    assert not moved & {f"blocks.1.{w}.weight" for w in ("attn.v_proj", "attn.o_proj", "mlp.up_proj", "mlp.down_proj")}
+    assert inj.last_stats["inject_rms_ratio"] == pytest.approx(0.5)
+    with inj.paused():
+        assert gpt.attentions[1].delta_error is None
+        assert all(torch.equal(clean[n], g) for n, g in grads()[1].items())
+    assert gpt.attentions[1].delta_error is not None
+    # clean-grad for the delta site: W_q, W_k get exactly the error-free gradient
+    qk = clean_qk_grads(gpt, idx, idx, contextlib.nullcontext, 1.0, inj)
+    for name, g in zip(("blocks.0.attn.q_proj.weight", "blocks.0.attn.k_proj.weight",
+                        "blocks.1.attn.q_proj.weight", "blocks.1.attn.k_proj.weight"), qk):
+        torch.testing.assert_close(g, clean[name], rtol=1e-5, atol=1e-8)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -146,7 +185,7 @@ def probe_step(mode, gpt, updates, k=3):
     weights = [w for a in gpt.attentions for w in (a.q_proj.weight, a.k_proj.weight)]
     before = [w.detach().clone() for w in weights]
     svds = [torch.linalg.svd(w, full_matrices=False) for w in before]
-    probe = QKProbe(mode, k=k, seed=int(torch.randint(0, 10**6, ())))
+    probe = Probe(mode, k=k, seed=int(torch.randint(0, 10**6, ())))
     probe.before_step(gpt)
     with torch.no_grad():
         for w, dW in zip(weights, updates):
@@ -211,6 +250,53 @@ def test_equal_energy_takes_all_it_can_when_the_update_is_in_the_top_directions(
     assert all(r < t for r, t in zip(log["q_removed"], log["q_target"]))  # and the log shows the shortfall
 
 
+def test_qk_fixed_removes_the_same_random_subspace_every_step():
+    # The control that cannot average out: its (U, V) are drawn once per weight and kept, unlike equal-energy's.
+    gpt = tiny_gpt()
+    probe = Probe("qk-fixed", k=3, seed=5)
+    bases = []
+    for _ in range(2):
+        probe.before_step(gpt)
+        bases.append([(U, V) for *_, U, V in probe.saved])
+        with torch.no_grad():
+            for a in gpt.attentions:
+                a.q_proj.weight += 1e-2 * torch.randn(32, 32)
+        probe.after_step(gpt)
+    for (U1, V1), (U2, V2) in zip(*bases):
+        torch.testing.assert_close(U1, U2, rtol=0, atol=0)
+        torch.testing.assert_close(U1.T @ U1, torch.eye(3), rtol=0, atol=1e-5)
+    W, (U, V) = gpt.attentions[0].q_proj.weight, bases[0][0]
+    top = torch.linalg.svd(W.detach(), full_matrices=False)[0][:, :3]
+    assert (top.T @ U).abs().max() < 0.9, "a random subspace, not the top singular directions"
+
+
+@pytest.mark.parametrize("mode, probed, untouched", [
+    ("v-topk", "attn.v_proj", ("attn.q_proj", "attn.k_proj")),
+    ("mlp-topk", "mlp.up_proj", ("attn.q_proj", "attn.k_proj", "attn.v_proj")),
+])
+def test_non_qk_controls_project_their_own_weight_only(mode, probed, untouched):
+    gpt = tiny_gpt()
+    params = dict(gpt.named_parameters())
+    probe = Probe(mode, k=2, seed=1)
+    before = {n: p.detach().clone() for n, p in params.items()}
+    probe.before_step(gpt)
+    updates = {n: 1e-2 * torch.randn_like(p) for n, p in params.items()}
+    with torch.no_grad():
+        for n, p in params.items():
+            p += updates[n]
+    log = probe.after_step(gpt)
+    for layer in range(2):
+        name = f"blocks.{layer}.{probed}.weight"
+        U, _, Vh = torch.linalg.svd(before[name], full_matrices=False)
+        applied = params[name].detach() - before[name]
+        torch.testing.assert_close(updates[name] - applied, topk_removed(updates[name], U[:, :2], Vh[:2].T),
+                                   rtol=0, atol=1e-5)
+        for other in untouched:
+            n = f"blocks.{layer}.{other}.weight"
+            torch.testing.assert_close(params[n].detach() - before[n], updates[n], rtol=0, atol=1e-7)
+    assert len(log[f"{'v' if mode == 'v-topk' else 'mlp_in'}_removed"]) == 2
+
+
 def test_probe_off_changes_nothing():
     gpt = tiny_gpt()
     updates = random_updates(gpt)
@@ -251,26 +337,33 @@ def test_measure_fault_and_matched_injector():
             torch.testing.assert_close(fault["bias_ratio"][layer], bias.pow(2).mean(dim=1).sqrt() / ref_rms)
 
     for site in ("attn-out", "residual"):
-        inj = ErrorInjector.matched(gpt, idx, site=site, fault=fault)
+        inj = ErrorInjector.matched(gpt, idx, site=site, fault=fault).attach(gpt)
+        inj.begin_step(0)
         seen = {}
 
-        def recorder(x, s, layer):
-            y = inj(x, s, layer)
-            if s == site:
-                seen[layer] = (x.detach(), (y - x).detach())
-            return y
-
-        gpt.injector = recorder
-        inj.begin_step(0)
+        def keep(key, x):        # a hook that returns None leaves the activation as it is
+            seen[key] = x.detach()
+        handles = []
+        for layer, block in enumerate(gpt.blocks):   # the site's input or output, before and after the injector
+            for when in (0, 1):
+                if site == "attn-out":
+                    handles.append(block.attn.o_proj.register_forward_pre_hook(
+                        lambda m, args, key=(layer, when): keep(key, args[0]), prepend=when == 0))
+                else:
+                    handles.append(block.register_forward_hook(
+                        lambda m, args, out, key=(layer, when): keep(key, out[0]), prepend=when == 0))
         with torch.no_grad():
             gpt(idx)
-        for layer, (x, err) in seen.items():
+        inj.detach()
+        for handle in handles:
+            handle.remove()
+        for layer in range(2):
+            x, err = seen[layer, 0], seen[layer, 1] - seen[layer, 0]
             ratio = head_rms(err, 2) / head_rms(x, 2)
             torch.testing.assert_close(ratio, fault["bias_ratio"][layer], rtol=0.03, atol=0)
             # and it points along the measured bias, with its sign
             cos = torch.nn.functional.cosine_similarity(err[0, 0].view(2, -1), fault["bias_dir"][layer], dim=1)
             assert (cos > 0.999).all()
-    gpt.injector = None
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -290,6 +383,7 @@ def test_measure_fault_and_matched_injector():
     (dict(probe="qk-topk", probe_k=0), "--probe-k"),
     (dict(qk_fix="qknorm"), "--qk-fix"),
     (dict(accum="fp16"), "--accum"),
+    (dict(site="mlp-out", scale=0.1, qk_fix="clean-grad"), "--qk-fix qknorm"),
 ])
 def test_check_assay_flags_rejects_nonsense(flags, names):
     args = dict(site="none", scale=None, coherence=None, probe="off", probe_k=3, qk_fix="off", accum="fp32")
@@ -302,6 +396,8 @@ def test_check_assay_flags_rejects_nonsense(flags, names):
     dict(site="grad-wv", scale=0.1, coherence=0.5),
     dict(site="attn-out", scale="matched", qk_fix="qknorm"),
     dict(accum="bf16", qk_fix="qknorm", probe="equal-energy", probe_k=1),
+    dict(site="delta", scale=0.1, coherence=1.0, qk_fix="clean-grad"),
+    dict(accum="bf16", probe="qk-fixed"),
 ])
 def test_check_assay_flags_accepts_sense(flags):
     args = dict(site="none", scale=None, coherence=None, probe="off", probe_k=3, qk_fix="off", accum="fp32")

@@ -27,9 +27,8 @@ import torch
 
 import model as model_lib
 import prepare_data
-from assay import (INJECT_SITES, PROBE_MODES, ErrorInjector, QKProbe, check_assay_flags, clean_qk_grads,
-                   qk_weights)
-from guard import ACTIONS, SCOPES, SIGNALS, CollapseDetector, QKGuard, SpectralMonitor
+from assay import (INJECT_SITES, PROBE_MODES, ErrorInjector, Probe, check_assay_flags, clean_qk_grads, qk_weights)
+from guard import ACTIONS, DEFAULT_THRESHOLD, SCOPES, SIGNALS, CollapseDetector, QKGuard, SpectralMonitor
 from attention_kernel import ACCUM_MODES, ROUNDING_SOURCES, attention
 
 # Training defaults per preset; any flag given on the command line wins. "auto" picks "cpu" or "assay".
@@ -107,8 +106,8 @@ def build_parser(suppress_defaults=False):
     add(g, "--guard", default="off", choices=["on", "off"], help="QK-Guard: dormant until the signal first "
         "crosses --guard-threshold, then --guard-action stays on")
     add(g, "--guard-signal", default="max-logit", choices=list(SIGNALS), help="watched signal per layer and head")
-    add(g, "--guard-threshold", type=float, default=200.0, help="trigger level (see README: healthy runs peak "
-        "near 50-140, collapsing ones pass 1800)")
+    add(g, "--guard-threshold", type=float, default=None, help="trigger level, in the signal's units (default: "
+        + ", ".join(f"{s} {v:g}" for s, v in DEFAULT_THRESHOLD.items()) + "; the README says where they come from)")
     add(g, "--guard-action", default="qknorm", choices=list(ACTIONS), help="qknorm (the paper's), qkclip "
         "(weight-side QK), or the non-QK controls lr-drop, clip, softcap, fp32-accum")
     add(g, "--guard-scope", default="all", choices=list(SCOPES), help="act on every layer, or on crossed layers")
@@ -121,11 +120,14 @@ def build_parser(suppress_defaults=False):
     add(g, "--collapse-margin", type=float, default=1.0, help="collapse: loss above its running min by this")
     add(g, "--collapse-patience", type=int, default=5, help="... for this many logged steps in a row")
     add(g, "--collapse-smoothing", type=float, default=0.9, help="EMA factor applied to logged losses first")
+    add(g, "--collapse-grace", type=int, default=100, help="steps after the guard's action starts in which a loss "
+        "transient does not count as a collapse (a non-finite loss always does)")
     add(g, "--on-collapse", default="stop", choices=["stop", "continue"], help="what to do at a collapse")
 
     g = p.add_argument_group("the assay: a controlled error at any source, the QK-only fix, the causal probe")
     add(g, "--inject-site", default="none", choices=list(INJECT_SITES), help="where a controlled error enters: "
-        "attn-out (where the bf16 fault lands), mlp-in, mlp-out, residual, or the gradient of W_v / W_up")
+        "the forward's attn-out, mlp-in, mlp-out, residual (the model changes), or the backward's delta (where the "
+        "kernel fault reaches the gradient: only dq, dk change), or the gradient of W_v / W_up")
     add(g, "--inject-scale", type=injection_scale, default=None, help="error rms over the rms of the signal it joins, or 'matched' "
         "(size and per-head direction of the bf16 fault's bias, measured on the first batch)")
     add(g, "--inject-coherence", type=float, default=None, help="probability that a head's error sign persists "
@@ -135,7 +137,8 @@ def build_parser(suppress_defaults=False):
         "QK channel: clean-grad (W_q, W_k get the fault-free gradient; every other gradient stays faulty) or "
         "qknorm (parameter-free QK-norm from step 0)")
     add(g, "--probe", default="off", choices=list(PROBE_MODES), help="after each step, project the W_q/W_k update "
-        "off their top-k singular directions (qk-topk), or remove the same energy elsewhere (equal-energy)")
+        "off their top-k singular directions (qk-topk); controls: a fixed random subspace of W_q/W_k (qk-fixed), "
+        "W_v's or the MLP input's top-k (v-topk, mlp-topk), the same energy elsewhere (equal-energy)")
     add(g, "--probe-k", type=int, default=3, help="singular directions the probe removes")
 
     g = p.add_argument_group("optimization (defaults come from --preset unless given)")
@@ -179,6 +182,8 @@ def parse_args(argv=None):
                           args.qk_fix, args.accum)
     except ValueError as e:
         parser.error(str(e))
+    if args.guard_threshold is None:
+        args.guard_threshold = DEFAULT_THRESHOLD[args.guard_signal]
     guard_on, action = args.guard == "on", args.guard_action
     qk_normed = args.qknorm == "always" or args.qk_fix == "qknorm"
     refusals = [   # (refused, why and what to do instead)
@@ -495,9 +500,8 @@ class Trainer:
                              action=args.guard_action, scope=args.guard_scope, tau=args.qkclip_tau,
                              lr_factor=args.lr_drop_factor, clip_norm=args.clip_tight, softcap=args.softcap_value)
         self.detector = CollapseDetector(args.collapse_margin, args.collapse_patience, args.collapse_smoothing)
-        self.probe = QKProbe(args.probe, k=args.probe_k, seed=args.seed)
-        self.injector = self.make_injector() if args.inject_site != "none" else None
-        model.injector = self.injector
+        self.probe = Probe(args.probe, k=args.probe_k, seed=args.seed)
+        self.injector = self.make_injector().attach(model) if args.inject_site != "none" else None
         if args.qk_fix == "qknorm":
             for attn in model.attentions:
                 attn.qk_norm = True
@@ -506,7 +510,7 @@ class Trainer:
         # what the log record of the current interval accumulates (saved too, so a resume continues it)
         self.interval = {"loss_sum": 0.0, "steps": 0, "max_logit": None}
         if state is None:
-            self.sigma, self.sigma_head = self.monitor.measure(model, iters=30)   # converge before step 0
+            self.monitor.measure(model, iters=30)   # converge before step 0
         else:
             self.restore(state)
         self.saved_step = self.step   # nothing to save before the first update (a resume: it is on disk)
@@ -531,7 +535,7 @@ class Trainer:
     def state_dict(self):
         return {"format": "qkguard-checkpoint-1", "step": self.step, "args": vars(self.args),
                 "model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
-                "monitor": {**self.monitor.state_dict(), "sigma": self.sigma.cpu(), "sigma_head": self.sigma_head.cpu(),
+                "monitor": {**self.monitor.state_dict(),
                             # the max logit since the last monitored step (--monitor-interval > 1), not yet checked
                             "max_logit": moved(self.monitor_max_logit, "cpu")},
                 "guard": self.guard.state_dict(),
@@ -565,7 +569,6 @@ class Trainer:
         self.interval = {**state["interval"], "max_logit": moved(state["interval"]["max_logit"], device)}
         set_rng_state(state["rng"], self.dist)
         self.step = state["step"]
-        self.sigma, self.sigma_head = state["monitor"]["sigma"].to(device), state["monitor"]["sigma_head"].to(device)
         self.monitor_max_logit = moved(state["monitor"].get("max_logit"), device)
 
     @torch.no_grad()
@@ -604,7 +607,7 @@ class Trainer:
             loss_sum += loss.detach().float() / micro_steps
             max_logit = running_max(max_logit, step_max_logit)
             if args.qk_fix == "clean-grad":
-                grads = clean_qk_grads(model, x, y, self.autocast, 1.0 / micro_steps)
+                grads = clean_qk_grads(model, x, y, self.autocast, 1.0 / micro_steps, self.injector)
                 clean_grads = grads if clean_grads is None else [a + b for a, b in zip(clean_grads, grads)]
         if clean_grads is not None:
             for weight, grad in zip(qk_weights(model), clean_grads):
@@ -627,9 +630,11 @@ class Trainer:
         self.monitor_max_logit = running_max(self.monitor_max_logit, max_logit)
         event = None
         if self.step % self.args.monitor_interval == 0:
-            self.sigma, self.sigma_head = self.monitor.measure(self.model, self.args.power_iters)
-            event = self.guard.observe_deferred(self.step, self.monitor_max_logit, self.sigma_head, self.model)
+            self.monitor.measure(self.model, self.args.power_iters)
+            event = self.guard.observe_deferred(self.step, self.monitor_max_logit, self.monitor.sigma_head, self.model)
             self.monitor_max_logit = None
+            if event:   # the action's own transient is not a collapse
+                self.detector.pause(event["active_from"] + self.args.collapse_grace)
         self.guard.after_optimizer_step(self.model, max_logit)
         return event
 
@@ -647,8 +652,7 @@ class Trainer:
         loss = self.dist.all_reduce(torch.as_tensor(interval["loss_sum"] / interval["steps"])).item()
         record = {"step": self.step - 1, "lr": lr, "loss": loss, "grad_norm": grad_norm.item(),
                   "tokens_per_s": tokens * interval["steps"] / elapsed, "max_logit": interval["max_logit"].tolist(),
-                  "sigma_q": self.sigma[:, 0].tolist(), "sigma_k": self.sigma[:, 1].tolist(),
-                  "sigma_q_head": self.sigma_head[:, 0].tolist(), "sigma_k_head": self.sigma_head[:, 1].tolist(),
+                  **self.monitor.record(),
                   "guard": "on" if self.guard.triggered else ("dormant" if self.guard.enabled else "off")}
         if self.injector is not None:
             record.update(self.injector.last_stats)
