@@ -23,12 +23,11 @@ calling attention() compiles with fullgraph=True):
   - Triton kernels, the same algorithm fast (CUDA, or CPU tensors under TRITON_INTERPRET=1 set before import).
 "sdpa" (PyTorch's fused kernels) and "reference" (float64, materialized) are there to compare against.
 
-    python attention_kernel.py --check     # errors against the float64 reference on this device
-    (speed: bench.py times, tunes and compiles these kernels for a GPU)
+    python bench.py --only check            # errors against the float64 reference on this device
+    (speed: bench.py also times, tunes and compiles these kernels for a GPU)
 """
 import math
 import os
-import sys
 from typing import Optional
 
 import torch
@@ -857,37 +856,3 @@ def attention(q, k, v, accum="fp32", qk_norm=False, return_max_logit=False, *, s
                                                    ",".join(rounding), float(safemax_beta), impl, int(block_n or 0))
         max_logit = row_max.detach().amax(dim=-1)
     return (o, max_logit) if return_max_logit else o
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# Command line: --check, the errors against float64 on this device.
-
-def check():
-    dev = "cuda" if torch.cuda.is_available() else "cpu"
-    impls = (["triton"] if dev == "cuda" or _INTERPRET else []) + ["torch"]
-    shapes = ([(4, 12, 1024, 64), (2, 16, 2048, 128), (2, 4, 1000, 64)] if dev == "cuda"
-              else [(1, 2, 256, 64), (1, 2, 130, 32)])
-    print(f"relative error vs float64 reference on {dev} (norm of difference / norm of reference); "
-          f"rounding: the default for the input dtype")
-    print(f"{'B,H,T,D':>16} {'dtype':>9} {'impl':>7} {'accum':>13} {'o':>9} {'dq':>9} {'dk':>9} {'dv':>9}")
-    for B, H, T, D in shapes:
-        for dtype in (torch.bfloat16, torch.float32):
-            q, k, v = (torch.randn(B, H, T, D, device=dev, dtype=dtype, requires_grad=True) for _ in range(3))
-            do = torch.randn(B, H, T, D, device=dev, dtype=dtype)
-            q64, k64, v64 = (x.detach().double().requires_grad_() for x in (q, k, v))   # float64 gradients too
-            ref = attention(q64, k64, v64, impl="reference")
-            ref_grads = torch.autograd.grad(ref, (q64, k64, v64), do.double())
-            for impl in impls:
-                for accum in ACCUM_MODES:
-                    o = attention(q, k, v, accum=accum, impl=impl)
-                    grads = torch.autograd.grad(o, (q, k, v), do)
-                    errs = [((a.double() - b).norm() / b.norm()).item() for a, b in zip((o, *grads), (ref, *ref_grads))]
-                    print(f"{str((B, H, T, D)):>16} {str(dtype)[6:]:>9} {impl:>7} {accum:>13} "
-                          + " ".join(f"{e:9.2e}" for e in errs))
-
-
-if __name__ == "__main__":
-    if "--check" in sys.argv:
-        check()
-    else:
-        print(__doc__)

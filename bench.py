@@ -7,6 +7,7 @@
     python bench.py --only tune              # CUDA: other launch configurations of our kernels, timed
     python bench.py --only resources         # any machine: our kernels compiled for sm_90: registers, spills
     python bench.py --only resources --dtype fp32    # the same for fp32 inputs
+    python bench.py --only check             # any machine: every mode's errors against the float64 reference
 
 Training step = what train.py's Trainer does per step: forward and backward under bf16 autocast, clip_grad_norm_
 to 1.0, fused AdamW, zero_grad; with the monitor on, also SpectralMonitor.measure and a dormant QKGuard.observe
@@ -58,15 +59,15 @@ def parse_args(argv=None):
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                    help="torch.compile the model (default: on with CUDA, off on CPU)")
     p.add_argument("--json", metavar="PATH", help="also write the tables to this JSON file")
-    p.add_argument("--only", choices=["attention", "tune", "resources"],
+    p.add_argument("--only", choices=["attention", "tune", "resources", "check"],
                    help="attention: the attention table only; tune: time other launch configurations of our "
                         "kernels; resources: compile them for sm_90 and print registers, spills, shared memory "
-                        "(any machine, no GPU needed)")
+                        "(any machine, no GPU needed); check: every mode's errors against float64 (any machine)")
     p.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16",
                    help="--only resources: the inputs' dtype (fp32 inputs take IEEE dots, on the FMA units)")
     args = p.parse_args(argv)
     cuda = torch.cuda.is_available()
-    if not cuda and not args.smoke and args.only != "resources":
+    if not cuda and not args.smoke and args.only not in ("resources", "check"):
         p.error("the benchmark needs a CUDA GPU (its targets are for an H200); on CPU run it with --smoke")
     for name, smoke, full in (("steps", 2, 50), ("warmup", 1, 10), ("batch_size", 2, 16)):
         if getattr(args, name) is None:
@@ -450,11 +451,38 @@ def tune(shapes=SHAPES, timer=None, candidates=tune_candidates):
     return rows
 
 
+def check():
+    """Relative errors of every mode against the float64 reference on this device: o, dq, dk, dv."""
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    impls = (["triton"] if dev == "cuda" or ak._INTERPRET else []) + ["torch"]
+    shapes = ([(4, 12, 1024, 64), (2, 16, 2048, 128), (2, 4, 1000, 64)] if dev == "cuda"
+              else [(1, 2, 256, 64), (1, 2, 130, 32)])
+    print(f"relative error vs float64 reference on {dev} (norm of difference / norm of reference); "
+          f"rounding: the default for the input dtype")
+    print(f"{'B,H,T,D':>16} {'dtype':>9} {'impl':>7} {'accum':>13} {'o':>9} {'dq':>9} {'dk':>9} {'dv':>9}")
+    for B, H, T, D in shapes:
+        for dtype in (torch.bfloat16, torch.float32):
+            q, k, v = (torch.randn(B, H, T, D, device=dev, dtype=dtype, requires_grad=True) for _ in range(3))
+            do = torch.randn(B, H, T, D, device=dev, dtype=dtype)
+            q64, k64, v64 = (x.detach().double().requires_grad_() for x in (q, k, v))   # float64 gradients too
+            ref = ak.attention(q64, k64, v64, impl="reference")
+            ref_grads = torch.autograd.grad(ref, (q64, k64, v64), do.double())
+            for impl in impls:
+                for accum in ak.ACCUM_MODES:
+                    o = ak.attention(q, k, v, accum=accum, impl=impl)
+                    grads = torch.autograd.grad(o, (q, k, v), do)
+                    errs = [((a.double() - b).norm() / b.norm()).item()
+                            for a, b in zip((o, *grads), (ref, *ref_grads))]
+                    print(f"{str((B, H, T, D)):>16} {str(dtype)[6:]:>9} {impl:>7} {accum:>13} "
+                          + " ".join(f"{e:9.2e}" for e in errs))
+
+
 def main(argv=None):
     args = parse_args(argv)
     if args.only:
         dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype]
-        {"attention": bench_attention, "tune": tune, "resources": lambda: compile_for_gpu(dtype=dtype)}[args.only]()
+        {"attention": bench_attention, "tune": tune, "resources": lambda: compile_for_gpu(dtype=dtype),
+         "check": check}[args.only]()
         return 0
     start, errors = time.time(), []
     name = torch.cuda.get_device_name() if args.device.type == "cuda" else "cpu"

@@ -377,8 +377,13 @@ class TokenWindows:
     def __init__(self, data_dir, block_size, batch_size, seed, vocab_size, dataset="pycode"):
         meta_path = os.path.join(data_dir, "meta.json")
         redo = f"re-run `python prepare_data.py --dataset {dataset} --out-dir {data_dir} --force`"
-        with open(meta_path) as f:
-            meta = json.load(f)
+        try:
+            with open(meta_path) as f:
+                meta = json.load(f)
+        except (OSError, ValueError) as e:   # nothing is deleted: the user decides
+            raise SystemExit(f"error: cannot read {meta_path} ({type(e).__name__}: {e}): {redo}")
+        if not isinstance(meta, dict):
+            raise SystemExit(f"error: {meta_path} is not a dataset description: {redo}")
         self.content_hash = meta.get("content_sha256")
         if meta.get("vocab_size", 0) > vocab_size:
             raise SystemExit(f"error: {meta_path} says vocab_size {meta['vocab_size']}, more than the model's "
@@ -407,6 +412,13 @@ class TokenWindows:
         return np.stack([data[s:s + T + 1] for s in starts]).astype(np.int64)
 
 
+def _workers(text):
+    n = int(text)          # argparse turns the ValueError of a non-integer into its own one-line error
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"{text}: give 0 (all cores) or a positive number of threads")
+    return n
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dataset", choices=DATASETS, default="pycode",
@@ -419,7 +431,7 @@ def main(argv=None):
                              "files containing NUL bytes are skipped as binary")
     parser.add_argument("--val-fraction", type=float, help="share of files (or, for shakespeare, of text) "
                         "that goes to val; default " + ", ".join(f"{k} {v}" for k, v in VAL_FRACTION.items()))
-    parser.add_argument("--workers", type=int, default=os.cpu_count(),
+    parser.add_argument("--workers", type=_workers, default=os.cpu_count(),
                         help="tokenizer threads (default os.cpu_count() = %(default)s; 0 means that too)")
     parser.add_argument("--force", action="store_true", help="rebuild even if the dataset is up to date")
     args = parser.parse_args(argv)

@@ -123,7 +123,8 @@ def read_log(out_dir):
                 except ValueError:
                     continue
                 if record.get("event") == "resume":   # a resumed run replays the steps after its checkpoint
-                    records = [r for r in records if not replayed(r, record["step"])]
+                    records = [r for r in records if not replayed(r, record["step"])
+                               and (record.get("from_checkpoint", True) or r.get("event") == "start")]
                 records.append(record)
     return records
 

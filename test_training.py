@@ -623,8 +623,9 @@ def test_resuming_a_finished_run_asks_for_more_steps(tmp_path, data_dir):
 
 
 def test_learning_rate_schedule():
+    import argparse
     import train
-    args = train.argparse.Namespace(lr=1.0, min_lr=0.1, warmup_steps=10, decay_steps=110, schedule="cosine")
+    args = argparse.Namespace(lr=1.0, min_lr=0.1, warmup_steps=10, decay_steps=110, schedule="cosine")
     assert train.lr_at(0, args) == pytest.approx(0.1) and train.lr_at(9, args) == pytest.approx(1.0)
     assert train.lr_at(60, args) == pytest.approx(0.55)           # half way down the cosine
     assert train.lr_at(110, args) == pytest.approx(0.1) and train.lr_at(500, args) == pytest.approx(0.1)
@@ -652,7 +653,7 @@ def test_resume_with_repeated_flags_and_a_sparse_monitor(tmp_path, data_dir):
 
 @pytest.mark.parametrize("argv, message", [
     (["--resume"], "--resume needs the --out-dir"),
-    (["--log-interval", "0"], "--log-interval must be at least 1"),
+    (["--log-interval", "0"], "argument --log-interval: 0 is too small"),
     (["--inject-site", "mlp-out", "--inject-scale", "0.1", "--inject-layers", "5"], "layers 0..1"),
     (["--guard", "on", "--qknorm", "always", "--guard-action", "qkclip"], "--guard-signal sigma-product"),
     (["--guard", "on", "--guard-scope", "crossed", "--guard-action", "lr-drop"], "--guard-scope all"),

@@ -1,0 +1,276 @@
+"""
+The configuration of a training run: every flag of train.py with its default and its allowed values, the named
+presets, and the combinations refused before anything runs.
+
+A value comes from the command line if given there, else from the preset (--preset; auto picks cpu on a CPU and
+assay on a GPU), else from the flag's default below. Every number is checked where it is parsed, so a bad value
+ends in one line naming the flag, before any work starts.
+"""
+import argparse
+import math
+import os
+import time
+
+import model as model_lib
+from assay import INJECT_SITES, PROBE_MODES, check_assay_flags
+from attention_kernel import ACCUM_MODES, ROUNDING_SOURCES
+from guard import ACTIONS, DEFAULT_THRESHOLD, SCOPES, SIGNALS
+
+# Training defaults per preset; the model sizes are model.MODEL_SIZES[preset["size"]].
+PRESETS = {
+    "cpu": dict(size="cpu", batch_size=8, grad_accum=1, max_steps=100, lr=3e-3, min_lr=3e-4, warmup_steps=10,
+                schedule="cosine", log_interval=10, eval_interval=50, eval_iters=4, ckpt_interval=50),
+    "assay": dict(size="assay", batch_size=32, grad_accum=1, max_steps=2000, lr=2e-3, min_lr=2e-3,
+                  warmup_steps=200, schedule="constant", log_interval=10, eval_interval=250, eval_iters=20,
+                  ckpt_interval=500),
+    "gpt2": dict(size="gpt2", batch_size=16, grad_accum=32, max_steps=60000, lr=1e-3, min_lr=1e-4,
+                 warmup_steps=2000, schedule="cosine", log_interval=10, eval_interval=1000, eval_iters=50,
+                 ckpt_interval=1000),
+    "gpt2-medium": dict(size="gpt2-medium", batch_size=8, grad_accum=64, max_steps=60000, lr=6e-4,
+                        min_lr=6e-5, warmup_steps=2000, schedule="cosine", log_interval=10, eval_interval=1000,
+                        eval_iters=50, ckpt_interval=1000),
+}
+# Flags that may change when a run is resumed; any other difference from the saved run is an error.
+RESUMABLE_CHANGES = {"max_steps", "log_interval", "eval_interval", "eval_iters", "ckpt_interval", "compile",
+                     "on_collapse", "resume", "device", "out_dir"}
+QK_FIXES = ("off", "clean-grad", "qknorm")
+PRESET_KEYS = {key for values in (*PRESETS.values(), *model_lib.MODEL_SIZES.values()) for key in values}
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Value types: each refuses what makes no sense with a message argparse prints as "argument --flag: ...".
+
+def number(kind=float, low=None, high=None, above=False, below=False):
+    """A parser of int or finite float values in [low, high] (above / below: the bound itself excluded)."""
+    def parse(text):
+        try:
+            x = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not {'an integer' if kind is int else 'a number'}")
+        if not math.isfinite(x):
+            raise argparse.ArgumentTypeError(f"{text!r}: give a finite number")
+        if low is not None and (x < low or above and x == low):
+            raise argparse.ArgumentTypeError(f"{text} is too small: give a value {'>' if above else '>='} {low}")
+        if high is not None and (x > high or below and x == high):
+            raise argparse.ArgumentTypeError(f"{text} is too large: give a value {'<' if below else '<='} {high}")
+        return x
+    return parse
+
+
+COUNT, SIZE = number(int, 1), number(int, 0)                  # at least 1; at least 0
+POSITIVE, NONNEGATIVE = number(low=0, above=True), number(low=0)
+FRACTION, PROBABILITY = number(low=0, high=1, below=True), number(low=0, high=1)
+
+
+def injection_scale(text):
+    """--inject-scale: a number > 0, or 'matched'."""
+    return text if text == "matched" else POSITIVE(text)
+
+
+def rounding_sources(text):
+    """--round: auto, none, or a comma-separated list of the kernel's rounding sources."""
+    unknown = [s for s in text.split(",") if s not in ROUNDING_SOURCES] if text not in ("auto", "none") else []
+    if unknown:
+        raise argparse.ArgumentTypeError(f"{unknown[0]!r} is not a rounding source: give auto, none, or some of "
+                                         f"{','.join(ROUNDING_SOURCES)} separated by commas")
+    return text
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The flags. default=None in FLAG_DEFAULTS means "from the preset".
+
+FLAG_DEFAULTS = {}
+
+
+def build_parser():
+    p = argparse.ArgumentParser(prog="train.py", description=__doc__.split("\n\n")[0].strip(),
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+
+    def add(group, flag, default, help, **kw):
+        # Parsed with default None, so that what was typed is known (a resume keeps the saved run's values);
+        # the defaults are filled in afterwards, from the preset (PRESET_KEYS) or from here.
+        name = flag[2:].replace("-", "_")
+        FLAG_DEFAULTS[name] = default
+        if name in PRESET_KEYS:
+            help += " (default: from --preset)"
+        elif default not in (None, False):
+            help += f" (default: {default})"
+        group.add_argument(flag, default=None, help=help, **kw)
+
+    g = p.add_argument_group("data")
+    add(g, "--dataset", "pycode", "dataset name; its files live in data/<dataset> (pycode: the Python sources of "
+        "this interpreter, prepared automatically; others: see prepare_data.py)")
+    add(g, "--data-dir", "", "folder holding train.bin, val.bin, meta.json (empty: data/<dataset> beside train.py)")
+
+    g = p.add_argument_group("model (sizes come from --preset unless given)")
+    add(g, "--preset", "auto", "model size and training defaults (auto: cpu on a CPU, assay on a GPU)",
+        choices=["auto", *PRESETS])
+    add(g, "--arch", "gpt2", "gpt2: LayerNorm/GELU/learned positions; llama: RMSNorm/SwiGLU/rotary",
+        choices=["gpt2", "llama"])
+    add(g, "--n-layer", None, "layers", type=COUNT)
+    add(g, "--n-head", None, "attention heads", type=COUNT)
+    add(g, "--n-embd", None, "model width", type=COUNT)
+    add(g, "--block-size", None, "context length", type=COUNT)
+    add(g, "--dropout", 0.0, "dropout probability", type=FRACTION)
+
+    g = p.add_argument_group("attention numerics (attention_kernel.py; the README has the table)")
+    add(g, "--attn-impl", "auto", "auto: the Triton kernel on CUDA, its PyTorch twin on a CPU; sdpa: PyTorch "
+        "SDPA (fp32 only)", choices=["auto", "triton", "torch", "sdpa"])
+    add(g, "--accum", "fp32", "the streaming-softmax state (m, l, O): fp32 (the repair), bf16 (the fault), "
+        "bf16-safemax (the prior work's fix at the source)", choices=list(ACCUM_MODES))
+    add(g, "--round", "auto", "the kernel's other bf16 rounding points, comma-separated: logits (S out of a bf16 "
+        "matmul), pv (each block's P V rounded by itself), backward (the prior work's bf16 backward); none; or "
+        "auto: logits,pv for bf16 attention inputs, so that --accum changes the state alone", type=rounding_sources)
+    add(g, "--attn-dtype", "bf16", "q, k, v enter attention in bf16 (on a CPU they are rounded there, as bf16 "
+        "autocast makes them on a GPU), or native: in the dtype they were computed in", choices=["bf16", "native"])
+    add(g, "--block-n", 0, "key block of the streaming loop (0: the kernel's default)", type=SIZE)
+    add(g, "--safemax-beta", 2.0, "bf16-safemax: shift repeated maxima by beta*max", type=number(low=1, above=True))
+    add(g, "--qknorm", "off", "parameter-free QK-norm from step 0 (the always-on baseline)",
+        choices=["off", "always"])
+    add(g, "--softcap", 0.0, "tanh soft-cap of attention logits from step 0 (0: off)", type=NONNEGATIVE)
+    add(g, "--attn-scale", 0.0, "logit scale (0: 1/sqrt(head_dim)); a fixed scale is common with QK-norm",
+        type=NONNEGATIVE)
+
+    g = p.add_argument_group("monitor and QK-Guard (guard.py)")
+    add(g, "--guard", "off", "QK-Guard: dormant until the signal first crosses --guard-threshold, then "
+        "--guard-action stays on", choices=["on", "off"])
+    add(g, "--guard-signal", "max-logit", "watched signal per layer and head", choices=list(SIGNALS))
+    add(g, "--guard-threshold", 0.0, "trigger level in the signal's units (0: the signal's default, " + ", ".join(
+        f"{s} {v:g}" for s, v in DEFAULT_THRESHOLD.items()) + "; the README says where they come from)",
+        type=NONNEGATIVE)
+    add(g, "--guard-action", "qknorm", "qknorm (the paper's), qkclip (weight-side QK), or the non-QK controls "
+        "lr-drop, clip, softcap, fp32-accum", choices=list(ACTIONS))
+    add(g, "--guard-scope", "all", "act on every layer, or on crossed layers", choices=list(SCOPES))
+    add(g, "--qkclip-tau", 100.0, "qkclip: cap on each head's max logit", type=POSITIVE)
+    add(g, "--lr-drop-factor", 0.1, "lr-drop: multiply the learning rate by this", type=number(low=0, high=1,
+                                                                                               above=True))
+    add(g, "--clip-tight", 0.1, "clip: gradient-norm clip after the trigger", type=POSITIVE)
+    add(g, "--softcap-value", 50.0, "softcap action: the cap c (Gemma 2 uses 50)", type=POSITIVE)
+    add(g, "--monitor-interval", 1, "monitor (sigmas, guard check) every N steps", type=COUNT)
+    add(g, "--power-iters", 1, "power iterations per monitored step", type=COUNT)
+    add(g, "--collapse-margin", 1.0, "collapse: loss above its running min by this", type=POSITIVE)
+    add(g, "--collapse-patience", 5, "... for this many logged steps in a row", type=COUNT)
+    add(g, "--collapse-smoothing", 0.9, "EMA factor applied to logged losses first", type=FRACTION)
+    add(g, "--collapse-grace", 100, "steps after the guard's action starts in which a loss transient does not "
+        "count as a collapse (a non-finite loss always does)", type=SIZE)
+    add(g, "--on-collapse", "stop", "what to do at a collapse", choices=["stop", "continue"])
+
+    g = p.add_argument_group("the assay: a controlled error at any source, the QK-only fix, the causal probe "
+                             "(assay.py)")
+    add(g, "--inject-site", "none", "where a controlled error enters: the forward's attn-out, mlp-in, mlp-out, "
+        "residual (the model changes), the backward's delta (where the kernel fault reaches the gradient: only "
+        "dq, dk change), or the gradient of W_v / W_up", choices=list(INJECT_SITES))
+    add(g, "--inject-scale", None, "error rms over the rms of the signal it joins, or 'matched' (size and per-head "
+        "direction of the bf16 fault's bias, measured on the first batch)", type=injection_scale)
+    add(g, "--inject-coherence", None, "probability that a head's error sign persists to the next step (1: "
+        "sign-coherent, the default; 0.5: a fresh random sign each step)", type=PROBABILITY)
+    add(g, "--inject-layers", "all", "comma-separated layer indices, or all")
+    add(g, "--qk-fix", "off", "while the fault stays on, correct only the QK channel: clean-grad (W_q, W_k get "
+        "the fault-free gradient: backward sites) or qknorm (parameter-free QK-norm from step 0: forward sites)",
+        choices=list(QK_FIXES))
+    add(g, "--probe", "off", "after each step, project the W_q/W_k update off their top-k singular directions "
+        "(qk-topk); controls: a fixed random subspace of W_q/W_k (qk-fixed), W_v's or the MLP input's top-k "
+        "(v-topk, mlp-topk), the same energy elsewhere (equal-energy)", choices=list(PROBE_MODES))
+    add(g, "--probe-k", 3, "singular directions the probe removes", type=COUNT)
+
+    g = p.add_argument_group("optimization (defaults come from --preset unless given)")
+    add(g, "--batch-size", None, "sequences per micro-batch (per process)", type=COUNT)
+    add(g, "--grad-accum", None, "micro-batches per step, over all processes", type=COUNT)
+    add(g, "--max-steps", None, "optimizer steps", type=COUNT)
+    add(g, "--lr", None, "peak learning rate", type=POSITIVE)
+    add(g, "--min-lr", None, "final learning rate of the cosine schedule", type=NONNEGATIVE)
+    add(g, "--warmup-steps", None, "linear warmup steps", type=SIZE)
+    add(g, "--schedule", None, "after warmup", choices=["cosine", "constant"])
+    add(g, "--decay-steps", 0, "the cosine reaches --min-lr here (0: --max-steps; kept on resume, so a longer "
+        "--max-steps does not bend the schedule)", type=SIZE)
+    add(g, "--weight-decay", 0.0, "AdamW weight decay on matrices", type=NONNEGATIVE)
+    add(g, "--beta1", 0.9, "AdamW beta1", type=FRACTION)
+    add(g, "--beta2", 0.95, "AdamW beta2", type=FRACTION)
+    add(g, "--grad-clip", 1.0, "gradient-norm clip (0: off)", type=NONNEGATIVE)
+
+    g = p.add_argument_group("run (runtime.py)")
+    add(g, "--out-dir", "", "run directory (empty: runs/<date>-<time>-<accum>-guard-<on|off>)")
+    add(g, "--resume", False, "continue the run in --out-dir from ckpt.pt", action="store_true")
+    add(g, "--seed", 1337, "seed of the weights and of the batch order", type=SIZE)
+    add(g, "--device", "auto", "auto, cpu, cuda, cuda:N")
+    add(g, "--dtype", "auto", "autocast (auto: bf16 on CUDA)", choices=["auto", "bf16", "fp32"])
+    add(g, "--compile", False, "torch.compile the model", action="store_true")
+    add(g, "--log-interval", None, "steps between log records", type=COUNT)
+    add(g, "--eval-interval", None, "steps between validation losses", type=COUNT)
+    add(g, "--eval-iters", None, "batches per validation loss", type=COUNT)
+    add(g, "--ckpt-interval", None, "steps between checkpoints", type=COUNT)
+    p.epilog = "presets (set what the command line leaves unset):\n" + "\n".join(
+        f"  {name:12s} " + " ".join(f"{k}={x}" for k, x in {**model_lib.MODEL_SIZES[v['size']], **v}.items()
+                                    if k != "size") for name, v in PRESETS.items())
+    return p
+
+
+def parse_args(argv=None):
+    """(args with the flags' own defaults filled in, the flags typed on the command line, the parser). The preset's
+    values come later, in resolve(), once the device is known."""
+    parser = build_parser()
+    typed = {k: v for k, v in vars(parser.parse_args(argv)).items() if v is not None}
+    args = argparse.Namespace(**{**FLAG_DEFAULTS, **typed})
+    args.guard_threshold = args.guard_threshold or DEFAULT_THRESHOLD[args.guard_signal]
+    try:
+        check_assay_flags(args.inject_site, args.inject_scale, args.inject_coherence, args.probe, args.probe_k,
+                          args.qk_fix, args.accum)
+    except ValueError as e:
+        parser.error(str(e))
+    for refused, message in refusals(args, typed):
+        if refused:
+            parser.error(message)
+    return args, typed, parser
+
+
+def refusals(args, typed):
+    """(refused, why and what to do instead): settings that would silently do nothing or fail later."""
+    guard_on, action = args.guard == "on", args.guard_action
+    qk_normed = args.qknorm == "always" or args.qk_fix == "qknorm"
+    return [
+        (args.inject_layers != "all" and not all(i.strip().isdigit() for i in args.inject_layers.split(",")),
+         f"--inject-layers {args.inject_layers!r}: give comma-separated layer indices, or all"),
+        (guard_on and action == "qknorm" and qk_normed,
+         "--guard-action qknorm has nothing to switch when --qknorm always or --qk-fix qknorm is set"),
+        (guard_on and action == "fp32-accum" and args.accum == "fp32",
+         "--guard-action fp32-accum has nothing to switch when --accum is already fp32"),
+        (guard_on and args.guard_signal == "max-logit" and (qk_normed or 0 < args.softcap <= args.guard_threshold),
+         "--guard-signal max-logit can never cross --guard-threshold when QK-norm or a smaller --softcap bounds "
+         "the logits: use --guard-signal sigma-product"),
+        (args.guard_scope == "crossed" and action in ("lr-drop", "clip"),
+         f"--guard-scope crossed: --guard-action {action} acts on the whole model; use --guard-scope all"),
+        (args.resume and "out_dir" not in typed, "--resume needs the --out-dir of the run to continue"),
+        ("probe_k" in typed and args.probe == "off",
+         "--probe-k has no effect with --probe off: choose a --probe mode"),
+        ("inject_layers" in typed and args.inject_site == "none",
+         "--inject-layers has no effect with --inject-site none"),
+        (args.attn_impl == "sdpa" and ("block_n" in typed or "safemax_beta" in typed),
+         "--block-n and --safemax-beta belong to the streaming-softmax kernel, not to --attn-impl sdpa"),
+    ]
+
+
+def resolve(args, device, parser):
+    """Fill what the command line left to the preset, then check what needs the sizes."""
+    args.preset = args.preset if args.preset != "auto" else ("cpu" if device.type == "cpu" else "assay")
+    for key, value in {**PRESETS[args.preset], **model_lib.MODEL_SIZES[PRESETS[args.preset]["size"]]}.items():
+        if key != "size" and getattr(args, key) is None:
+            setattr(args, key, value)
+    args.data_dir = args.data_dir or os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", args.dataset)
+    args.decay_steps = args.decay_steps or args.max_steps
+    args.out_dir = args.out_dir or os.path.join("runs", f"{time.strftime('%Y%m%d-%H%M%S')}-{args.accum}-guard-"
+                                                        f"{args.guard}")
+    if args.inject_layers != "all" and max(map(int, args.inject_layers.split(","))) >= args.n_layer:
+        parser.error(f"--inject-layers {args.inject_layers}: the model has layers 0..{args.n_layer - 1}")
+    if args.n_embd % args.n_head:
+        parser.error(f"--n-embd {args.n_embd} is not a multiple of --n-head {args.n_head}")
+    return args
+
+
+def model_config(args):
+    """The model's configuration, from the flags."""
+    return model_lib.GPTConfig(
+        arch=args.arch, n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd, block_size=args.block_size,
+        dropout=args.dropout, attn_impl=args.attn_impl, accum=args.accum, block_n=args.block_n,
+        safemax_beta=args.safemax_beta, qk_norm=args.qknorm == "always" or args.qk_fix == "qknorm",
+        softcap=args.softcap, attn_scale=args.attn_scale, attn_dtype=args.attn_dtype,
+        rounding=None if args.round == "auto" else args.round)

@@ -1,0 +1,308 @@
+"""
+The run machinery that train.py needs and its reader can skip: processes (torchrun), the data on disk, the run
+directory (config.json, log.jsonl, ckpt.pt and, for an edited tree, source.diff), exact resume, and stopping.
+
+  Dist          one process, or one per GPU (or CPU worker) under torchrun
+  start_run     a new run refuses a folder holding another; --resume takes the saved run's own flags
+  save/load_checkpoint   atomic writes; loads with weights_only=True (a checkpoint cannot run code)
+  rng_state     every rank's RNG states, as tensors, so a resumed run draws the same dropout masks
+  RunLog        log.jsonl for programs, one console line for people
+  StopSignal    the first Ctrl-C (or SIGTERM) stops after the step with a checkpoint; the second at once
+"""
+import argparse
+import json
+import os
+import platform
+import random
+import signal
+import subprocess
+import sys
+
+import numpy as np
+import torch
+
+import prepare_data
+from config import RESUMABLE_CHANGES
+
+CHECKPOINT_FORMAT = "qkguard-checkpoint-2"   # 2: tensors, numbers, strings, lists and dicts only
+
+
+class Dist:
+    """Rank bookkeeping: one process, or one per GPU (or CPU worker) under torchrun."""
+
+    def __init__(self, device_flag):
+        self.world = int(os.environ.get("WORLD_SIZE", "1"))
+        self.rank = int(os.environ.get("RANK", "0"))
+        self.local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        self.device = torch.device(device_name(device_flag, self.local_rank))
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        if self.world > 1:
+            torch.distributed.init_process_group("nccl" if self.device.type == "cuda" else "gloo")
+        self.master = self.rank == 0
+
+    def all_reduce(self, tensor, op="avg"):
+        """Reduced over ranks (op: avg, sum or max), so every rank takes the same guard and collapse decisions."""
+        if self.world > 1:
+            tensor = tensor.clone()
+            ops = torch.distributed.ReduceOp
+            torch.distributed.all_reduce(tensor, op=ops.MAX if op == "max" else ops.SUM)
+            if op == "avg":
+                tensor /= self.world
+        return tensor
+
+    def barrier(self):
+        if self.world > 1:
+            torch.distributed.barrier()
+
+    def close(self):
+        if self.world > 1:
+            torch.distributed.destroy_process_group()
+
+
+def device_name(flag, local_rank=0):
+    """--device as a torch device name, or a one-line error saying what this machine has."""
+    cuda = torch.cuda.is_available()
+    if flag == "auto":
+        return f"cuda:{local_rank}" if cuda else "cpu"
+    if flag == "cpu":
+        return flag
+    if flag == "cuda" or flag.startswith("cuda:") and flag[5:].isdigit():
+        index = local_rank if flag == "cuda" else int(flag[5:])
+        if not cuda:
+            raise SystemExit(f"error: --device {flag}: this machine has no CUDA GPU (or this torch build has no "
+                             f"CUDA): use --device cpu or auto")
+        if index >= torch.cuda.device_count():
+            raise SystemExit(f"error: --device {flag}: this machine has {torch.cuda.device_count()} CUDA devices")
+        return f"cuda:{index}"
+    raise SystemExit(f"error: --device {flag!r}: give auto, cpu, cuda or cuda:N")
+
+
+def ensure_data(args, dist):
+    """Prepare the dataset on first use (one process per node; prepare_data locks the folder) when
+    prepare_data.py knows how to make it unaided."""
+    if os.path.exists(os.path.join(args.data_dir, "meta.json")):
+        return
+    if args.dataset not in ("pycode", "shakespeare"):
+        raise SystemExit(f"error: no prepared data in {args.data_dir} (meta.json missing): run "
+                         f"`python prepare_data.py --dataset {args.dataset} --out-dir {args.data_dir} ...` first")
+    if dist.local_rank == 0:
+        print(f"no data in {args.data_dir}: preparing the {args.dataset} dataset (once)")
+        prepare_data.prepare(dataset=args.dataset, out_dir=args.data_dir)
+    dist.barrier()
+
+
+def check_memory(args, device):
+    """A rough bound on a CPU run's memory, against what the machine has free: a clear error instead of a step
+    that swaps for hours. It counts the attention scores of one key block for every query row (the PyTorch twin
+    holds a few such tensors at once) and the activations the backward keeps, about 20 floats per token, layer
+    and width. A GPU fails fast with its own out-of-memory error, so only a CPU is checked."""
+    if device.type != "cpu" or not hasattr(os, "sysconf"):
+        return
+    try:
+        free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError):
+        return
+    B, T, L, C = args.batch_size, args.block_size, args.n_layer, args.n_embd
+    scores = 4 * 4 * B * args.n_head * T * min(T, args.block_n or 128)
+    activations = 4 * 20 * B * T * L * C
+    need = scores + activations
+    if need > free:
+        raise SystemExit(f"error: --block-size {T} with --batch-size {B} needs about {need / 2**30:.1f} GiB on this "
+                         f"CPU, and {free / 2**30:.1f} GiB are free: lower --block-size or --batch-size")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The run directory
+
+def versions(device):
+    """What config.json records to replay a run: software versions, the device, and the git commit."""
+    import triton
+    commit = git("rev-parse", "HEAD") or None
+    return {"python": platform.python_version(), "torch": torch.__version__, "triton": triton.__version__,
+            "numpy": np.__version__, "device": str(device),
+            "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
+            "host": platform.node(), "git_commit": commit,
+            "git_dirty": bool(git("status", "--porcelain")) if commit else None}
+
+
+def git(*cmd):
+    try:
+        return subprocess.run(["git", *cmd], capture_output=True, text=True, timeout=10,
+                              cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return ""
+
+
+def save_source(out_dir, run_versions):
+    """An edited tree cannot be replayed from its commit alone: keep `git diff` of the tracked files and the new
+    files as source.diff (apply it with `git apply source.diff` on that commit). Without git, keep a copy of
+    every .py file of the tree in source/."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    if run_versions["git_commit"] is None:
+        os.makedirs(os.path.join(out_dir, "source"), exist_ok=True)
+        for name in sorted(os.listdir(here)):
+            if name.endswith(".py"):
+                with open(os.path.join(here, name), "rb") as src, \
+                        open(os.path.join(out_dir, "source", name), "wb") as dst:
+                    dst.write(src.read())
+        return
+    if not run_versions["git_dirty"]:
+        return
+    new = git("ls-files", "--others", "--exclude-standard").splitlines()
+    patch = git("diff", "--binary", "HEAD") + "".join(
+        "\n" + git("diff", "--binary", "--no-index", "/dev/null", path) for path in new)
+    with open(os.path.join(out_dir, "source.diff"), "w") as f:
+        f.write(patch.strip() + "\n")
+
+
+def start_run(args, typed):
+    """New run: refuse a folder that holds another run. Resume: the saved flags, with only safe changes; a run
+    that never reached its first checkpoint starts over from step 0 with its own flags (from config.json)."""
+    if os.path.exists(args.out_dir) and not os.path.isdir(args.out_dir):
+        raise SystemExit(f"error: --out-dir {args.out_dir} is a file: give a folder")
+    paths = {name: os.path.join(args.out_dir, name) for name in ("config.json", "log.jsonl", "ckpt.pt")}
+    held = [p for p in paths.values() if os.path.exists(p)]
+    if not args.resume:
+        if held:
+            how = "" if os.path.exists(paths["ckpt.pt"]) else " (it saved no checkpoint: it starts over at step 0)"
+            raise SystemExit(f"error: {args.out_dir} already holds a run ({', '.join(held)}): continue it with "
+                             f"--resume{how}, or choose another --out-dir")
+        return args, None, {}
+    if os.path.exists(paths["ckpt.pt"]):
+        state = load_checkpoint(paths["ckpt.pt"])
+        saved = state["args"]
+    elif os.path.exists(paths["config.json"]):
+        state = None
+        saved = read_saved_args(paths["config.json"])
+    else:
+        raise SystemExit(f"error: --resume: {args.out_dir} holds no run (no ckpt.pt, no config.json): start a new "
+                         f"run without --resume")
+    conflicts = [f"--{k.replace('_', '-')} {v} (saved: {saved.get(k)})" for k, v in typed.items()
+                 if k not in RESUMABLE_CHANGES and k in saved and saved[k] != v
+                 and not (k == "preset" and v == "auto")]
+    if conflicts:
+        raise SystemExit(f"error: --resume keeps the saved run's settings, but these differ: {'; '.join(conflicts)}."
+                         f" Resume without them, or start a new run in another --out-dir")
+    changed = {k: [saved.get(k), v] for k, v in typed.items()
+               if k in RESUMABLE_CHANGES - {"resume"} and saved.get(k) != v}
+    merged = {**vars(args), **saved, **{k: v for k, v in typed.items() if k in RESUMABLE_CHANGES}, "resume": True}
+    if state is not None and state["step"] >= merged["max_steps"]:
+        raise SystemExit(f"error: the run in {args.out_dir} already reached step {state['step']}: pass a "
+                         f"--max-steps above it to train on")
+    return argparse.Namespace(**merged), state, changed
+
+
+def read_saved_args(path):
+    try:
+        with open(path) as f:
+            return json.load(f)["args"]
+    except (OSError, ValueError, KeyError) as e:
+        raise SystemExit(f"error: cannot read the run's flags from {path} ({type(e).__name__}): start a new run "
+                         f"in another --out-dir")
+
+
+def save_checkpoint(path, state):
+    """Write to a temporary file, fsync, keep the previous checkpoint as .prev, then rename into place: a crash
+    at any moment leaves a complete checkpoint on disk."""
+    tmp = path + ".tmp"
+    with open(tmp, "wb") as f:
+        torch.save(state, f)
+        f.flush()
+        os.fsync(f.fileno())
+    if os.path.exists(path):
+        os.replace(path, path + ".prev")
+    os.replace(tmp, path)
+
+
+def load_checkpoint(path):
+    """weights_only=True: tensors, numbers, strings, lists and dicts; a pickle that would run code is refused."""
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # a truncated zip, a foreign pickle: many exception types
+        prev = path + ".prev"
+        hint = f"; the previous checkpoint is {prev}: move it to {path} to resume from there" \
+            if os.path.exists(prev) else ""
+        raise SystemExit(f"error: cannot read checkpoint {path} ({type(e).__name__}: {str(e).splitlines()[0][:200]}):"
+                         f" it is truncated, from an older train.py, or not a checkpoint{hint}")
+    if not isinstance(state, dict) or state.get("format") != CHECKPOINT_FORMAT:
+        old = isinstance(state, dict) and str(state.get("format", "")).startswith("qkguard-checkpoint")
+        what = "an older checkpoint format" if old else "not a checkpoint written by this train.py"
+        raise SystemExit(f"error: {path} is {what}: resume it with the train.py that wrote it, or start a new run")
+    return state
+
+
+class RunLog:
+    """log.jsonl for programs (one JSON object per line, flushed each time) and a console line for people."""
+
+    def __init__(self, path, enabled):
+        self.file = open(path, "a") if enabled else None
+
+    def write(self, record, line=None):
+        if self.file is None:
+            return
+        self.file.write(json.dumps(record) + "\n")
+        self.file.flush()
+        if line:
+            print(line, flush=True)
+
+
+def rng_state(dist):
+    """Every rank's RNG states (dropout draws differ per rank), gathered for rank 0's checkpoint, as tensors and
+    numbers only."""
+    version, internal, gauss = random.getstate()
+    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    state = {"python": [version, list(internal), gauss], "numpy": [kind, torch.from_numpy(keys.astype(np.int64)),
+                                                                   pos, has_gauss, cached],
+             "torch": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
+    if dist.world == 1:
+        return [state]
+    states = [None] * dist.world
+    torch.distributed.all_gather_object(states, state)
+    return states
+
+
+def set_rng_state(states, dist):
+    if len(states) != dist.world:   # the weights, optimizer and batches still resume exactly
+        print(f"warning: the checkpoint holds the RNG states of {len(states)} processes and this run has "
+              f"{dist.world}: dropout masks will differ from an uninterrupted run")
+        return
+    state = states[dist.rank]
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    kind, keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((kind, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
+    torch.set_rng_state(state["torch"])
+    if state["cuda"] is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+class StopSignal:
+    """SIGINT / SIGTERM: the first asks the loop to stop after this step and save a checkpoint; from then on the
+    signals have their default action, so a second one ends the process at once, even inside a step that would
+    take hours. The last checkpoint on disk stays as it was (saves are atomic); `--resume` goes on from it."""
+
+    def __init__(self):
+        self.signum = None
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, self._handle)
+
+    def _handle(self, signum, frame):
+        self.signum = signum
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, signal.SIG_DFL)
+        print(f"\n{signal.Signals(signum).name}: stopping after this step with a checkpoint; send it again to stop "
+              f"at once", file=sys.stderr, flush=True)
+
+    def __bool__(self):
+        return self.signum is not None
+
+
+def running_max(running, new):
+    """The elementwise max so far, on the device (None before the first value)."""
+    return new if running is None else torch.maximum(running, new)
+
+
+def moved(x, device):
+    """x on device; None stays None (the running maxima are None between intervals)."""
+    return None if x is None else x.to(device)

@@ -1,0 +1,58 @@
+"""
+Print what a trained model writes: load a run directory's checkpoint and sample from it, with the run's own
+numerics and, if its guard fired, with the guard's action on (as the model was when it stopped).
+
+    python sample.py runs/<run>                                # 3 samples of 200 tokens after a newline
+    python sample.py runs/<run> --prompt "def " --num-samples 5 --max-new-tokens 100 --temperature 0.8
+
+Set TIKTOKEN_CACHE_DIR where the GPT-2 BPE cannot be downloaded (see README).
+"""
+import argparse
+import os
+
+import tiktoken
+import torch
+
+import config
+import model as model_lib
+import runtime
+from guard import QKGuard
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("run_dir", help="a run directory that holds ckpt.pt")
+    p.add_argument("--prompt", default="\n", help="text to continue (default: a newline)")
+    p.add_argument("--num-samples", type=config.COUNT, default=3)
+    p.add_argument("--max-new-tokens", type=config.COUNT, default=200)
+    p.add_argument("--temperature", type=config.POSITIVE, default=0.8)
+    p.add_argument("--top-k", type=config.COUNT, default=200)
+    p.add_argument("--seed", type=config.SIZE, default=0)
+    p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N")
+    args = p.parse_args(argv)
+    path = os.path.join(args.run_dir, "ckpt.pt")
+    if not os.path.exists(path):
+        p.error(f"{path} does not exist: give a run directory that saved a checkpoint")
+    state = runtime.load_checkpoint(path)
+    run = argparse.Namespace(**state["args"])
+    device = torch.device(runtime.device_name(args.device))
+    model = model_lib.GPT(config.model_config(run)).to(device)
+    model.load_state_dict(state["model"])
+    guard = QKGuard(signal=run.guard_signal, threshold=run.guard_threshold, action=run.guard_action,
+                    softcap=run.softcap_value)
+    guard.load_state_dict(state["guard"], model)     # a fired guard's attention-side action stays on
+    model.eval()
+    enc = tiktoken.get_encoding("r50k_base")
+    idx = torch.tensor([enc.encode(args.prompt, allowed_special={"<|endoftext|>"})] * args.num_samples, device=device)
+    torch.manual_seed(args.seed)
+    with torch.autocast(device.type, dtype=torch.bfloat16) if device.type == "cuda" else torch.no_grad():
+        out = model.generate(idx, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k)
+    what = f"step {state['step']}, accum {run.accum}, guard " + (
+        f"fired at step {guard.trigger['step']} ({guard.action} on)" if guard.triggered else run.guard)
+    for i, row in enumerate(out.tolist()):
+        text = enc.decode([t for t in row if t < enc.n_vocab])
+        print(f"---------------- sample {i + 1} of {args.run_dir} ({what})\n{text}")
+
+
+if __name__ == "__main__":
+    main()
