@@ -220,12 +220,17 @@ def guard_is_dormant(c, healthy, guarded):
     """On healthy training the guard fires in no seed, and while dormant it changes nothing (final losses within
     LOSS_TOL of the unguarded healthy run, seed by seed)."""
     line, fired = c.count(guarded, "triggered", triggered, False)
-    gaps = [abs(c.runs[guarded][s].final_val - c.runs[healthy][s].final_val) for s in c.seeds
-            if all(s in c.runs[a] and c.runs[a][s].finished and c.runs[a][s].final_val is not None
-                   for a in (guarded, healthy)) and c.runs[guarded][s].trigger is None]
+    gaps = []
+    for s in c.seeds:
+        g, h = c.runs[guarded].get(s), c.runs[healthy].get(s)
+        if g and g.finished and g.trigger is not None:
+            continue                     # counted above, as a false trigger
+        both = all(r and r.finished and r.final_val is not None for r in (g, h))
+        gaps.append(abs(g.final_val - h.final_val) if both else math.inf)    # unfinished: against the claim
     cost = max(gaps) if gaps else math.inf
     return not any(fired) and cost <= LOSS_TOL, [
-        line, f"dormant cost, largest |val loss - {healthy}'s| over {len(gaps)} untriggered seeds: {cost:.4f}"]
+        line, f"dormant cost, largest |val loss - {healthy}'s| over {len(gaps)} untriggered seeds (an unfinished "
+              f"one counts as infinite): {cost:.4f}"]
 
 
 def dose_contrast(c, site, better, worse, better_pred, worse_pred, name):
@@ -474,11 +479,12 @@ def _pyplot():
 
 def survival(runs):
     """Kaplan-Meier: [(step, fraction not yet collapsed)]; runs that did not collapse are censored at their end."""
-    times = sorted((r.collapse_step if r.collapsed and r.collapse_step is not None else (r.steps or [0])[-1],
-                    r.collapsed) for r in runs)
+    # at equal steps the collapses come first: a run censored at step t was still at risk at t
+    times = sorted(((r.collapse_step if r.collapsed and r.collapse_step is not None else (r.steps or [0])[-1]),
+                    not r.collapsed) for r in runs)
     at_risk, alive, curve = len(times), 1.0, [(0, 1.0)]
-    for step, event in times:
-        if event:
+    for step, censored in times:
+        if not censored:
             alive *= (at_risk - 1) / at_risk
             curve.append((step, alive))
         at_risk -= 1

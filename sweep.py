@@ -25,8 +25,9 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 # Seeds per arm. report.py judges a contrast between two arms with an exact sign test over the seeds where they
-# differ: at least 5 such seeds, all one way, are needed for p < 0.05 (1/32), so 8 seeds leave room for a few
-# seeds where both arms agree. 3 seeds can never reach p < 0.05 (1/8 at best).
+# differ: at least 5 such seeds, all one way, are needed for p < 0.05 (1/32), and 7 for the dose grid's
+# Bonferroni threshold 0.05 / 4 (1/128), so 8 seeds leave room for a seed or three where both arms agree.
+# 3 seeds can never reach p < 0.05 (1/8 at best).
 SEEDS = 8
 # Claims 3 and 4: the injected error's size (error rms / rms of the signal it joins; see assay.py), fixed in
 # advance as a grid rather than tuned on the contrast it is then judged by, crossed with its sign-coherence.

@@ -1,236 +1,520 @@
 """Tests of sweep.py (launching the claims) and report.py (reading them back and judging them).
 
-Run: python -m pytest -q test_tools.py   (CPU; well under a minute)
+Run: python -m pytest -q test_tools.py   (CPU; the rules' tests take seconds, the end-to-end and bench tests longer)
+
+Every rule of report.RULES is tested on synthetic runs over sweep.SEEDS seeds: a case that must pass it, and cases
+that each remove one of its conditions and must fail it.
 """
 import importlib.util
 import json
-import math
 import os
+import re
+import shlex
 import subprocess
 import sys
 
 import pytest
+from pytest import param
 
 import report
 import sweep
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
+N = sweep.SEEDS                    # 8: every arm runs seeds 1..N
+R = report.RUNAWAY_LOGIT
+TOL = report.LOSS_TOL
+KINDS = ("q", "k", *report.NON_QK_KINDS)
 
 
 # ---------------------------------------------------------------------------------------------------------------
 # Synthetic run folders, written the way train.py writes them
 
-def write_run(root, group, seed, steps=20, sigma=1.0, growth=1.0, loss=3.0, collapse=None, trigger=None,
-              val=2.9, end="completed", command=None):
-    """A run logging every step. sigma(W_q) of layer 1 grows by `growth` per step (layer 0 stays at 0.5), the
-    max logit is 10 sigma^2; from `collapse` on the loss jumps to 8; `trigger` adds a guard_trigger event.
-    end=None leaves the run in progress (no end record); end="" writes an empty log."""
-    path = os.path.join(root, group, f"seed{seed}")
+def write_run(root, arm, seed, steps=20, collapse=None, trigger=None, logit=10.0, growth=None, loss=3.0, val=None,
+              end="completed"):
+    """A run of `arm` logging every step: 2 layers of 2 heads, sigma of every weight kind per layer.
+
+    logit: the max attention logit of each step, a number or a function of the step. growth: kind -> how many
+    times sigma(W_kind) grows from the first logged step to the last (geometrically; 1 if not given, None: that
+    kind is not logged). collapse: the loss is 8 from that step on, a collapse event is logged and the run stops
+    2 steps later, collapsed. trigger: a guard_trigger event at that step. val: the final val loss (2.9, or 8 if
+    collapsed). end: the end record's status; None leaves the run in progress (no end record), "" an empty log."""
+    path = os.path.join(str(root), arm, f"seed{seed}")
     os.makedirs(path)
-    command = command or ["train.py", "--accum", group, "--seed", str(seed), "--out-dir", path]
     with open(os.path.join(path, "config.json"), "w") as f:
-        json.dump({"args": {"seed": seed}, "command": command,
+        json.dump({"args": {"seed": seed}, "command": ["train.py", "--seed", str(seed), "--out-dir", path],
                    "versions": {"gpu": "NVIDIA H200", "device": "cuda:0", "torch": "2.11.0+cu130"}}, f)
+    growth = {**dict.fromkeys(KINDS, 1.0), **(growth or {})}
+    last = steps - 1 if collapse is None else collapse + 2
+    val = (2.9 if collapse is None else 8.0) if val is None else val
     records = [{"event": "start", "step": 0}, {"event": "eval", "step": 0, "val_loss": 10.0}]
-    for step in range(steps):
-        s = sigma * growth ** step
-        bad = collapse is not None and step >= collapse
-        records.append({"step": step, "lr": 1e-3, "loss": 8.0 if bad else loss, "grad_norm": 1.0,
-                        "max_logit": [[1.0, 2.0], [10 * s * s, 3.0]], "sigma_q": [0.5, s], "sigma_k": [0.5, s],
-                        "guard": "on" if trigger is not None and step > trigger else "off"})
+    for step in range(last + 1):
+        top = logit(step) if callable(logit) else logit
         if step == trigger:
-            records.append({"event": "guard_trigger", "step": step, "layer": 1, "head": 0, "value": 10 * s * s,
-                            "signal": "max-logit", "threshold": 200.0, "action": "qknorm"})
-        if collapse is not None and step == collapse + 4:
+            records.append({"event": "guard_trigger", "step": step, "layer": 1, "head": 0, "value": top,
+                            "signal": "max-logit", "layers": [1], "active_from": step + 1})
+        records.append({"step": step, "lr": 1e-3, "loss": 8.0 if collapse is not None and step >= collapse else loss,
+                        "grad_norm": 1.0, "max_logit": [[1.0, 2.0], [top, 3.0]],
+                        **{f"sigma_{k}": [0.5, g ** (step / last)] for k, g in growth.items() if g is not None},
+                        "guard": "on" if trigger is not None and step > trigger else "dormant"})
+        if step == collapse:
             records.append({"event": "collapse", "step": collapse, "loss": 8.0})
-            break
-    records.append({"event": "eval", "step": records[-1]["step"] + 1, "val_loss": 8.0 if collapse else val})
+    records.append({"event": "eval", "step": last + 1, "val_loss": val})
     if end:
-        records.append({"event": "end", "status": "collapsed" if collapse is not None else end,
-                        "step": records[-1]["step"], "collapse_step": collapse,
-                        "guard_trigger": None if trigger is None else {"step": trigger}, "val_loss": val})
+        records.append({"event": "end", "status": "collapsed" if collapse is not None and end == "completed"
+                        else end, "step": last + 1, "collapse_step": collapse, "guard_pending": None,
+                        "guard_trigger": None if trigger is None else {"step": trigger, "layer": 1, "head": 0},
+                        "val_loss": val})
     with open(os.path.join(path, "log.jsonl"), "w") as f:
-        if end != "":
-            f.write("".join(json.dumps(r) + "\n" for r in records))
+        f.write("".join(json.dumps(r) + "\n" for r in records) if end != "" else "")
     return path
 
 
-def verdict(root, claim):
-    return report.verdicts(report.load_runs(str(root)))[claim - 1][1]
+OK = {}                                        # healthy: max logit 10, sigmas flat, val 2.9
+COLLAPSE = {"collapse": 10}
+UNFINISHED = {"end": None}                     # in progress: no end record
+RUNAWAY = {"logit": 2 * R}                     # max logit past RUNAWAY_LOGIT, no collapse, sigmas flat
+QK_RUNAWAY = {"logit": 2 * R, "growth": {"q": 8.0}}    # ... through QK: sigma(W_q) x8, the others flat
+TRIG = {"trigger": 5}                          # guarded: triggered at step 5, healthy
 
 
-def claim1_runs(root, safemax_collapses=False):
-    write_run(root, "bf16", 1, growth=1.2, collapse=10)
-    write_run(root, "bf16", 2, growth=1.2, collapse=14)
-    write_run(root, "bf16", 3)
-    for seed in (1, 2, 3):
-        write_run(root, "fp32", seed)
-        write_run(root, "bf16-safemax", seed, collapse=12 if safemax_collapses and seed == 2 else None)
-    write_run(root, "fp32", 4, collapse=12, end=None)   # in progress, a collapse logged: must not count yet
-    write_run(root, "fp32", 5, end="")          # an empty log
+def arm(k, kw, edits=None, rest=OK):
+    """An arm's runs by seed: seeds 1..k with keywords kw, the others `rest`; edits: {seed: keywords, or None for
+    no folder at all}."""
+    runs = [kw] * k + [rest] * (N - k)
+    for seed, e in (edits or {}).items():
+        runs[seed - 1] = e
+    return runs
+
+
+def write_arms(root, arms):
+    """arm -> its runs by seed (write_run keywords); an empty list writes no folder of that arm."""
+    for name, runs in arms.items():
+        for seed, kw in enumerate(runs, 1):
+            if kw is not None:
+                write_run(root, name, seed, **kw)
+    return report.load_runs(str(root))
+
+
+def rows(root, arms):
+    """rule -> [rule, verdict, text], judged on the arms written under root."""
+    return {row[0]: row for row in report.verdicts(write_arms(root, arms))}
+
+
+def judge(root, rule, arms):
+    return rows(root, arms)[rule][1]
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# report.py
+# Statistics, against exact values
 
-def test_group_numbers_from_logs(tmp_path):
-    claim1_runs(tmp_path)
-    write_run(tmp_path, "bf16-guard", 1, steps=20, growth=1.1, trigger=7, loss=3.0)
-    groups = report.load_runs(str(tmp_path))
-    bf16 = {r.seed: r for r in groups["bf16"]}
-    assert [bf16[s].collapsed for s in ("seed1", "seed2", "seed3")] == [True, True, False]
-    assert bf16["seed1"].collapse_step == 10 and bf16["seed1"].status == "collapsed"
-    assert bf16["seed1"].max_sigma == pytest.approx(1.2 ** 14)             # last logged step: collapse + 4
-    assert bf16["seed1"].max_logit == pytest.approx(10 * 1.2 ** 28)
-    assert bf16["seed1"].final_train == pytest.approx(8.0)
-    assert bf16["seed3"].final_train == pytest.approx(3.0) and bf16["seed3"].final_val == pytest.approx(2.9)
-    fp32 = {r.seed: r for r in groups["fp32"]}
-    assert fp32["seed4"].status == "in progress" and not fp32["seed4"].finished
-    assert fp32["seed5"].status == "empty log" and fp32["seed5"].max_sigma is None
-    guard = groups["bf16-guard"][0]
-    assert guard.trigger == 7 and not guard.collapsed and guard.max_sigma == pytest.approx(1.1 ** 19)
-
-    assert report.group_line("bf16", groups["bf16"]).startswith("bf16: 2/3 collapsed (median step 12)")  # 10, 14
-    assert "guard triggered at 7" in report.group_line("bf16-guard", groups["bf16-guard"])
-    assert report.group_line("fp32", groups["fp32"]).startswith("fp32: 0/3 collapsed")     # finished runs only
-    assert report.group_line("fp32", groups["fp32"], finished_only=False).startswith("fp32: 1/5 collapsed")
-    text = report.build(groups, str(tmp_path), markdown=False)
-    assert "in progress" in text and "empty log" in text and "bf16-qknorm-always: no runs" in text
+def test_binom_tail_and_sign_test():
+    assert report.binom_tail(5, 5) == 1 / 32 and report.binom_tail(4, 4) == 1 / 16
+    assert report.binom_tail(5, 6) == pytest.approx(7 / 64) and report.binom_tail(7, 8) == pytest.approx(9 / 256)
+    assert report.binom_tail(0, 3) == 1.0 and report.binom_tail(0, 0) == 1.0
+    T, F = True, False
+    assert report.sign_test([(T, F)] * 5) == (5, 0, 0.03125)
+    assert report.sign_test([(T, F)] * 4 + [(F, F)] * 4) == (4, 0, 0.0625)
+    assert report.sign_test([(T, F)] * 5 + [(T, T)] * 2 + [(F, F)]) == (5, 0, 0.03125)    # ties ignored
+    assert report.sign_test([(T, F)] * 5 + [(F, T)]) == (5, 1, pytest.approx(7 / 64))
+    assert report.sign_test([(F, T)] * 5) == (0, 5, 1.0)                                 # one-sided
+    assert report.sign_test([]) == (0, 0, 1.0)
 
 
-def test_final_loss_is_mean_of_last_logged_losses(tmp_path):
-    path = write_run(tmp_path, "fp32", 1, steps=3)
+@pytest.mark.parametrize("k, n, lower, upper", [(0, 8, 0.0, 0.3694), (8, 8, 0.6306, 1.0), (3, 10, 0.0667, 0.6525),
+                                                (6, 8, 0.3491, 0.9681), (0, 0, 0.0, 1.0)])
+def test_clopper_pearson(k, n, lower, upper):
+    assert report.clopper_pearson(k, n) == pytest.approx((lower, upper), abs=1e-4)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Reading runs
+
+def test_run_reads_a_log(tmp_path):
+    groups = write_arms(tmp_path, {"bf16": [{"collapse": 10, "growth": {"q": 8.0, "v": 2.0}, "logit": 2 * R}],
+                                   "bf16-guard": [{"trigger": 7, "val": 2.95}],
+                                   "fp32": [UNFINISHED, {"end": ""}, {"end": "interrupted"}, {"end": "error"}]})
+    bad, guard = groups["bf16"][0], groups["bf16-guard"][0]
+    assert bad.status == "collapsed" and bad.finished and bad.collapsed and bad.collapse_step == 10
+    assert bad.steps == list(range(13)) and bad.final_train == pytest.approx((3 + 3 + 8 + 8 + 8) / 5)   # last 5
+    assert bad.final_val == 8.0 and bad.max_logit == 2 * R and bad.trigger is None
+    assert bad.growth("q") == pytest.approx(8.0) and bad.growth("v") == pytest.approx(2.0)
+    assert bad.growth("mlp_out") == pytest.approx(1.0) and bad.max_sigma == pytest.approx(8.0)
+    assert guard.trigger == 7 and not guard.collapsed and guard.final_val == 2.95 and guard.final_train == 3.0
+    assert [r.status for r in groups["fp32"]] == ["in progress", "empty log", "interrupted", "error"]
+    assert not any(r.finished for r in groups["fp32"])
+    assert groups["fp32"][1].max_sigma is None and groups["fp32"][1].final_train is None
+
+
+def test_trigger_and_val_from_the_end_record_and_half_written_lines(tmp_path):
+    path = write_run(tmp_path, "fp32-guard", 1, steps=3, trigger=1)
     with open(os.path.join(path, "log.jsonl")) as f:
-        records = [json.loads(line) for line in f]
-    losses = iter([5.0, 4.0, 3.0, 2.0, 1.0, 0.0, 1.0])
+        records = [r for r in map(json.loads, f) if r.get("event") not in ("guard_trigger", "eval")]
+    losses = iter([5.0, 4.0, 3.0])
     for r in records:
         if "loss" in r:
             r["loss"] = next(losses)
     with open(os.path.join(path, "log.jsonl"), "w") as f:
         f.write("".join(json.dumps(r) + "\n" for r in records) + '{"step": 9, "lo')   # a half-written line
-    run = report.load_runs(str(tmp_path))["fp32"][0]
+    run = report.load_runs(str(tmp_path))["fp32-guard"][0]
     assert run.loss == [5.0, 4.0, 3.0] and run.final_train == pytest.approx(4.0)
+    assert run.trigger == 1 and run.final_val == 2.9 and run.finished                    # from the end record
 
 
-def test_claim_1_verdict_follows_the_rule(tmp_path):
-    claim1_runs(tmp_path / "a")
-    assert verdict(tmp_path / "a", 1) == "reproduced"
-    row = report.verdicts(report.load_runs(str(tmp_path / "a")))[0]
-    assert "2 unfinished runs left out" in row[2] and "bf16: 2/3 collapsed" in row[2]
-    claim1_runs(tmp_path / "b", safemax_collapses=True)
-    assert verdict(tmp_path / "b", 1) == "not reproduced"
-    write_run(tmp_path / "c", "bf16", 1, collapse=10)
-    write_run(tmp_path / "c", "fp32", 1)
-    assert verdict(tmp_path / "c", 1) == "not run"                       # no bf16-safemax run
-    assert verdict(tmp_path / "c", 2) == "not run"
-
-
-@pytest.mark.parametrize("gap, trigger, expected", [(0.02, 5, "reproduced"), (0.05, 5, "not reproduced"),
-                                                    (0.0, None, "not reproduced")])
-def test_claim_2_guard_within_tolerance_of_qknorm(tmp_path, gap, trigger, expected):
-    for seed in (1, 2):
-        write_run(tmp_path, "bf16-guard", seed, loss=3.0 + gap, val=2.9 - gap, trigger=trigger)
-        write_run(tmp_path, "bf16-qknorm-always", seed, loss=3.0, val=2.9)
-    assert verdict(tmp_path, 2) == expected
-
-
-# Runs for claims 3 to 7, as write_run keywords (20 steps each; max logit = 10 sigma^2, sigma constant unless grown)
-S_RUNAWAY = math.sqrt(report.RUNAWAY_LOGIT / 10)   # the sigma whose max logit is RUNAWAY_LOGIT exactly
-CALM = {}                                          # sigma 1, max logit 10: healthy
-RAN_AWAY = dict(sigma=S_RUNAWAY)                   # max logit RUNAWAY_LOGIT: ran away (>=) without collapsing
-NEARLY = dict(sigma=0.9 * S_RUNAWAY)               # max logit 0.81 RUNAWAY_LOGIT: large, not a runaway
-COLLAPSED = dict(collapse=10)                      # sigma 1, but collapsed: ran away
-# claim 6. GREW and HELD trigger at step 9, then sigma grows growth^10 times to the last step (max logit < 400)
-FAILED = dict(trigger=3, growth=1.3, collapse=12)                 # triggered, then collapsed
-GREW = dict(trigger=9, growth=(1.1 * report.SIGMA_RATIO) ** 0.1)   # sigma x 1.1 SIGMA_RATIO after the trigger
-HELD = dict(trigger=9, growth=(0.9 * report.SIGMA_RATIO) ** 0.1)   # sigma x 0.9 SIGMA_RATIO: stopped
-UNGUARDED = dict(growth=1.3, collapse=12)                         # collapsed, but the guard never triggered
-
-
-def write_groups(root, groups):
-    """group -> list of write_run keywords, one per seed."""
-    for group, runs in groups.items():
-        for seed, kw in enumerate(runs, 1):
-            write_run(root, group, seed, **kw)
-
-
-@pytest.mark.parametrize("claim, group, control", [(3, "inject-mlp-out", "inject-mlp-out-qkfix"),
-                                                   (4, "inject-coherent", "inject-random")])
-@pytest.mark.parametrize("runs, controls, expected", [
-    ([RAN_AWAY, dict(collapse=10, sigma=S_RUNAWAY), CALM], [CALM, CALM], "reproduced"),  # 2/3 ran away, ratio 10
-    ([RAN_AWAY, NEARLY], [CALM, CALM], "not reproduced"),                # 1 of 2 ran away: no majority
-    ([RAN_AWAY, RAN_AWAY], [CALM, CALM, RAN_AWAY], "not reproduced"),    # the control ran away once
-    ([dict(collapse=10, sigma=report.SIGMA_RATIO)] * 2, [CALM], "not reproduced"),          # ratio = SIGMA_RATIO
-    ([dict(collapse=10, sigma=1.01 * report.SIGMA_RATIO)] * 2, [CALM], "reproduced"),       # just above it
+@pytest.mark.parametrize("growth, specific", [
+    ({"q": 8.0}, True), ({"k": 8.0}, True),
+    ({"q": 8.0, "v": 8.0}, False),                          # grew as much elsewhere
+    ({"q": 8.0, "mlp_out": 4.0}, False),                    # exactly SIGMA_RATIO times: not more
+    ({"q": 8.0, "mlp_out": 3.9}, True),
+    ({"q": 8.0, "o": 5.0, "mlp_in": 1.5}, False),           # the most-grown other kind counts
+    ({"q": 8.0, **dict.fromkeys(report.NON_QK_KINDS, None)}, False),   # the others not logged: no evidence
 ])
-def test_claims_3_and_4_runaway_vs_control(tmp_path, claim, group, control, runs, controls, expected):
-    # majority ran away (collapse or max logit >= RUNAWAY_LOGIT), control none, median sigma ratio > SIGMA_RATIO
-    write_groups(tmp_path, {group: runs, control: controls})
-    assert verdict(tmp_path, claim) == expected
+def test_qk_specific(tmp_path, growth, specific):
+    run = write_arms(tmp_path, {"bf16": [{"growth": growth}]})["bf16"][0]
+    assert report.SIGMA_RATIO == 2.0 and report.qk_specific(run) is specific
 
 
-@pytest.mark.parametrize("topk, equal, expected", [
-    ([CALM, CALM], [dict(sigma=1.01 * report.SIGMA_RATIO)] * 2, "reproduced"),    # ratio just above SIGMA_RATIO
-    ([CALM, CALM], [dict(sigma=report.SIGMA_RATIO)] * 2, "not reproduced"),       # exactly SIGMA_RATIO
-    ([CALM, COLLAPSED], [RAN_AWAY, RAN_AWAY], "not reproduced"),                  # ratio 10, but top-k collapsed
-    ([RAN_AWAY, RAN_AWAY], [dict(sigma=3 * S_RUNAWAY)] * 2, "reproduced"),        # a large logit is no collapse
-    ([dict(steps=0)] * 2, [dict(steps=0)] * 2, "not reproduced"),                 # no sigma logged: no evidence
-])
-def test_claim_5_probe(tmp_path, topk, equal, expected):
-    # equal-energy's median max sigma(W_q) > SIGMA_RATIO x top-k's, and top-k collapsed in no seed
-    write_groups(tmp_path, {"bf16-probe-topk": topk, "bf16-probe-equal": equal})
-    assert verdict(tmp_path, 5) == expected
+# ---------------------------------------------------------------------------------------------------------------
+# Rule 1: bf16 collapses where fp32 does not, and where bf16-safemax does not
 
-
-@pytest.mark.parametrize("odd, runs, expected", [
-    ("bf16-guard-softcap", [FAILED, GREW], "reproduced"),
-    ("bf16-guard-softcap", [HELD, HELD], "not reproduced"),                 # the non-QK action worked
-    ("bf16-guard-clip", [GREW, HELD], "not reproduced"),                    # failed in 1 of 2: no majority
-    ("bf16-guard-lr-drop", [UNGUARDED, UNGUARDED], "not reproduced"),       # failed, but without a trigger
-])
-def test_claim_6_non_qk_actions_fail(tmp_path, odd, runs, expected):
-    # each group: a majority triggered, then ran away or grew sigma > SIGMA_RATIO x; the others fail in 2/3 seeds
-    # (one collapsed, one only grew), so both ways of failing must count
-    write_groups(tmp_path, {g: runs if g == odd else [FAILED, GREW, HELD]
-                            for g in ("bf16-guard-lr-drop", "bf16-guard-clip", "bf16-guard-softcap")})
-    assert verdict(tmp_path, 6) == expected
-
-
-def guard(gap=0.0, val_gap=None, **kw):
-    """A guarded llama run that triggered, its train (and val) loss `gap` off the reference's 3.0 (2.9)."""
-    return {"trigger": 5, "loss": 3.0 + gap, "val": 2.9 + (gap if val_gap is None else val_gap), **kw}
+RULE1 = {"bf16": arm(6, COLLAPSE), "fp32": arm(0, OK), "bf16-safemax": arm(0, OK)}
 
 
 @pytest.mark.parametrize("changes, expected", [
-    ({}, "reproduced"),
-    ({"llama-bf16": [COLLAPSED, CALM]}, "not reproduced"),                       # collapsed in 1 of 2
-    ({"llama-fp32": [CALM, COLLAPSED]}, "not reproduced"),                       # fp32 collapsed too
-    ({"llama-bf16-guard": [guard(), guard(collapse=10)],                        # the guard collapsed (its reference
-      "llama-bf16-qknorm-always": [CALM, COLLAPSED]}, "not reproduced"),          # too: the losses still match)
-    ({"llama-bf16-guard": [guard(), CALM]}, "not reproduced"),                   # triggered in 1 of 2
-    ({"llama-bf16-guard": [guard(0.9 * report.LOSS_TOL)] * 2}, "reproduced"),
-    ({"llama-bf16-guard": [guard(1.1 * report.LOSS_TOL, val_gap=0.0)] * 2}, "not reproduced"),   # train gap
-    ({"llama-bf16-guard": [guard(0.0, val_gap=-1.1 * report.LOSS_TOL)] * 2}, "not reproduced"),  # val gap
-    ({"llama-bf16-guard": [guard(2 * report.LOSS_TOL), guard()],                # equal medians, but seed by seed
-      "llama-bf16-qknorm-always": [CALM, guard(2 * report.LOSS_TOL, trigger=None)]}, "not reproduced"),
+    param({}, "reproduced", id="6 of 8"),
+    param({"bf16": arm(5, COLLAPSE)}, "reproduced", id="5 of 8, p=1/32"),
+    param({"bf16": arm(4, COLLAPSE)}, "not reproduced", id="4 of 8, p=1/16"),
+    param({"bf16-safemax": arm(6, COLLAPSE)}, "not reproduced", id="safemax collapses in the same seeds"),
+    param({"fp32": arm(0, OK, {7: COLLAPSE})}, "not reproduced", id="fp32 collapses elsewhere: 6 vs 1"),
+    param({"bf16": arm(5, COLLAPSE), "fp32": arm(0, OK, {1: UNFINISHED})}, "not reproduced",
+          id="fp32 unfinished at the margin"),
+    param({"bf16": arm(5, COLLAPSE), "fp32": arm(0, OK, {1: {"end": "interrupted"}})}, "not reproduced",
+          id="fp32 interrupted at the margin"),
+    param({"bf16": arm(5, COLLAPSE), "fp32": arm(0, OK, {1: None})}, "not reproduced",
+          id="fp32 seed missing at the margin"),
+    param({"bf16": arm(5, COLLAPSE, {1: {"collapse": 10, "end": None}})}, "not reproduced",
+          id="bf16 in progress with a logged collapse: not counted"),
+    param({"bf16": arm(5, COLLAPSE), "bf16-safemax": arm(0, OK, {8: UNFINISHED})}, "not reproduced",
+          id="safemax unfinished where bf16 did not collapse: 5 vs 1"),
+    param({"bf16-safemax": []}, "not run", id="no bf16-safemax runs"),
 ])
-def test_claim_7_second_architecture(tmp_path, changes, expected):
-    # claim 1's rule on llama-bf16 / llama-fp32 and claim 2's on llama-bf16-guard / llama-bf16-qknorm-always
-    groups = {"llama-bf16": [COLLAPSED, dict(collapse=14)], "llama-fp32": [CALM, CALM],
-              "llama-bf16-guard": [guard(), guard()], "llama-bf16-qknorm-always": [CALM, CALM]}
-    write_groups(tmp_path, {**groups, **changes})
-    assert verdict(tmp_path, 7) == expected
+def test_rule_1(tmp_path, changes, expected):
+    assert judge(tmp_path, "1", {**RULE1, **changes}) == expected
+
+
+def test_rule_1_text_counts_intervals_and_unfinished(tmp_path):
+    text = rows(tmp_path, {**RULE1, "fp32": arm(0, OK, {1: UNFINISHED, 8: UNFINISHED})})["1"][2]
+    assert "bf16: collapsed 6/8 [95% CI 0.35-0.97]" in text
+    assert "fp32: collapsed 2/8 [95% CI 0.03-0.65] (2 unfinished, counted against)" in text
+    assert "sign test, bf16 over fp32: 5 seeds one way, 1 the other, p = 0.109 -> fails" in text   # a tie, a loss
+    assert "sign test, bf16 over bf16-safemax: 6 seeds one way, 0 the other, p = 0.0156 -> holds" in text
+    row = rows(tmp_path / "b", {**RULE1, "bf16-safemax": [], "fp32": []})["1"]
+    assert row[1] == "not run" and "no runs of fp32, bf16-safemax" in row[2]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Rule 2: bf16-guard never collapses, fewer than bf16, triggers before each bf16 collapse, ends within LOSS_TOL of
+# bf16-qknorm-always in every seed. bf16 collapses at step 10 in seeds 1-7.
+
+RULE2 = {"bf16": arm(7, COLLAPSE), "bf16-guard": arm(8, TRIG), "bf16-qknorm-always": arm(0, OK)}
+
+
+@pytest.mark.parametrize("changes, expected", [
+    param({}, "reproduced", id="7 of 8 prevented"),
+    param({"bf16": arm(5, COLLAPSE)}, "reproduced", id="5 of 8, p=1/32"),
+    param({"bf16": arm(4, COLLAPSE)}, "not reproduced", id="4 of 8, p=1/16"),
+    param({"bf16-guard": arm(8, TRIG, {1: {"trigger": 5, "collapse": 12}}),   # 6 vs 0 still holds, and the
+           "bf16-qknorm-always": arm(0, OK, {1: {"collapse": 12}})},          # losses match: only "never" fails
+          "not reproduced", id="guard collapses in one seed"),
+    param({"bf16-guard": arm(8, TRIG, {1: {"trigger": 12}})}, "not reproduced", id="trigger after the collapse"),
+    param({"bf16-guard": arm(8, TRIG, {1: {"trigger": 10}})}, "not reproduced", id="trigger at the collapse step"),
+    param({"bf16-guard": arm(8, TRIG, {1: {"trigger": 9}})}, "reproduced", id="trigger one step before"),
+    param({"bf16-guard": arm(8, TRIG, {1: OK})}, "not reproduced", id="never triggers in one seed"),
+    param({"bf16-guard": arm(8, TRIG, {8: OK})}, "reproduced", id="no trigger where bf16 did not collapse"),
+    param({"bf16-guard": arm(8, TRIG, {3: {**TRIG, "val": 2.9 + TOL + 0.01}})}, "not reproduced",
+          id="val gap LOSS_TOL+0.01 in one seed"),
+    param({"bf16-guard": arm(8, TRIG, {3: {**TRIG, "val": 2.9 - TOL - 0.01}})}, "not reproduced",
+          id="val gap -(LOSS_TOL+0.01) in one seed"),
+    param({"bf16-guard": arm(8, {**TRIG, "val": 2.9 + TOL - 0.01, "loss": 3.0 - TOL + 0.01})}, "reproduced",
+          id="gaps LOSS_TOL-0.01 in every seed"),
+    param({"bf16-guard": arm(8, TRIG, {3: {**TRIG, "loss": 3.0 + TOL + 0.01}})}, "not reproduced",
+          id="train gap LOSS_TOL+0.01 in one seed"),
+    param({"bf16-qknorm-always": arm(0, OK, {8: UNFINISHED})}, "not reproduced", id="reference unfinished"),
+    param({"bf16-qknorm-always": arm(0, OK, {8: None})}, "not reproduced", id="reference seed missing"),
+    param({"bf16-guard": arm(8, TRIG, {8: None})}, "not reproduced", id="guard seed missing"),
+    param({"bf16-qknorm-always": []}, "not run", id="no reference runs"),
+])
+def test_rule_2(tmp_path, changes, expected):
+    assert judge(tmp_path, "2", {**RULE2, **changes}) == expected
+
+
+def test_rule_2_text(tmp_path):
+    text = rows(tmp_path, {**RULE2, "bf16-guard": arm(8, TRIG, {1: {"trigger": 12}, 8: {**TRIG, "val": 2.95}})})["2"][2]
+    assert "trigger lead over the unguarded collapse (seed steps): seed1 -2, seed2 5, " in text
+    assert "largest gap to bf16-qknorm-always: train 0.000, val 0.050 nat (tolerance 0.03)" in text
+    text = rows(tmp_path / "b", {**RULE2, "bf16-qknorm-always": arm(0, OK, {8: UNFINISHED})})["2"][2]
+    assert "train inf, val inf" in text
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Rule 2v: on healthy training fp32-guard never triggers, and while dormant ends within LOSS_TOL of fp32
+
+RULE2V = {"fp32": arm(0, OK), "fp32-guard": arm(0, OK)}
+
+
+@pytest.mark.parametrize("changes, expected", [
+    param({}, "reproduced", id="dormant, same val loss"),
+    param({"fp32-guard": arm(0, OK, {3: TRIG})}, "not reproduced", id="triggers in one seed"),
+    param({"fp32-guard": arm(0, OK, {3: {"val": 2.9 + TOL + 0.01}})}, "not reproduced", id="val +LOSS_TOL+0.01"),
+    param({"fp32-guard": arm(0, OK, {3: {"val": 2.9 - TOL - 0.01}})}, "not reproduced", id="val -LOSS_TOL-0.01"),
+    param({"fp32-guard": arm(8, {"val": 2.9 + TOL - 0.01})}, "reproduced", id="val +LOSS_TOL-0.01 everywhere"),
+    param({"fp32-guard": arm(0, OK, {3: UNFINISHED})}, "not reproduced", id="guard run unfinished"),
+    param({"fp32-guard": arm(0, OK, {3: None})}, "not reproduced", id="guard seed missing"),
+    param({"fp32": []}, "not run", id="no fp32 runs"),
+])
+def test_rule_2v(tmp_path, changes, expected):
+    assert judge(tmp_path, "2v", {**RULE2V, **changes}) == expected
+
+
+@pytest.mark.parametrize("fp32_seed8", [UNFINISHED, None], ids=["unfinished", "missing"])
+def test_rule_2v_counts_an_unfinished_reference_against_it(tmp_path, fp32_seed8):
+    # fp32-guard's seed 8 ended 1 nat above the others; its fp32 run did not finish (or is missing), so the
+    # dormant cost of seed 8 is unknown: scored the way that hurts the claim, the rule must fail
+    arms = {"fp32": arm(0, OK, {8: fp32_seed8}), "fp32-guard": arm(0, OK, {8: {"val": 3.9}})}
+    assert judge(tmp_path, "2v", arms) == "not reproduced"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Rules 3 and 3+: at some dose, the coherent error runs away through QK where its QK-only fix does not
+
+def inject(site, dose, coherence=1.0, fix=False):
+    return sweep.inject_arm(site, dose, coherence, fix)[0]
+
+
+def grid(sites, coherences, fix):
+    """Every arm of a dose grid, healthy."""
+    return {inject(s, d, c, f): arm(0, OK) for s in sites for d in sweep.DOSES for c in coherences
+            for f in ((False, True) if fix else (False,))}
+
+
+@pytest.mark.parametrize("rule, site", [("3", "mlp-out"), ("3+", "delta")])
+@pytest.mark.parametrize("changes, expected", [
+    param(lambda s: {inject(s, 0.1): arm(7, QK_RUNAWAY)}, "reproduced", id="7 of 8 at dose 0.1"),
+    param(lambda s: {inject(s, 0.01): arm(8, QK_RUNAWAY)}, "reproduced", id="8 of 8 at dose 0.01"),
+    param(lambda s: {inject(s, 0.1): arm(7, {"collapse": 10, "growth": {"k": 8.0}})}, "reproduced",
+          id="collapses, through W_k"),
+    param(lambda s: {inject(s, 0.1): arm(7, {"logit": R, "growth": {"q": 8.0}})}, "reproduced",
+          id="max logit exactly RUNAWAY_LOGIT"),
+    param(lambda s: {inject(s, 0.1): arm(7, {"logit": 0.99 * R, "growth": {"q": 8.0}})}, "not reproduced",
+          id="max logit just below RUNAWAY_LOGIT"),
+    param(lambda s: {inject(s, 0.1): arm(7, {"logit": 2 * R, "growth": {"q": 8.0, "v": 8.0}})}, "not reproduced",
+          id="sigma_v grows as much: not QK-specific"),
+    param(lambda s: {inject(s, 0.1): arm(7, {"logit": 2 * R, "growth": {"q": 8.0, "mlp_out": 4.0}})},
+          "not reproduced", id="QK growth exactly SIGMA_RATIO x the others'"),
+    param(lambda s: {inject(s, 0.1): arm(4, QK_RUNAWAY)}, "not reproduced", id="4 of 8"),
+    param(lambda s: {inject(s, 0.1): arm(5, QK_RUNAWAY)}, "not reproduced", id="5 of 8: p=1/32 > ALPHA/4"),
+    param(lambda s: {inject(s, 0.1): arm(6, QK_RUNAWAY)}, "not reproduced", id="6 of 8: p=1/64 > ALPHA/4"),
+    param(lambda s: {inject(s, 0.1): arm(7, QK_RUNAWAY), inject(s, 0.1, fix=True): arm(1, RUNAWAY)},
+          "not reproduced", id="the fix runs away in one of those seeds"),
+    param(lambda s: {inject(s, 0.1): arm(7, QK_RUNAWAY), inject(s, 0.1, fix=True): arm(0, OK, {1: UNFINISHED})},
+          "not reproduced", id="the fix unfinished in one of those seeds"),
+    param(lambda s: {inject(s, 0.1): arm(7, QK_RUNAWAY), inject(s, 0.3, fix=True): arm(8, RUNAWAY)},
+          "reproduced", id="the fix runs away at another dose"),
+    param(lambda s: {inject(s, 0.1): arm(4, QK_RUNAWAY), inject(s, 0.3): arm(0, OK, dict.fromkeys(
+        range(5, 9), QK_RUNAWAY))}, "not reproduced", id="4 seeds at one dose, 4 at another"),
+    param(lambda s: {inject(s, 0.1): arm(7, QK_RUNAWAY), inject(s, 0.3, fix=True): []}, "not run",
+          id="one arm of the grid has no runs"),
+])
+def test_rules_3_and_3plus(tmp_path, rule, site, changes, expected):
+    assert judge(tmp_path, rule, {**grid([site], [1.0], fix=True), **changes(site)}) == expected
+
+
+def test_rule_3_uses_the_bonferroni_threshold(tmp_path):
+    assert report.ALPHA / len(sweep.DOSES) == 0.0125
+    text = rows(tmp_path, {**grid(["mlp-out"], [1.0], True), inject("mlp-out", 0.1): arm(7, QK_RUNAWAY),
+                           inject("mlp-out", 0.3): arm(5, QK_RUNAWAY)})["3"][2]
+    assert "7 seeds one way, 0 the other, p = 0.00781 (threshold 0.0125) -> holds" in text
+    assert "5 seeds one way, 0 the other, p = 0.0312 (threshold 0.0125) -> fails" in text
+    assert text.count("sign test, ") == len(sweep.DOSES)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Rule 4: at both sites, coherence 1 runs away where coherence 0.5 does not, at some dose
+
+def rule4(mlp_out=0.1, delta=0.1, **cells):
+    """The full grid, coherence 1 running away in 7 of 8 seeds at the given dose of each site (None: nowhere)."""
+    arms = grid(sweep.SITES, sweep.COHERENCES, fix=False)
+    for site, dose in (("mlp-out", mlp_out), ("delta", delta)):
+        if dose is not None:
+            arms[inject(site, dose)] = arm(7, RUNAWAY)
+    return {**arms, **cells}
+
+
+@pytest.mark.parametrize("arms, expected", [
+    param(rule4(), "reproduced", id="both sites at dose 0.1"),
+    param(rule4(delta=0.3), "reproduced", id="each site at its own dose"),
+    param(rule4(delta=None), "not reproduced", id="only mlp-out"),
+    param(rule4(mlp_out=None), "not reproduced", id="only delta"),
+    param(rule4(**{inject("delta", 0.1, 0.5): arm(7, COLLAPSE)}), "not reproduced",
+          id="coherence 0.5 runs away too"),
+    param(rule4(**{inject("delta", 0.1, 0.75): arm(7, COLLAPSE)}), "reproduced", id="coherence 0.75 is not judged"),
+    param(rule4(**{inject("mlp-out", 0.1): arm(5, RUNAWAY)}), "not reproduced", id="5 of 8 at one site"),
+    param(rule4(**{inject("delta", 0.01, 0.75): []}), "not run", id="one arm of the grid has no runs"),
+])
+def test_rule_4(tmp_path, arms, expected):
+    assert judge(tmp_path, "4", arms) == expected
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Rule 5: bf16 runs away where bf16-probe-topk does not, and so does each control
+
+CONTROLS = ("bf16-probe-fixed", "bf16-probe-v-topk", "bf16-probe-mlp-topk")
+RULE5 = {"bf16": arm(7, RUNAWAY), "bf16-probe-topk": arm(0, OK), "bf16-probe-fixed": arm(7, RUNAWAY),
+         "bf16-probe-v-topk": arm(7, COLLAPSE), "bf16-probe-mlp-topk": arm(7, RUNAWAY)}
+
+
+@pytest.mark.parametrize("changes, expected", [
+    param({}, "reproduced", id="7 of 8 and each control 7 of 8"),
+    *(param({c: arm(0, OK)}, "not reproduced", id=f"{c} does not run away") for c in CONTROLS),
+    param({"bf16-probe-mlp-topk": arm(4, RUNAWAY)}, "not reproduced", id="a control 4 of 8"),
+    param({"bf16-probe-mlp-topk": arm(5, RUNAWAY)}, "reproduced", id="a control 5 of 8: p=1/32"),
+    param({"bf16-probe-topk": arm(3, RUNAWAY)}, "not reproduced", id="topk runs away too: 4 vs 0"),
+    param({"bf16-probe-topk": arm(3, UNFINISHED)}, "not reproduced", id="topk unfinished in 3 seeds"),
+    param({"bf16": arm(4, RUNAWAY)}, "not reproduced", id="bf16 4 of 8"),
+    param({"bf16-probe-v-topk": []}, "not run", id="a control not run"),
+])
+def test_rule_5(tmp_path, changes, expected):
+    assert judge(tmp_path, "5", {**RULE5, **changes}) == expected
+
+
+def test_rule_5_loss_cost_line(tmp_path):
+    # fp32 at 2.9; topk 0.05 above it; v-topk's 7 collapsed seeds at val 8 (median 5.1 above); equal-energy not run
+    text = rows(tmp_path, {**RULE5, "fp32": arm(0, OK), "bf16-probe-topk": arm(8, {"val": 2.95})})["5"][2]
+    assert ("loss cost, median final val loss - fp32's: bf16-probe-topk +0.050, bf16-probe-fixed +0.000, "
+            "bf16-probe-v-topk +5.100, bf16-probe-mlp-topk +0.000, bf16-probe-equal n/a") in text
+    text = rows(tmp_path / "b", RULE5)["5"][2]     # no fp32 runs: no cost
+    assert "bf16-probe-topk n/a, bf16-probe-fixed n/a" in text
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Rule 6: at the guard's trigger (step 5), lr-drop, clip and softcap each fail where the QK-norm action does not
+
+AFTER = lambda step: 2 * R if step > 5 else 10.0           # logits past RUNAWAY_LOGIT after the trigger only
+BEFORE = lambda step: 2 * R if step <= 5 else 10.0         # ... up to the trigger (its own step included) only
+COLLAPSED_AFTER = {**TRIG, "collapse": 10}
+RAN_AWAY_AFTER = {**TRIG, "logit": AFTER}
+WORSE = {**TRIG, "val": 2.9 + TOL + 0.01}
+ACTIONS = ("bf16-guard-lr-drop", "bf16-guard-clip", "bf16-guard-softcap")
+RULE6 = {"bf16-guard": arm(0, TRIG), "bf16-guard-lr-drop": arm(7, COLLAPSED_AFTER, rest=TRIG),
+         "bf16-guard-clip": arm(7, RAN_AWAY_AFTER, rest=TRIG), "bf16-guard-softcap": arm(7, WORSE, rest=TRIG)}
+
+
+@pytest.mark.parametrize("changes, expected", [
+    param({}, "reproduced", id="each fails in 7 of 8, a different way"),
+    *(param({a: arm(8, {**TRIG, "val": 2.9 + TOL - 0.01})}, "not reproduced", id=f"{a} within LOSS_TOL")
+      for a in ACTIONS),
+    param({"bf16-guard-clip": arm(7, {**TRIG, "logit": BEFORE}, rest=TRIG)}, "not reproduced",
+          id="clip's logits past RUNAWAY_LOGIT only up to the trigger"),
+    param({"bf16-guard": arm(8, {**TRIG, "logit": BEFORE})}, "reproduced",
+          id="QK-norm's logits past RUNAWAY_LOGIT only up to the trigger"),
+    param({"bf16-guard": arm(3, RAN_AWAY_AFTER, rest=TRIG)}, "not reproduced", id="QK-norm runs away in 3: 4 vs 0"),
+    param({"bf16-guard": arm(0, TRIG, {8: COLLAPSED_AFTER})}, "reproduced",
+          id="QK-norm collapses in a seed where the actions did not fail: 7 vs 1, p=9/256"),
+    param({"bf16-guard-softcap": arm(4, WORSE, rest=TRIG)}, "not reproduced", id="softcap fails in 4 of 8"),
+    param({"bf16-guard-lr-drop": []}, "not run", id="lr-drop not run"),
+])
+def test_rule_6(tmp_path, changes, expected):
+    assert judge(tmp_path, "6", {**RULE6, **changes}) == expected
+
+
+def test_rule_6_comparison_arms_are_reported_not_judged(tmp_path):
+    row = rows(tmp_path, {**RULE6, "bf16-guard-qkclip": arm(8, COLLAPSED_AFTER)})["6"]
+    assert row[1] == "reproduced"
+    assert "bf16-guard-qkclip: failed 8/8 [95% CI 0.63-1.00] (for comparison, not judged)" in row[2]
+    assert "bf16-guard-fp32-accum" not in row[2]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Rule 7: rules 1 and 2 on the llama arms
+
+RULE7 = {"llama-bf16": arm(6, COLLAPSE), "llama-fp32": arm(0, OK), "llama-bf16-guard": arm(8, TRIG),
+         "llama-bf16-qknorm-always": arm(0, OK)}
+
+
+@pytest.mark.parametrize("changes, expected", [
+    param({}, "reproduced", id="as rules 1 and 2"),
+    param({"llama-fp32": arm(6, COLLAPSE)}, "not reproduced", id="llama-fp32 collapses as often"),
+    param({"llama-bf16": arm(4, COLLAPSE)}, "not reproduced", id="llama-bf16 4 of 8"),
+    param({"llama-bf16-guard": arm(8, TRIG, {2: {"trigger": 11}})}, "not reproduced", id="a late trigger"),
+    param({"llama-bf16-guard": arm(8, TRIG, {8: {**TRIG, "val": 2.9 + TOL + 0.01}})}, "not reproduced",
+          id="a val gap past LOSS_TOL"),
+    param({"llama-bf16-qknorm-always": []}, "not run", id="no reference runs"),
+])
+def test_rule_7(tmp_path, changes, expected):
+    assert judge(tmp_path, "7", {**RULE7, **changes}) == expected
+
+
+def test_every_rule_passes_on_its_own_runs_together(tmp_path):
+    """All the passing cases in one root: shared arms (bf16, fp32, bf16-guard) must agree, and every row reproduces."""
+    arms = {**RULE1, **RULE2V, **RULE6, **RULE7, **rule4(),
+            **{k: v for k, v in RULE5.items() if k != "bf16"}, "bf16": RULE2["bf16"],    # bf16 collapses: ran away
+            "bf16-guard": RULE2["bf16-guard"], "bf16-qknorm-always": RULE2["bf16-qknorm-always"]}
+    for site in sweep.SITES:
+        arms.update({inject(site, d, 1.0, True): arm(0, OK) for d in sweep.DOSES})
+        arms[inject(site, 0.1)] = arm(7, QK_RUNAWAY)
+    verdicts = {rule: row[1] for rule, row in rows(tmp_path, arms).items()}
+    assert verdicts == dict.fromkeys(["1", "2", "2v", "3", "3+", "4", "5", "6", "7"], "reproduced")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Report helpers: survival curves, the dose table, the text and Markdown tables
+
+def test_survival_kaplan_meier(tmp_path):
+    runs = write_arms(tmp_path, {"bf16": [{"collapse": 10}, {"collapse": 20, "steps": 40}, {"steps": 31},
+                                          {"steps": 31}]})["bf16"]
+    assert report.survival(runs) == [(0, 1.0), (10, 0.75), (20, 0.5)]
+    assert report.survival(runs[2:]) == [(0, 1.0)]
+
+
+def test_survival_counts_a_run_censored_at_a_collapse_step_at_risk(tmp_path):
+    runs = write_arms(tmp_path, {"bf16": [{"collapse": 10}, {"steps": 11}]})["bf16"]   # censored at step 10
+    assert report.survival(runs) == [(0, 1.0), (10, 0.5)]
+
+
+def test_dose_table_counts_finished_runs(tmp_path):
+    groups = write_arms(tmp_path, {inject("mlp-out", 0.1): [RUNAWAY, COLLAPSE, OK, {**RUNAWAY, "end": None}],
+                                   inject("mlp-out", 0.1, fix=True): [OK, OK],
+                                   inject("delta", 0.3, 0.5): [{"logit": 0.99 * R}]})
+    table = {(site, label): cells for site, label, *cells in report.dose_table(groups)}
+    assert len(table) == len(sweep.SITES) * (len(sweep.COHERENCES) + 1)
+    assert table["mlp-out", "c1"] == ["-", "-", "2/3", "-"]
+    assert table["mlp-out", "c1 + QK-only fix"] == ["-", "-", "0/2", "-"]
+    assert table["delta", "c0.5"] == ["-", "-", "-", "0/1"]
+    assert table["delta", "c0.75"] == ["-"] * len(sweep.DOSES)
+
+
+def test_build_text_has_every_rule_and_the_dose_table(tmp_path):
+    groups = write_arms(tmp_path, {**RULE1, inject("delta", 0.03): [RUNAWAY]})
+    text = report.build(groups, str(tmp_path), markdown=False)
+    for rule, words, _, _ in report.RULES:
+        assert re.search(rf"^{re.escape(rule)} +(reproduced|not reproduced|not run) ", text, re.M), rule
+        assert f"{rule}. {words}." in text
+    assert re.search(r"^1 +reproduced ", text, re.M) and re.search(r"^2 +not run ", text, re.M)
+    assert "== Dose-response (claims 3 and 4)" in text and "dose 0.01  dose 0.03  dose 0.1  dose 0.3" in text
+    assert "== bf16 ==" in text and "bf16: 6/8 collapsed (median step 10)" in text
+    assert "Dose-response" not in report.build(write_arms(tmp_path / "b", RULE1), "b", markdown=False)
 
 
 def test_markdown_has_tables_hardware_and_commands(tmp_path):
-    claim1_runs(tmp_path / "runs")
+    write_arms(tmp_path / "runs", {**RULE1, inject("mlp-out", 0.3): [RUNAWAY, OK]})
     md = tmp_path / "RESULTS.md"
     assert report.main([str(tmp_path / "runs"), "--markdown", str(md), "--plots", str(tmp_path / "plots")]) == 0
     text = md.read_text()
     assert "| claim | verdict |" in text and "| 1 | reproduced |" in text and "| 2 | not run |" in text
-    assert "### bf16-safemax" in text and "| seed2 | collapsed | 14 |" in text
-    assert "NVIDIA H200" in text
-    assert f"python train.py --accum bf16 --seed 2 --out-dir {tmp_path / 'runs' / 'bf16' / 'seed2'}" in text
+    assert "| mlp-out | c1 | - | - | - | 1/2 |" in text
+    assert "### bf16-safemax" in text and "| seed2 | collapsed | 10 |" in text
+    assert "Hardware: NVIDIA H200 (torch 2.11.0+cu130)." in text
+    assert "## Commands\n\n```bash\npython train.py --seed 1 --out-dir " in text
+    assert f"python train.py --seed 2 --out-dir {tmp_path / 'runs' / 'bf16' / 'seed2'}" in text
     if importlib.util.find_spec("matplotlib"):       # the plots, linked relative to the Markdown file
         assert "![claim1](plots/claim1.png)" in text and (tmp_path / "plots" / "claim1.png").exists()
         # without --plots they go into plots/ beside the Markdown file (its folder made if need be)
@@ -240,62 +524,168 @@ def test_markdown_has_tables_hardware_and_commands(tmp_path):
 
 
 def test_plots_or_a_clear_skip(tmp_path, monkeypatch, capsys):
-    claim1_runs(tmp_path)
-    groups = report.load_runs(str(tmp_path))
+    groups = write_arms(tmp_path, {"bf16": [COLLAPSE, OK], "fp32": [OK], "bf16-guard": [TRIG]})
     monkeypatch.setitem(sys.modules, "matplotlib", None)                # as if it were not installed
     assert report.plot_claims(groups, str(tmp_path / "p")) == []
     assert "plots skipped" in capsys.readouterr().out
     monkeypatch.undo()
     pytest.importorskip("matplotlib")
     saved = report.plot_claims(groups, str(tmp_path / "p"))
-    assert saved == [str(tmp_path / "p" / "claim1.png")] and os.path.getsize(saved[0]) > 1000
+    assert saved == [str(tmp_path / "p" / f"claim{c}.png") for c in (1, 2, 5, 6)]
+    assert all(os.path.getsize(p) > 1000 for p in saved)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# report.py as a command
+
+def report_cmd(*args):
+    return subprocess.run([sys.executable, os.path.join(ROOT, "report.py"), *map(str, args)], capture_output=True,
+                          text=True, timeout=120, cwd=ROOT)
+
+
+def test_report_command_markdown_and_runs_figure(tmp_path):
+    write_arms(tmp_path / "runs", RULE2)
+    out = report_cmd(tmp_path / "runs", "--markdown", tmp_path / "R.md", "--plots", tmp_path / "plots")
+    assert out.returncode == 0 and "Traceback" not in out.stderr, out.stderr
+    assert re.search(r"^2 +reproduced ", out.stdout, re.M) and f"markdown: {tmp_path / 'R.md'}" in out.stdout
+    assert "| 2 | reproduced |" in (tmp_path / "R.md").read_text()
+
+    bad = report_cmd("--runs", tmp_path / "runs" / "bf16" / "seed1", tmp_path / "runs", "--png", tmp_path / "x.png")
+    assert bad.returncode != 0 and "Traceback" not in bad.stderr and not (tmp_path / "x.png").exists()
+    assert bad.stderr.strip().splitlines()[-1] == (f"report.py: error: no log.jsonl in {tmp_path / 'runs'}: give "
+                                                   "run folders that train.py wrote")
+    pytest.importorskip("matplotlib")
+    png = tmp_path / "fig.png"
+    out = report_cmd("--runs", tmp_path / "runs" / "bf16" / "seed1", tmp_path / "runs" / "bf16-guard" / "seed1",
+                     "--png", png)
+    assert out.returncode == 0, out.stderr
+    assert f"plot: {png}" in out.stdout and png.stat().st_size > 1000
 
 
 def test_report_survives_nothing(tmp_path, capsys):
+    assert report.main([str(tmp_path)]) == 0                           # an empty folder
+    out = capsys.readouterr().out
+    assert f"no runs under {tmp_path}" in out and out.count("not run") == len(report.RULES) == 9
     os.makedirs(tmp_path / "bf16" / "seed1")                           # a folder without any file
     assert report.main([str(tmp_path), "--plots", str(tmp_path)]) == 0
     out = capsys.readouterr().out
-    assert "empty log" in out and out.count("not run") == 7
+    assert "empty log" in out and out.count("not run") == 9
+    out = report_cmd(tmp_path / "nowhere")
+    assert out.returncode != 0 and "Traceback" not in out.stderr and "is not a folder" in out.stderr
 
 
 # ---------------------------------------------------------------------------------------------------------------
 # sweep.py
 
-def dry_run(*args):
-    return subprocess.run([sys.executable, os.path.join(ROOT, "sweep.py"), "--dry-run", *args],
-                          capture_output=True, text=True, timeout=60, cwd=ROOT)
+def sweep_cmd(*args, timeout=60):
+    return subprocess.run([sys.executable, os.path.join(ROOT, "sweep.py"), *args], capture_output=True, text=True,
+                          timeout=timeout, cwd=ROOT)
 
 
-def test_sweep_dry_run_commands_and_skips(tmp_path):
+def test_sweep_dry_run_default_seeds_seed_major(tmp_path):
     root = str(tmp_path)
-    out = dry_run("--claims", "1", "--seeds", "2", "--out-root", root, "--", "--max-steps", "50")
+    out = sweep_cmd("--dry-run", "--claims", "1", "--only", "bf16,fp32", "--out-root", root, "--", "--max-steps", "5")
     assert out.returncode == 0, out.stderr
-    lines = out.stdout.strip().splitlines()
-    assert len(lines) == 6
-    for name, flags in (("bf16", "--accum bf16 --guard off"), ("fp32", "--accum fp32 --guard off"),
-                        ("bf16-safemax", "--accum bf16-safemax --guard off")):
-        for seed in (1, 2):
-            expected = f"{flags} --max-steps 50 --seed {seed} --out-dir {root}/{name}/seed{seed}"
-            assert sum(expected in line for line in lines) == 1, (expected, lines)
+    expected = [shlex.join([sys.executable, "train.py", "--accum", name, "--max-steps", "5", "--seed", str(k),
+                            "--out-dir", f"{root}/{name}/seed{k}"]) for k in range(1, N + 1) for name in ("bf16", "fp32")]
+    assert out.stdout.splitlines() == expected and len(expected) == 2 * sweep.SEEDS == 16
 
+
+def test_sweep_shared_arm_runs_once():
+    chosen = sweep.experiments([1, 2, 5])
+    assert chosen["bf16"] == ["--accum", "bf16"] and list(chosen).count("bf16") == 1
+    out = sweep_cmd("--dry-run", "--claims", "1,2,5", "--only", "bf16", "--seeds", "2", "--out-root", "r")
+    assert out.returncode == 0 and len(out.stdout.splitlines()) == 2
+    # an arm in several claims is one set of runs: its flags must be the same in each
+    for name in {n for _, arms in sweep.CLAIMS.values() for n in arms}:
+        assert len({arms[name] for _, arms in sweep.CLAIMS.values() if name in arms}) == 1, name
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--seeds", "0"], "--seeds and --parallel must be at least 1"),
+    (["--parallel", "0"], "--seeds and --parallel must be at least 1"),
+    (["--claims", "1,8"], "--claims '1,8': give some of 1,2,3,4,5,6,7"),
+    (["--claims", "1", "--only", "bf16,nope"], "--only: nope not in claims 1"),
+])
+def test_sweep_refuses_bad_arguments(tmp_path, args, message):
+    out = sweep_cmd("--dry-run", "--out-root", str(tmp_path), *args)
+    assert out.returncode != 0 and "Traceback" not in out.stderr and out.stdout == ""
+    assert out.stderr.strip().splitlines()[-1] == f"sweep.py: error: {message}"
+
+
+def test_sweep_dry_run_skips_and_resumes(tmp_path):
+    root = str(tmp_path)
     write_run(root, "fp32", 1)                                           # ended: skipped
-    write_run(root, "bf16", 2, end=None)                                 # unfinished: skipped unless --resume
-    out = dry_run("--claims", "1", "--seeds", "2", "--out-root", root)
-    assert f"skip {root}/fp32/seed1: completed" in out.stdout
-    assert f"skip {root}/bf16/seed2: unfinished" in out.stdout
-    assert sum("train.py" in line for line in out.stdout.splitlines()) == 4
-    open(os.path.join(root, "bf16", "seed2", "ckpt.pt"), "w").close()
-    out = dry_run("--claims", "1", "--seeds", "2", "--out-root", root, "--resume")
-    assert f"--out-dir {root}/bf16/seed2 --resume" in out.stdout
+    write_run(root, "bf16", 2, collapse=10)                              # collapsed: ended, skipped
+    write_run(root, "bf16", 1, end=None)                                 # unfinished: skipped unless --resume
+    write_run(root, "fp32", 2, end="interrupted")                        # unfinished, no checkpoint
+    args = ("--dry-run", "--claims", "1", "--only", "bf16,fp32", "--seeds", "2", "--out-root", root)
+    out = sweep_cmd(*args)
+    assert f"skip {root}/fp32/seed1: completed" in out.stdout and f"skip {root}/bf16/seed2: collapsed" in out.stdout
+    assert f"skip {root}/bf16/seed1: unfinished (no end record): pass --resume" in out.stdout
+    assert f"skip {root}/fp32/seed2: unfinished (interrupted): pass --resume" in out.stdout
+    assert sum("train.py" in line for line in out.stdout.splitlines()) == 0
+    open(os.path.join(root, "bf16", "seed1", "ckpt.pt"), "w").close()
+    out = sweep_cmd(*args, "--resume")
+    assert [line for line in out.stdout.splitlines() if "train.py" in line] == [
+        shlex.join([sys.executable, "train.py", "--accum", "bf16", "--seed", "1", "--out-dir", f"{root}/bf16/seed1",
+                    "--resume"])]
+    assert f"skip {root}/fp32/seed2: unfinished (interrupted) and no checkpoint: delete it" in out.stdout
+
+
+def test_sweep_runs_every_arm_the_rules_read():
+    """Every arm a rule of report.py judges is launched by that rule's claim in sweep.py; claims 3 and 4 are the
+    dose grid at both sites."""
+    for rule, _, arms, _ in report.RULES:
+        assert set(arms) <= set(sweep.experiments([int(rule[0])])), rule
+    assert set(sweep.experiments([4])) == {inject(s, d, c) for s in ("mlp-out", "delta") for d in sweep.DOSES
+                                           for c in sweep.COHERENCES}
+    assert set(sweep.experiments([3])) == {inject(s, d, 1.0, f) for s in ("mlp-out", "delta") for d in sweep.DOSES
+                                           for f in (False, True)}
+    assert sweep.experiments([3])[inject("delta", 0.03, 1.0, True)] == [
+        "--accum", "fp32", "--inject-site", "delta", "--inject-scale", "0.03", "--inject-coherence", "1",
+        "--qk-fix", "clean-grad"]
 
 
 def test_experiment_table_is_valid_train_flags():
     """Every experiment's flags parse in train.py (so no run of the GPU session dies on a typo)."""
     import train
+    parse_args = train.config.parse_args    # train.py's own flag parser
     for number in sweep.CLAIMS:
         for name, flags in sweep.experiments([number]).items():
-            train.parse_args(flags + ["--max-steps", "1"])
+            args = parse_args(flags + ["--max-steps", "1"])[0]
+            assert (args.guard == "on") == ("-guard" in name), name       # only the guard arms are guarded
 
+
+def test_read_log_drops_the_records_a_resume_replays(tmp_path):
+    lines = [{"event": "start", "step": 0}, {"event": "eval", "step": 0, "val_loss": 9.0},
+             *({"step": s, "loss": 10.0 - s} for s in range(6)), {"event": "eval", "step": 4, "val_loss": 7.0},
+             {"event": "guard_trigger", "step": 5}, {"event": "resume", "step": 4},
+             *({"step": s, "loss": 20.0 - s} for s in range(4, 8)), {"event": "end", "status": "completed", "step": 8}]
+    (tmp_path / "log.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+    records = sweep.read_log(str(tmp_path))
+    assert [r["loss"] for r in records if "loss" in r] == [10, 9, 8, 7, 16, 15, 14, 13]
+    assert [r["step"] for r in records if r.get("event") == "eval"] == [0, 4], "the eval at the checkpoint stays"
+    assert not any(r.get("event") == "guard_trigger" for r in records), "a trigger after the checkpoint is replayed"
+    assert sweep.replayed({"step": 4}, 4) and not sweep.replayed({"step": 3}, 4)
+    assert not sweep.replayed({"event": "eval", "step": 4}, 4) and sweep.replayed({"event": "eval", "step": 5}, 4)
+
+
+def test_read_log_drops_everything_before_a_resume_that_starts_over(tmp_path):
+    # a run killed before its first checkpoint: --resume starts it over at step 0 (from_checkpoint false)
+    lines = [{"event": "start", "step": 0}, {"event": "eval", "step": 0, "val_loss": 9.0},
+             *({"step": s, "loss": 10.0 - s} for s in range(3)),
+             {"event": "resume", "step": 0, "from_checkpoint": False}, {"event": "eval", "step": 0, "val_loss": 9.5},
+             *({"step": s, "loss": 20.0 - s} for s in range(4)), {"event": "end", "status": "completed", "step": 4}]
+    (tmp_path / "log.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+    records = sweep.read_log(str(tmp_path))
+    assert [r["loss"] for r in records if "loss" in r] == [20, 19, 18, 17]
+    assert [r["val_loss"] for r in records if r.get("event") == "eval"] == [9.5]
+    assert records[0]["event"] == "start"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# sweep then report, on real tiny CPU runs
 
 @pytest.fixture(scope="module")
 def data_dir(tmp_path_factory):
@@ -311,38 +701,31 @@ def data_dir(tmp_path_factory):
 
 def test_sweep_and_report_end_to_end(tmp_path, data_dir):
     root = str(tmp_path / "runs")
-    cmd = [sys.executable, os.path.join(ROOT, "sweep.py"), "--claims", "1", "--seeds", "1", "--parallel", "3",
-           "--out-root", root, "--", "--max-steps", "4", "--n-layer", "1", "--n-head", "2", "--n-embd", "32",
-           "--block-size", "32", "--batch-size", "2", "--attn-impl", "torch", "--device", "cpu",
-           "--eval-iters", "1", "--log-interval", "1", "--data-dir", data_dir]
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    arms = ("bf16", "fp32", "bf16-safemax")
+    cmd = ["--claims", "1", "--only", ",".join(arms), "--seeds", "1", "--parallel", "3", "--out-root", root, "--",
+           "--max-steps", "4", "--n-layer", "1", "--n-head", "2", "--n-embd", "32", "--block-size", "32",
+           "--batch-size", "2", "--attn-impl", "torch", "--device", "cpu", "--eval-iters", "1", "--log-interval", "1",
+           "--data-dir", data_dir]
+    out = sweep_cmd(*cmd, timeout=300)
     assert out.returncode == 0, out.stdout + out.stderr
     assert out.stdout.count("[end ") == 3 and "ERROR" not in out.stdout
-    for name in ("bf16", "fp32", "bf16-safemax"):
+    for name in arms:
         assert sweep.run_state(os.path.join(root, name, "seed1")) == "completed"
         assert os.path.getsize(os.path.join(root, name, "seed1", "stdout.log")) > 0
-    again = subprocess.run(cmd, capture_output=True, text=True, timeout=60, cwd=ROOT)
-    assert "nothing to run" in again.stdout
+    assert "nothing to run" in sweep_cmd(*cmd).stdout
 
-    rep = subprocess.run([sys.executable, os.path.join(ROOT, "report.py"), root, "--markdown",
-                          str(tmp_path / "R.md")], capture_output=True, text=True, timeout=120, cwd=ROOT)
-    assert rep.returncode == 0, rep.stderr
-    for name in ("bf16", "fp32", "bf16-safemax"):
+    groups = report.load_runs(root)                  # what train.py logged is what report.py reads
+    for name in arms:
+        run = groups[name][0]
+        assert run.finished and not run.collapsed and run.steps == [0, 1, 2, 3] and run.final_val is not None
+        assert all(run.growth(kind) > 0 for kind in KINDS), "every weight kind's sigma is logged"
+    rep = report_cmd(root, "--markdown", tmp_path / "R.md")
+    assert rep.returncode == 0 and "Traceback" not in rep.stderr, rep.stderr
+    for name in arms:
         assert f"== {name} ==" in rep.stdout and f"{name}: 0/1 collapsed" in rep.stdout
-    assert "Traceback" not in rep.stderr
-
-
-def test_read_log_drops_the_records_a_resume_replays(tmp_path):
-    import sweep
-    lines = [{"event": "start", "step": 0}, {"event": "eval", "step": 0, "val_loss": 9.0},
-             *({"step": s, "loss": 10.0 - s} for s in range(6)), {"event": "eval", "step": 4, "val_loss": 7.0},
-             {"event": "guard_trigger", "step": 5}, {"event": "resume", "step": 4},
-             *({"step": s, "loss": 20.0 - s} for s in range(4, 8)), {"event": "end", "status": "completed", "step": 8}]
-    (tmp_path / "log.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
-    records = sweep.read_log(str(tmp_path))
-    assert [r["loss"] for r in records if "loss" in r] == [10, 9, 8, 7, 16, 15, 14, 13]
-    assert [r["step"] for r in records if r.get("event") == "eval"] == [0, 4], "the eval at the checkpoint stays"
-    assert not any(r.get("event") == "guard_trigger" for r in records), "a trigger after the checkpoint is replayed"
+    # nothing collapsed: judged (all its arms ran), and not reproduced
+    assert re.search(r"^1 +not reproduced ", rep.stdout, re.M), rep.stdout
+    assert "| 1 | not reproduced |" in (tmp_path / "R.md").read_text()
 
 
 # ---------------------------------------------------------------------------------------------------------------
