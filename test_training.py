@@ -503,6 +503,148 @@ def test_settings_that_cannot_run_fail_before_training(tmp_path, data_dir, argv,
 
 
 # ---------------------------------------------------------------------------------------------------------------
+# Every way a run can stop or be misconfigured ends in a clear state
+
+def test_a_run_killed_before_its_first_checkpoint_can_be_resumed(tmp_path, data_dir):
+    out = tmp_path / "run"
+    cmd = [sys.executable, os.path.join(ROOT, "train.py"), "--data-dir", data_dir, "--out-dir", str(out), *TINY,
+           "--max-steps", "6", "--ckpt-interval", "1000"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+    deadline = time.time() + 120
+    while time.time() < deadline and len(step_losses(read_log(out)) if (out / "log.jsonl").exists() else {}) < 2:
+        time.sleep(0.05)
+    proc.kill()                                     # kill -9: no checkpoint, no end record
+    proc.communicate(timeout=60)
+    assert not (out / "ckpt.pt").exists() and (out / "config.json").exists()
+    again = train(out, data_dir, "--max-steps", "6")
+    assert again.returncode != 0 and "--resume (it saved no checkpoint: it starts over at step 0)" in again.stderr
+    resumed = train(out, data_dir, "--resume")      # its own flags come from config.json
+    assert resumed.returncode == 0, resumed.stderr
+    assert "starting over" in resumed.stdout
+    resume = next(r for r in read_log(out) if r.get("event") == "resume")
+    assert resume["step"] == 0 and resume["from_checkpoint"] is False
+    from sweep import read_log as read_run
+    assert sorted(step_losses(read_run(str(out)))) == list(range(6)) and read_run(str(out))[-1]["status"] == "completed"
+
+
+def test_a_second_signal_ends_the_run_at_once_and_leaves_the_checkpoint(tmp_path, data_dir):
+    # Long steps (many micro-batches): the first SIGTERM asks for a stop after the step, the second ends the
+    # process at once. Before, the second was ignored and the step ran on.
+    out = tmp_path / "run"
+    cmd = [sys.executable, os.path.join(ROOT, "train.py"), "--data-dir", data_dir, "--out-dir", str(out), *TINY,
+           "--max-steps", "1000", "--ckpt-interval", "1", "--grad-accum", "64"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+    deadline = time.time() + 120
+    while time.time() < deadline and not (out / "ckpt.pt").exists():
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    time.sleep(0.5)
+    proc.send_signal(signal.SIGTERM)
+    start = time.time()
+    _, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == -signal.SIGTERM and time.time() - start < 5, (proc.returncode, stderr)
+    assert "send it again to stop at once" in stderr and "Traceback" not in stderr
+    state = torch.load(out / "ckpt.pt", weights_only=True)      # the last checkpoint, whole
+    assert state["step"] >= 1
+    assert train(out, data_dir, "--max-steps", str(state["step"] + 1), "--resume").returncode == 0
+
+
+class _RunsCode:
+    """A pickle that would create a file when loaded."""
+    def __init__(self, path):
+        self.path = str(path)
+
+    def __reduce__(self):
+        return (open, (self.path, "w"))
+
+
+def test_a_checkpoint_that_would_run_code_is_refused(tmp_path, data_dir):
+    out = tmp_path / "run"
+    assert train(out, data_dir, "--max-steps", "2").returncode == 0
+    state = torch.load(out / "ckpt.pt", weights_only=True)
+    marker = tmp_path / "code-ran"
+    torch.save({**state, "payload": _RunsCode(marker)}, out / "ckpt.pt")
+    result = train(out, data_dir, "--max-steps", "4", "--resume")
+    assert result.returncode != 0 and "cannot read checkpoint" in result.stderr and "Traceback" not in result.stderr
+    assert not marker.exists(), "loading the checkpoint ran code"
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--lr", "-1"], "argument --lr: -1 is too small"),
+    (["--guard-threshold", "nan"], "argument --guard-threshold: 'nan': give a finite number"),
+    (["--device", "cuda"], "--device cuda: this machine has no CUDA GPU"),
+    (["--device", "tpu"], "--device 'tpu': give auto, cpu, cuda or cuda:N"),
+    (["--block-size", "1000000"], "lower --block-size or --batch-size"),
+])
+def test_bad_input_ends_in_one_line(tmp_path, data_dir, argv, message):
+    if "cuda" in argv and torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    result = train(tmp_path / "run", data_dir, *argv)
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode != 0 and message in lines[-1] and "Traceback" not in result.stderr, result.stderr
+
+
+def test_an_out_dir_that_is_a_file_and_a_corrupt_meta_json_end_in_one_line(tmp_path, data_dir):
+    import shutil
+    (tmp_path / "file").write_text("not a folder")
+    result = train(tmp_path / "file", data_dir, "--max-steps", "2")
+    assert result.returncode != 0 and "is a file: give a folder" in result.stderr and "Traceback" not in result.stderr
+    bad = tmp_path / "data"
+    shutil.copytree(data_dir, bad)
+    (bad / "meta.json").write_text("{not json")
+    result = train(tmp_path / "run", str(bad), "--max-steps", "2")
+    assert result.returncode != 0 and "cannot read" in result.stderr and "Traceback" not in result.stderr
+    assert (bad / "meta.json").read_text() == "{not json" and (bad / "train.bin").exists(), "nothing deleted"
+
+
+def _numeric_flags(parser):
+    return [a for a in parser._actions if a.option_strings and a.type is not None and a.option_strings[0] not in
+            ("--dataset", "--data-dir", "--out-dir", "--inject-layers", "--device", "--round", "--input", "--glob")]
+
+
+# Values each flag accepts for 0, with the meaning its help gives (or plain: a seed, a rate of 0, no warmup).
+ZERO_MEANS = {"--block-n", "--softcap", "--attn-scale", "--guard-threshold", "--decay-steps", "--grad-clip",
+              "--seed", "--warmup-steps", "--weight-decay", "--dropout", "--min-lr", "--beta1", "--beta2",
+              "--collapse-smoothing", "--collapse-grace", "--inject-coherence", "--workers", "--warmup"}
+
+
+def test_every_numeric_flag_refuses_nonsense_in_one_line():
+    """0, -1, nan and inf through every numeric flag of train.py, sweep.py, prepare_data.py and bench.py: a
+    one-line error, or (0 only) a value the flag's help gives a meaning to. Never a traceback."""
+    import bench
+    import config
+    import prepare_data
+    import sweep
+    cases = [("train.py", config.build_parser(), [])]
+    checked = 0
+    for name, parser, base in cases:
+        for action in _numeric_flags(parser):
+            flag = action.option_strings[0]
+            for value in ("0", "-1", "nan", "inf"):
+                try:
+                    config.parse_args([flag, value]) if name == "train.py" else parser.parse_args(base + [flag, value])
+                    accepted = True
+                except SystemExit as e:
+                    accepted = e.code == 0
+                checked += 1
+                assert not accepted or (value == "0" and flag in ZERO_MEANS), f"{name} {flag} {value} was accepted"
+    assert checked > 100
+    # the other scripts, as a user runs them
+    for script, flags in (("sweep.py", ["--seeds", "--parallel"]), ("prepare_data.py", ["--val-fraction", "--workers"]),
+                          ("bench.py", ["--steps", "--warmup", "--batch-size"])):
+        for flag in flags:
+            for value in ("0", "-1", "nan", "inf"):
+                if value == "0" and flag in ZERO_MEANS:
+                    continue
+                argv = {"sweep.py": ["--dry-run", "--claims", "1"], "bench.py": ["--smoke"],
+                        "prepare_data.py": ["--dataset", "text", "--input", os.devnull]}[script]
+                result = subprocess.run([sys.executable, os.path.join(ROOT, script), *argv, flag, value],
+                                        capture_output=True, text=True, timeout=120, cwd=ROOT)
+                assert result.returncode != 0 and "Traceback" not in result.stderr, (script, flag, value, result.stderr)
+                assert len(result.stderr.strip().splitlines()[-1]) > 0 and "error" in result.stderr, result.stderr
+
+
+# ---------------------------------------------------------------------------------------------------------------
 # The assay wired into train.py
 
 def test_qk_fix_clean_grad_replaces_only_the_qk_gradients():
