@@ -2,7 +2,7 @@
 The configuration of a training run: every flag of train.py with its default and its allowed values, the named
 presets, and the combinations refused before anything runs.
 
-A value comes from the command line if given there, else from the preset (--preset; auto picks cpu on a CPU and
+A value comes from the command line if given there, else from the preset (--preset; auto picks demo on a CPU and
 assay on a GPU), else from the flag's default below. Every number is checked where it is parsed, so a bad value
 ends in one line naming the flag, before any work starts.
 """
@@ -18,6 +18,10 @@ from guard import ACTIONS, DEFAULT_THRESHOLD, SCOPES, SIGNALS
 
 # Training defaults per preset; the model sizes are model.MODEL_SIZES[preset["size"]].
 PRESETS = {
+    # The demo: the cpu model at a learning rate high enough that its attention logits run away within a few
+    # minutes on a laptop (README, "What you will see"); `auto` picks it on a CPU.
+    "demo": dict(size="cpu", batch_size=8, grad_accum=1, max_steps=300, lr=3e-2, min_lr=3e-2, warmup_steps=20,
+                 schedule="constant", log_interval=10, eval_interval=100, eval_iters=4, ckpt_interval=100),
     "cpu": dict(size="cpu", batch_size=8, grad_accum=1, max_steps=100, lr=3e-3, min_lr=3e-4, warmup_steps=10,
                 schedule="cosine", log_interval=10, eval_interval=50, eval_iters=4, ckpt_interval=50),
     "assay": dict(size="assay", batch_size=32, grad_accum=1, max_steps=2000, lr=2e-3, min_lr=2e-3,
@@ -103,7 +107,7 @@ def build_parser():
     add(g, "--data-dir", "", "folder holding train.bin, val.bin, meta.json (empty: data/<dataset> beside train.py)")
 
     g = p.add_argument_group("model (sizes come from --preset unless given)")
-    add(g, "--preset", "auto", "model size and training defaults (auto: cpu on a CPU, assay on a GPU)",
+    add(g, "--preset", "auto", "model size and training defaults (auto: demo on a CPU, assay on a GPU)",
         choices=["auto", *PRESETS])
     add(g, "--arch", "gpt2", "gpt2: LayerNorm/GELU/learned positions; llama: RMSNorm/SwiGLU/rotary",
         choices=["gpt2", "llama"])
@@ -251,7 +255,7 @@ def refusals(args, typed):
 
 def resolve(args, device, parser):
     """Fill what the command line left to the preset, then check what needs the sizes."""
-    args.preset = args.preset if args.preset != "auto" else ("cpu" if device.type == "cpu" else "assay")
+    args.preset = args.preset if args.preset != "auto" else ("demo" if device.type == "cpu" else "assay")
     for key, value in {**PRESETS[args.preset], **model_lib.MODEL_SIZES[PRESETS[args.preset]["size"]]}.items():
         if key != "size" and getattr(args, key) is None:
             setattr(args, key, value)

@@ -234,11 +234,13 @@ def guard_is_dormant(c, healthy, guarded):
 
 
 def dose_contrast(c, site, better, worse, better_pred, worse_pred, name):
-    """The contrast at each dose of the grid; holds at some dose with p < ALPHA / len(DOSES) (Bonferroni)."""
-    holds, lines = False, []
-    for dose in DOSES:
+    """The contrast at each dose of the grid that was run (a sweep may run part of it); holds at some dose with
+    p < ALPHA / the number of doses run (Bonferroni)."""
+    doses = [d for d in DOSES if c.runs.get(better(site, d)) or c.runs.get(worse(site, d))]
+    holds, lines = False, [f"{site}: doses run {', '.join(f'{d:g}' for d in doses) or 'none'}"]
+    for dose in doses:
         a, b = better(site, dose), worse(site, dose)
-        ok, more = c.contrast(a, better_pred, b, worse_pred, name, alpha=ALPHA / len(DOSES))
+        ok, more = c.contrast(a, better_pred, b, worse_pred, name, alpha=ALPHA / len(doses))
         holds, lines = holds or ok, lines + more
     return holds, lines
 
@@ -302,8 +304,17 @@ def joined(*results):
 
 
 # One rule per row: (claim, the rule in words, its arms, the check). The words print beside the verdicts.
-def _inject_arms(coherences, fix, sites=tuple(SITES)):
-    return [inject_arm(s, d, c, fix)[0] for s in sites for d in DOSES for c in coherences]
+def _inject_arms(coherences, fixes, sites):
+    """The arms of the dose grid a rule reads: of the doses with any run at each site (all of them where none
+    ran, so that "not run" names them)."""
+    def arms(groups):
+        out = []
+        for site in sites:
+            by_dose = {d: [inject_arm(site, d, c, f)[0] for c in coherences for f in fixes] for d in DOSES}
+            run = [d for d, names in by_dose.items() if any(groups.get(n) for n in names)]
+            out += [n for d in (run or DOSES) for n in by_dose[d]]
+        return out
+    return arms
 
 
 RULES = [
@@ -318,16 +329,14 @@ RULES = [
            "the final val loss by at most LOSS_TOL",
      ["fp32", "fp32-guard"], lambda c: guard_is_dormant(c, "fp32", "fp32-guard")),
     ("3", "an error outside attention (mlp-out, coherence 1) runs away through the QK channel where the same "
-          "error with QK-norm does not, at some dose of the grid (sign test, p < ALPHA / 4 doses)",
-     _inject_arms((1.0,), False, ["mlp-out"]) + _inject_arms((1.0,), True, ["mlp-out"]),
-     lambda c: injection_claim(c, "mlp-out")),
+          "error with QK-norm does not, at some dose of the grid (sign test, p < ALPHA / the doses run)",
+     _inject_arms((1.0,), (False, True), ["mlp-out"]), lambda c: injection_claim(c, "mlp-out")),
     ("3+", "positive control: the same at the backward's delta, where the kernel fault lands, against W_q, W_k "
            "trained on the error-free gradient",
-     _inject_arms((1.0,), False, ["delta"]) + _inject_arms((1.0,), True, ["delta"]),
-     lambda c: injection_claim(c, "delta")),
+     _inject_arms((1.0,), (False, True), ["delta"]), lambda c: injection_claim(c, "delta")),
     ("4", "sign-coherence, not size: at both sites, coherence 1 runs away where coherence 0.5 does not, at some "
-          "dose (sign test, p < ALPHA / 4 doses)",
-     _inject_arms(COHERENCES, False), lambda c: joined(*(coherence_claim(c, site) for site in SITES))),
+          "dose (sign test, p < ALPHA / the doses run)",
+     _inject_arms((1.0, 0.5), (False,), list(SITES)), lambda c: joined(*(coherence_claim(c, site) for site in SITES))),
     ("5", "the causal probe: bf16 runs away where bf16-probe-topk does not, and so does each control (a fixed "
           "random QK subspace, W_v's top-k, the MLP's top-k) (sign tests, p < ALPHA)",
      ["bf16", "bf16-probe-topk", "bf16-probe-fixed", "bf16-probe-v-topk", "bf16-probe-mlp-topk"], probe_holds),
@@ -346,14 +355,16 @@ RULES = [
 
 def verdicts(groups):
     """One row per rule: [claim, verdict, what was measured]. A rule with an arm that has no run folder at all is
-    "not run"; otherwise it is judged, every missing or unfinished run counted against it."""
+    "not run" (a dose-grid rule: when no arm of its grid has one); otherwise it is judged, every missing or
+    unfinished run counted against it."""
     rows = []
-    for claim, text, arms, rule in RULES:
+    for claim, text, arm_list, rule in RULES:
+        arms = arm_list(groups) if callable(arm_list) else arm_list
         title = {"2v": "QK-Guard stays dormant on healthy training, at no cost",
                  "3+": "positive control: the backward's delta, where the kernel fault reaches the gradient"}.get(
                      claim, CLAIMS[int(claim[0])][0])
         missing = [a for a in arms if not groups.get(a)]
-        if missing:
+        if missing and (not callable(arm_list) or len(missing) == len(arms)):   # a grid: part of it may run
             rows.append([claim, "not run", f"{title}\nno runs of {', '.join(missing[:3])}"
                                            f"{f' and {len(missing) - 3} more arms' if len(missing) > 3 else ''}"])
             continue

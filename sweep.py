@@ -164,9 +164,7 @@ def plan(names_flags, seeds, out_root, extra, resume):
                 todo.append((out_dir, cmd))
             elif not resume:
                 skipped.append((out_dir, f"unfinished ({state}): pass --resume to continue it, or delete it"))
-            elif not os.path.exists(os.path.join(out_dir, "ckpt.pt")):
-                skipped.append((out_dir, f"unfinished ({state}) and no checkpoint: delete it to start over"))
-            else:
+            else:   # train.py --resume goes on from the checkpoint, or starts over where it saved none
                 todo.append((out_dir, cmd + ["--resume"]))
     return todo, skipped
 

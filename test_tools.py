@@ -321,11 +321,24 @@ def grid(sites, coherences, fix):
           "reproduced", id="the fix runs away at another dose"),
     param(lambda s: {inject(s, 0.1): arm(4, QK_RUNAWAY), inject(s, 0.3): arm(0, OK, dict.fromkeys(
         range(5, 9), QK_RUNAWAY))}, "not reproduced", id="4 seeds at one dose, 4 at another"),
-    param(lambda s: {inject(s, 0.1): arm(7, QK_RUNAWAY), inject(s, 0.3, fix=True): []}, "not run",
-          id="one arm of the grid has no runs"),
+    param(lambda s: {inject(s, 0.1): arm(7, QK_RUNAWAY), inject(s, 0.3, fix=True): []}, "reproduced",
+          id="a missing fix arm counts against its own dose only"),
+    param(lambda s: {inject(s, 0.1, fix=True): [], inject(s, 0.1): arm(7, QK_RUNAWAY)}, "not reproduced",
+          id="the fix arm missing at the dose that ran away"),
 ])
 def test_rules_3_and_3plus(tmp_path, rule, site, changes, expected):
     assert judge(tmp_path, rule, {**grid([site], [1.0], fix=True), **changes(site)}) == expected
+
+
+@pytest.mark.parametrize("doses, runaways, expected", [
+    param((0.1, 0.3), 6, "reproduced", id="6 of 8 with 2 doses run (p = 1/64 < 0.05 / 2)"),
+    param(sweep.DOSES, 6, "not reproduced", id="6 of 8 with 4 doses run (1/64 > 0.05 / 4)"),
+    param((), 0, "not run", id="no dose of the site run"),
+])
+def test_rule_3_judges_the_doses_that_were_run(tmp_path, doses, runaways, expected):
+    arms = {inject("mlp-out", d, 1.0, f): arm(runaways if d == 0.1 and not f else 0, QK_RUNAWAY if not f else OK)
+            for d in doses for f in (False, True)}
+    assert judge(tmp_path, "3", arms or {"bf16": arm(0, OK)}) == expected
 
 
 def test_rule_3_uses_the_bonferroni_threshold(tmp_path):
@@ -358,7 +371,12 @@ def rule4(mlp_out=0.1, delta=0.1, **cells):
           id="coherence 0.5 runs away too"),
     param(rule4(**{inject("delta", 0.1, 0.75): arm(7, COLLAPSE)}), "reproduced", id="coherence 0.75 is not judged"),
     param(rule4(**{inject("mlp-out", 0.1): arm(5, RUNAWAY)}), "not reproduced", id="5 of 8 at one site"),
-    param(rule4(**{inject("delta", 0.01, 0.75): []}), "not run", id="one arm of the grid has no runs"),
+    param(rule4(**{inject("delta", d, 0.75): [] for d in sweep.DOSES}), "reproduced",
+          id="coherence 0.75 need not run"),
+    param(rule4(**{inject("delta", d, c): [] for d in sweep.DOSES for c in sweep.COHERENCES}), "not reproduced",
+          id="no dose of one site run: that site fails"),
+    param({inject(s, d, c): [] for s in sweep.SITES for d in sweep.DOSES for c in sweep.COHERENCES},
+          "not run", id="nothing of the grid run"),
 ])
 def test_rule_4(tmp_path, arms, expected):
     assert judge(tmp_path, "4", arms) == expected
@@ -626,18 +644,19 @@ def test_sweep_dry_run_skips_and_resumes(tmp_path):
     assert f"skip {root}/fp32/seed2: unfinished (interrupted): pass --resume" in out.stdout
     assert sum("train.py" in line for line in out.stdout.splitlines()) == 0
     open(os.path.join(root, "bf16", "seed1", "ckpt.pt"), "w").close()
-    out = sweep_cmd(*args, "--resume")
+    out = sweep_cmd(*args, "--resume")    # with a checkpoint or without one (train.py then starts it over)
     assert [line for line in out.stdout.splitlines() if "train.py" in line] == [
-        shlex.join([sys.executable, "train.py", "--accum", "bf16", "--seed", "1", "--out-dir", f"{root}/bf16/seed1",
-                    "--resume"])]
-    assert f"skip {root}/fp32/seed2: unfinished (interrupted) and no checkpoint: delete it" in out.stdout
+        shlex.join([sys.executable, "train.py", "--accum", accum, "--seed", seed, "--out-dir",
+                    f"{root}/{accum}/seed{seed}", "--resume"]) for seed, accum in (("1", "bf16"), ("2", "fp32"))]
 
 
 def test_sweep_runs_every_arm_the_rules_read():
     """Every arm a rule of report.py judges is launched by that rule's claim in sweep.py; claims 3 and 4 are the
     dose grid at both sites."""
     for rule, _, arms, _ in report.RULES:
-        assert set(arms) <= set(sweep.experiments([int(rule[0])])), rule
+        launched = sweep.experiments([int(rule[0])])
+        arms = arms({name: ["a run"] for name in launched}) if callable(arms) else arms
+        assert set(arms) <= set(launched), rule
     assert set(sweep.experiments([4])) == {inject(s, d, c) for s in ("mlp-out", "delta") for d in sweep.DOSES
                                            for c in sweep.COHERENCES}
     assert set(sweep.experiments([3])) == {inject(s, d, 1.0, f) for s in ("mlp-out", "delta") for d in sweep.DOSES
@@ -726,6 +745,29 @@ def test_sweep_and_report_end_to_end(tmp_path, data_dir):
     # nothing collapsed: judged (all its arms ran), and not reproduced
     assert re.search(r"^1 +not reproduced ", rep.stdout, re.M), rep.stdout
     assert "| 1 | not reproduced |" in (tmp_path / "R.md").read_text()
+
+
+def test_every_arm_of_every_claim_runs_end_to_end_and_is_judged(tmp_path, data_dir):
+    """A tiny sweep of every arm (run in this process, 3 steps each, one seed): each run ends, and every rule
+    of report.py reads them and gives a verdict, none of them "not run"."""
+    import train
+    root = tmp_path / "runs"
+    tiny = ["--max-steps", "3", "--n-layer", "2", "--n-head", "2", "--n-embd", "32", "--block-size", "32",
+            "--batch-size", "2", "--attn-impl", "torch", "--device", "cpu", "--eval-iters", "1", "--log-interval",
+            "1", "--data-dir", data_dir, "--guard-threshold", "0.01", "--seed", "1"]   # a low threshold: triggers
+    arms = sweep.experiments(list(sweep.CLAIMS))
+    assert len(arms) > 50
+    for name, flags in arms.items():
+        out = root / name / "seed1"
+        train.main(flags + tiny + ["--out-dir", str(out)])
+        assert sweep.run_state(str(out)) == "completed", name
+    groups = report.load_runs(str(root))
+    assert set(groups) == set(arms)
+    triggered = {name for name, runs in groups.items() if runs[0].trigger is not None}
+    assert "bf16-guard" in triggered and triggered <= {n for n in arms if "guard" in n}
+    rows = report.verdicts(groups)
+    assert [row[0] for row in rows] == [rule[0] for rule in report.RULES]
+    assert all(verdict in ("reproduced", "not reproduced") for _, verdict, _ in rows), rows
 
 
 # ---------------------------------------------------------------------------------------------------------------

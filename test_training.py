@@ -18,8 +18,8 @@ from guard import WEIGHT_KINDS, CollapseDetector, QKGuard, SpectralMonitor, weig
 from test_assay import topk_removed
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
-TINY = ["--n-layer", "2", "--n-head", "2", "--n-embd", "32", "--block-size", "32", "--batch-size", "4",
-        "--attn-impl", "torch", "--device", "cpu", "--eval-iters", "2", "--log-interval", "1"]
+TINY = ["--preset", "cpu", "--n-layer", "2", "--n-head", "2", "--n-embd", "32", "--block-size", "32",
+        "--batch-size", "4", "--attn-impl", "torch", "--device", "cpu", "--eval-iters", "2", "--log-interval", "1"]
 
 
 def tiny_model(arch="gpt2", **kw):
@@ -359,6 +359,30 @@ def test_a_low_threshold_triggers_the_guard_and_logs_it(tmp_path, data_dir):
     assert all(max(map(max, r["max_logit"])) <= 16 ** 0.5 + 1e-4 for r in later), "qknorm bounds the logits"
     assert records[-1]["guard_trigger"]["step"] == trigger["step"]
     assert "QK-Guard" in result.stdout
+
+
+def test_the_demo_runs_away_on_a_cpu_and_the_guard_fires(tmp_path, data_dir):
+    # The main job on a CPU (--preset demo, what `python train.py --accum bf16 --guard on` picks there), cut short:
+    # unguarded, the max attention logit passes the guard's threshold within 40 steps; guarded, the guard fires,
+    # its action bounds the logits, and the run goes on to the end.
+    common = ["--preset", "demo", "--accum", "bf16", "--device", "cpu", "--max-steps", "40", "--batch-size", "4",
+              "--eval-iters", "2", "--eval-interval", "40", "--ckpt-interval", "40", "--log-interval", "1"]
+    runs = {}
+    for guard in ("off", "on"):
+        cmd = [sys.executable, os.path.join(ROOT, "train.py"), "--data-dir", data_dir, "--out-dir",
+               str(tmp_path / guard), "--guard", guard, *common]
+        result = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
+        assert result.returncode == 0, result.stderr
+        runs[guard] = (read_log(tmp_path / guard), result.stdout)
+    threshold = next(r for r in runs["on"][0] if r.get("event") == "guard_trigger")["threshold"]
+    unguarded = [max(map(max, r["max_logit"])) for r in runs["off"][0] if "loss" in r and "event" not in r]
+    assert max(unguarded) > threshold, f"the unguarded run's max logit stayed at {max(unguarded):.1f}"
+    log, stdout = runs["on"]
+    trigger = next(r for r in log if r.get("event") == "guard_trigger")
+    after = [max(map(max, r["max_logit"])) for r in log if "loss" in r and "event" not in r
+             and r["step"] >= trigger["active_from"]]
+    assert after and max(after) <= 32 ** 0.5 * 1.01, "QK-norm bounds every logit by scale * head_dim = sqrt(32)"
+    assert log[-1]["status"] == "completed" and "QK-Guard fired at step" in stdout.splitlines()[-1]
 
 
 def test_lr_drop_cuts_the_learning_rate_from_the_trigger_on(tmp_path, data_dir):

@@ -181,7 +181,7 @@ def main(argv=None):
     # guard_pending: a crossing at the last check, which the deferred guard had no step left to act on
     log.write({"event": "end", "status": status, "step": step, "collapse_step": detector.collapsed_at,
                "guard_trigger": guard.trigger, "guard_pending": guard.pending_crossing(), "val_loss": val_loss},
-              end_line(status, step, guard, detector, args))
+              end_line(status, step, guard, detector, args, val_loss))
     dist.close()
 
 
@@ -238,7 +238,7 @@ def trigger_line(event, guard):
             f"{event['layers']} from step {event['active_from']}")
 
 
-def end_line(status, step, guard, detector, args):
+def end_line(status, step, guard, detector, args, val_loss):
     """The run's last console line: what happened, and when."""
     what = [f"run {status} at step {step}"]
     if guard.trigger:
@@ -249,6 +249,8 @@ def end_line(status, step, guard, detector, args):
         what.append(f"QK-Guard stayed dormant ({guard.signal} never crossed {guard.threshold:g})")
     if detector.collapsed_at is not None:
         what.append(f"the loss collapsed from step {detector.collapsed_at}")
+    if val_loss is not None:
+        what.append(f"val loss {val_loss:.4f}")
     return "; ".join(what) + f". Log and checkpoint in {args.out_dir}"
 
 

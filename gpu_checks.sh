@@ -1,0 +1,66 @@
+#!/usr/bin/env bash
+# The measurements that need a GPU, each as one prepared call that writes its results under $OUT (at most 8 files:
+# logs are packed into one archive) and prints a short table last. A session lent a GPU runs one of them:
+#
+#   bash gpu_checks.sh bench       # the kernel against SDPA, tuning, the training step (about 6 min on an H200)
+#   bash gpu_checks.sh claims12    # claims 1 and 2 with the guard's validity arms, paired seeds
+#   bash gpu_checks.sh claims37    # claims 3 to 7, a reduced dose grid
+#   TINY=1 bash gpu_checks.sh claims12   # a dry run of the same steps on a CPU at tiny size (minutes)
+#
+# Knobs (environment): SEEDS (paired seeds per arm), PARALLEL (runs sharing the GPU), STEPS (--max-steps),
+# BUDGET (seconds the sweep may take; runs cut off count against their claims in the report).
+set -uo pipefail
+cd "$(dirname "$0")"
+MODE=${1:?give bench, claims12 or claims37}
+OUT=${OUT:-out/gpu}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+[ -d .cache/tiktoken ] && export TIKTOKEN_CACHE_DIR=${TIKTOKEN_CACHE_DIR:-$PWD/.cache/tiktoken}
+if [ "${TINY:-0}" = 1 ]; then
+    EXTRA=(--max-steps 3 --n-layer 1 --n-head 2 --n-embd 32 --block-size 32 --batch-size 2 --eval-iters 1
+           --log-interval 1 --device cpu --attn-impl torch)
+    SEEDS=${SEEDS:-2}; PARALLEL=${PARALLEL:-2}; BUDGET=${BUDGET:-600}
+else
+    EXTRA=(--max-steps "${STEPS:-1200}")
+    SEEDS=${SEEDS:-4}; PARALLEL=${PARALLEL:-12}; BUDGET=${BUDGET:-420}
+fi
+(nvidia-smi -L 2>/dev/null || echo "no GPU: $(uname -m) CPU") > "$OUT/machine.txt"
+python -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" >> "$OUT/machine.txt"
+
+sweep() {   # sweep.py within BUDGET seconds, then the report, the plots and every run's log in one archive
+    local root=runs/$MODE
+    timeout -k 30 "$BUDGET" python sweep.py --seeds "$SEEDS" --parallel "$PARALLEL" --out-root "$root" "$@" \
+        -- "${EXTRA[@]}" > "$OUT/sweep.txt" 2>&1
+    echo "sweep exit $? (124: cut off at ${BUDGET} s)" >> "$OUT/sweep.txt"
+    python report.py "$root" --markdown "$OUT/RESULTS.md" --plots "$root/plots" > "$OUT/report.txt" 2>&1
+    tar czf "$OUT/runs.tar.gz" --exclude='ckpt.pt*' "$root"      # the logs and plots: report.py re-reads them
+    grep -E "^(claim|[0-9]+v?\+? )" "$OUT/report.txt" | cut -c1-110 | head -40
+}
+
+case "$MODE" in
+bench)
+    timeout 120 python bench.py --only check > "$OUT/check.txt" 2>&1
+    if [ "${TINY:-0}" = 1 ]; then
+        python bench.py --smoke --json "$OUT/bench.json" > "$OUT/bench.txt" 2>&1
+    else
+        timeout 200 python bench.py --only tune > "$OUT/tune.txt" 2>&1
+        timeout 330 python bench.py --json "$OUT/bench.json" > "$OUT/bench.txt" 2>&1
+    fi
+    tail -n 12 "$OUT/bench.txt"
+    ;;
+claims12)
+    python prepare_data.py > "$OUT/prepare.txt" 2>&1
+    sweep --claims 1,2 --only bf16,fp32,bf16-safemax,bf16-guard,bf16-qknorm-always,fp32-guard
+    ;;
+claims37)
+    python prepare_data.py > "$OUT/prepare.txt" 2>&1
+    grid=$(python -c "import sweep; print(','.join(sweep.inject_arm(s, d, c, f)[0] for s in sweep.SITES
+        for d in (0.1, 0.3) for c, f in ((1.0, False), (0.5, False), (1.0, True))))")
+    sweep --claims 3,4,5,6,7 --only "$grid,bf16,fp32,bf16-probe-topk,bf16-probe-fixed,bf16-probe-v-topk,\
+bf16-probe-mlp-topk,bf16-guard,bf16-guard-lr-drop,bf16-guard-clip,bf16-guard-softcap,llama-bf16,llama-fp32,\
+llama-bf16-guard,llama-bf16-qknorm-always"
+    ;;
+*)
+    echo "unknown mode $MODE: give bench, claims12 or claims37" >&2; exit 2
+    ;;
+esac
