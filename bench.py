@@ -41,7 +41,7 @@ import attention_kernel as ak
 from guard import QKGuard, SpectralMonitor
 from model import MODEL_SIZES, GPT, GPTConfig
 
-H200_BF16_PEAK = 989e12    # dense bf16 FLOP/s, the MFU denominator (REFERENCE.md section 4)
+H200_BF16_PEAK = 989e12    # dense bf16 FLOP/s, the MFU denominator (SOURCES.md, speed anchors)
 SHAPES = [(16, 12, 1024, 64), (4, 32, 4096, 64), (4, 16, 4096, 128)]   # attention (B, H, T, head_dim)
 # Our kernel's modes in the attention table: (accum, rounding). "fp32" is a standard flash kernel (the speed
 # target); the others keep the prior work's logits and P V roundings (train.py's defaults for bf16 inputs).
@@ -157,7 +157,7 @@ def bench_attention():
 def train_flops_per_token(model, T):
     """6 N (forward and backward of every weight, N without position embeddings) plus attention's QK^T and PV
     counted as nanoGPT and PaLM do: 12 * n_layer * n_embd * T per token, the full T x T (not halved for the
-    causal mask). That is how REFERENCE.md's 41.8% MFU was counted, so the numbers compare."""
+    causal mask). That is how SOURCES.md's 41.8% MFU anchor was counted, so the numbers compare."""
     c = model.config
     return 6 * model.num_params() + 12 * c.n_layer * c.n_embd * T
 

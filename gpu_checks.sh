@@ -7,8 +7,9 @@
 #   bash gpu_checks.sh claims37    # claims 3 to 7, a reduced dose grid
 #   TINY=1 bash gpu_checks.sh claims12   # a dry run of the same steps on a CPU at tiny size (minutes)
 #
-# Knobs (environment): SEEDS (paired seeds per arm), PARALLEL (runs sharing the GPU), STEPS (--max-steps),
-# BUDGET (seconds the sweep may take; runs cut off count against their claims in the report).
+# Knobs (environment): SEEDS (paired seeds per arm), PARALLEL (runs sharing the GPU; claims12 measures it first
+# unless PARALLEL_SET=1), STEPS (--max-steps), BUDGET (seconds the sweep may take; runs cut off count against
+# their claims in the report).
 set -uo pipefail
 cd "$(dirname "$0")"
 MODE=${1:?give bench, claims12 or claims37}
@@ -22,10 +23,27 @@ if [ "${TINY:-0}" = 1 ]; then
     SEEDS=${SEEDS:-2}; PARALLEL=${PARALLEL:-2}; BUDGET=${BUDGET:-600}
 else
     EXTRA=(--max-steps "${STEPS:-1200}")
-    SEEDS=${SEEDS:-4}; PARALLEL=${PARALLEL:-12}; BUDGET=${BUDGET:-420}
+    SEEDS=${SEEDS:-4}; PARALLEL=${PARALLEL:-12}; BUDGET=${BUDGET:-360}
 fi
 (nvidia-smi -L 2>/dev/null || echo "no GPU: $(uname -m) CPU") > "$OUT/machine.txt"
 python -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" >> "$OUT/machine.txt"
+
+probe() {   # how many runs share the GPU: N runs of 40 steps side by side, for N in 1 4 8 16; tokens/s each
+    for n in 1 4 8 16; do
+        python sweep.py --claims 1 --only fp32 --seeds "$n" --parallel "$n" --out-root "runs/probe$n" \
+            -- "${EXTRA[@]}" --max-steps 40 --log-interval 10 > /dev/null 2>&1   # the last flag given wins
+        python - "$n" <<'PY' >> "$OUT/probe.txt"
+import glob, json, statistics, sys
+n = sys.argv[1]
+rates = [[json.loads(l)["tokens_per_s"] for l in open(p) if '"tokens_per_s"' in l][-1]
+         for p in glob.glob(f"runs/probe{n}/fp32/seed*/log.jsonl")]
+print(n, round(statistics.median(rates)), round(sum(rates)))
+PY
+    done
+    # the most runs side by side whose each keeps 60% of a lone run's speed
+    PARALLEL=$(awk 'NR == 1 {one = $2} $2 >= 0.6 * one {n = $1} END {print n}' "$OUT/probe.txt")
+    echo "runs side by side: $PARALLEL (columns: runs, median tokens/s per run, total)" >> "$OUT/probe.txt"
+}
 
 sweep() {   # sweep.py within BUDGET seconds, then the report, the plots and every run's log in one archive
     local root=runs/$MODE
@@ -50,6 +68,7 @@ bench)
     ;;
 claims12)
     python prepare_data.py > "$OUT/prepare.txt" 2>&1
+    [ -z "${PARALLEL_SET:-}" ] && probe
     sweep --claims 1,2 --only bf16,fp32,bf16-safemax,bf16-guard,bf16-qknorm-always,fp32-guard
     ;;
 claims37)

@@ -46,8 +46,8 @@ class GPTConfig:
                                 # speed baselines (with attn_impl="sdpa" it costs an extra QK^T pass)
 
 
-# Named sizes. "cpu" trains in minutes on two cores; "assay" is the minute-scale collapse model of
-# REFERENCE.md section 3; "gpt2" and "gpt2-medium" are the 124M and 350M models.
+# Named sizes. "cpu" trains in minutes on two cores; "assay" is the minute-scale collapse model measured on an
+# H200 (SOURCES.md); "gpt2" and "gpt2-medium" are the 124M and 350M models.
 MODEL_SIZES = {
     "cpu":         dict(n_layer=4, n_head=4, n_embd=128, block_size=128),
     "assay":       dict(n_layer=6, n_head=6, n_embd=384, block_size=512),

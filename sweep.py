@@ -192,7 +192,8 @@ def prepare_data_once(extra):
 
 
 def default_parallel(extra):
-    """8 runs share a GPU well (REFERENCE.md section 3 ran 4 at ~5 steps/s each); a CPU is busy with one."""
+    """8 runs share a GPU (an H200 ran 4 of the assay model at ~5 steps/s each, SOURCES.md); a CPU is busy with
+    one. Not measured at 8: gpu_checks.sh says how to find the number for a GPU."""
     if flag_value(extra, "--device", "auto").startswith("cpu"):
         return 1
     import torch    # only here: the rest of sweep.py (and report.py, which imports it) needs no torch

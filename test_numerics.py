@@ -607,7 +607,7 @@ def test_poison_helper_fills_nan():
 # ---------------------------------------------------------------------------------------------------------------
 # Is the bf16 state's error in dW_q persistent in direction from one training step to the next?
 #
-# REFERENCE.md section 2 (Qiu & Yao): in GPT-2 small, after thousands of steps, the bf16 state makes the error in
+# Qiu & Yao (SOURCES.md): in GPT-2 small, after thousands of steps, the bf16 state makes the error in
 # dW_q a sum of similar rank-1 terms with a persistent sign, so W_q grows along one direction. Here: a tiny GPT
 # trains with fp32 state (one trajectory); at each of 8 consecutive steps the same batch is backpropagated three
 # times, and per layer e_t = dW_q(bf16 state) - dW_q(fp32 state). We measure cos(e_t, e_{t+1}) (cE) and
