@@ -230,7 +230,8 @@ def test_equal_energy_removes_the_same_energy_elsewhere():
         removed = dW - new
         target = topk_removed(dW, U, V).norm()
         assert removed.norm().item() == pytest.approx(target.item(), rel=1e-4)
-        assert (U.T @ removed).norm() / target < 1e-4 and (removed @ V).norm() / target < 1e-4
+        # fp32 roundoff of the complement's QR: up to 7e-4 of the removed norm over 200 seeds (1e-4 failed once)
+        assert (U.T @ removed).norm() / target < 3e-3 and (removed @ V).norm() / target < 3e-3
         assert (dW - new).norm() > 0.1 * dW.norm()   # it did remove something
     assert log["q_removed"] == pytest.approx(log["q_target"], rel=1e-4)
     assert log["k_removed"] == pytest.approx(log["k_target"], rel=1e-4)
