@@ -184,7 +184,7 @@ def build(args, attn_impl, max_logit):
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         if watch:                  # Trainer.watch with --monitor-interval 1
-            _, sigma_head = monitor.measure(model)
+            _, sigma_head = monitor.measure(model, kinds=("q", "k"))   # the other kinds: at log steps only
             guard.observe_deferred(count[0], max_logit.float(), sigma_head, model)
             guard.after_optimizer_step(model, max_logit.float())
         count[0] += 1

@@ -39,6 +39,7 @@ ACTIONS = {
 }
 SCOPES = ("all", "crossed")
 WEIGHT_KINDS = ("q", "k", "v", "o", "mlp_in", "mlp_out")   # logged as sigma_<kind>, one value per layer
+QK_KINDS, NON_QK_KINDS = WEIGHT_KINDS[:2], WEIGHT_KINDS[2:]
 
 
 def weight_matrices(model):
@@ -75,18 +76,21 @@ class SpectralMonitor:
         return v / v.norm(dim=-1, keepdim=True).clamp_min(1e-30)
 
     @torch.no_grad()
-    def measure(self, model, iters=1):
-        """Refresh self.sigma and self.sigma_head; returns (sigma, sigma_head)."""
-        stacks = {kind: torch.stack(ws).float() for kind, ws in weight_matrices(model).items()}  # (layer, out, in)
-        # per head: head h owns output rows h*head_dim:(h+1)*head_dim of W_q and W_k
-        stacks["qk_head"] = torch.stack([stacks["q"], stacks["k"]], dim=1).unflatten(2, (self.n_head, -1))
+    def measure(self, model, iters=1, kinds=WEIGHT_KINDS):
+        """Refresh self.sigma (of `kinds`) and, with W_q and W_k, self.sigma_head; returns (sigma, sigma_head).
+        train.py measures W_q, W_k at every monitored step (the guard reads them) and the other kinds only for the
+        log: each call stacks a copy of the weights it measures."""
+        stacks = {kind: torch.stack(ws).float() for kind, ws in weight_matrices(model).items()
+                  if kind in kinds}                                                            # (layer, out, in)
+        if "q" in kinds:   # per head: head h owns output rows h*head_dim:(h+1)*head_dim of W_q and W_k
+            stacks["qk_head"] = torch.stack([stacks["q"], stacks["k"]], dim=1).unflatten(2, (self.n_head, -1))
         norms = {}
         for kind, w in stacks.items():
             for _ in range(iters):
                 self.v[kind] = self._power_step(w, self.v[kind])
             norms[kind] = torch.einsum("...oi,...i->...o", w, self.v[kind]).norm(dim=-1)
-        self.sigma_head = norms.pop("qk_head")       # (n_layer, 2, n_head)
-        self.sigma = norms                           # {kind: (n_layer,)}
+        self.sigma_head = norms.pop("qk_head", self.sigma_head)      # (n_layer, 2, n_head)
+        self.sigma = {**(self.sigma or {}), **norms}                  # {kind: (n_layer,)}
         return self.sigma, self.sigma_head
 
     def record(self):

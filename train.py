@@ -23,7 +23,7 @@ import model as model_lib
 import prepare_data
 import runtime
 from assay import ErrorInjector, Probe, clean_qk_grads, qk_weights
-from guard import CollapseDetector, QKGuard, SpectralMonitor
+from guard import NON_QK_KINDS, QK_KINDS, CollapseDetector, QKGuard, SpectralMonitor
 from runtime import moved, running_max
 
 
@@ -141,7 +141,7 @@ def main(argv=None):
             # from the update after the next monitored step, and the GPU never waits for the guard.
             monitor_max_logit = running_max(monitor_max_logit, max_logit)
             if step % args.monitor_interval == 0:
-                monitor.measure(model, args.power_iters)
+                monitor.measure(model, args.power_iters, kinds=QK_KINDS)
                 event = guard.observe_deferred(step, monitor_max_logit, monitor.sigma_head, model)
                 monitor_max_logit = None
                 if event:
@@ -153,6 +153,7 @@ def main(argv=None):
             interval = accumulate(interval, loss_sum, max_logit)
             step += 1
             if step % args.log_interval == 0 or step == args.max_steps:
+                monitor.measure(model, args.power_iters, kinds=NON_QK_KINDS)   # W_v, W_o, MLP: for the log only
                 record = log_record(step, lr, grad_norm, interval, time.time() - interval_start, args, dist,
                                     monitor, guard, injector, probe_stats)
                 log.write(record, console_line(record))
