@@ -517,7 +517,7 @@ def plot_runs(runs, axes, colors, panels=tuple(PANELS)):
         style = ["-", "--", ":", "-."][(int(k) - 1) % 4 if k.isdigit() else 0]
         for ax, panel in zip(axes, panels):
             ys = [y if y is not None and math.isfinite(y) and y > 0 else math.nan for y in series(run, panel)]
-            ax.plot(run.steps, ys, color=color, ls=style, lw=1, label=f"{run.group} {run.seed}")
+            ax.plot(run.steps, ys, color=color, ls=style, lw=1, label=f"{run.group} {run.seed}".strip())
             if run.trigger is not None:
                 ax.axvline(run.trigger, color=color, ls=":", lw=0.8)
             if run.collapse_step is not None and run.steps:
@@ -565,7 +565,7 @@ def plot_some_runs(paths, png):
         return None
     runs = [Run(os.path.abspath(p)) for p in paths]
     for run, path in zip(runs, paths):
-        run.group, run.seed = os.path.basename(os.path.normpath(path)), "seed1"
+        run.group, run.seed = os.path.basename(os.path.normpath(path)), ""
     fig, axes = plt.subplots(3, 1, sharex=True, figsize=(8, 8))
     plot_runs(runs, axes, {r.group: f"C{i}" for i, r in enumerate(runs)}, panels=("loss", "logit", "sigma"))
     axes[0].legend(fontsize=8)
