@@ -72,6 +72,7 @@ class ErrorInjector:
         self.step = None
         self._err_sq, self._sig_sq = 0.0, 0.0                            # since begin_step, for last_stats
         self.enabled, self.handles, self.attentions = True, [], []
+        self._amplitudes = {}                                             # device -> this step's s * scale
 
     def begin_step(self, step):
         """Update the signs: each (layer, head) keeps its sign with probability `coherence`, else flips.
@@ -80,7 +81,7 @@ class ErrorInjector:
             flip = torch.rand(self.signs.shape, generator=self.sign_rng) >= self.coherence
             self.signs = torch.where(flip, -self.signs, self.signs)
         self.step = step
-        self._err_sq, self._sig_sq = 0.0, 0.0
+        self._err_sq, self._sig_sq, self._amplitudes = 0.0, 0.0, {}
         if self.site == "delta":
             self._set_delta_errors()
 
@@ -95,8 +96,12 @@ class ErrorInjector:
         return self.directions[layer]
 
     def amplitude(self, layer, device):
-        """s_h * scale_h per head, as a tensor: no Python floats, so torch.compile does not specialize on signs."""
-        return (self.signs[layer] * self.scales[layer]).to(device)
+        """s_h * scale_h per head, as a tensor: no Python floats, so torch.compile does not specialize on signs.
+        Copied to the device once per step (begin_step clears the copy), not once per layer."""
+        key = str(device)
+        if key not in self._amplitudes:
+            self._amplitudes[key] = (self.signs * self.scales).to(device)
+        return self._amplitudes[key][layer]
 
     def _track(self, error_sq, signal_sq):
         # running totals for last_stats, kept as tensors so the forward pass never waits on the device
@@ -185,6 +190,7 @@ class ErrorInjector:
 
     def load_state_dict(self, state):
         self.signs, self.step, self.scales = state["signs"].clone(), state["step"], state["scales"].clone()
+        self._amplitudes = {}
         self.sign_rng.set_state(state["sign_rng"])
         self.directions = {int(k): v.clone() for k, v in state["directions"].items()}
 
@@ -368,7 +374,8 @@ def qk_weights(model):
 
 @contextlib.contextmanager
 def fault_free(model, injector=None):
-    """The same model with every fault source off: fp32 softmax state and no injected error."""
+    """The same model without the fault under study: fp32 softmax state and no injected error (the kernel's other
+    rounding points stay as the run has them)."""
     faulty_accums = [attn.accum for attn in model.attentions]
     for attn in model.attentions:
         attn.accum = "fp32"

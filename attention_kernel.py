@@ -42,8 +42,9 @@ IMPLS = ("auto", "triton", "torch", "sdpa", "reference")
 TRITON_HEAD_DIMS = (16, 32, 64, 128)
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # The state and the separate PV product are rounded once per key block, so the block is part of the fault's
-# definition: both implementations use this one unless block_n says otherwise (an H200 emulation of the fault used
-# 128; the prior work's model used 512-key blocks at context 1024).
+# definition: where either is rounded, both implementations use this one unless block_n says otherwise (an H200
+# emulation of the fault used 128; the prior work's model used 512-key blocks at context 1024). Where neither is,
+# the block is a speed choice (Triton: _fwd_config) and changes only the summation order.
 BF16_STATE_BLOCK_N = 128
 # The bf16 backward rounds its dq sums once per key block and its dk, dv sums once per query block of this size.
 BF16_BWD_BLOCK = 64

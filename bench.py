@@ -14,7 +14,8 @@ to 1.0, fused AdamW, zero_grad; with the monitor on, also SpectralMonitor.measur
 (deferred: its one flag reaches the host in the background, as in train.py). Three configurations, all under
 torch.compile:
   sdpa            attn_impl="sdpa", no max-logit by-product, no monitor: the nanoGPT-style baseline
-  triton+monitor  attn_impl="triton", accum="fp32", monitor and dormant guard every step (as train.py runs)
+  triton+monitor  attn_impl="triton", accum="fp32", rounding none (a standard flash kernel, as SDPA is; the
+                  rounded modes' own cost shows in the attention table), monitor and dormant guard every step
   triton          the same model with the monitor off
 Timing: CUDA events between consecutive steps, one synchronize before and one after (so nothing here adds a
 host sync that training does not have); median over the timed steps; warm-up steps (compilation) excluded.

@@ -23,8 +23,8 @@ SIGNALS = ("max-logit", "sigma-product")
 #                  384; lr 2e-3 and 3e-3), runaways passed 1800 before collapsing; 200 sits between.
 #   sigma-product: sigma(W_q,h) * sigma(W_k,h). Healthy CPU runs (the cpu model, lr 3e-3, 1500 steps) peaked at
 #                  16 and 19; in the demo (lr 3e-2) it passed 50 at the step where the max logit passed 200, and
-#                  went on to 500-850. A logit is bounded by it times |x_i| |x_j| / sqrt(head_dim), so its scale
-#                  depends on the model: set it from a healthy run's log.
+#                  the unguarded runs went on to 618-2090. A logit is bounded by it times |x_i| |x_j| / sqrt(hd): its
+#                  scale depends on the model: set it from a healthy run's log.
 DEFAULT_THRESHOLD = {"max-logit": 200.0, "sigma-product": 50.0}
 # What each action does once triggered, and where train.py's loop applies it.
 ACTIONS = {

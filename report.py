@@ -107,6 +107,9 @@ class Run:
         self.trigger = first("guard_trigger")
         if self.trigger is None:
             self.trigger = (end.get("guard_trigger") or {}).get("step")
+        # the first update the action changed (the check is deferred: later than the crossing)
+        self.acting_from = next((r.get("active_from", r["step"]) for r in events if r["event"] == "guard_trigger"),
+                                self.trigger)
         tail = self.loss[-FINAL_WINDOW:]
         self.final_train = sum(tail) / len(tail) if tail else None
         evals = [r["val_loss"] for r in events if r["event"] == "eval"]
@@ -200,7 +203,7 @@ def guard_prevents(c, unguarded, guarded, reference):
     for seed in c.seeds:
         bad, good = c.runs[unguarded].get(seed), c.runs[guarded].get(seed)
         if bad and bad.finished and bad.collapsed:
-            lead = None if not (good and good.trigger is not None) else bad.collapse_step - good.trigger
+            lead = None if not (good and good.trigger is not None) else bad.collapse_step - good.acting_from
             leads.append(f"{seed} {lead if lead is not None else 'none'}")
             early = early and lead is not None and lead > 0
     gaps = {}
@@ -211,7 +214,7 @@ def guard_prevents(c, unguarded, guarded, reference):
         gaps[attr] = max(diffs) if diffs else math.inf
     holds = not any(never) and ok and early and max(gaps.values()) <= LOSS_TOL
     return holds, lines + [
-        f"trigger lead over the unguarded collapse (seed steps): {', '.join(leads) or 'no unguarded collapse'}",
+        f"steps from the guard's action to the unguarded collapse, by seed: {', '.join(leads) or 'no collapse'}",
         f"largest gap to {reference}: train {gaps['final_train']:.3f}, val {gaps['final_val']:.3f} nat "
         f"(tolerance {LOSS_TOL})"]
 
@@ -345,18 +348,20 @@ RULES = [
           "not (sign tests, p < ALPHA). Caveats: Adam rescales a clipped gradient back, so clip acts mostly "
           "through the moments; a bf16 softcap piles logits at the cap, making ties of its own",
      ["bf16-guard", "bf16-guard-lr-drop", "bf16-guard-clip", "bf16-guard-softcap"], non_qk_actions_fail),
-    ("7", "the same on llama: llama-bf16 collapses where llama-fp32 does not, and llama-bf16-guard prevents it "
-          "within LOSS_TOL of always-on QK-norm",
-     ["llama-bf16", "llama-fp32", "llama-bf16-guard", "llama-bf16-qknorm-always"],
+    ("7", "the same on llama: llama-bf16 collapses where llama-fp32 does not, llama-bf16-guard prevents it within "
+          "LOSS_TOL of always-on QK-norm, and llama-fp32-guard stays dormant",
+     ["llama-bf16", "llama-fp32", "llama-bf16-guard", "llama-bf16-qknorm-always", "llama-fp32-guard"],
      lambda c: joined(collapses_vs_not(c, "llama-bf16", "llama-fp32"),
-                      guard_prevents(c, "llama-bf16", "llama-bf16-guard", "llama-bf16-qknorm-always"))),
+                      guard_prevents(c, "llama-bf16", "llama-bf16-guard", "llama-bf16-qknorm-always"),
+                      guard_is_dormant(c, "llama-fp32", "llama-fp32-guard"))),
 ]
 
 
 def verdicts(groups):
     """One row per rule: [claim, verdict, what was measured]. A rule with an arm that has no run folder at all is
     "not run" (a dose-grid rule: when no arm of its grid has one); otherwise it is judged, every missing or
-    unfinished run counted against it."""
+    unfinished run counted against it, and "inconclusive" where it fails with too few seeds for any sign test to
+    reach p < ALPHA (4 or fewer)."""
     rows = []
     for claim, text, arm_list, rule in RULES:
         arms = arm_list(groups) if callable(arm_list) else arm_list
@@ -368,8 +373,15 @@ def verdicts(groups):
             rows.append([claim, "not run", f"{title}\nno runs of {', '.join(missing[:3])}"
                                            f"{f' and {len(missing) - 3} more arms' if len(missing) > 3 else ''}"])
             continue
-        holds, lines = rule(Claim(groups, arms))
-        rows.append([claim, "reproduced" if holds else "not reproduced", "\n".join([title] + lines)])
+        c = Claim(groups, arms)
+        holds, lines = rule(c)
+        verdict = "reproduced" if holds else "not reproduced"
+        if not holds and binom_tail(len(c.seeds), len(c.seeds)) >= ALPHA:
+            # no sign test over so few seeds can reach p < ALPHA: a failed rule says nothing against the claim
+            verdict = "inconclusive"
+            lines.append(f"{len(c.seeds)} seeds: even all of them one way give p = "
+                         f"{binom_tail(len(c.seeds), len(c.seeds)):.3g} >= {ALPHA}; run at least 5 (sweep.py --seeds)")
+        rows.append([claim, verdict, "\n".join([title] + lines)])
     return rows
 
 

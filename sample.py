@@ -15,6 +15,7 @@ import torch
 
 import config
 import model as model_lib
+import prepare_data
 import runtime
 from guard import QKGuard
 
@@ -42,7 +43,7 @@ def main(argv=None):
                     softcap=run.softcap_value)
     guard.load_state_dict(state["guard"], model)     # a fired guard's attention-side action stays on
     model.eval()
-    enc = tiktoken.get_encoding("r50k_base")
+    enc = tiktoken.get_encoding(prepare_data.TOKENIZER)
     idx = torch.tensor([enc.encode(args.prompt, allowed_special={"<|endoftext|>"})] * args.num_samples, device=device)
     torch.manual_seed(args.seed)
     with torch.autocast(device.type, dtype=torch.bfloat16) if device.type == "cuda" else torch.no_grad():

@@ -254,7 +254,7 @@ def test_safemax_beta_is_honoured_alike_by_both_implementations(seed):
 def prior_work_bf16(q, k, v, do, n, safemax=False):
     """Qiu & Yao's flash attention as their pure-PyTorch code computes it: every tensor bf16, so every op rounds
     once (a bf16 matmul accumulates in fp32 and rounds its result), tiles of n queries by n keys, forward and
-    backward; written here from their description, op by op, for this test. Tiles wholly above the diagonal are
+    backward; written for this test, op by op, from the algorithm their code runs. Tiles wholly above the diagonal are
     skipped: in theirs they add nothing (their safe-max also shifts a negative running max to 0 there, a quirk
     this test avoids with positive maxima)."""
     B, H, T, D = q.shape

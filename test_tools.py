@@ -227,7 +227,9 @@ RULE2 = {"bf16": arm(7, COLLAPSE), "bf16-guard": arm(8, TRIG), "bf16-qknorm-alwa
           "not reproduced", id="guard collapses in one seed"),
     param({"bf16-guard": arm(8, TRIG, {1: {"trigger": 12}})}, "not reproduced", id="trigger after the collapse"),
     param({"bf16-guard": arm(8, TRIG, {1: {"trigger": 10}})}, "not reproduced", id="trigger at the collapse step"),
-    param({"bf16-guard": arm(8, TRIG, {1: {"trigger": 9}})}, "reproduced", id="trigger one step before"),
+    param({"bf16-guard": arm(8, TRIG, {1: {"trigger": 8}})}, "reproduced", id="the action starts a step before"),
+    param({"bf16-guard": arm(8, TRIG, {1: {"trigger": 9}})}, "not reproduced",
+          id="the action starts at the collapse step"),
     param({"bf16-guard": arm(8, TRIG, {1: OK})}, "not reproduced", id="never triggers in one seed"),
     param({"bf16-guard": arm(8, TRIG, {8: OK})}, "reproduced", id="no trigger where bf16 did not collapse"),
     param({"bf16-guard": arm(8, TRIG, {3: {**TRIG, "val": 2.9 + TOL + 0.01}})}, "not reproduced",
@@ -249,7 +251,7 @@ def test_rule_2(tmp_path, changes, expected):
 
 def test_rule_2_text(tmp_path):
     text = rows(tmp_path, {**RULE2, "bf16-guard": arm(8, TRIG, {1: {"trigger": 12}, 8: {**TRIG, "val": 2.95}})})["2"][2]
-    assert "trigger lead over the unguarded collapse (seed steps): seed1 -2, seed2 5, " in text
+    assert "steps from the guard's action to the unguarded collapse, by seed: seed1 -3, seed2 4, " in text
     assert "largest gap to bf16-qknorm-always: train 0.000, val 0.050 nat (tolerance 0.03)" in text
     text = rows(tmp_path / "b", {**RULE2, "bf16-qknorm-always": arm(0, OK, {8: UNFINISHED})})["2"][2]
     assert "train inf, val inf" in text
@@ -451,11 +453,22 @@ def test_rule_6_comparison_arms_are_reported_not_judged(tmp_path):
     assert "bf16-guard-fp32-accum" not in row[2]
 
 
+def test_too_few_seeds_give_inconclusive_not_a_refutation(tmp_path):
+    # 4 seeds all one way: p = 1/16 > 0.05, so the rule cannot hold and says so; 5 seeds can (1/32)
+    four = {"bf16": [COLLAPSE] * 4, "fp32": [OK] * 4, "bf16-safemax": [OK] * 4}
+    row = rows(tmp_path / "four", four)["1"]
+    assert row[1] == "inconclusive" and "4 seeds: even all of them one way give p = 0.0625" in row[2]
+    assert judge(tmp_path / "five", "1", {k: v + [v[0]] for k, v in four.items()}) == "reproduced"
+    # with 5 or more seeds a failed rule is a refutation
+    assert judge(tmp_path / "against", "1", {"bf16": [OK] * 5, "fp32": [OK] * 5, "bf16-safemax": [OK] * 5}) == \
+        "not reproduced"
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Rule 7: rules 1 and 2 on the llama arms
 
 RULE7 = {"llama-bf16": arm(6, COLLAPSE), "llama-fp32": arm(0, OK), "llama-bf16-guard": arm(8, TRIG),
-         "llama-bf16-qknorm-always": arm(0, OK)}
+         "llama-bf16-qknorm-always": arm(0, OK), "llama-fp32-guard": arm(0, OK)}
 
 
 @pytest.mark.parametrize("changes, expected", [
@@ -466,6 +479,8 @@ RULE7 = {"llama-bf16": arm(6, COLLAPSE), "llama-fp32": arm(0, OK), "llama-bf16-g
     param({"llama-bf16-guard": arm(8, TRIG, {8: {**TRIG, "val": 2.9 + TOL + 0.01}})}, "not reproduced",
           id="a val gap past LOSS_TOL"),
     param({"llama-bf16-qknorm-always": []}, "not run", id="no reference runs"),
+    param({"llama-fp32-guard": arm(1, TRIG)}, "not reproduced", id="the guard fires on healthy llama"),
+    param({"llama-fp32-guard": []}, "not run", id="no dormancy runs"),
 ])
 def test_rule_7(tmp_path, changes, expected):
     assert judge(tmp_path, "7", {**RULE7, **changes}) == expected
@@ -514,7 +529,7 @@ def test_build_text_has_every_rule_and_the_dose_table(tmp_path):
     groups = write_arms(tmp_path, {**RULE1, inject("delta", 0.03): [RUNAWAY]})
     text = report.build(groups, str(tmp_path), markdown=False)
     for rule, words, _, _ in report.RULES:
-        assert re.search(rf"^{re.escape(rule)} +(reproduced|not reproduced|not run) ", text, re.M), rule
+        assert re.search(rf"^{re.escape(rule)} +(reproduced|not reproduced|inconclusive|not run) ", text, re.M), rule
         assert f"{rule}. {words}." in text
     assert re.search(r"^1 +reproduced ", text, re.M) and re.search(r"^2 +not run ", text, re.M)
     assert "== Dose-response (claims 3 and 4)" in text and "dose 0.01  dose 0.03  dose 0.1  dose 0.3" in text
@@ -743,8 +758,9 @@ def test_sweep_and_report_end_to_end(tmp_path, data_dir):
     for name in arms:
         assert f"== {name} ==" in rep.stdout and f"{name}: 0/1 collapsed" in rep.stdout
     # nothing collapsed: judged (all its arms ran), and not reproduced
-    assert re.search(r"^1 +not reproduced ", rep.stdout, re.M), rep.stdout
-    assert "| 1 | not reproduced |" in (tmp_path / "R.md").read_text()
+    # one seed: judged (all its arms ran), and inconclusive (no sign test over 1 seed can reach p < 0.05)
+    assert re.search(r"^1 +inconclusive ", rep.stdout, re.M), rep.stdout
+    assert "| 1 | inconclusive |" in (tmp_path / "R.md").read_text()
 
 
 def test_every_arm_of_every_claim_runs_end_to_end_and_is_judged(tmp_path, data_dir):
@@ -767,7 +783,7 @@ def test_every_arm_of_every_claim_runs_end_to_end_and_is_judged(tmp_path, data_d
     assert "bf16-guard" in triggered and triggered <= {n for n in arms if "guard" in n}
     rows = report.verdicts(groups)
     assert [row[0] for row in rows] == [rule[0] for rule in report.RULES]
-    assert all(verdict in ("reproduced", "not reproduced") for _, verdict, _ in rows), rows
+    assert all(verdict == "inconclusive" for _, verdict, _ in rows), rows     # one seed: judged, not decided
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -55,7 +55,7 @@ def main(argv=None):
     # -------------------------------------------------------------------------------- model, optimizer, watchers
     torch.manual_seed(args.seed)                 # the same initial weights on every rank
     model = model_lib.GPT(config.model_config(args)).to(device)
-    check_attention_settings(model, device, args)
+    check_attention_settings(model, device, args, use_bf16)
     torch.manual_seed(args.seed + dist.rank)     # dropout masks differ per rank
     optimizer = model.configure_optimizer(args.lr, args.weight_decay, (args.beta1, args.beta2))
     monitor = SpectralMonitor(model, seed=args.seed)
@@ -73,8 +73,8 @@ def main(argv=None):
     else:
         step, interval, monitor_max_logit = restore(state, parts, windows, dist, args)
     saved_step = step                            # nothing to save before the first update
-    train_model = torch.compile(model) if args.compile else model
-    if dist.world > 1:
+    eval_model = train_model = torch.compile(model) if args.compile else model
+    if dist.world > 1:   # (evaluation skips DDP: a rank with no eval batch must not owe it a collective)
         train_model = torch.nn.parallel.DistributedDataParallel(
             train_model, device_ids=[device.index] if device.type == "cuda" else None)
 
@@ -82,14 +82,14 @@ def main(argv=None):
 
     def evaluate():
         """Mean validation loss over the same eval_iters batches every time, split over the ranks."""
-        train_model.eval()
+        eval_model.eval()
         total = torch.zeros(2, device=device)
         with torch.no_grad():
             for i in range(dist.rank, args.eval_iters, dist.world):
                 with autocast():
-                    loss = train_model(*get_batch("val", 0, i))[1]
+                    loss = eval_model(*get_batch("val", 0, i))[1]
                 total += torch.stack([loss.float(), torch.ones((), device=device)])
-        train_model.train()
+        eval_model.train()
         total = dist.all_reduce(total, "sum")
         val_loss = (total[0] / total[1]).item()
         log.write({"event": "eval", "step": step, "val_loss": val_loss}, f"step {step:6d} | val loss {val_loss:.4f}")
@@ -153,7 +153,9 @@ def main(argv=None):
             interval = accumulate(interval, loss_sum, max_logit)
             step += 1
             if step % args.log_interval == 0 or step == args.max_steps:
-                monitor.measure(model, args.power_iters, kinds=NON_QK_KINDS)   # W_v, W_o, MLP: for the log only
+                # W_v, W_o, the MLP's: for the log only, so measured here, with the iterations the steps since
+                # the last record would have had (a power iteration left behind understates a growing sigma)
+                monitor.measure(model, args.power_iters * args.log_interval, kinds=NON_QK_KINDS)
                 record = log_record(step, lr, grad_norm, interval, time.time() - interval_start, args, dist,
                                     monitor, guard, injector, probe_stats)
                 log.write(record, console_line(record))
@@ -269,10 +271,10 @@ def make_injector(args, model, get_batch, autocast):
     return injector.attach(model)
 
 
-def check_attention_settings(model, device, args):
+def check_attention_settings(model, device, args, use_bf16):
     """Fail before training, in the kernel's own words, on a setting it cannot run (a head dim, an impl)."""
     attn = model.attentions[0]
-    dtype = torch.bfloat16 if device.type == "cuda" or attn.attn_dtype is not None else torch.float32
+    dtype = torch.bfloat16 if use_bf16 or attn.attn_dtype is not None else torch.float32   # what q, k, v will be
     probe = torch.zeros(1, 1, 1, attn.head_dim, device=device, dtype=dtype)
     softcap = args.softcap_value if args.guard == "on" and args.guard_action == "softcap" else attn.softcap
     try:
