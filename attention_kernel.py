@@ -298,8 +298,8 @@ def _fwd_block(q, K, V, start_n, offs_m, m_i, l_i, acc, top, stride_t, scale, so
     offs_d = tl.arange(0, HEAD_DIM)
     kT = _load_block(K + _rows(offs_n, stride_t)[None, :] + offs_d[:, None], offs_n[None, :] < T, CAUSAL_MASK)
     v = _load_block(V + _rows(offs_n, stride_t)[:, None] + offs_d[None, :], offs_n[:, None] < T, CAUSAL_MASK)
-    s, t = _logits(_dot(q, kT, tl.zeros([q.shape[0], BLOCK_N], tl.float32), DOT_FP32=DOT_FP32, IEEE=IEEE),
-                   scale, softcap, ROUND_LOGITS=ROUND_LOGITS, SOFTCAP=SOFTCAP)
+    s, t = _logits(_mm(q, kT, DOT_FP32=DOT_FP32, IEEE=IEEE), scale, softcap, ROUND_LOGITS=ROUND_LOGITS,
+                   SOFTCAP=SOFTCAP)
     if CAUSAL_MASK:   # for a valid row this also hides keys past T (key <= row < T)
         s = tl.where(offs_n[None, :] <= offs_m[:, None], s, float("-inf"))
 
@@ -317,7 +317,7 @@ def _fwd_block(q, K, V, start_n, offs_m, m_i, l_i, acc, top, stride_t, scale, so
         block_sum = tl.where(rm > float("-inf"), tl.maximum(block_sum, 1e-10), block_sum)
     l_i = _r_if(_r_if(l_i * alpha, ON=BF16_STATE) + block_sum, ON=BF16_STATE)
     if BF16_STATE or ROUND_PV:
-        pv = _dot(_cast(p, V), v, tl.zeros([q.shape[0], HEAD_DIM], tl.float32), DOT_FP32=DOT_FP32, IEEE=IEEE)
+        pv = _mm(_cast(p, V), v, DOT_FP32=DOT_FP32, IEEE=IEEE)
         acc = _r_if(_r_if(acc * alpha[:, None], ON=BF16_STATE) + _r_if(pv, ON=ROUND_PV), ON=BF16_STATE)
     else:            # a standard fp32-state kernel: P V accumulates straight into acc
         acc = _dot(_cast(p, V), v, acc * alpha[:, None], DOT_FP32=DOT_FP32, IEEE=IEEE)
@@ -423,8 +423,8 @@ def _dkdv_block(k, v, dk, dv, Q, DO, LSE, DELTA, start_m, offs_n, stride_t, scal
     do = tl.load(DO + _rows(offs_m, stride_t)[:, None] + offs_d[None, :], mask=row_ok[:, None], other=0.0)
     lse = tl.load(LSE + offs_m, mask=row_ok, other=float("inf"))   # rows past T: p = 0, no contribution
     delta = tl.load(DELTA + offs_m, mask=row_ok, other=0.0)
-    sT, tT = _logits(_dot(k, qT, tl.zeros([k.shape[0], BLOCK_M], tl.float32), DOT_FP32=DOT_FP32, IEEE=IEEE),
-                     scale, softcap, ROUND_LOGITS=ROUND_LOGITS, SOFTCAP=SOFTCAP)
+    sT, tT = _logits(_mm(k, qT, DOT_FP32=DOT_FP32, IEEE=IEEE), scale, softcap, ROUND_LOGITS=ROUND_LOGITS,
+                     SOFTCAP=SOFTCAP)
     if CAUSAL_MASK:
         sT = tl.where(offs_n[:, None] <= offs_m[None, :], sT, float("-inf"))
     pT = _r_if(tl.exp(_r_if(sT - lse[None, :], ON=BWD_BF16)), ON=BWD_BF16)
@@ -484,8 +484,8 @@ def _dq_block(q, do, lse, delta, dq, K, V, start_n, offs_m, stride_t, scale, sof
     kT_offs = _rows(offs_n, stride_t)[None, :] + offs_d[:, None]
     kT = _load_block(K + kT_offs, offs_n[None, :] < T, CAUSAL_MASK)
     vT = _load_block(V + kT_offs, offs_n[None, :] < T, CAUSAL_MASK)
-    s, t = _logits(_dot(q, kT, tl.zeros([q.shape[0], BLOCK_N], tl.float32), DOT_FP32=DOT_FP32, IEEE=IEEE),
-                   scale, softcap, ROUND_LOGITS=ROUND_LOGITS, SOFTCAP=SOFTCAP)
+    s, t = _logits(_mm(q, kT, DOT_FP32=DOT_FP32, IEEE=IEEE), scale, softcap, ROUND_LOGITS=ROUND_LOGITS,
+                   SOFTCAP=SOFTCAP)
     if CAUSAL_MASK:
         s = tl.where(offs_n[None, :] <= offs_m[:, None], s, float("-inf"))
     p = _r_if(tl.exp(_r_if(s - lse[:, None], ON=BWD_BF16)), ON=BWD_BF16)
@@ -535,14 +535,9 @@ def _attn_bwd_dq(Q, K, V, DO, LSE, DELTA, DQ, stride_b, stride_h, stride_t, H, T
 # that no kernel spills registers (`python bench.py --only resources` prints registers, spills and shared memory;
 # `python bench.py --only tune` times other configurations on a GPU).
 
-def _rounds_per_block(accum, rounding):
-    """Whether the forward rounds something once per key block (the state, or the separate P V product)."""
-    return accum != "fp32" or "pv" in rounding
-
-
 def _fwd_config(D, dtype, block_n, accum, rounding=()):
     es = torch.empty((), dtype=dtype).element_size()
-    rounded = _rounds_per_block(accum, rounding)
+    rounded = accum != "fp32" or "pv" in rounding   # something is rounded once per key block
     if not block_n:   # a standard fp32-state kernel: a speed choice; else part of the fault's definition
         block_n = BF16_STATE_BLOCK_N if rounded else (32 if es == 4 else 64)
     if es == 4:
