@@ -20,12 +20,12 @@ import math
 import torch
 
 from attention_kernel import ACCUM_MODES, attention
+from guard import weight_matrices
 from model import apply_rotary
 
 INJECT_SITES = ("none", "attn-out", "mlp-in", "mlp-out", "residual", "delta", "grad-wv", "grad-mlp")
 ACTIVATION_SITES = ("attn-out", "mlp-in", "mlp-out", "residual")   # forward: the error changes the model
 GRAD_SITES = ("grad-wv", "grad-mlp")
-BACKWARD_SITES = ("delta",) + GRAD_SITES                           # the gradient is wrong, the model is not
 PROBE_MODES = ("off", "qk-topk", "qk-fixed", "v-topk", "mlp-topk", "equal-energy")
 
 
@@ -84,6 +84,9 @@ class ErrorInjector:
         self._err_sq, self._sig_sq, self._amplitudes = 0.0, 0.0, {}
         if self.site == "delta":
             self._set_delta_errors()
+            if self.enabled:   # exact by construction: |amplitude| * rms(O) * (unit-rms direction)
+                amp = torch.stack([self.amplitude(layer, "cpu") for layer in self.layers])
+                self._track(amp.pow(2).sum(), amp.numel())
 
     def direction(self, layer, shape, device):
         """The fixed direction of a layer, unit rms in each of the n_head row groups of dim 0. Seeded by
@@ -144,22 +147,21 @@ class ErrorInjector:
             on = self.enabled and layer in self.layers
             attn.delta_error = (self.amplitude(layer, attn.q_proj.weight.device)[:, None] * self.direction(
                 layer, (self.n_head, self.head_dim), attn.q_proj.weight.device)) if on else None
-        if self.enabled:   # exact by construction: |amplitude| * rms(O) * (unit-rms direction)
-            amp = torch.stack([self.amplitude(layer, "cpu") for layer in self.layers])
-            self._track(amp.pow(2).sum(), amp.numel())
 
     @contextlib.contextmanager
     def paused(self):
         """No error inside the block (the fault-free passes of clean-grad and of measure_fault)."""
         self.enabled = False
         if self.site == "delta":
+            errors = [attn.delta_error for attn in self.attentions]
             self._set_delta_errors()
         try:
             yield
         finally:
             self.enabled = True
             if self.site == "delta":
-                self._set_delta_errors()
+                for attn, error in zip(self.attentions, errors):
+                    attn.delta_error = error
 
     def inject_grads(self, model):
         """Gradient sites: call after backward, before clipping. Head h's rows of v_proj.weight.grad (grad-wv),
@@ -305,11 +307,12 @@ class Probe:
         self.mode, self.k, self.seed = mode, k, seed
         self.rng = torch.Generator().manual_seed(seed)
         self.saved = []   # per weight: (layer, name, weight, its value before the step, U, V)
+        self.fixed = {}   # qk-fixed: weight index -> its (U, V), drawn once
 
     def _weights(self, model):
         names = {"v-topk": ("v",), "mlp-topk": ("mlp_in",)}.get(self.mode, ("q", "k"))
-        return [(i, name, block.mlp.up_proj.weight if name == "mlp_in" else getattr(block.attn, name + "_proj").weight)
-                for i, block in enumerate(model.blocks) for name in names]
+        weights = weight_matrices(model)
+        return [(i, name, weights[name][i]) for i in range(len(model.blocks)) for name in names]
 
     def _fixed_basis(self, w, index):
         """qk-fixed: the same random (U, V) for weight `index` at every step, from (seed, index) alone."""
@@ -323,7 +326,9 @@ class Probe:
         self.saved = []
         for index, (i, name, w) in enumerate(self._weights(model)):
             if self.mode == "qk-fixed":
-                U, V = self._fixed_basis(w, index)
+                if index not in self.fixed:
+                    self.fixed[index] = self._fixed_basis(w, index)
+                U, V = self.fixed[index]
             else:
                 U, _, Vh = torch.linalg.svd(w.float(), full_matrices=False)
                 U, V = U[:, :self.k], Vh[:self.k].T
@@ -344,7 +349,7 @@ class Probe:
     def after_step(self, model):
         """Apply the projection; return per-layer norms for the log: {q,k}_update (||dW||), {q,k}_removed (||R||)
         and {q,k}_target (what qk-topk removes: equal to _removed unless the control fell short)."""
-        log = {}
+        norms = {}
         for i, name, w, w_before, U, V in self.saved if self.mode != "off" else []:
             dW = w.float() - w_before.float()
             kept = dW - U @ (U.T @ dW)
@@ -353,15 +358,15 @@ class Probe:
             removed = self._equal_energy(dW, U, V, target) if self.mode == "equal-energy" else dW - kept
             w.copy_((w_before.float() + dW - removed).to(w.dtype))
             for key, value in (("update", dW.norm()), ("removed", removed.norm()), ("target", target)):
-                log.setdefault(f"{name}_{key}", []).append(value.item())
+                norms.setdefault(f"{name}_{key}", []).append(value)
         self.saved = []
-        return log
+        return {key: torch.stack(values).tolist() for key, values in norms.items()}   # one host sync
 
     def state_dict(self):
         return {"mode": self.mode, "k": self.k, "rng": self.rng.get_state()}   # qk-fixed's bases: from the seed
 
     def load_state_dict(self, state):
-        self.mode, self.k = state["mode"], state["k"]
+        self.mode, self.k, self.fixed = state["mode"], state["k"], {}
         self.rng.set_state(state["rng"])
 
 

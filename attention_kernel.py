@@ -535,7 +535,7 @@ def _attn_bwd_dq(Q, K, V, DO, LSE, DELTA, DQ, stride_b, stride_h, stride_t, H, T
 # that no kernel spills registers (`python bench.py --only resources` prints registers, spills and shared memory;
 # `python bench.py --only tune` times other configurations on a GPU).
 
-def _fwd_config(D, dtype, block_n, accum, rounding=()):
+def _fwd_config(D, dtype, block_n, accum, rounding):
     es = torch.empty((), dtype=dtype).element_size()
     rounded = accum != "fp32" or "pv" in rounding   # something is rounded once per key block
     if not block_n:   # a standard fp32-state kernel: a speed choice; else part of the fault's definition
@@ -568,9 +568,14 @@ def _bwd_configs(D, dtype, rounding=()):
 
 
 def _flags(accum, rounding, q):
-    """The constexpr switches of a call: the rounding sources, and how this machine runs dots."""
-    return dict(BF16_STATE=accum != "fp32", ROUND_LOGITS="logits" in rounding, ROUND_PV="pv" in rounding,
-                BWD_BF16="backward" in rounding, DOT_FP32=_INTERPRET, IEEE=q.dtype == torch.float32 or _INTERPRET)
+    """The forward kernel's constexpr switches: the rounding sources, and how this machine runs dots."""
+    return dict(BF16_STATE=accum != "fp32", ROUND_PV="pv" in rounding, **_bwd_flags(rounding, q))
+
+
+def _bwd_flags(rounding, q):
+    """The switches the backward kernels take too (the state's rounding is the forward's alone)."""
+    return dict(ROUND_LOGITS="logits" in rounding, BWD_BF16="backward" in rounding, DOT_FP32=_INTERPRET,
+                IEEE=q.dtype == torch.float32 or _INTERPRET)
 
 
 def _layout_args(x):
@@ -589,26 +594,21 @@ def _launch_fwd(config, q, k, v, o, lse, row_max, scale, softcap, accum, roundin
         num_warps=warps, num_stages=stages)
 
 
-def _bwd_flags(accum, rounding, q):
-    flags = _flags(accum, rounding, q)
-    return {key: flags[key] for key in ("ROUND_LOGITS", "BWD_BF16", "DOT_FP32", "IEEE")}
-
-
-def _launch_dkdv(config, q, k, v, do, lse, delta, dk, dv, scale, softcap, accum, rounding):
+def _launch_dkdv(config, q, k, v, do, lse, delta, dk, dv, scale, softcap, rounding):
     B, H, T, D = q.shape
     block_m, block_n, warps, stages = config
     _attn_bwd_dkdv[(triton.cdiv(T, block_n), B * H)](
         q, k, v, do, lse, delta, dk, dv, *_layout_args(q), T, scale, softcap, HEAD_DIM=D, BLOCK_M=block_m,
-        BLOCK_N=block_n, SOFTCAP=softcap > 0, **_bwd_flags(accum, rounding, q), num_warps=warps,
+        BLOCK_N=block_n, SOFTCAP=softcap > 0, **_bwd_flags(rounding, q), num_warps=warps,
         num_stages=stages)
 
 
-def _launch_dq(config, q, k, v, do, lse, delta, dq, scale, softcap, accum, rounding):
+def _launch_dq(config, q, k, v, do, lse, delta, dq, scale, softcap, rounding):
     B, H, T, D = q.shape
     block_m, block_n, warps, stages = config
     _attn_bwd_dq[(triton.cdiv(T, block_m), B * H)](
         q, k, v, do, lse, delta, dq, *_layout_args(q), T, scale, softcap, HEAD_DIM=D, BLOCK_M=block_m,
-        BLOCK_N=block_n, SOFTCAP=softcap > 0, **_bwd_flags(accum, rounding, q), num_warps=warps,
+        BLOCK_N=block_n, SOFTCAP=softcap > 0, **_bwd_flags(rounding, q), num_warps=warps,
         num_stages=stages)
 
 
@@ -622,7 +622,7 @@ def _fwd_triton(q, k, v, o, scale, softcap, accum, rounding, beta, block_n):
     return lse, row_max
 
 
-def _bwd_delta(o, do, rounding=()):
+def _bwd_delta(o, do, rounding):
     B, H, T, D = o.shape
     delta = _new((B, H, T), torch.float32, o.device)
     _attn_bwd_delta[(triton.cdiv(T, 64), B * H)](o, do, delta, *_layout_args(o), T, HEAD_DIM=D, BLOCK_M=64,
@@ -630,12 +630,12 @@ def _bwd_delta(o, do, rounding=()):
     return delta
 
 
-def _bwd_triton(do, q, k, v, o, lse, dq, dk, dv, scale, softcap, accum, rounding):
+def _bwd_triton(do, q, k, v, o, lse, dq, dk, dv, scale, softcap, rounding):
     """Writes dq, dk, dv; every (B, H, T, D) tensor here shares q's layout."""
     delta = _bwd_delta(o, do, rounding)
     dkdv_config, dq_config = _bwd_configs(q.shape[3], q.dtype, rounding)
-    _launch_dkdv(dkdv_config, q, k, v, do, lse, delta, dk, dv, scale, softcap, accum, rounding)
-    _launch_dq(dq_config, q, k, v, do, lse, delta, dq, scale, softcap, accum, rounding)
+    _launch_dkdv(dkdv_config, q, k, v, do, lse, delta, dk, dv, scale, softcap, rounding)
+    _launch_dq(dq_config, q, k, v, do, lse, delta, dq, scale, softcap, rounding)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -696,7 +696,7 @@ def _(q, k, v, delta_error, scale, softcap, accum, rounding, beta, impl, block_n
 
 @torch.library.custom_op("qkguard::attn_bwd", mutates_args=())
 def _attn_bwd_op(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
-                 lse: torch.Tensor, delta_error: Optional[torch.Tensor], scale: float, softcap: float, accum: str,
+                 lse: torch.Tensor, delta_error: Optional[torch.Tensor], scale: float, softcap: float,
                  rounding: str, impl: str, block_n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     dq, dk, dv = (_new_like(q) for _ in range(3))
     if delta_error is not None:
@@ -707,7 +707,7 @@ def _attn_bwd_op(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Te
     do, q, k, v, o = _in_layout(dq, do, q, k, v, o)
     sources = _sources(rounding)
     if impl == "triton":
-        _bwd_triton(do, q, k, v, o, lse, dq, dk, dv, scale, softcap, accum, sources)
+        _bwd_triton(do, q, k, v, o, lse, dq, dk, dv, scale, softcap, sources)
         return dq, dk, dv
     with _no_autocast(q):
         grads = _bwd_torch(do, q, k, v, o, lse, scale, softcap, sources, block_n or BF16_STATE_BLOCK_N)
@@ -715,7 +715,7 @@ def _attn_bwd_op(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Te
 
 
 @_attn_bwd_op.register_fake
-def _(do, q, k, v, o, lse, delta_error, scale, softcap, accum, rounding, impl, block_n):
+def _(do, q, k, v, o, lse, delta_error, scale, softcap, rounding, impl, block_n):
     return _new_like(q), _new_like(q), _new_like(q)
 
 
@@ -723,7 +723,7 @@ def _setup_context(ctx, inputs, output):
     q, k, v, delta_error, scale, softcap, accum, rounding, beta, impl, block_n = inputs
     o, lse, row_max = output
     ctx.save_for_backward(q, k, v, o, lse, delta_error)
-    ctx.args = (scale, softcap, accum, rounding, impl, block_n)
+    ctx.args = (scale, softcap, rounding, impl, block_n)
     ctx.mark_non_differentiable(lse, row_max)
 
 

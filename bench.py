@@ -39,7 +39,7 @@ import torch.nn.functional as F
 import triton
 
 import attention_kernel as ak
-from guard import QKGuard, SpectralMonitor
+from guard import QK_KINDS, QKGuard, SpectralMonitor
 from model import MODEL_SIZES, GPT, GPTConfig
 
 H200_BF16_PEAK = 989e12    # dense bf16 FLOP/s, the MFU denominator (SOURCES.md, speed anchors)
@@ -185,7 +185,7 @@ def build(args, attn_impl, max_logit):
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         if watch:                  # Trainer.watch with --monitor-interval 1
-            _, sigma_head = monitor.measure(model, kinds=("q", "k"))   # the other kinds: at log steps only
+            _, sigma_head = monitor.measure(model, kinds=QK_KINDS)   # the other kinds: at log steps only
             guard.observe_deferred(count[0], max_logit.float(), sigma_head, model)
             guard.after_optimizer_step(model, max_logit.float())
         count[0] += 1
@@ -397,7 +397,7 @@ def _kernel_launches(q, k, v, do, accum, rounding):
     delta = ak._bwd_delta(o, do, rounding)
     fwd = (ak._new_like(q), ak._new((B, H, T), torch.float32, q.device), ak._new((B, H, T), torch.float32, q.device))
     dkdv, dq = (ak._new_like(q), ak._new_like(q)), (ak._new_like(q),)
-    bwd = (scale, 0.0, accum, rounding)
+    bwd = (scale, 0.0, rounding)
     return {"fwd": (lambda c: ak._launch_fwd(c, q, k, v, *fwd, scale, 0.0, accum, rounding, 2.0), fwd),
             "dkdv": (lambda c: ak._launch_dkdv(c, q, k, v, do, lse, delta, *dkdv, *bwd), dkdv),
             "dq": (lambda c: ak._launch_dq(c, q, k, v, do, lse, delta, *dq, *bwd), dq)}

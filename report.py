@@ -20,7 +20,7 @@ import shlex
 import statistics
 import time
 
-from sweep import CLAIMS, COHERENCES, DOSES, SITES, inject_arm, read_log
+from sweep import CLAIMS, COHERENCES, DONE, DOSES, SITES, inject_arm, read_log
 
 # ---------------------------------------------------------------------------------------------------------------
 # The verdict rules' constants.
@@ -92,7 +92,7 @@ class Run:
         steps = [r for r in records if "event" not in r and "loss" in r]
         end = events[-1] if events and events[-1]["event"] == "end" else {}
         self.status = end.get("status") or ("in progress" if records else "empty log")
-        self.finished = self.status in ("completed", "collapsed")
+        self.finished = self.status in DONE
         self.steps, self.loss = [r["step"] for r in steps], [r["loss"] for r in steps]
         nan_if_none = lambda v: math.nan if v is None else v
         # per kind, the max over layers at each logged step
@@ -120,6 +120,10 @@ class Run:
         values = [v for v in self.sigmas[kind] if not math.isnan(v)]
         return max(values) / values[0] if values and values[0] > 0 else math.nan
 
+    def qk_and_other_growth(self):
+        """(growth of sigma(W_q or W_k), the most-grown other kind's: None where none was logged)."""
+        return max(self.growth("q"), self.growth("k")), finite_max([self.growth(k) for k in NON_QK_KINDS])
+
     def logit_after(self, step):
         return finite_max([v for s, v in zip(self.steps, self.logit) if s > step]) or 0.0
 
@@ -145,7 +149,7 @@ def ran_away(run): return run.collapsed or (run.max_logit or 0.0) >= RUNAWAY_LOG
 def qk_specific(run):
     """The runaway went through the QK channel: sigma(W_q or W_k) grew more than SIGMA_RATIO times as much as the
     most-grown other weight matrix. False where the other kinds were not logged."""
-    qk, other = max(run.growth("q"), run.growth("k")), finite_max([run.growth(k) for k in NON_QK_KINDS])
+    qk, other = run.qk_and_other_growth()
     return other is not None and not math.isnan(qk) and qk > SIGMA_RATIO * other
 
 
@@ -422,8 +426,8 @@ GROUP_HEADER = ["seed", "status", "collapse step", "max sigma(W_q)", "sigma grow
 
 def group_rows(runs):
     def growth(r):
-        others = finite_max([r.growth(k) for k in NON_QK_KINDS])
-        return f"{num(max(r.growth('q'), r.growth('k')), '.3g')} / {num(others, '.3g')}"
+        qk, others = r.qk_and_other_growth()
+        return f"{num(qk, '.3g')} / {num(others, '.3g')}"
     return [[r.seed, r.status, num(r.collapse_step), num(r.max_sigma, ".3g"), growth(r), num(r.max_logit, ".3g"),
              num(r.trigger), num(r.final_train, ".4f"), num(r.final_val, ".4f"),
              num(r.steps[-1] if r.steps else None)] for r in runs]

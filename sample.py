@@ -8,6 +8,7 @@ numerics and, if its guard fired, with the guard's action on (as the model was w
 Set TIKTOKEN_CACHE_DIR where the GPT-2 BPE cannot be downloaded (see README).
 """
 import argparse
+import contextlib
 import os
 
 import tiktoken
@@ -46,7 +47,7 @@ def main(argv=None):
     enc = tiktoken.get_encoding(prepare_data.TOKENIZER)
     idx = torch.tensor([enc.encode(args.prompt, allowed_special={"<|endoftext|>"})] * args.num_samples, device=device)
     torch.manual_seed(args.seed)
-    with torch.autocast(device.type, dtype=torch.bfloat16) if device.type == "cuda" else torch.no_grad():
+    with torch.autocast(device.type, dtype=torch.bfloat16) if device.type == "cuda" else contextlib.nullcontext():
         out = model.generate(idx, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k)
     what = f"step {state['step']}, accum {run.accum}, guard " + (
         f"fired at step {guard.trigger['step']} ({guard.action} on)" if guard.triggered else run.guard)
