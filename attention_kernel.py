@@ -26,6 +26,7 @@ calling attention() compiles with fullgraph=True):
     python bench.py --only check            # errors against the float64 reference on this device
     (speed: bench.py also times, tunes and compiles these kernels for a GPU)
 """
+import functools
 import math
 import os
 from typing import Optional
@@ -102,32 +103,51 @@ def _safemax_shift_torch(s, rm, beta):
     return torch.where(tied & (_r(shift) <= rm + SAFEMAX_MAX_SHIFT), shift, rm)
 
 
+def _causal_mask(rows, keys, device):
+    """For the block (rows, keys) of slices: (hidden, seen) = (0 / -inf, 1 / 0) where a row does / does not see
+    a key."""
+    return _causal_mask_of(rows.start, rows.stop, keys.start, keys.stop, device)
+
+
+@functools.lru_cache(maxsize=64)   # every layer of every step asks for the same few blocks; callers only read them
+def _causal_mask_of(row0, row1, key0, key1, device):
+    seen = (torch.arange(key0, key1, device=device)[None, :] <= torch.arange(row0, row1, device=device)[:, None])
+    return seen.float().log(), seen.float()   # log(1) = 0, log(0) = -inf
+
+
+def _exp_seen(x, seen, r=_keep):
+    """r(exp(x)) where the row sees the key, 0 where it does not: the same values as exp of a logit masked to -inf,
+    without taking exp of -inf (on a CPU, exp of an argument that underflows runs about 10x slower)."""
+    return r(torch.exp(x * seen)) * seen
+
+
 def _fwd_torch(q, k, v, scale, softcap, accum, rounding, beta, block_n):
     """Returns o (input dtype), lse and the row max logit (B, H, T) fp32."""
     B, H, T, D = q.shape
     state_bf16 = accum != "fp32"
     rs = _r if state_bf16 else _keep                  # the state's rounding points
     rpv = _r if "pv" in rounding else _keep           # the block product's own rounding
+    exact_p = state_bf16 and v.dtype == torch.bfloat16  # P already holds bf16 values: no cast before P V
     qf, kf, vf = q.float(), k.float(), v.float()
     m = torch.full((B, H, T), float("-inf"), device=q.device)       # running max (or safe-max shift)
     l = torch.zeros((B, H, T), device=q.device)                      # running sum of P
     acc = torch.zeros((B, H, T, D), device=q.device)                 # running sum of P V
     top = torch.full((B, H, T), float("-inf"), device=q.device)     # true max logit (never the shift)
-    pos = torch.arange(T, device=q.device)
     for j in range(0, T, block_n):
         keys, rows = slice(j, min(j + block_n, T)), slice(j, T)     # rows < j see none of these keys: a no-op
+        hidden, seen = _causal_mask(rows, keys, q.device)
         s, _ = _logits_torch(qf[:, :, rows] @ kf[:, :, keys].mT, scale, softcap, "logits" in rounding)
-        s = s.masked_fill(pos[keys][None, :] > pos[rows][:, None], float("-inf"))
-        rm = s.amax(-1)
+        s_seen = s + hidden                                          # the keys a row sees; -inf past it
+        rm = s_seen.amax(-1)
         top[..., rows] = torch.maximum(top[..., rows], rm)
-        shift = _safemax_shift_torch(s, rm, beta) if accum == "bf16-safemax" else rm
+        shift = _safemax_shift_torch(s_seen, rm, beta) if accum == "bf16-safemax" else rm
         m_old = m[..., rows]
         m_new = rs(torch.maximum(m_old, shift))
         alpha = rs(torch.exp(rs(m_old - m_new)))
-        p = rs(torch.exp(rs(s - m_new[..., None])))   # bf16 state: P is exactly 1 where a max repeats
+        p = _exp_seen(rs(s - m_new[..., None]), seen, rs)   # bf16 state: P is exactly 1 where a max repeats
         block_sum = _r(p.sum(-1)).clamp_min(1e-10) if state_bf16 else p.sum(-1)
         l[..., rows] = rs(rs(alpha * l[..., rows]) + block_sum)
-        pv = rpv(_as(p, v.dtype) @ vf[:, :, keys])
+        pv = rpv((p if exact_p else _as(p, v.dtype)) @ vf[:, :, keys])
         acc[..., rows, :] = rs(rs(acc[..., rows, :] * alpha[..., None]) + pv)
         m[..., rows] = m_new
     lse = _r(_r(torch.log(l)) + m) if "backward" in rounding else m + torch.log(l)
@@ -146,12 +166,10 @@ def _bwd_torch(do, q, k, v, o, lse, scale, softcap, rounding, block_n):
     delta = (dof * o.float()).sum(-1)
     dq = torch.zeros(qf.shape, device=q.device)
     dk, dv = _new(q.shape, dt, q.device), _new(q.shape, dt, q.device)   # written block by block: poisoned
-    pos = torch.arange(T, device=q.device)
     for j in range(0, T, block_n):
         keys, rows = slice(j, min(j + block_n, T)), slice(j, T)
         s, t = _logits_torch(qf[:, :, rows] @ kf[:, :, keys].mT, scale, softcap, "logits" in rounding)
-        s = s.masked_fill(pos[keys][None, :] > pos[rows][:, None], float("-inf"))
-        p = torch.exp(s - lse[..., rows, None])
+        p = _exp_seen(s - lse[..., rows, None], _causal_mask(rows, keys, q.device)[1])
         dv[:, :, keys] = (_as(p, dt).mT @ dof[:, :, rows]).to(dt)
         ds = p * (dof[:, :, rows] @ vf[:, :, keys].mT - delta[..., rows, None])
         if softcap > 0:
@@ -170,14 +188,12 @@ def _bwd_torch_bf16(do, q, k, v, o, lse, scale, softcap, rounding):
     qf, kf, vf, dof = q.float(), k.float(), v.float(), do.float()
     delta = _r(_r(dof * o.float()).sum(-1))
     dq, dk, dv = (torch.zeros(qf.shape, device=q.device) for _ in range(3))
-    pos = torch.arange(T, device=q.device)
     for j in range(0, T, n):
         keys = slice(j, min(j + n, T))
         for i in range(j, T, n):                     # the query blocks that see key block j, in order
             rows = slice(i, min(i + n, T))
             s, t = _logits_torch(qf[:, :, rows] @ kf[:, :, keys].mT, scale, softcap, "logits" in rounding)
-            s = s.masked_fill(pos[keys][None, :] > pos[rows][:, None], float("-inf"))
-            p = _r(torch.exp(_r(s - lse[..., rows, None])))
+            p = _exp_seen(_r(s - lse[..., rows, None]), _causal_mask(rows, keys, q.device)[1], _r)
             dv[:, :, keys] = _r(dv[:, :, keys] + _r(p.mT @ dof[:, :, rows]))
             ds = _r(_r(p * scale) * _r(_r(dof[:, :, rows] @ vf[:, :, keys].mT) - delta[..., rows, None]))
             if softcap > 0:

@@ -60,6 +60,22 @@ class Dist:
             torch.distributed.destroy_process_group()
 
 
+def tune_cpu_allocator():
+    """Keep freed memory in the process (glibc malloc) instead of returning it to the system after every op.
+    glibc serves blocks past its mmap threshold with fresh pages, so each large temporary costs page faults: the
+    PyTorch twin of the attention kernel ran 1.3x to 2x slower per layer for it on a CPU (MEASUREMENTS.md). The
+    allocator libraries that PyTorch's CPU guides recommend (jemalloc, tcmalloc) do the same by default."""
+    try:
+        import ctypes
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:   # not glibc (macOS, Windows, musl): nothing to tune
+        return
+    M_TRIM_THRESHOLD, M_TOP_PAD, M_MMAP_THRESHOLD = -1, -2, -3
+    libc.mallopt(M_MMAP_THRESHOLD, 1 << 30)
+    libc.mallopt(M_TRIM_THRESHOLD, 1 << 30)
+    libc.mallopt(M_TOP_PAD, 64 << 20)
+
+
 def device_name(flag, local_rank=0):
     """--device as a torch device name, or a one-line error saying what this machine has."""
     cuda = torch.cuda.is_available()
@@ -84,11 +100,12 @@ def ensure_data(args, dist):
     if os.path.exists(os.path.join(args.data_dir, "meta.json")):
         return
     if args.dataset not in ("pycode", "shakespeare"):
-        raise SystemExit(f"error: no prepared data in {args.data_dir} (meta.json missing): run "
-                         f"`python prepare_data.py --dataset {args.dataset} --out-dir {args.data_dir} ...` first")
+        raise SystemExit(f"error: no prepared data in {args.data_dir} (meta.json missing): run `python "
+                         f"prepare_data.py --dataset {args.dataset} --tokenizer {args.tokenizer} --out-dir "
+                         f"{args.data_dir} ...` first")
     if dist.local_rank == 0:
-        print(f"no data in {args.data_dir}: preparing the {args.dataset} dataset (once)")
-        prepare_data.prepare(dataset=args.dataset, out_dir=args.data_dir)
+        print(f"no data in {args.data_dir}: preparing the {args.dataset} dataset, {args.tokenizer} tokens (once)")
+        prepare_data.prepare(dataset=args.dataset, out_dir=args.data_dir, tokenizer=args.tokenizer)
     dist.barrier()
 
 
@@ -178,6 +195,7 @@ def start_run(args, typed):
     else:
         raise SystemExit(f"error: --resume: {args.out_dir} holds no run (no ckpt.pt, no config.json): start a new "
                          f"run without --resume")
+    saved = {"tokenizer": "gpt2", "vocab_size": 50304, **saved}   # runs from before the byte tokenizer: GPT-2's
     conflicts = [f"--{k.replace('_', '-')} {v} (saved: {saved.get(k)})" for k, v in typed.items()
                  if k not in RESUMABLE_CHANGES and k in saved and saved[k] != v
                  and not (k == "preset" and v == "auto")]
