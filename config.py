@@ -12,6 +12,7 @@ import os
 import time
 
 import model as model_lib
+import prepare_data
 from assay import INJECT_SITES, PROBE_MODES, check_assay_flags
 from attention_kernel import ACCUM_MODES, ROUNDING_SOURCES
 from guard import ACTIONS, DEFAULT_THRESHOLD, SCOPES, SIGNALS
@@ -20,20 +21,26 @@ from guard import ACTIONS, DEFAULT_THRESHOLD, SCOPES, SIGNALS
 PRESETS = {
     # The demo: the cpu model at a learning rate high enough that its attention logits run away within a few
     # minutes on a laptop (README, "What you will see"); `auto` picks it on a CPU.
-    "demo": dict(size="cpu", batch_size=8, grad_accum=1, max_steps=300, lr=3e-2, min_lr=3e-2, warmup_steps=20,
+    "demo": dict(size="cpu", tokenizer="byte", batch_size=8, grad_accum=1, max_steps=300, lr=3e-2, min_lr=3e-2, warmup_steps=20,
                  schedule="constant", log_interval=10, eval_interval=100, eval_iters=4, ckpt_interval=100),
-    "cpu": dict(size="cpu", batch_size=8, grad_accum=1, max_steps=100, lr=3e-3, min_lr=3e-4, warmup_steps=10,
+    "cpu": dict(size="cpu", tokenizer="byte", batch_size=8, grad_accum=1, max_steps=100, lr=3e-3, min_lr=3e-4, warmup_steps=10,
                 schedule="cosine", log_interval=10, eval_interval=50, eval_iters=4, ckpt_interval=50),
-    "assay": dict(size="assay", batch_size=32, grad_accum=1, max_steps=2000, lr=2e-3, min_lr=2e-3,
+    "assay": dict(size="assay", tokenizer="gpt2", batch_size=32, grad_accum=1, max_steps=2000, lr=2e-3, min_lr=2e-3,
                   warmup_steps=200, schedule="constant", log_interval=10, eval_interval=250, eval_iters=20,
                   ckpt_interval=500),
-    "gpt2": dict(size="gpt2", batch_size=16, grad_accum=32, max_steps=60000, lr=1e-3, min_lr=1e-4,
+    "gpt2": dict(size="gpt2", tokenizer="gpt2", batch_size=16, grad_accum=32, max_steps=60000, lr=1e-3, min_lr=1e-4,
                  warmup_steps=2000, schedule="cosine", log_interval=10, eval_interval=1000, eval_iters=50,
                  ckpt_interval=1000),
-    "gpt2-medium": dict(size="gpt2-medium", batch_size=8, grad_accum=64, max_steps=60000, lr=6e-4,
+    "gpt2-medium": dict(size="gpt2-medium", tokenizer="gpt2", batch_size=8, grad_accum=64, max_steps=60000, lr=6e-4,
                         min_lr=6e-5, warmup_steps=2000, schedule="cosine", log_interval=10, eval_interval=1000,
                         eval_iters=50, ckpt_interval=1000),
 }
+def padded_vocab(n):
+    """The model's vocabulary for a tokenizer of n tokens: padded to a multiple of 64 for faster matmuls (GPT-2's
+    50,257 -> 50,304, bytes' 257 -> 320); the padding rows are never targets."""
+    return 64 * math.ceil(n / 64)
+
+
 # Flags that may change when a run is resumed; any other difference from the saved run is an error.
 RESUMABLE_CHANGES = {"max_steps", "log_interval", "eval_interval", "eval_iters", "ckpt_interval", "compile",
                      "on_collapse", "resume", "device", "out_dir"}
@@ -102,9 +109,13 @@ def build_parser():
         group.add_argument(flag, default=None, help=help, **kw)
 
     g = p.add_argument_group("data")
-    add(g, "--dataset", "pycode", "dataset name; its files live in data/<dataset> (pycode: the Python sources of "
-        "this interpreter, prepared automatically; others: see prepare_data.py)")
-    add(g, "--data-dir", "", "folder holding train.bin, val.bin, meta.json (empty: data/<dataset> beside train.py)")
+    add(g, "--dataset", "pycode", "dataset name (pycode: the Python sources of this interpreter, prepared "
+        "automatically; others: see prepare_data.py)")
+    add(g, "--tokenizer", None, "byte (one token per byte: the CPU presets) or gpt2 (GPT-2's BPE: the GPU "
+        "presets); picks data/<dataset>-byte or data/<dataset>. The model's vocabulary follows the data's meta.json",
+        choices=list(prepare_data.TOKENIZERS))
+    add(g, "--data-dir", "", "folder holding train.bin, val.bin, meta.json (empty: data/<dataset> for gpt2, "
+        "data/<dataset>-byte for byte, beside train.py); its meta.json names the tokenizer")
 
     g = p.add_argument_group("model (sizes come from --preset unless given)")
     add(g, "--preset", "auto", "model size and training defaults (auto: demo on a CPU, assay on a GPU)",
@@ -259,7 +270,7 @@ def resolve(args, device, parser):
     for key, value in {**PRESETS[args.preset], **model_lib.MODEL_SIZES[PRESETS[args.preset]["size"]]}.items():
         if key != "size" and getattr(args, key) is None:
             setattr(args, key, value)
-    args.data_dir = args.data_dir or os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", args.dataset)
+    args.data_dir = args.data_dir or prepare_data.default_out_dir(args.dataset, args.tokenizer)
     args.decay_steps = args.decay_steps or args.max_steps
     args.out_dir = args.out_dir or os.path.join("runs", f"{time.strftime('%Y%m%d-%H%M%S')}-{args.accum}-guard-"
                                                         f"{args.guard}")
@@ -273,7 +284,7 @@ def resolve(args, device, parser):
 def model_config(args):
     """The model's configuration, from the flags."""
     return model_lib.GPTConfig(
-        arch=args.arch, n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd, block_size=args.block_size,
+        vocab_size=args.vocab_size, arch=args.arch, n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd, block_size=args.block_size,
         dropout=args.dropout, attn_impl=args.attn_impl, accum=args.accum, block_n=args.block_n,
         safemax_beta=args.safemax_beta, qk_norm=args.qknorm == "always" or args.qk_fix == "qknorm",
         softcap=args.softcap, attn_scale=args.attn_scale, attn_dtype=args.attn_dtype,

@@ -1,13 +1,18 @@
 """
-Tokenize a dataset into nanoGPT-style train.bin / val.bin (flat uint16 GPT-2 tokens) plus meta.json.
+Tokenize a dataset into nanoGPT-style train.bin / val.bin (flat uint16 tokens) plus meta.json.
 
-    python prepare_data.py                                   # pycode: this Python's own .py files, no network
+    python prepare_data.py                                   # pycode: this Python's own .py files, GPT-2 BPE
+    python prepare_data.py --tokenizer byte                  # the same files, one token per byte (a CPU's lab)
     python prepare_data.py --dataset text --input notes/ book.txt
     python prepare_data.py --dataset shakespeare             # downloads 1 MB
     python prepare_data.py --dataset owt                     # needs `pip install datasets`, network, ~55 GB
 
+Two tokenizers (--tokenizer): gpt2, GPT-2's BPE (50,257 tokens; the paper's setting, data/<dataset>), and byte,
+one token per byte of the file plus an end-of-text token (257 tokens; data/<dataset>-byte). The byte vocabulary
+is what makes a CPU lab fast: a model's output layer over GPT-2's vocabulary is most of a small model's step
+(MEASUREMENTS.md). meta.json names the tokenizer and its vocabulary; train.py sizes the model from it.
 Read a split like nanoGPT does: np.memmap("data/pycode/train.bin", dtype=np.uint16, mode="r").
-Every document (a source file; for shakespeare each of the two parts) is followed by <|endoftext|>.
+Every document (a source file; for shakespeare each of the two parts) is followed by the end-of-text token.
 A dataset folder is complete iff its meta.json exists: the .bin files and meta.json are written under
 temporary names, fsynced and renamed into place, meta.json last. Re-running on unchanged sources and options
 does no work ("up to date"); --force rebuilds.
@@ -41,13 +46,14 @@ except ImportError:  # Windows: no lock
 DATASETS = ("pycode", "text", "owt", "shakespeare")
 VAL_FRACTION = {"pycode": 0.01, "text": 0.01, "owt": 0.0005, "shakespeare": 0.1}  # nanoGPT's for owt/shakespeare
 TEXT_GLOB = "**/*.txt"      # files taken from an --input folder (dataset "text"); files named directly always count
-TOKENIZER = "r50k_base"     # GPT-2's BPE; get_encoding("gpt2") needs two more files, so does not load offline
+TOKENIZERS = ("gpt2", "byte")
+GPT2_ENCODING = "r50k_base" # GPT-2's BPE; get_encoding("gpt2") needs two more files, so does not load offline
 SPLITS = ("train", "val")
 CHUNK_BYTES = 8 << 20       # text per encode_ordinary_batch call: token lists cost ~10x the text in memory
 PROGRESS_SECONDS = 2.0
 SHAKESPEARE_URL = "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"
 OWT_NAME = "openwebtext"
-FORMAT = 1                  # bump when the output changes: old fingerprints then no longer match
+FORMAT = 2                  # bump when the output changes: old fingerprints then no longer match (2: tokenizers)
 REPO_DIR = os.path.dirname(os.path.abspath(__file__))
 # -----------------------------------------------------------------------------
 
@@ -55,6 +61,58 @@ REPO_DIR = os.path.dirname(os.path.abspath(__file__))
 class DataError(SystemExit):
     """Bad input or a missing requirement. A SystemExit, so it ends the program with its message and no
     traceback, whether it came from the command line or from train.py calling prepare()."""
+
+
+# -----------------------------------------------------------------------------
+# The two tokenizers: documents (bytes or str) to token arrays, and tokens back to text (sample.py).
+
+class ByteTokenizer:
+    """One token per byte (0..255) and an end-of-text token, 256: every file comes back byte for byte, UTF-8 or
+    not. (A source file holds no NUL byte, or it is skipped as binary, so nothing else could be confused.)"""
+    name, n_vocab, eot_token = "byte", 257, 256
+
+    def encode_batch(self, docs, workers=1):
+        return [np.frombuffer(d.encode() if isinstance(d, str) else d, np.uint8) for d in docs]
+
+    def encode(self, text):
+        return list(text.encode())
+
+    def decode(self, tokens):
+        return bytes(t for t in tokens if t < 256).decode("utf-8", errors="replace")
+
+
+class GPT2Tokenizer:
+    """GPT-2's BPE through tiktoken. Undecodable bytes become U+FFFD rather than losing the whole file, and
+    "<|endoftext|>" written inside a document is plain text, not the special token."""
+    name = "gpt2"
+
+    def __init__(self):
+        self.enc = tiktoken.get_encoding(GPT2_ENCODING)
+        self.n_vocab, self.eot_token = self.enc.n_vocab, self.enc.eot_token
+
+    def encode_batch(self, docs, workers=1):
+        texts = [d if isinstance(d, str) else d.decode("utf-8", errors="replace") for d in docs]
+        return self.enc.encode_ordinary_batch(texts, num_threads=workers)
+
+    def encode(self, text):
+        return self.enc.encode(text, allowed_special={"<|endoftext|>"})
+
+    def decode(self, tokens):
+        return self.enc.decode([t for t in tokens if t < self.n_vocab])
+
+
+def get_tokenizer(name):
+    """The tokenizer a meta.json names ('r50k_base' is how datasets before the byte tokenizer named GPT-2's)."""
+    if name == "byte":
+        return ByteTokenizer()
+    if name in ("gpt2", GPT2_ENCODING):
+        return GPT2Tokenizer()
+    raise DataError(f"unknown tokenizer {name!r}: choose one of {', '.join(TOKENIZERS)}")
+
+
+def default_out_dir(dataset, tokenizer="gpt2"):
+    """data/<dataset> for GPT-2's BPE, data/<dataset>-byte for bytes, next to this file."""
+    return os.path.join(REPO_DIR, "data", dataset if tokenizer == "gpt2" else f"{dataset}-{tokenizer}")
 
 
 def split_of(rel_path, val_fraction):
@@ -106,8 +164,9 @@ def _stat(path, rel):
 
 
 def fingerprint(dataset, options, sources):
-    """Cheap identity of a build: options, tokenizer and each source's path, size and mtime (no reading)."""
-    h = hashlib.sha256(json.dumps([FORMAT, TOKENIZER, dataset, options], sort_keys=True).encode())
+    """Cheap identity of a build: options (the tokenizer among them) and each source's path, size and mtime (no
+    reading)."""
+    h = hashlib.sha256(json.dumps([FORMAT, dataset, options], sort_keys=True).encode())
     for s in sources:
         h.update(f"{s['path']}\0{s['size']}\0{s['mtime_ns']}\n".encode())
     return h.hexdigest()[:32]
@@ -134,8 +193,8 @@ def _up_to_date(out_dir, meta, fp):
 
 
 def _file_docs(sources, val_fraction, records, skipped, by_position=False):
-    """Yield (split, text, nbytes) per source file, recording its hash; by_position: first 1-val_fraction of
-    the text to train, the rest to val (nanoGPT's shakespeare) instead of whole files by path."""
+    """Yield (split, bytes, nbytes) per source file, recording its hash; by_position: the first 1-val_fraction
+    of the file to train, the rest to val (nanoGPT's shakespeare) instead of whole files by path."""
     for s in sources:
         try:
             data = Path(s["path"]).read_bytes()
@@ -144,17 +203,16 @@ def _file_docs(sources, val_fraction, records, skipped, by_position=False):
         if data is None or b"\0" in data:  # unreadable, or binary rather than text: listed in meta.json
             skipped.append(s["path"])
             continue
-        # undecodable bytes become U+FFFD rather than losing the whole file
-        text = data.decode("utf-8", errors="replace")
         split = "train/val" if by_position else split_of(s["rel"], val_fraction)
         records.append({"path": s["path"], "rel": s["rel"], "bytes": len(data), "split": split,
                         "sha256": hashlib.sha256(data).hexdigest()})
-        if by_position:
-            cut = int(len(text) * (1 - val_fraction))
-            yield "train", text[:cut], len(text[:cut].encode())
-            yield "val", text[cut:], len(text[cut:].encode())
+        if by_position:   # cut at a character, so that GPT-2's BPE sees whole UTF-8 sequences on both sides
+            text = data.decode("utf-8", errors="replace")
+            cut = len(text[:int(len(text) * (1 - val_fraction))].encode())
+            yield "train", data[:cut], cut
+            yield "val", data[cut:], len(data) - cut
         else:
-            yield split, text, len(data)
+            yield split, data, len(data)
 
 
 def _owt_docs(val_fraction, workers, records):
@@ -217,7 +275,7 @@ def _write_tokens(f, tokens):
 
 
 def _tokenize(docs, files, enc, workers, total_docs=None):
-    """Encode documents in parallel batches, appending each one's tokens and <|endoftext|> to its split's file."""
+    """Encode documents in parallel batches, appending each one's tokens and end-of-text to its split's file."""
     counts, ndocs = dict.fromkeys(SPLITS, 0), dict.fromkeys(SPLITS, 0)
     eot, nbytes, t0 = [enc.eot_token], 0, time.time()
     last = t0
@@ -225,12 +283,11 @@ def _tokenize(docs, files, enc, workers, total_docs=None):
         pending = reader.submit(_take, docs, CHUNK_BYTES)
         while batch := pending.result():
             pending = reader.submit(_take, docs, CHUNK_BYTES)
-            # encode_ordinary: "<|endoftext|>" written inside a source file is plain text, not the special token
-            encoded = enc.encode_ordinary_batch([text for _, text, _ in batch], num_threads=workers)
+            encoded = enc.encode_batch([text for _, text, _ in batch], workers)
             for split in SPLITS:
                 parts = [p for (s, _, _), toks in zip(batch, encoded) if s == split for p in (toks, eot)]
                 n = sum(map(len, parts))
-                _write_tokens(files[split], np.fromiter(itertools.chain.from_iterable(parts), np.uint16, n))
+                _write_tokens(files[split], np.concatenate([np.asarray(p, np.uint16) for p in parts] or [[]]))
                 counts[split] += n
                 ndocs[split] += len(parts) // 2
             nbytes += sum(b for _, _, b in batch)
@@ -280,11 +337,13 @@ def _lock(out_dir):
 
 
 def prepare(dataset="pycode", out_dir=None, inputs=None, val_fraction=None, workers=None, force=False,
-            glob=TEXT_GLOB):
+            glob=TEXT_GLOB, tokenizer="gpt2"):
     """Build (or find up to date) the tokenized dataset; returns its folder. val_fraction None: the dataset's
-    default (VAL_FRACTION); out_dir None: data/<dataset> next to this file."""
+    default (VAL_FRACTION); out_dir None: default_out_dir(dataset, tokenizer)."""
     if dataset not in DATASETS:
         raise DataError(f"unknown dataset {dataset!r}; choose one of {', '.join(DATASETS)}")
+    if tokenizer not in TOKENIZERS:
+        raise DataError(f"unknown tokenizer {tokenizer!r}; choose one of {', '.join(TOKENIZERS)}")
     val_fraction = VAL_FRACTION[dataset] if val_fraction is None else val_fraction
     if not 0 < val_fraction < 1:
         raise DataError(f"--val-fraction must be between 0 and 1 (exclusive), got {val_fraction}")
@@ -293,15 +352,15 @@ def prepare(dataset="pycode", out_dir=None, inputs=None, val_fraction=None, work
     if dataset != "text" and inputs:
         raise DataError(f"--input is only used with --dataset text, not {dataset}")
     workers = max(1, workers or os.cpu_count() or 1)
-    out_dir = out_dir or os.path.join(REPO_DIR, "data", dataset)
+    out_dir = out_dir or default_out_dir(dataset, tokenizer)
     os.makedirs(out_dir, exist_ok=True)
     with _lock(out_dir):
-        return _build(dataset, out_dir, inputs, val_fraction, workers, force, glob)
+        return _build(dataset, out_dir, inputs, val_fraction, workers, force, glob, tokenizer)
 
 
-def _build(dataset, out_dir, inputs, val_fraction, workers, force, glob):
+def _build(dataset, out_dir, inputs, val_fraction, workers, force, glob, tokenizer):
     t0 = time.time()
-    options = {"val_fraction": val_fraction}
+    options = {"val_fraction": val_fraction, "tokenizer": tokenizer}
     if dataset == "pycode":
         found = pycode_files()
     elif dataset == "text":
@@ -321,14 +380,15 @@ def _build(dataset, out_dir, inputs, val_fraction, workers, force, glob):
               "--force rebuilds")
         return out_dir
 
-    enc = tiktoken.get_encoding(TOKENIZER)
+    enc = get_tokenizer(tokenizer)
     assert enc.n_vocab <= np.iinfo(np.uint16).max + 1
     records, skipped = [], []
     if dataset == "owt":
         docs, total_docs = _owt_docs(val_fraction, workers, records)
     else:
         docs, total_docs = _file_docs(sources, val_fraction, records, skipped, dataset == "shakespeare"), None
-    print(f"tokenizing {dataset} ({len(sources) or total_docs:,} sources) into {out_dir} with {workers} threads")
+    print(f"tokenizing {dataset} ({len(sources) or total_docs:,} sources, {tokenizer} tokenizer) into {out_dir}"
+          + (f" with {workers} threads" if tokenizer == "gpt2" else ""))
     tmp = {name: os.path.join(out_dir, f".{name}.{'json' if name == 'meta' else 'bin'}.tmp")
            for name in SPLITS + ("meta",)}
     try:
@@ -344,7 +404,7 @@ def _build(dataset, out_dir, inputs, val_fraction, workers, force, glob):
         seconds = max(time.time() - t0, 1e-6)  # coarse clocks (Windows) can give 0
         meta = {
             "dataset": dataset, "options": options, "tokens": counts, "documents": ndocs,
-            "tokenizer": TOKENIZER, "vocab_size": enc.n_vocab, "eot_token": enc.eot_token, "dtype": "uint16",
+            "tokenizer": tokenizer, "vocab_size": enc.n_vocab, "eot_token": enc.eot_token, "dtype": "uint16",
             "fingerprint": fp,  # of paths, sizes, mtimes and options: the up-to-date check
             "content_sha256": content.hexdigest(),  # of the lines "<sha256> <split> <rel>" of the sources
             "created": datetime.now(timezone.utc).isoformat(timespec="seconds"), "seconds": round(seconds, 2),
@@ -374,9 +434,9 @@ class TokenWindows:
     sees exactly the batches an uninterrupted one would, every run with the same seed sees the same data order,
     and N processes together see the same global batch as one."""
 
-    def __init__(self, data_dir, block_size, batch_size, seed, vocab_size, dataset="pycode"):
+    def __init__(self, data_dir, block_size, batch_size, seed, dataset="pycode", tokenizer="gpt2"):
         meta_path = os.path.join(data_dir, "meta.json")
-        redo = f"re-run `python prepare_data.py --dataset {dataset} --out-dir {data_dir} --force`"
+        redo = f"re-run `python prepare_data.py --dataset {dataset} --tokenizer {tokenizer} --out-dir {data_dir} --force`"
         try:
             with open(meta_path) as f:
                 meta = json.load(f)
@@ -385,9 +445,13 @@ class TokenWindows:
         if not isinstance(meta, dict):
             raise SystemExit(f"error: {meta_path} is not a dataset description: {redo}")
         self.content_hash = meta.get("content_sha256")
-        if meta.get("vocab_size", 0) > vocab_size:
-            raise SystemExit(f"error: {meta_path} says vocab_size {meta['vocab_size']}, more than the model's "
-                             f"{vocab_size}: re-prepare the data with prepare_data.py's GPT-2 tokenizer")
+        # what the model is sized for; datasets from before the byte tokenizer named GPT-2's BPE r50k_base
+        self.tokenizer = "gpt2" if meta.get("tokenizer") == GPT2_ENCODING else meta.get("tokenizer")
+        self.vocab_size = meta.get("vocab_size")
+        if self.tokenizer not in TOKENIZERS or not isinstance(self.vocab_size, int) or \
+                not 1 <= self.vocab_size <= np.iinfo(np.uint16).max + 1:   # uint16 tokens
+            raise SystemExit(f"error: {meta_path} names no known tokenizer and vocabulary (tokenizer "
+                             f"{meta.get('tokenizer')!r}, vocab_size {self.vocab_size!r}): {redo}")
         self.data = {}
         for split in ("train", "val"):
             path = os.path.join(data_dir, f"{split}.bin")
@@ -424,7 +488,11 @@ def main(argv=None):
     parser.add_argument("--dataset", choices=DATASETS, default="pycode",
                         help="pycode (default): .py files of this Python's stdlib and site-packages; text: --input "
                              "files; owt: OpenWebText via Hugging Face datasets; shakespeare: tiny Shakespeare")
-    parser.add_argument("--out-dir", help="output folder (default data/<dataset> next to this script)")
+    parser.add_argument("--tokenizer", choices=TOKENIZERS, default="gpt2",
+                        help="gpt2 (default): GPT-2's BPE, 50,257 tokens, the paper's setting; byte: one token per "
+                             "byte plus end-of-text, 257 tokens, for fast CPU runs")
+    parser.add_argument("--out-dir", help="output folder (default data/<dataset> for gpt2, data/<dataset>-byte for "
+                                          "byte, next to this script)")
     parser.add_argument("--input", nargs="+", metavar="PATH", help="text: files and/or folders to tokenize")
     parser.add_argument("--glob", default=TEXT_GLOB,
                         help=f"text: files to take from --input folders, recursive with ** (default {TEXT_GLOB}); "
@@ -436,7 +504,8 @@ def main(argv=None):
     parser.add_argument("--force", action="store_true", help="rebuild even if the dataset is up to date")
     args = parser.parse_args(argv)
     try:
-        prepare(args.dataset, args.out_dir, args.input, args.val_fraction, args.workers, args.force, args.glob)
+        prepare(args.dataset, args.out_dir, args.input, args.val_fraction, args.workers, args.force, args.glob,
+                args.tokenizer)
     except DataError as e:
         parser.error(str(e.code))
 

@@ -5,13 +5,13 @@ numerics and, if its guard fired, with the guard's action on (as the model was w
     python sample.py runs/<run>                                # 3 samples of 200 tokens after a newline
     python sample.py runs/<run> --prompt "def " --num-samples 5 --max-new-tokens 100 --temperature 0.8
 
-Set TIKTOKEN_CACHE_DIR where the GPT-2 BPE cannot be downloaded (see README).
+The run's tokenizer (GPT-2's BPE or bytes) decodes. Set TIKTOKEN_CACHE_DIR where the GPT-2 BPE cannot be
+downloaded (see README).
 """
 import argparse
 import contextlib
 import os
 
-import tiktoken
 import torch
 
 import config
@@ -36,7 +36,7 @@ def main(argv=None):
     if not os.path.exists(path):
         p.error(f"{path} does not exist: give a run directory that saved a checkpoint")
     state = runtime.load_checkpoint(path)
-    run = argparse.Namespace(**state["args"])
+    run = argparse.Namespace(**{"tokenizer": "gpt2", "vocab_size": 50304, **state["args"]})   # older runs: GPT-2's
     device = torch.device(runtime.device_name(args.device))
     model = model_lib.GPT(config.model_config(run)).to(device)
     model.load_state_dict(state["model"])
@@ -44,15 +44,15 @@ def main(argv=None):
                     softcap=run.softcap_value)
     guard.load_state_dict(state["guard"], model)     # a fired guard's attention-side action stays on
     model.eval()
-    enc = tiktoken.get_encoding(prepare_data.TOKENIZER)
-    idx = torch.tensor([enc.encode(args.prompt, allowed_special={"<|endoftext|>"})] * args.num_samples, device=device)
+    enc = prepare_data.get_tokenizer(run.tokenizer)
+    idx = torch.tensor([enc.encode(args.prompt)] * args.num_samples, device=device)
     torch.manual_seed(args.seed)
     with torch.autocast(device.type, dtype=torch.bfloat16) if device.type == "cuda" else contextlib.nullcontext():
         out = model.generate(idx, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k)
     what = f"step {state['step']}, accum {run.accum}, guard " + (
         f"fired at step {guard.trigger['step']} ({guard.action} on)" if guard.triggered else run.guard)
     for i, row in enumerate(out.tolist()):
-        text = enc.decode([t for t in row if t < enc.n_vocab])
+        text = enc.decode(row)
         print(f"---------------- sample {i + 1} of {args.run_dir} ({what})\n{text}")
 
 

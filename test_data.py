@@ -48,7 +48,7 @@ def build(tmp_path, name="out", **kw):
 
 
 def test_known_tokens(tmp_path):
-    enc = tiktoken.get_encoding(prep.TOKENIZER)
+    enc = tiktoken.get_encoding(prep.GPT2_ENCODING)
     assert enc.encode_ordinary("hello world") == [31373, 995]
     assert enc.eot_token == EOT and enc.n_vocab == 50257
     make_files(tmp_path / "src", {"hello.txt": "hello world"})
@@ -61,7 +61,7 @@ def test_round_trip_and_meta(tmp_path):
     out = build(tmp_path)
     meta = prep.read_meta(out)
     enc = tiktoken.get_encoding("r50k_base")
-    assert [meta[k] for k in ("tokenizer", "vocab_size", "eot_token", "dtype")] == ["r50k_base", 50257, EOT, "uint16"]
+    assert [meta[k] for k in ("tokenizer", "vocab_size", "eot_token", "dtype")] == ["gpt2", 50257, EOT, "uint16"]
     assert sorted(s["rel"] for s in meta["sources"]) == sorted(FILES)
     for split in prep.SPLITS:
         tokens = load(out, split)
@@ -80,7 +80,48 @@ def test_round_trip_and_meta(tmp_path):
         assert s["split"] == prep.split_of(s["rel"], 0.3)
     lines = "".join(f"{s['sha256']} {s['split']} {s['rel']}\n" for s in meta["sources"])
     assert meta["content_sha256"] == hashlib.sha256(lines.encode()).hexdigest()
-    assert meta["options"] == {"val_fraction": 0.3, "glob": prep.TEXT_GLOB} and meta["fingerprint"]
+    assert meta["options"] == {"val_fraction": 0.3, "tokenizer": "gpt2", "glob": prep.TEXT_GLOB} and meta["fingerprint"]
+
+
+def test_byte_tokens_give_every_file_back_byte_for_byte(tmp_path):
+    # One token per byte and an end-of-text token (256) after each file: every file's bytes come back exactly,
+    # files that are not UTF-8 included (GPT-2's BPE replaces their bad bytes with U+FFFD instead).
+    files = {rel: text.encode("utf-8") for rel, text in FILES.items()}
+    files.update({"latin1.txt": "café, naïve\n".encode("latin-1"), "bad.txt": b"\x80\xff\xfe lone bytes \xc3",
+                  "crlf.txt": b"a\r\nb\r\n", "high/all.txt": bytes(range(1, 256))})
+    src = tmp_path / "src"
+    for rel, data in files.items():
+        (src / rel).parent.mkdir(parents=True, exist_ok=True)
+        (src / rel).write_bytes(data)
+    out = prep.prepare("text", out_dir=str(tmp_path / "out"), inputs=[str(src)], val_fraction=0.3,
+                       tokenizer="byte")
+    meta = prep.read_meta(out)
+    assert [meta[k] for k in ("tokenizer", "vocab_size", "eot_token", "dtype")] == ["byte", 257, 256, "uint16"]
+    assert meta["options"]["tokenizer"] == "byte"
+    enc = prep.get_tokenizer("byte")
+    seen = set()
+    for split in prep.SPLITS:
+        tokens = load(out, split)
+        docs = np.split(tokens, np.flatnonzero(tokens == 256) + 1)[:-1]
+        sources = [s for s in meta["sources"] if s["split"] == split]
+        assert len(docs) == len(sources) == meta["documents"][split]
+        for doc, s in zip(docs, sources):
+            assert doc[-1] == 256 and doc[:-1].max(initial=0) < 256
+            assert bytes(doc[:-1].astype(np.uint8)) == files[s["rel"]], s["rel"]
+            seen.add(s["rel"])
+    assert seen == set(files)
+    assert enc.decode(enc.encode("def f(x): ✓")) == "def f(x): ✓" and enc.decode([104, 105, 256]) == "hi"
+
+
+def test_each_tokenizer_has_its_own_folder_and_fingerprint(tmp_path, capsys):
+    assert prep.default_out_dir("pycode", "gpt2").endswith(os.path.join("data", "pycode"))
+    assert prep.default_out_dir("pycode", "byte").endswith(os.path.join("data", "pycode-byte"))
+    out = build(tmp_path)
+    capsys.readouterr()
+    build(tmp_path, tokenizer="byte")   # the same folder and sources, another tokenizer: rebuilt, not "up to date"
+    assert "up to date" not in capsys.readouterr().out and prep.read_meta(out)["tokenizer"] == "byte"
+    with pytest.raises(SystemExit, match="unknown tokenizer"):
+        build(tmp_path, tokenizer="bpe")
 
 
 def test_split_is_deterministic_and_honours_fraction(tmp_path):

@@ -727,7 +727,7 @@ def data_dir(tmp_path_factory):
     import prepare_data
     stdlib = sysconfig.get_paths()["stdlib"]
     out = tmp_path_factory.mktemp("data")
-    prepare_data.prepare(dataset="text", out_dir=str(out), val_fraction=0.2,
+    prepare_data.prepare(dataset="text", out_dir=str(out), val_fraction=0.2, tokenizer="byte",
                          inputs=[os.path.join(stdlib, n + ".py") for n in ("abc", "argparse", "ast", "bisect",
                                                                            "calendar", "contextlib", "copy", "csv")])
     return str(out)

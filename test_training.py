@@ -30,7 +30,8 @@ def tiny_model(arch="gpt2", **kw):
 
 @pytest.fixture(scope="session")
 def data_dir(tmp_path_factory):
-    """A small real dataset: some standard-library sources, a fifth of the files in val."""
+    """A small real dataset: some standard-library sources in byte tokens (the CPU presets'), a fifth of the files
+    in val."""
     import sysconfig
     import prepare_data
     stdlib = sysconfig.get_paths()["stdlib"]
@@ -39,7 +40,7 @@ def data_dir(tmp_path_factory):
              "keyword", "linecache", "locale", "numbers", "operator", "pathlib", "pprint", "queue", "random",
              "shlex", "string", "textwrap", "timeit", "tokenize", "typing", "uuid", "weakref"]
     out = tmp_path_factory.mktemp("data")
-    prepare_data.prepare(dataset="text", out_dir=str(out), val_fraction=0.2,
+    prepare_data.prepare(dataset="text", out_dir=str(out), val_fraction=0.2, tokenizer="byte",
                          inputs=[os.path.join(stdlib, n + ".py") for n in names])
     return str(out)
 
@@ -419,7 +420,7 @@ def test_sigterm_then_resume_matches_an_uninterrupted_run(tmp_path, data_dir):
     # mid-interval stops (log every 4 steps), dropout, a guard that fires, an injected error and the probe:
     # every piece of state the checkpoint must carry
     common = ["--max-steps", "150", "--eval-interval", "1000", "--ckpt-interval", "1000", "--dropout", "0.1",
-              "--on-collapse", "continue", "--log-interval", "4", "--guard", "on", "--guard-threshold", "0.35",
+              "--on-collapse", "continue", "--log-interval", "4", "--guard", "on", "--guard-threshold", "0.15",
               "--inject-site", "mlp-out", "--inject-scale", "0.1", "--inject-coherence", "0.8", "--probe", "qk-topk",
               "--monitor-interval", "3"]   # a stop between checks must keep the max logit not yet checked
     full = train(tmp_path / "full", data_dir, *common)
@@ -833,3 +834,67 @@ def test_flags_that_would_silently_do_nothing_or_crash_later_are_refused(tmp_pat
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert result.returncode != 0 and message in result.stderr, result.stderr
     assert not (tmp_path / "run").exists()
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The vocabulary follows the data
+
+def test_the_model_vocabulary_follows_the_datas_tokenizer(tmp_path, data_dir):
+    # byte data: 257 tokens padded to 320; GPT-2 data: 50,257 padded to 50,304. Both recorded in config.json
+    # and in the checkpoint, and the checkpoint's embedding has that many rows.
+    import sysconfig
+    import prepare_data
+    gpt2_data = prepare_data.prepare(dataset="text", out_dir=str(tmp_path / "gpt2-data"), val_fraction=0.5,
+                                     inputs=[os.path.join(sysconfig.get_paths()["stdlib"], n + ".py")
+                                             for n in ("argparse", "ast", "calendar", "csv", "enum", "typing")])
+    for data, tokenizer, vocab in ((data_dir, "byte", 320), (gpt2_data, "gpt2", 50304)):
+        out = tmp_path / tokenizer
+        result = train(out, data, "--max-steps", "2")
+        assert result.returncode == 0, result.stderr
+        saved = json.load(open(out / "config.json"))["args"]
+        assert (saved["tokenizer"], saved["vocab_size"]) == (tokenizer, vocab)
+        state = torch.load(out / "ckpt.pt", weights_only=True)
+        assert state["args"]["vocab_size"] == vocab and state["model"]["tok_emb.weight"].shape == (vocab, 32)
+        assert f"{tokenizer} tokens" in result.stdout
+
+
+def test_resuming_on_data_of_another_tokenizer_is_refused_in_one_line(tmp_path, data_dir):
+    import shutil
+    import sysconfig
+    import prepare_data
+    data = tmp_path / "data"
+    shutil.copytree(data_dir, data)
+    out = tmp_path / "run"
+    assert train(out, str(data), "--max-steps", "2").returncode == 0
+    before = (out / "ckpt.pt").read_bytes()
+    # the same folder re-prepared with GPT-2's BPE (other sources too: the content hash alone would not say why)
+    prepare_data.prepare(dataset="text", out_dir=str(data), tokenizer="gpt2", force=True, val_fraction=0.5,
+                         inputs=[os.path.join(sysconfig.get_paths()["stdlib"], n + ".py")
+                                 for n in ("argparse", "ast", "calendar", "csv", "enum", "typing")])
+    result = train(out, str(data), "--max-steps", "4", "--resume")
+    assert result.returncode != 0 and "Traceback" not in result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "trained on byte tokens" in lines[0] and "holds gpt2 tokens" in lines[0], lines
+    assert "--tokenizer byte" in lines[0], "it says how to get the original data back"
+    assert (out / "ckpt.pt").read_bytes() == before, "the checkpoint is untouched"
+
+
+def test_a_tokenizer_flag_the_data_contradicts_is_refused(tmp_path, data_dir):
+    result = train(tmp_path / "run", data_dir, "--tokenizer", "gpt2", "--max-steps", "2")
+    assert result.returncode != 0 and "Traceback" not in result.stderr
+    assert "--tokenizer gpt2, but" in result.stderr and "holds byte tokens" in result.stderr
+    assert not (tmp_path / "run" / "ckpt.pt").exists()
+
+
+def test_sample_decodes_a_byte_level_run(tmp_path, data_dir):
+    out = tmp_path / "run"
+    assert train(out, data_dir, "--max-steps", "3").returncode == 0
+    cmd = [sys.executable, os.path.join(ROOT, "sample.py"), str(out), "--prompt", "def ", "--num-samples", "2",
+           "--max-new-tokens", "40", "--device", "cpu"]
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert result.returncode == 0, result.stderr
+    samples = result.stdout.split("---------------- sample ")[1:]
+    assert len(samples) == 2
+    for text in samples:
+        body = text.split("\n", 1)[1]
+        assert body.startswith("def ") and len(body) > len("def "), "the prompt, then decoded bytes"

@@ -37,13 +37,16 @@ def main(argv=None):
         raise SystemExit(f"error: --grad-accum {args.grad_accum} must be a multiple of the {dist.world} processes")
     runtime.check_memory(args, dist.device)
     device = dist.device
+    if device.type == "cpu":
+        runtime.tune_cpu_allocator()
     use_bf16 = args.dtype == "bf16" or (args.dtype == "auto" and device.type == "cuda")
     autocast = (lambda: torch.autocast(device.type, dtype=torch.bfloat16)) if use_bf16 else contextlib.nullcontext
 
     # -------------------------------------------------------------------------------- data
     runtime.ensure_data(args, dist)
-    windows = prepare_data.TokenWindows(args.data_dir, args.block_size, args.batch_size, args.seed,
-                                        model_lib.GPTConfig.vocab_size, args.dataset)
+    windows = prepare_data.TokenWindows(args.data_dir, args.block_size, args.batch_size, args.seed, args.dataset,
+                                        args.tokenizer)
+    args.tokenizer, args.vocab_size = vocabulary(args, typed, windows)
 
     def get_batch(split, step, index):
         """Inputs and next-token targets of window `index` of `step`: they depend on (seed, step) alone."""
@@ -271,6 +274,22 @@ def make_injector(args, model, get_batch, autocast):
     return injector.attach(model)
 
 
+def vocabulary(args, typed, windows):
+    """(tokenizer, model vocabulary) from the data's meta.json. Refused: data of another tokenizer than --tokenizer
+    names, or than the resumed run was trained on (its embedding would not fit)."""
+    vocab = config.padded_vocab(windows.vocab_size)
+    holds = f"{args.data_dir} holds {windows.tokenizer} tokens (its meta.json)"
+    if args.resume and (args.tokenizer, args.vocab_size) != (windows.tokenizer, vocab):
+        raise SystemExit(f"error: this run was trained on {args.tokenizer} tokens (vocabulary {args.vocab_size}) and "
+                         f"{holds}: resume it on the data it started with (`python prepare_data.py --tokenizer "
+                         f"{args.tokenizer} --out-dir {args.data_dir}`), or start a new run")
+    if "tokenizer" in typed and not args.resume and typed["tokenizer"] != windows.tokenizer:
+        raise SystemExit(f"error: --tokenizer {typed['tokenizer']}, but {holds}: give --tokenizer "
+                         f"{windows.tokenizer}, or a --data-dir prepared with `python prepare_data.py --tokenizer "
+                         f"{typed['tokenizer']}`")
+    return windows.tokenizer, vocab
+
+
 def check_attention_settings(model, device, args, use_bf16):
     """Fail before training, in the kernel's own words, on a setting it cannot run (a head dim, an impl)."""
     attn = model.attentions[0]
@@ -302,7 +321,7 @@ def start_log(args, dist, model, resumed, step, changed):
               f"{'resuming' if args.resume else 'starting'} {args.out_dir} at step {step}"
               f"{'' if resumed or not args.resume else ' (it had saved no checkpoint: starting over)'}: "
               f"{args.preset} preset, {args.arch} {args.n_layer}x{args.n_embd}, {model.num_params() / 1e6:.2f}M "
-              f"params, accum {args.accum}, guard {args.guard}, on {dist.device} x{dist.world}")
+              f"params, {args.tokenizer} tokens, accum {args.accum}, guard {args.guard}, on {dist.device} x{dist.world}")
     return log
 
 
