@@ -8,6 +8,7 @@
     python bench.py --only resources         # any machine: our kernels compiled for sm_90: registers, spills
     python bench.py --only resources --dtype fp32    # the same for fp32 inputs
     python bench.py --only check             # any machine: every mode's errors against the float64 reference
+    python bench.py --only cpu-step          # CPU: the cpu model's training step, byte vs GPT-2 vocabulary, twin vs SDPA
 
 Training step = what train.py's Trainer does per step: forward and backward under bf16 autocast, clip_grad_norm_
 to 1.0, fused AdamW, zero_grad; with the monitor on, also SpectralMonitor.measure and a dormant QKGuard.observe
@@ -39,6 +40,7 @@ import torch.nn.functional as F
 import triton
 
 import attention_kernel as ak
+import runtime
 from guard import QK_KINDS, QKGuard, SpectralMonitor
 from model import MODEL_SIZES, GPT, GPTConfig
 
@@ -60,15 +62,16 @@ def parse_args(argv=None):
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                    help="torch.compile the model (default: on with CUDA, off on CPU)")
     p.add_argument("--json", metavar="PATH", help="also write the tables to this JSON file")
-    p.add_argument("--only", choices=["attention", "tune", "resources", "check"],
+    p.add_argument("--only", choices=["attention", "tune", "resources", "check", "cpu-step"],
                    help="attention: the attention table only; tune: time other launch configurations of our "
                         "kernels; resources: compile them for sm_90 and print registers, spills, shared memory "
-                        "(any machine, no GPU needed); check: every mode's errors against float64 (any machine)")
+                        "(any machine, no GPU needed); check: every mode's errors against float64 (any machine); "
+                        "cpu-step: the cpu model's training step on this CPU")
     p.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16",
                    help="--only resources: the inputs' dtype (fp32 inputs take IEEE dots, on the FMA units)")
     args = p.parse_args(argv)
     cuda = torch.cuda.is_available()
-    if not cuda and not args.smoke and args.only not in ("resources", "check"):
+    if not cuda and not args.smoke and args.only not in ("resources", "check", "cpu-step"):
         p.error("the benchmark needs a CUDA GPU (its targets are for an H200); on CPU run it with --smoke")
     for name, smoke, full in (("steps", 2, 50), ("warmup", 1, 10), ("batch_size", 2, 16)):
         if getattr(args, name) is None:
@@ -163,15 +166,17 @@ def train_flops_per_token(model, T):
     return 6 * model.num_params() + 12 * c.n_layer * c.n_embd * T
 
 
-def build(args, attn_impl, max_logit):
+def build(args, attn_impl, max_logit, size=None, batch_size=None, **numerics):
     torch.manual_seed(0)
-    config = GPTConfig(**args.size, attn_impl=attn_impl, accum="fp32", rounding="none", max_logit=max_logit)
+    numerics = {"accum": "fp32", "rounding": "none", **numerics}
+    config = GPTConfig(**(size or args.size), attn_impl=attn_impl, max_logit=max_logit, **numerics)
     model = GPT(config).to(args.device)
     cuda = args.device.type == "cuda"
     optimizer = model.configure_optimizer(lr=6e-4, weight_decay=0.1, betas=(0.9, 0.95))
     compiled = torch.compile(model) if args.compile else model
     autocast = (lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if cuda else contextlib.nullcontext
-    tokens = torch.randint(config.vocab_size, (args.batch_size, config.block_size + 1), device=args.device)
+    tokens = torch.randint(config.vocab_size, (batch_size or args.batch_size, config.block_size + 1),
+                           device=args.device)
     x, y = tokens[:, :-1], tokens[:, 1:]
     monitor, guard = SpectralMonitor(model), QKGuard(enabled=True)   # guard: default threshold, stays dormant
     monitor.measure(model, iters=30)                                  # converged before step 0, as train.py does
@@ -266,6 +271,41 @@ def bench_training(args, errors):
     print("MFU: (6 * params + 12 * n_layer * n_embd * T) FLOPs per token (attention counted over the full T x T, "
           "as nanoGPT does) / 989 TFLOP/s bf16 dense")
     return rows, cost
+
+
+def cpu_step(steps=30, warmup=3, rounds=3):
+    """The cpu model's training step as train.py runs it on a CPU (batch 8 x 128, eager, q, k, v rounded to bf16
+    where they enter attention, monitor every step): at the byte vocabulary against GPT-2's, and the PyTorch twin
+    with bf16 state against SDPA. Each configuration is timed in `rounds` blocks, alternating, so drift hits all
+    alike; min / median / max of the steps' milliseconds."""
+    runtime.tune_cpu_allocator()     # as train.py does on a CPU
+    args = argparse.Namespace(device=torch.device("cpu"), compile=False, size=MODEL_SIZES["cpu"], batch_size=8)
+    configs = {  # name: (attention impl, numerics)
+        "twin, bf16 state, byte vocabulary (320)": ("torch", dict(accum="bf16", vocab_size=320)),
+        "twin, bf16 state, GPT-2 vocabulary (50,304)": ("torch", dict(accum="bf16", vocab_size=50304)),
+        "SDPA, byte vocabulary (320)": ("sdpa", dict(accum="fp32", vocab_size=320)),
+        "SDPA, fp32 inputs, byte vocabulary (320)": ("sdpa", dict(accum="fp32", vocab_size=320, attn_dtype="native")),
+    }
+    steps_of = {name: build(args, impl, True, rounding=None, **{"attn_dtype": "bf16", **kw})[1]
+                for name, (impl, kw) in configs.items()}
+    times = {name: [] for name in configs}
+    for name, step in steps_of.items():
+        for _ in range(warmup):
+            step(True)
+    for _ in range(rounds):
+        for name, step in steps_of.items():
+            times[name] += step_times(lambda: step(True), max(1, steps // rounds), args.device)
+    print(f"training step of the cpu model on this CPU ({torch.get_num_threads()} threads), batch 8 x 128, "
+          f"ms per step over {len(next(iter(times.values())))} steps after {warmup} warm-up:")
+    print(f"{'configuration':<46} {'min':>7} {'median':>7} {'max':>7}")
+    for name, t in times.items():
+        print(f"{name:<46} {min(t):7.1f} {statistics.median(t):7.1f} {max(t):7.1f}")
+    med = {name: statistics.median(t) for name, t in times.items()}
+    names = list(configs)
+    print(f"GPT-2 vocabulary / byte vocabulary (median): {med[names[1]] / med[names[0]]:.2f}x; twin / SDPA at "
+          f"the byte vocabulary: {med[names[0]] / med[names[2]]:.2f}x (bf16 inputs, as train.py --attn-impl sdpa "
+          f"runs), {med[names[0]] / med[names[3]]:.2f}x (fp32 inputs, --attn-dtype native)")
+    return times
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -483,7 +523,7 @@ def main(argv=None):
     if args.only:
         dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype]
         {"attention": bench_attention, "tune": tune, "resources": lambda: compile_for_gpu(dtype=dtype),
-         "check": check}[args.only]()
+         "check": check, "cpu-step": cpu_step}[args.only]()
         return 0
     start, errors = time.time(), []
     name = torch.cuda.get_device_name() if args.device.type == "cuda" else "cpu"
