@@ -181,14 +181,23 @@ def flag_value(flags, name, default=None):
 
 
 def prepare_data_once(extra):
-    """N runs starting together would all build the default dataset: build it once, first."""
+    """N runs starting together would all build the default dataset: build it once, first, with the tokenizer
+    the runs' preset names (train.py's rule: --tokenizer, else the preset's; auto is demo on a CPU)."""
     if flag_value(extra, "--data-dir"):
         return
-    dataset = flag_value(extra, "--dataset", "pycode")
-    if dataset in ("pycode", "shakespeare") and not os.path.exists(os.path.join("data", dataset, "meta.json")):
-        print(f"preparing data/{dataset} once before the runs start", flush=True)
+    import config    # only here, as torch below: report.py imports this file and needs neither
+    import prepare_data
+    import torch
+    dataset, preset = flag_value(extra, "--dataset", "pycode"), flag_value(extra, "--preset", "auto")
+    if preset == "auto":
+        on_gpu = torch.cuda.is_available() and not flag_value(extra, "--device", "auto").startswith("cpu")
+        preset = "assay" if on_gpu else "demo"
+    tokenizer = flag_value(extra, "--tokenizer", config.PRESETS.get(preset, {}).get("tokenizer", "gpt2"))
+    out = prepare_data.default_out_dir(dataset, tokenizer)
+    if dataset in ("pycode", "shakespeare") and not os.path.exists(os.path.join(out, "meta.json")):
+        print(f"preparing {out} ({tokenizer} tokens) once before the runs start", flush=True)
         subprocess.run([sys.executable, os.path.join(HERE, "prepare_data.py"), "--dataset", dataset,
-                        "--out-dir", os.path.join("data", dataset)], check=True)
+                        "--tokenizer", tokenizer, "--out-dir", out], check=True)
 
 
 def default_parallel(extra):
