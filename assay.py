@@ -308,6 +308,7 @@ class Probe:
         self.rng = torch.Generator().manual_seed(seed)
         self.saved = []   # per weight: (layer, name, weight, its value before the step, U, V)
         self.fixed = {}   # qk-fixed: weight index -> its (U, V), drawn once
+        self.fraction_min = 1.0   # smallest ||removed|| / ||target|| of any weight and step since reset_interval
 
     def _weights(self, model):
         names = {"v-topk": ("v",), "mlp-topk": ("mlp_in",)}.get(self.mode, ("q", "k"))
@@ -348,7 +349,9 @@ class Probe:
     @torch.no_grad()
     def after_step(self, model):
         """Apply the projection; return per-layer norms for the log: {q,k}_update (||dW||), {q,k}_removed (||R||)
-        and {q,k}_target (what qk-topk removes: equal to _removed unless the control fell short)."""
+        and {q,k}_target (what qk-topk removes: equal to _removed unless the control fell short), and
+        removed_fraction_min: the smallest share of its target any weight's removal reached at any step since
+        reset_interval() (1 for every mode but an equal-energy control that fell short)."""
         norms = {}
         for i, name, w, w_before, U, V in self.saved if self.mode != "off" else []:
             dW = w.float() - w_before.float()
@@ -360,14 +363,27 @@ class Probe:
             for key, value in (("update", dW.norm()), ("removed", removed.norm()), ("target", target)):
                 norms.setdefault(f"{name}_{key}", []).append(value)
         self.saved = []
-        return {key: torch.stack(values).tolist() for key, values in norms.items()}   # one host sync
+        if not norms:
+            return {}
+        stats = {key: torch.stack(values).tolist() for key, values in norms.items()}   # one host sync
+        for name in ("q", "k"):
+            for removed, target in zip(stats.get(f"{name}_removed", []), stats.get(f"{name}_target", [])):
+                if target > 0:
+                    self.fraction_min = min(self.fraction_min, removed / target)
+        return {**stats, "removed_fraction_min": self.fraction_min}
+
+    def reset_interval(self):
+        """Start the next log interval's removed_fraction_min (train.py calls it after each log record)."""
+        self.fraction_min = 1.0
 
     def state_dict(self):
-        return {"mode": self.mode, "k": self.k, "rng": self.rng.get_state()}   # qk-fixed's bases: from the seed
+        return {"mode": self.mode, "k": self.k, "rng": self.rng.get_state(),   # qk-fixed's bases: from the seed
+                "fraction_min": self.fraction_min}
 
     def load_state_dict(self, state):
         self.mode, self.k, self.fixed = state["mode"], state["k"], {}
         self.rng.set_state(state["rng"])
+        self.fraction_min = state.get("fraction_min", 1.0)
 
 
 # ----------------------------------------------------------------------------------------------------------------

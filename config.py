@@ -25,6 +25,12 @@ PRESETS = {
                  schedule="constant", log_interval=10, eval_interval=100, eval_iters=4, ckpt_interval=100),
     "cpu": dict(size="cpu", tokenizer="byte", batch_size=8, grad_accum=1, max_steps=100, lr=3e-3, min_lr=3e-4, warmup_steps=10,
                 schedule="cosine", log_interval=10, eval_interval=50, eval_iters=4, ckpt_interval=50),
+    # The CPU lab of the claims sweeps (RESULTS.md): the cpu model at a learning rate it trains healthily with,
+    # held constant so that an injected error meets the same optimizer all run long; 300 steps, in which the
+    # pilot's coherent errors at the grid's upper doses ran away, at about 20 s a run on two cores.
+    "lab": dict(size="cpu", tokenizer="byte", batch_size=8, grad_accum=1, max_steps=300, lr=3e-3, min_lr=3e-3,
+                warmup_steps=20, schedule="constant", log_interval=10, eval_interval=100, eval_iters=4,
+                ckpt_interval=100),
     "assay": dict(size="assay", tokenizer="gpt2", batch_size=32, grad_accum=1, max_steps=2000, lr=2e-3, min_lr=2e-3,
                   warmup_steps=200, schedule="constant", log_interval=10, eval_interval=250, eval_iters=20,
                   ckpt_interval=500),

@@ -18,9 +18,9 @@ import math
 import os
 import shlex
 import statistics
-import time
 
-from sweep import CLAIMS, COHERENCES, DONE, DOSES, SITES, inject_arm, read_log
+from sweep import (CLAIM3_SITE, CLAIM4_SITES, CLAIMS, COHERENCES, DONE, DOSES, NO_ERROR, SITES, SOURCES,
+                   action_arms, inject_arm, probe_arms, read_log)
 
 # ---------------------------------------------------------------------------------------------------------------
 # The verdict rules' constants.
@@ -30,7 +30,10 @@ LOSS_TOL = 0.03          # nat: the paper's largest gap between QK-Guard and alw
 RUNAWAY_LOGIT = 1000.0   # a runaway's max attention logit (H200 emulation: healthy runs peaked at 52-137, the
                          # runaways reached 1808 and 10240; Wortsman et al. saw divergence past 1e4)
 SIGMA_RATIO = 2.0        # "through the QK channel": sigma(W_q or W_k) grew more than SIGMA_RATIO times as much as
-                         # any other weight matrix's (v, o, MLP in, MLP out)
+                         # any other weight matrix's (v, o, MLP in, MLP out), and as the no-error run's did
+LOGIT_RATIO = 10.0       # "beyond the no-error run": a max logit at least LOGIT_RATIO times that run's (same seed)
+FIX_TOL = 0.1            # nat: a QK-only fix ends within FIX_TOL of the no-error run's val loss (same seed)
+CONTROL_ENERGY = 0.95    # the equal-energy control counts where every step removed this share of its target
 NON_QK_KINDS = ("v", "o", "mlp_in", "mlp_out")
 
 
@@ -112,8 +115,29 @@ class Run:
                                 self.trigger)
         tail = self.loss[-FINAL_WINDOW:]
         self.final_train = sum(tail) / len(tail) if tail else None
+        # the equal-energy control: the smallest share of its target energy any step removed (None: no probe)
+        shares = [r["probe"]["removed_fraction_min"] for r in steps if "removed_fraction_min" in r.get("probe", {})]
+        self.removed_fraction = min(shares) if shares else None
+        self.grace_excess = self._grace_excess()
         evals = [r["val_loss"] for r in events if r["event"] == "eval"]
         self.final_val = evals[-1] if evals else end.get("val_loss")
+
+    def _grace_excess(self):
+        """A guarded run's worst smoothed loss inside the collapse detector's grace window (the steps after its
+        action starts, where a loss transient does not count), above the best smoothed loss before it; None if
+        the guard never acted. Smoothing as the detector's (config.json's flags)."""
+        args = self.config.get("args", {})
+        if self.acting_from is None:
+            return None
+        smoothing, grace = args.get("collapse_smoothing", 0.9), args.get("collapse_grace", 100)
+        ema, best, worst = None, math.inf, None
+        for step, loss in zip(self.steps, self.loss):
+            ema = loss if ema is None else smoothing * ema + (1 - smoothing) * loss
+            if step < self.acting_from:
+                best = min(best, ema)
+            elif step < self.acting_from + grace:
+                worst = ema if worst is None else max(worst, ema)
+        return None if worst is None or best == math.inf else worst - best
 
     def growth(self, kind):
         """How many times its first logged value sigma(kind) grew to, at most (nan if not logged)."""
@@ -159,33 +183,43 @@ class Claim:
     def __init__(self, groups, arms):
         self.runs = {a: {r.seed: r for r in groups.get(a, [])} for a in {*groups, *arms}}
         self.seeds = sorted({s for a in arms for s in self.runs[a]}, key=lambda s: (len(s), s))
+        self.alpha = ALPHA      # the strictest threshold a test of the rule used: "inconclusive" is judged there
 
-    def outcomes(self, arm, pred, claim_wants):
-        """Per seed: pred(run) for a finished run; for an unfinished or missing one, the value that hurts the
-        claim (claim_wants is the value the claim hopes for in this arm)."""
+    def outcomes(self, arm, pred, claim_wants, ref=None):
+        """Per seed: pred(run) for a finished run, or pred(run, the same seed's run of arm `ref`) when ref is
+        given; where a run it needs is unfinished or missing, the value that hurts the claim (claim_wants is the
+        value the claim hopes for in this arm)."""
         out = []
         for seed in self.seeds:
-            run = self.runs[arm].get(seed)
-            out.append(pred(run) if run is not None and run.finished else not claim_wants)
+            run, other = self.runs[arm].get(seed), self.runs[ref].get(seed) if ref else None
+            ok = run is not None and run.finished and (ref is None or (other is not None and other.finished))
+            out.append((pred(run, other) if ref else pred(run)) if ok else not claim_wants)
         return out
+
+    def doses_run(self, site):
+        """The doses of the grid with any run at this site (a sweep may run part of it)."""
+        return [d for d in DOSES if any(self.runs.get(inject_arm(site, d, c, f)[0])
+                                        for c in COHERENCES for f in (False, True))]
 
     def unfinished(self, arm):
         return sum(not (self.runs[arm].get(s) and self.runs[arm][s].finished) for s in self.seeds)
 
-    def count(self, arm, name, pred, claim_wants):
+    def count(self, arm, name, pred, claim_wants, ref=None):
         """A line: arm, name, k/n with its exact 95% interval; returns (line, outcomes)."""
-        out = self.outcomes(arm, pred, claim_wants)
+        out = self.outcomes(arm, pred, claim_wants, ref)
         lo, hi = clopper_pearson(sum(out), len(out))
         left = self.unfinished(arm)
         return (f"{arm}: {name} {sum(out)}/{len(out)} [95% CI {lo:.2f}-{hi:.2f}]"
                 + (f" ({left} unfinished, counted against)" if left else "")), out
 
-    def contrast(self, a, a_pred, b, b_pred, name, alpha=ALPHA):
-        """Does a's event happen where b's does not (seed by seed)? The claim wants a's event and not b's."""
-        la, oa = self.count(a, name, a_pred, True)
-        lb, ob = self.count(b, name, b_pred, False)
+    def contrast(self, a, a_pred, b, b_pred, name, alpha=ALPHA, ref=None):
+        """Does a's event happen where b's does not (seed by seed)? The claim wants a's event and not b's. With
+        ref, the predicates also read the same seed's run of arm ref."""
+        la, oa = self.count(a, name, a_pred, True, ref)
+        lb, ob = self.count(b, name, b_pred, False, ref)
         k, j, p = sign_test(list(zip(oa, ob)))
         holds = p < alpha
+        self.alpha = min(self.alpha, alpha)
         return holds, [la, lb, f"sign test, {a} over {b}: {k} seeds one way, {j} the other, p = {p:.3g}"
                        f"{'' if alpha == ALPHA else f' (threshold {alpha:.3g})'} -> {'holds' if holds else 'fails'}"]
 
@@ -240,73 +274,169 @@ def guard_is_dormant(c, healthy, guarded):
               f"one counts as infinite): {cost:.4f}"]
 
 
-def dose_contrast(c, site, better, worse, better_pred, worse_pred, name):
+def dose_contrast(c, site, better, worse, better_pred, worse_pred, name, ref=None):
     """The contrast at each dose of the grid that was run (a sweep may run part of it); holds at some dose with
     p < ALPHA / the number of doses run (Bonferroni)."""
-    doses = [d for d in DOSES if c.runs.get(better(site, d)) or c.runs.get(worse(site, d))]
+    doses = c.doses_run(site)
     holds, lines = False, [f"{site}: doses run {', '.join(f'{d:g}' for d in doses) or 'none'}"]
     for dose in doses:
         a, b = better(site, dose), worse(site, dose)
-        ok, more = c.contrast(a, better_pred, b, worse_pred, name, alpha=ALPHA / len(doses))
+        ok, more = c.contrast(a, better_pred, b, worse_pred, name, alpha=ALPHA / len(doses), ref=ref)
         holds, lines = holds or ok, lines + more
     return holds, lines
 
 
-def runs_away_through_qk(run):
-    return ran_away(run) and qk_specific(run)
+def beyond(run, ref):
+    """Ran away beyond the no-error run of its seed (ref): its max logit reached RUNAWAY_LOGIT and LOGIT_RATIO
+    times ref's, or it collapsed where ref did not. A threshold the no-error run crosses too proves nothing."""
+    logits = (run.max_logit or 0.0) >= max(RUNAWAY_LOGIT, LOGIT_RATIO * (ref.max_logit or 0.0))
+    return logits or (run.collapsed and not ref.collapsed)
+
+
+def through_qk(run, ref):
+    """Ran away beyond ref, through the QK channel: sigma(W_q or W_k) grew SIGMA_RATIO times as much as ref's
+    did, and SIGMA_RATIO times as much as the most-grown other matrix of this run."""
+    qk, ref_qk = run.qk_and_other_growth()[0], ref.qk_and_other_growth()[0]
+    return beyond(run, ref) and qk_specific(run) and not math.isnan(ref_qk) and qk >= SIGMA_RATIO * ref_qk
+
+
+def fix_failed(run, ref):
+    """A QK-only fix failed: the run ran away beyond ref anyway, or ended more than FIX_TOL above ref's val loss
+    (QK-norm from step 0 bounds every logit, so for it only the loss can tell)."""
+    worse = run.final_val is None or ref.final_val is None or run.final_val > ref.final_val + FIX_TOL
+    return beyond(run, ref) or worse
 
 
 def injection_claim(c, site):
-    """Claim 3 at one site: the coherent error runs away through the QK channel where its QK-only fix does not."""
-    return dose_contrast(c, site, lambda s, d: inject_arm(s, d, 1.0)[0], lambda s, d: inject_arm(s, d, 1.0, True)[0],
-                         runs_away_through_qk, ran_away, "ran away (through QK for the first)")
+    """Claim 3 at one site: the coherent error runs away through the QK channel beyond the no-error run where
+    the same error with its QK-only fix does not fail; the fix's val-loss gaps are listed."""
+    holds, lines = dose_contrast(c, site, lambda s, d: inject_arm(s, d, 1.0)[0],
+                                 lambda s, d: inject_arm(s, d, 1.0, True)[0], through_qk, fix_failed,
+                                 "error: ran away through QK beyond no-error / fix: failed", ref=NO_ERROR)
+    for dose in c.doses_run(site):
+        fix = c.runs[inject_arm(site, dose, 1.0, True)[0]]
+        gaps = [fix[s].final_val - c.runs[NO_ERROR][s].final_val for s in c.seeds
+                if s in fix and s in c.runs[NO_ERROR] and fix[s].finished and c.runs[NO_ERROR][s].finished
+                and None not in (fix[s].final_val, c.runs[NO_ERROR][s].final_val)]
+        if gaps:
+            lines.append(f"{site} {dose:g}: QK-only fix's val loss - no-error's, median {statistics.median(gaps):+.3f}"
+                         f" (max {max(gaps):+.3f}; FIX_TOL {FIX_TOL})")
+    return holds, lines
+
+
+def potencies(c, site, coherence, claim_wants):
+    """Per seed: the smallest dose of the grid at which (site, coherence) ran away beyond the no-error run;
+    math.inf where it did at none. An unfinished or missing run counts the way that hurts the claim: as not
+    running away where claim_wants says it should (coherent), as running away where it should not."""
+    out = []
+    for seed in c.seeds:
+        ref, found = c.runs[NO_ERROR].get(seed), math.inf
+        for dose in c.doses_run(site):
+            run = c.runs[inject_arm(site, dose, coherence)[0]].get(seed)
+            ok = run is not None and run.finished and ref is not None and ref.finished
+            if (beyond(run, ref) if ok else not claim_wants):
+                found = dose
+                break
+        out.append(found)
+    return out
 
 
 def coherence_claim(c, site):
-    """Claim 4 at one site: coherent errors run away where random-sign ones (coherence 0.5) do not."""
-    return dose_contrast(c, site, lambda s, d: inject_arm(s, d, 1.0)[0], lambda s, d: inject_arm(s, d, 0.5)[0],
-                         ran_away, ran_away, "ran away")
+    """Claim 4 at one site: potency, not one dose. Per seed, the smallest dose at which sign-coherent errors run
+    away beyond the no-error run against the smallest at which random-sign ones (coherence 0.5) do; the claim
+    wants the coherent one smaller (a sign test over the seeds where they differ). Both dose-response curves are
+    in the dose table."""
+    coherent, random = potencies(c, site, 1.0, True), potencies(c, site, 0.5, False)
+    k, j, p = sign_test([(a < b, b < a) for a, b in zip(coherent, random)])
+    c.alpha = min(c.alpha, ALPHA)
+    show = lambda d: "none" if d == math.inf else f"{d:g}"
+    ratios = [b / a for a, b in zip(coherent, random) if a < math.inf]
+    top = max(c.doses_run(site), default=math.nan)
+    return p < ALPHA, [
+        f"{site}: smallest dose run away (coherent / random sign), by seed: "
+        + ", ".join(f"{s} {show(a)} / {show(b)}" for s, a, b in zip(c.seeds, coherent, random)),
+        f"{site}: potency ratio (random / coherent), median "
+        + (f"{statistics.median(ratios):g}" if ratios else "n/a")
+        + f" ('inf': random-sign errors did not run away up to the grid's top dose {top:g})",
+        f"sign test, coherent more potent than random sign at {site}: {k} seeds one way, {j} the other, "
+        f"p = {p:.3g} -> {'holds' if p < ALPHA else 'fails'}"]
 
 
-def probe_holds(c):
-    """The top-k probe stops the runaway of the unprobed bf16 run, while each control still runs away."""
-    holds, lines = c.contrast("bf16", ran_away, "bf16-probe-topk", ran_away, "ran away")
-    for control in ("bf16-probe-fixed", "bf16-probe-v-topk", "bf16-probe-mlp-topk"):
-        ok, more = c.contrast(control, ran_away, "bf16-probe-topk", ran_away, "ran away")
-        holds, lines = holds and ok, lines + more[::2]
+def valid_control(run):
+    """The equal-energy control removed at least CONTROL_ENERGY of its target energy at every step (the log keeps
+    each interval's smallest share); a run that fell short is not that control."""
+    return run.removed_fraction is not None and run.removed_fraction >= CONTROL_ENERGY
+
+
+def probe_holds(c, source):
+    """Claim 5 on the runaway of `source`. Projecting the W_q/W_k update off their top-k singular directions
+    freezes those singular values by construction, so sigma(W_q) says nothing here: the rule judges what can fail,
+    the runaway's logits and loss. The source runs away where the probe on its top-k does not, and the paper's
+    equal-energy control (the same energy from other directions of W_q, W_k) runs away where the probe does not;
+    an equal-energy run that removed less than CONTROL_ENERGY of its target at some step counts against the claim.
+    The other controls are reported, not judged."""
+    topk, equal = f"{source}-probe-topk", f"{source}-probe-equal"
+    holds, lines = c.contrast(source, ran_away, topk, ran_away, "ran away")
+    ok, more = c.contrast(equal, lambda r: ran_away(r) and valid_control(r), topk, ran_away,
+                          f"ran away (and removed >= {CONTROL_ENERGY:g} of its target every step)")
+    holds, lines = holds and ok, lines + more[::2]
+    shares = [f"{s} {num(c.runs[equal][s].removed_fraction, '.3f')}" for s in c.seeds if s in c.runs[equal]]
+    lines.append(f"{equal}: smallest share of the target energy removed in a step, by seed: {', '.join(shares)}")
+    for control in (f"{source}-probe-fixed", f"{source}-probe-v-topk", f"{source}-probe-mlp-topk"):
+        if c.runs.get(control):
+            lines.append(c.count(control, "ran away", ran_away, True)[0] + " (a control, reported, not judged)")
     costs = []
-    for arm in ("bf16-probe-topk", "bf16-probe-fixed", "bf16-probe-v-topk", "bf16-probe-mlp-topk", "bf16-probe-equal"):
-        diffs = [c.runs[arm][s].final_val - c.runs["fp32"][s].final_val for s in c.seeds
+    for arm in (topk, equal, f"{source}-probe-fixed", f"{source}-probe-v-topk", f"{source}-probe-mlp-topk"):
+        diffs = [c.runs[arm][s].final_val - c.runs[NO_ERROR][s].final_val for s in c.seeds
                  if all(s in c.runs.get(a, {}) and c.runs[a][s].finished and c.runs[a][s].final_val is not None
-                        for a in (arm, "fp32"))]
+                        for a in (arm, NO_ERROR))]
         costs.append(f"{arm} {statistics.median(diffs):+.3f}" if diffs else f"{arm} n/a")
-    return holds, lines + ["loss cost, median final val loss - fp32's: " + ", ".join(costs)]
+    return holds, lines + [f"loss cost, median final val loss - {NO_ERROR}'s: " + ", ".join(costs)]
 
 
 def broke_down(run):
-    """Collapsed, or its logits reached RUNAWAY_LOGIT after the guard's trigger (anywhere, if it never fired)."""
-    return run.collapsed or run.logit_after(run.trigger if run.trigger is not None else -1) >= RUNAWAY_LOGIT
+    """Collapsed, or its logits reached RUNAWAY_LOGIT after the guard's action started (anywhere, if it never
+    fired). A softcap action caps the logits it reports at its c, so for it only a collapse counts."""
+    start = run.acting_from if run.acting_from is not None else -1
+    return run.collapsed or run.logit_after(start - 1) >= RUNAWAY_LOGIT
 
 
-def non_qk_actions_fail(c):
-    """Each non-QK action, at the same trigger, fails where QK-norm does not: it collapses, runs away after the
-    trigger, or ends more than LOSS_TOL above QK-norm's val loss on the same seed."""
-    qknorm = c.runs["bf16-guard"]
+def grace_line(c, arm):
+    """Each guarded run's worst smoothed loss inside the collapse detector's grace window, above its best before
+    the trigger: a grace hides a real collapse as well as the switch's transient, so it is shown."""
+    margin = lambda r: r.config.get("args", {}).get("collapse_margin", 1.0)
+    cells = [f"{s} {num(c.runs[arm][s].grace_excess, '+.3f')}" + (" (past the margin: would have counted)" if
+             (c.runs[arm][s].grace_excess or 0) > margin(c.runs[arm][s]) else "")
+             for s in c.seeds if s in c.runs[arm] and c.runs[arm][s].grace_excess is not None]
+    return f"{arm}: worst smoothed loss in the grace window above the pre-trigger best, by seed: " + \
+        (", ".join(cells) or "the guard acted in no seed")
 
-    def failed(run):
-        ref = qknorm.get(run.seed)
-        worse = ref is None or not ref.finished or ref.final_val is None or run.final_val is None or \
-            run.final_val > ref.final_val + LOSS_TOL
-        return broke_down(run) or worse
+
+def non_qk_actions_fail(c, source):
+    """Claim 6 on the runaway of `source`: each non-QK action at QK-Guard's trigger breaks down (collapse, or
+    logits past RUNAWAY_LOGIT after it acts) where QK-norm, the guard's own action, does not (sign tests); QK-Clip,
+    a QK-side action too, breaks down in no seed. The val-loss gap to QK-norm is reported beside."""
+    qknorm = f"{source}-guard"
     holds, lines = True, []
-    for arm in ("bf16-guard-lr-drop", "bf16-guard-clip", "bf16-guard-softcap"):
-        ok, (arm_line, qknorm_line, test_line) = c.contrast(arm, failed, "bf16-guard", broke_down, "failed")
+    for arm in (f"{source}-guard-lr-drop", f"{source}-guard-clip", f"{source}-guard-softcap"):
+        ok, (arm_line, qknorm_line, test_line) = c.contrast(arm, broke_down, qknorm, broke_down, "broke down")
         shown = [arm_line, test_line] if lines else [arm_line, qknorm_line, test_line]   # QK-norm's count once
         holds, lines = holds and ok, lines + shown
-    for arm in ("bf16-guard-qkclip", "bf16-guard-fp32-accum"):
-        if c.runs.get(arm):
-            lines.append(c.count(arm, "failed", failed, False)[0] + " (for comparison, not judged)")
-    return holds, lines
+    qkclip = f"{source}-guard-qkclip"
+    line, out = c.count(qkclip, "broke down", broke_down, False)
+    holds, lines = holds and not any(out), lines + [line + " (a QK-side action: the claim wants none)"]
+    if c.runs.get(f"{source}-guard-fp32-accum"):
+        lines.append(c.count(f"{source}-guard-fp32-accum", "broke down", broke_down, False)[0]
+                     + " (the source's own fix, for comparison, not judged)")
+    gaps = []
+    for arm in (f"{source}-guard-lr-drop", f"{source}-guard-clip", f"{source}-guard-softcap", qkclip):
+        diffs = [c.runs[arm][s].final_val - c.runs[qknorm][s].final_val for s in c.seeds
+                 if all(s in c.runs.get(a, {}) and c.runs[a][s].finished and c.runs[a][s].final_val is not None
+                        for a in (arm, qknorm))]
+        gaps.append(f"{arm} {statistics.median(diffs):+.3f}" if diffs else f"{arm} n/a")
+    triggers = [f"{s} {num(c.runs[qknorm][s].trigger)}" for s in c.seeds if s in c.runs[qknorm]]
+    return holds, lines + [f"val loss - {qknorm}'s, median: " + ", ".join(gaps),
+                           f"{qknorm}: trigger step by seed: {', '.join(triggers)}", grace_line(c, qknorm)]
 
 
 def joined(*results):
@@ -324,38 +454,52 @@ def _inject_arms(coherences, fixes, sites):
             by_dose = {d: [inject_arm(site, d, c, f)[0] for c in coherences for f in fixes] for d in DOSES}
             run = [d for d, names in by_dose.items() if any(groups.get(n) for n in names)]
             out += [n for d in (run or DOSES) for n in by_dose[d]]
-        return out
+        return out + [NO_ERROR]   # the paired no-error runs the predicates compare with
     return arms
 
 
+SOURCE_WORDS = {"bf16": "the natural fault (bf16 state)", "assay": "an injected coherent error at the backward's "
+                "delta", "lr": "the demo's learning-rate runaway"}
 RULES = [
     ("1", "bf16 state collapses, fp32 state and bf16-safemax do not: bf16 collapses where fp32 does not, and where "
           "bf16-safemax does not, each by a sign test at p < ALPHA",
      ["bf16", "fp32", "bf16-safemax"], lambda c: collapses_vs_not(c, "bf16", "fp32", "bf16-safemax")),
     ("2", "QK-Guard prevents it: bf16-guard collapses in no seed, fewer than bf16 (sign test), triggers before "
           "each bf16 collapse of the same seed, and ends within LOSS_TOL of bf16-qknorm-always in every seed",
-     ["bf16", "bf16-guard", "bf16-qknorm-always"], lambda c: guard_prevents(c, "bf16", "bf16-guard",
-                                                                             "bf16-qknorm-always")),
+     ["bf16", "bf16-guard", "bf16-qknorm-always"],
+     lambda c: joined(guard_prevents(c, "bf16", "bf16-guard", "bf16-qknorm-always"),
+                      (True, [grace_line(c, "bf16-guard")]))),
     ("2v", "the guard is valid: on healthy training (fp32 state) it fires in no seed, and while dormant it changes "
            "the final val loss by at most LOSS_TOL",
      ["fp32", "fp32-guard"], lambda c: guard_is_dormant(c, "fp32", "fp32-guard")),
-    ("3", "an error outside attention (mlp-out, coherence 1) runs away through the QK channel where the same "
-          "error with QK-norm does not, at some dose of the grid (sign test, p < ALPHA / the doses run)",
-     _inject_arms((1.0,), (False, True), ["mlp-out"]), lambda c: injection_claim(c, "mlp-out")),
+    ("3", f"an error outside attention ({CLAIM3_SITE}, coherence 1, the site fixed before the sweep) runs away "
+          f"through the QK channel beyond the no-error run of its seed (max logit >= RUNAWAY_LOGIT and LOGIT_RATIO "
+          f"times the no-error run's, sigma(W_q or W_k) growth SIGMA_RATIO times the no-error run's and the other "
+          f"matrices') where the same error with QK-norm from step 0 does not fail (run away beyond no-error, or "
+          f"end FIX_TOL above its val loss), at some dose of the grid (sign test, p < ALPHA / the doses run)",
+     _inject_arms((1.0,), (False, True), [CLAIM3_SITE]), lambda c: injection_claim(c, CLAIM3_SITE)),
+    *[(f"3 ({site})", f"the same from a gradient-side site outside attention ({site}), fix QK-norm",
+       _inject_arms((1.0,), (False, True), [site]), lambda c, site=site: injection_claim(c, site))
+      for site in SITES if site not in (CLAIM3_SITE, "delta")],
     ("3+", "positive control: the same at the backward's delta, where the kernel fault lands, against W_q, W_k "
            "trained on the error-free gradient",
      _inject_arms((1.0,), (False, True), ["delta"]), lambda c: injection_claim(c, "delta")),
-    ("4", "sign-coherence, not size: at both sites, coherence 1 runs away where coherence 0.5 does not, at some "
-          "dose (sign test, p < ALPHA / the doses run)",
-     _inject_arms((1.0, 0.5), (False,), list(SITES)), lambda c: joined(*(coherence_claim(c, site) for site in SITES))),
-    ("5", "the causal probe: bf16 runs away where bf16-probe-topk does not, and so does each control (a fixed "
-          "random QK subspace, W_v's top-k, the MLP's top-k) (sign tests, p < ALPHA)",
-     ["bf16", "bf16-probe-topk", "bf16-probe-fixed", "bf16-probe-v-topk", "bf16-probe-mlp-topk"], probe_holds),
-    ("6", "non-QK actions fail: lr-drop, clip and softcap at the guard's trigger each fail (collapse, logits past "
-          "RUNAWAY_LOGIT after the trigger, or a val loss more than LOSS_TOL above QK-norm's) where QK-norm does "
-          "not (sign tests, p < ALPHA). Caveats: Adam rescales a clipped gradient back, so clip acts mostly "
-          "through the moments; a bf16 softcap piles logits at the cap, making ties of its own",
-     ["bf16-guard", "bf16-guard-lr-drop", "bf16-guard-clip", "bf16-guard-softcap"], non_qk_actions_fail),
+    ("4", f"sign-coherence, not size: at {' and '.join(CLAIM4_SITES)}, the smallest dose at which coherent errors "
+          f"run away beyond the no-error run is smaller than the smallest at which random-sign ones (coherence 0.5) "
+          f"do, seed by seed (sign test, p < ALPHA; an arm that never runs away counts as beyond the grid)",
+     _inject_arms((1.0, 0.5), (False,), list(CLAIM4_SITES)),
+     lambda c: joined(*(coherence_claim(c, site) for site in CLAIM4_SITES))),
+    ("5", "the causal probe: the source runs away (max logit past RUNAWAY_LOGIT, or a collapse) where the probe "
+          "on W_q/W_k's top-k does not, and so does the paper's equal-energy control (counted only where it "
+          "removed CONTROL_ENERGY of its target at every step) (sign tests, p < ALPHA). The probe freezes W_q's "
+          "top singular values by construction, so they are not evidence; the other controls are reported",
+     lambda source: [source, f"{source}-probe-topk", f"{source}-probe-equal", NO_ERROR], probe_holds),
+    ("6", "non-QK actions fail: lr-drop, clip and softcap at QK-Guard's trigger each break down (collapse, or "
+          "logits past RUNAWAY_LOGIT after they act) where QK-norm does not (sign tests, p < ALPHA), and QK-Clip, "
+          "a QK-side action, breaks down in no seed; the loss gap to QK-norm is reported. Caveats: a softcap's "
+          "logits stop at its cap, so only a collapse fails it; Adam rescales a clipped gradient back, so clip "
+          "acts mostly through the moments",
+     lambda source: [a for a in action_arms(source) if not a.endswith("fp32-accum")], non_qk_actions_fail),
     ("7", "the same on llama: llama-bf16 collapses where llama-fp32 does not, llama-bf16-guard prevents it within "
           "LOSS_TOL of always-on QK-norm, and llama-fp32-guard stays dormant",
      ["llama-bf16", "llama-fp32", "llama-bf16-guard", "llama-bf16-qknorm-always", "llama-fp32-guard"],
@@ -363,6 +507,21 @@ RULES = [
                       guard_prevents(c, "llama-bf16", "llama-bf16-guard", "llama-bf16-qknorm-always"),
                       guard_is_dormant(c, "llama-fp32", "llama-fp32-guard"))),
 ]
+SOURCE_RULES = ("5", "6")   # judged once per source whose arms ran (bf16 where none did)
+
+
+def expanded_rules(groups):
+    """RULES with claims 5 and 6 once per source that has runs: (row label, claim, arms, check)."""
+    out = []
+    for claim, _, arms, rule in RULES:
+        if claim not in SOURCE_RULES:
+            out.append((claim, claim, arms, rule))
+            continue
+        ran = [s for s in SOURCES if any(groups.get(a) for a in arms(s) if a != NO_ERROR)] or ["bf16"]
+        # (a source with every arm but the no-error one missing did not run; bf16 stands for "not run")
+        out += [(claim if s == "bf16" else f"{claim} ({s})", claim, arms(s), lambda c, s=s, rule=rule: rule(c, s))
+                for s in ran]
+    return out
 
 
 def verdicts(groups):
@@ -371,25 +530,32 @@ def verdicts(groups):
     unfinished run counted against it, and "inconclusive" where it fails with too few seeds for any sign test to
     reach p < ALPHA (4 or fewer)."""
     rows = []
-    for claim, text, arm_list, rule in RULES:
+    for label, claim, arm_list, rule in expanded_rules(groups):
         arms = arm_list(groups) if callable(arm_list) else arm_list
         title = {"2v": "QK-Guard stays dormant on healthy training, at no cost",
                  "3+": "positive control: the backward's delta, where the kernel fault reaches the gradient"}.get(
                      claim, CLAIMS[int(claim[0])][0])
+        if label.startswith("3 ("):
+            title = f"an error in a gradient outside attention ({label[3:-1]}) drives the same QK runaway"
+        if claim in SOURCE_RULES:
+            title += f"; the runaway's source: {SOURCE_WORDS[label[3:-1] if '(' in label else 'bf16']}"
         missing = [a for a in arms if not groups.get(a)]
         if missing and (not callable(arm_list) or len(missing) == len(arms)):   # a grid: part of it may run
-            rows.append([claim, "not run", f"{title}\nno runs of {', '.join(missing[:3])}"
+            rows.append([label, "not run", f"{title}\nno runs of {', '.join(missing[:3])}"
                                            f"{f' and {len(missing) - 3} more arms' if len(missing) > 3 else ''}"])
             continue
         c = Claim(groups, arms)
         holds, lines = rule(c)
         verdict = "reproduced" if holds else "not reproduced"
-        if not holds and binom_tail(len(c.seeds), len(c.seeds)) >= ALPHA:
-            # no sign test over so few seeds can reach p < ALPHA: a failed rule says nothing against the claim
+        if not holds and binom_tail(len(c.seeds), len(c.seeds)) >= c.alpha:
+            # no sign test over so few seeds can reach the rule's own threshold (Bonferroni-corrected for a dose
+            # grid): a failed rule says nothing against the claim
             verdict = "inconclusive"
+            enough = next(n for n in range(1, 64) if binom_tail(n, n) < c.alpha)
             lines.append(f"{len(c.seeds)} seeds: even all of them one way give p = "
-                         f"{binom_tail(len(c.seeds), len(c.seeds)):.3g} >= {ALPHA}; run at least 5 (sweep.py --seeds)")
-        rows.append([claim, verdict, "\n".join([title] + lines)])
+                         f"{binom_tail(len(c.seeds), len(c.seeds)):.3g} >= {c.alpha:.3g}, this rule's threshold; "
+                         f"run at least {enough} (sweep.py --seeds)")
+        rows.append([label, verdict, "\n".join([title] + lines)])
     return rows
 
 
@@ -433,18 +599,26 @@ def group_rows(runs):
              num(r.steps[-1] if r.steps else None)] for r in runs]
 
 
-def dose_table(groups):
-    """Claims 3 and 4: runaways per (site, coherence or fix) and dose, as k/n over the finished runs."""
-    rows = []
+def dose_response(groups):
+    """Claims 3 and 4: per (site, coherence or fix) and dose, (ran away beyond the no-error run of the same seed,
+    finished pairs), over the runs whose no-error run finished too."""
+    ref = {r.seed: r for r in groups.get(NO_ERROR, []) if r.finished}
+    curves = {}
     for site in SITES:
-        for label, name in [(f"c{c:g}", lambda d, c=c: inject_arm(site, d, c)[0]) for c in COHERENCES] + \
-                [("c1 + QK-only fix", lambda d: inject_arm(site, d, 1.0, True)[0])]:
+        for label, name in [(f"coherence {c:g}", lambda d, c=c: inject_arm(site, d, c)[0]) for c in COHERENCES] + \
+                [("coherence 1 + QK-only fix", lambda d: inject_arm(site, d, 1.0, True)[0])]:
             cells = []
             for dose in DOSES:
-                done = [r for r in groups.get(name(dose), []) if r.finished]
-                cells.append(f"{sum(map(ran_away, done))}/{len(done)}" if done else "-")
-            rows.append([site, label] + cells)
-    return rows
+                done = [r for r in groups.get(name(dose), []) if r.finished and r.seed in ref]
+                cells.append((sum(beyond(r, ref[r.seed]) for r in done), len(done)))
+            if any(n for _, n in cells):
+                curves[(site, label)] = cells
+    return curves
+
+
+def dose_table(groups):
+    return [[site, label] + [f"{k}/{n}" if n else "-" for k, n in cells]
+            for (site, label), cells in dose_response(groups).items()]
 
 
 def render(header, rows, markdown):
@@ -458,17 +632,57 @@ def render(header, rows, markdown):
                      for r in cells for k in range(max(map(len, r))))
 
 
-def build(groups, root, markdown, plots=(), markdown_dir="."):
+def scale(groups):
+    """The scale the runs were made at, in one paragraph, from their config.json (the same every time)."""
+    configs = [r.config for rs in groups.values() for r in rs if r.config.get("args")]
+    if not configs:
+        return "Scale: unknown (no config.json)."
+    values = lambda key: sorted({str(c["args"].get(key)) for c in configs})
+    joined = lambda key: "/".join(values(key))
+    versions = [c.get("versions", {}) for c in configs]
+    hardware = sorted({f"{v.get('gpu') or v.get('device', '?')} (torch {v.get('torch', '?')}, triton "
+                       f"{v.get('triton', '?')})" for v in versions})
+    started = sorted(c["started"] for c in configs if c.get("started"))
+    seeds = sorted({r.seed for rs in groups.values() for r in rs}, key=lambda s: (len(s), s))
+    return (f"Scale: preset {joined('preset')}: {joined('arch')} model, {joined('n_layer')} layers of width "
+            f"{joined('n_embd')} ({joined('n_head')} heads), context {joined('block_size')}, batch "
+            f"{joined('batch_size')} x {joined('grad_accum')}, {joined('max_steps')} steps at lr {joined('lr')} "
+            f"({joined('schedule')} after {joined('warmup_steps')} warmup steps); data {joined('dataset')} in "
+            f"{joined('tokenizer')} tokens; {len(seeds)} seeds ({seeds[0]} to {seeds[-1]}), {len(configs)} runs; "
+            f"machine {', '.join(hardware)}; runs started {started[0] if started else '?'} to "
+            f"{started[-1] if started else '?'}.")
+
+
+def cut_arms(groups):
+    """The arms of the claims judged here that have no run at all: what the sweep left out."""
+    ran_sources = [s for s in SOURCES if any(groups.get(a) for a in probe_arms(s) if a != NO_ERROR)
+                   or any(groups.get(a) for a in action_arms(s))]
+    full = {n for number, (_, arms) in CLAIMS.items() if number not in (5, 6) for n in arms}
+    full |= {n for s in ran_sources for n in {**probe_arms(s), **action_arms(s)}}
+    return sorted(n for n in full if not groups.get(n))
+
+
+def pilot_rows(pilot_groups):
+    """A pilot's runs, one row each: status, max logit, sigma growth, val loss."""
+    return [[name, r.seed, r.status, num(r.max_logit, ".4g"), "{} / {}".format(*(num(x, ".3g") for x in
+             r.qk_and_other_growth())), num(r.final_val, ".4f")] for name, runs in sorted(pilot_groups.items())
+            for r in runs]
+
+
+def build(groups, root, markdown, plots=(), markdown_dir=".", pilots=()):
     known = list(dict.fromkeys(n for _, experiments in CLAIMS.values() for n in experiments))
     order = [n for n in known if n in groups] + sorted(set(groups) - set(known))
     title = (lambda level, text: "#" * level + " " + text) if markdown else (lambda level, text: f"== {text} ==")
     parts = []
     if markdown:
-        versions = [r.config.get("versions", {}) for rs in groups.values() for r in rs if r.config]
-        hardware = sorted({f"{v.get('gpu') or v.get('device', '?')} (torch {v.get('torch', '?')})" for v in versions})
-        parts += [title(1, "The paper's claims, reproduced at minute scale"),
-                  f"Written by `python report.py {root}` on {time.strftime('%Y-%m-%d %H:%M')}. "
-                  f"Hardware: {', '.join(hardware) or 'unknown'}."]
+        parts += [title(1, "The paper's claims, judged on this project's own runs"),
+                  f"Written by `python report.py {root}"
+                  + "".join(f" --pilot {p}" for p, _ in pilots) + " --markdown RESULTS.md`, from the runs' logs. "
+                  + scale(groups)]
+        cut = cut_arms(groups)
+        if cut:
+            parts.append(f"Not run (cut from the sweep; a rule that needs them says \"not run\", or counts them "
+                         f"against its claim): {', '.join(cut)}.")
     parts += [title(2, "Claims"), render(["claim", "verdict", "arms: n, counts [exact 95% interval]; tests"],
                                          verdicts(groups), markdown),
               f"Rules (ALPHA={ALPHA}, FINAL_WINDOW={FINAL_WINDOW}, LOSS_TOL={LOSS_TOL}, "
@@ -477,7 +691,8 @@ def build(groups, root, markdown, plots=(), markdown_dir="."):
               f"test over the seeds where they differ; an unfinished or missing run counts against the claim):",
               "\n".join(f"{claim}. {text}." for claim, text, _, _ in RULES)]
     if any(g.startswith("inject-") for g in groups):
-        parts += [title(2, "Dose-response (claims 3 and 4): runs that ran away / finished runs"),
+        parts += [title(2, "Dose-response (claims 3 and 4): runs that ran away beyond the no-error run of their "
+                           "seed / finished pairs"),
                   render(["site", "coherence"] + [f"dose {d:g}" for d in DOSES], dose_table(groups), markdown)]
     parts.append(title(2, "Runs"))
     for name in order:
@@ -486,6 +701,11 @@ def build(groups, root, markdown, plots=(), markdown_dir="."):
     if markdown and plots:
         parts += [title(2, "Plots"), "\n\n".join(f"![{os.path.splitext(os.path.basename(p))[0]}]"
                                                   f"({os.path.relpath(p, markdown_dir)})" for p in plots)]
+    for path, pilot in pilots:
+        parts += [title(2, f"Pilot ({path}): the runs that fixed the grid, on a seed the claims do not use"),
+                  scale(pilot),
+                  render(["arm", "seed", "status", "max logit", "sigma growth q / others", "final val"],
+                         pilot_rows(pilot), markdown)]
     if markdown:
         commands = [shlex.join(["python", *r.config["command"]]) for n in order for r in groups[n]
                     if r.config.get("command")]
@@ -522,7 +742,7 @@ def survival(runs):
     return curve
 
 
-PANELS = {"loss": ("train loss", "linear"), "logit": ("max attention logit", "log"),
+PANELS = {"loss": ("train loss (nat per token)", "linear"), "logit": ("max attention logit", "log"),
           "sigma": ("max sigma(W_q) over layers", "log"), "others": ("max sigma of W_v, W_o, MLP", "log")}
 
 
@@ -551,41 +771,101 @@ def plot_runs(runs, axes, colors, panels=tuple(PANELS)):
     axes[-1].set_xlabel("step")
 
 
+def arm_words(name):
+    """An arm's name in words, for legends: 'inject-mlp-out-0.1-c1-qkfix' -> 'mlp-out error 0.1, coherent, with
+    the QK-only fix'."""
+    if name == NO_ERROR:
+        return "no error (fp32 state)"
+    if name.startswith("inject-"):
+        for site in SITES:
+            if name.startswith(f"inject-{site}-"):
+                dose, coherence = name[len(f"inject-{site}-"):].split("-")[:2]
+                kind = "coherent" if coherence == "c1" else f"sign kept with p {coherence[1:]}"
+                return f"{site} error {dose}, {kind}" + (", with the QK-only fix" if name.endswith("-qkfix") else "")
+    for source, words in SOURCE_WORDS.items():
+        if name == source:
+            return words
+        if name.startswith(source + "-"):
+            rest = name[len(source) + 1:]
+            rest = {"guard": "QK-Guard (QK-norm)", "probe-topk": "probe: QK's top-k removed",
+                    "probe-equal": "equal energy removed elsewhere", "probe-fixed": "a fixed random QK subspace "
+                    "removed", "probe-v-topk": "W_v's top-k removed", "probe-mlp-topk": "the MLP's top-k removed"}.get(
+                        rest, rest.replace("guard-", "QK-Guard's trigger, then "))
+            return f"{source}: {rest}"
+    return name
+
+
 def plot_claims(groups, out_dir):
+    """Claims 1, 2, 5, 6, 7: per arm, the median over seeds of the loss, the max logit and sigma(W_q) against step,
+    and the survival curves; claims 3 and 4: the dose-response curves (dose_response.png)."""
     plt = _pyplot()
     if plt is None:
         return []
     os.makedirs(out_dir, exist_ok=True)
     saved = []
-    for number, (title, experiments) in CLAIMS.items():
-        arms = [n for n in experiments if groups.get(n)]
-        runs = [r for n in arms for r in groups[n] if r.steps]
-        if not runs:
+    rules = {label: arms for label, _, arms, _ in expanded_rules(groups) if not callable(arms)}
+    for label, arms in rules.items():
+        arms = [n for n in dict.fromkeys(arms) if any(r.steps for r in groups.get(n, []))]
+        if not arms or label in ("2v",):
             continue
-        colors = {n: f"C{i % 10}" for i, n in enumerate(arms)}
-        fig, axes = plt.subplots(5, 1, sharex=True, figsize=(9, 14))
-        plot_runs(runs, axes[:4], colors)
-        for n in arms:
-            steps, alive = zip(*survival(groups[n]))
-            axes[4].step(steps, alive, where="post", color=colors[n], label=n)
-        axes[4].set(ylabel="fraction not collapsed", ylim=(-0.05, 1.05))
-        axes[4].grid(alpha=0.3)
-        axes[0].set_title(f"claim {number}: {title}", fontsize=10)
-        axes[0].legend(fontsize=6, ncol=2)
-        saved.append(os.path.join(out_dir, f"claim{number}.png"))
+        fig, axes = plt.subplots(4, 1, sharex=True, figsize=(9, 12))
+        for i, n in enumerate(arms):
+            runs = [r for r in groups[n] if r.steps]
+            steps = sorted({s for r in runs for s in r.steps})
+            for ax, panel in zip(axes[:3], ("loss", "logit", "sigma")):
+                by_step = [median([dict(zip(r.steps, getattr(r, panel))).get(s) for r in runs]) for s in steps]
+                ax.plot(steps, [y if y is not None and y > 0 else math.nan for y in by_step], color=f"C{i % 10}",
+                        lw=1.2, label=arm_words(n))
+            curve = survival(groups[n])
+            axes[3].step(*zip(*curve), where="post", color=f"C{i % 10}")
+        for ax, panel in zip(axes[:3], ("loss", "logit", "sigma")):
+            ax.set(ylabel=PANELS[panel][0] + " (median over seeds)", yscale=PANELS[panel][1])
+            ax.grid(alpha=0.3)
+        axes[3].set(ylabel="fraction of seeds not collapsed", ylim=(-0.05, 1.05), xlabel="step")
+        axes[3].grid(alpha=0.3)
+        axes[0].set_title(f"claim {label}", fontsize=10)
+        axes[0].legend(fontsize=7)
+        saved.append(os.path.join(out_dir, f"claim{label.replace(' ', '').replace('(', '-').replace(')', '')}.png"))
+        fig.savefig(saved[-1], dpi=110, bbox_inches="tight")
+        plt.close(fig)
+    curves = dose_response(groups)
+    sites = list(dict.fromkeys(site for site, _ in curves))
+    if sites:
+        fig, axes = plt.subplots(1, len(sites), figsize=(4 * len(sites), 3.6), sharey=True, squeeze=False)
+        for ax, site in zip(axes[0], sites):
+            for (s, label), cells in curves.items():
+                if s == site:
+                    xs = [d for d, (_, n) in zip(DOSES, cells) if n]
+                    ax.plot(xs, [k / n for k, n in cells if n], "o-", label=label)
+            ax.set(xscale="log", title=f"error at {site}", xlabel="error size per step (rms / signal rms)")
+            ax.grid(alpha=0.3)
+        axes[0][0].set(ylabel="fraction of seeds run away\nbeyond the no-error run", ylim=(-0.05, 1.05))
+        axes[0][0].legend(fontsize=7)
+        saved.append(os.path.join(out_dir, "dose_response.png"))
         fig.savefig(saved[-1], dpi=110, bbox_inches="tight")
         plt.close(fig)
     return saved
 
 
-def plot_some_runs(paths, png):
-    """--runs: one figure of a few run folders (the demo's unguarded and guarded runs, say)."""
+def describe(run):
+    """A run in words, from its config.json, for a legend: "bf16 state, guard off", "bf16 state, QK-Guard
+    (qknorm)"; the folder name where there is no config."""
+    args = run.config.get("args", {})
+    if not args:
+        return os.path.basename(os.path.normpath(run.path))
+    guard = f"QK-Guard ({args.get('guard_action', 'qknorm')})" if args.get("guard") == "on" else "guard off"
+    return f"{args.get('accum', '?')} state, {guard}"
+
+
+def plot_some_runs(paths, png, labels=None):
+    """--runs: one figure of a few run folders (the demo's unguarded and guarded runs, say), each labelled in
+    words (labels, or describe())."""
     plt = _pyplot()
     if plt is None:
         return None
     runs = [Run(os.path.abspath(p)) for p in paths]
-    for run, path in zip(runs, paths):
-        run.group, run.seed = os.path.basename(os.path.normpath(path)), ""
+    for i, run in enumerate(runs):
+        run.group, run.seed = labels[i] if labels else describe(run), ""
     fig, axes = plt.subplots(3, 1, sharex=True, figsize=(8, 8))
     plot_runs(runs, axes, {r.group: f"C{i}" for i, r in enumerate(runs)}, panels=("loss", "logit", "sigma"))
     axes[0].legend(fontsize=8)
@@ -601,14 +881,20 @@ def main(argv=None):
     p.add_argument("--markdown", metavar="FILE", help="also write the tables as Markdown (for RESULTS.md)")
     p.add_argument("--plots", metavar="DIR",
                    help="where the PNG plots go (default: plots/ beside --markdown, else the runs folder)")
+    p.add_argument("--pilot", action="append", default=[], metavar="DIR",
+                   help="a pilot's runs (<DIR>/<experiment>/seed<k>/), tabled in their own section (repeatable)")
     p.add_argument("--runs", nargs="+", metavar="DIR", help="plot these run folders instead (with --png)")
     p.add_argument("--png", default="runs.png", help="--runs: the figure's file (default runs.png)")
+    p.add_argument("--labels", nargs="+", metavar="TEXT", help="--runs: the legend's words, one per run (default: "
+                   "from each run's config, e.g. 'bf16 state, guard off')")
     args = p.parse_args(argv)
     if args.runs:
         missing = [d for d in args.runs if not os.path.exists(os.path.join(d, "log.jsonl"))]
         if missing:
             p.error(f"no log.jsonl in {', '.join(missing)}: give run folders that train.py wrote")
-        png = plot_some_runs(args.runs, args.png)
+        if args.labels and len(args.labels) != len(args.runs):
+            p.error(f"--labels: give one per run ({len(args.runs)}), got {len(args.labels)}")
+        png = plot_some_runs(args.runs, args.png, args.labels)
         if png:
             print(f"plot: {png}")
         return 0
@@ -617,7 +903,8 @@ def main(argv=None):
     groups = load_runs(args.root)
     if not groups:
         print(f"no runs under {args.root} (expected <experiment>/seed<k>/log.jsonl)")
-    print(build(groups, args.root, markdown=False))
+    pilots = [(d, load_runs(d)) for d in args.pilot]
+    print(build(groups, args.root, markdown=False, pilots=pilots))
     markdown_dir = os.path.dirname(os.path.abspath(args.markdown)) if args.markdown else None
     plots = plot_claims(groups, args.plots or (os.path.join(markdown_dir, "plots") if args.markdown else args.root))
     for path in plots:
@@ -625,7 +912,7 @@ def main(argv=None):
     if args.markdown:
         os.makedirs(markdown_dir, exist_ok=True)
         with open(args.markdown, "w") as f:
-            f.write(build(groups, args.root, markdown=True, plots=plots, markdown_dir=markdown_dir))
+            f.write(build(groups, args.root, markdown=True, plots=plots, markdown_dir=markdown_dir, pilots=pilots))
         print(f"markdown: {args.markdown}")
     return 0
 

@@ -30,12 +30,20 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 # 3 seeds can never reach p < 0.05 (1/8 at best).
 SEEDS = 8
 # Claims 3 and 4: the injected error's size (error rms / rms of the signal it joins; see assay.py), fixed in
-# advance as a grid rather than tuned on the contrast it is then judged by, crossed with its sign-coherence.
-DOSES = (0.01, 0.03, 0.1, 0.3)
-COHERENCES = (0.5, 0.75, 1.0)
-# The injection sites, each with its QK-only fix: in the forward (outside attention), QK-norm; in the backward
-# (delta, where the kernel fault reaches the gradient), W_q and W_k trained on the error-free gradient.
-SITES = {"mlp-out": "qknorm", "delta": "clean-grad"}
+# advance as a grid spanning 100x rather than tuned on the contrast it is then judged by, crossed with its
+# sign-coherence: 1 (sign-coherent) and 0.5 (a fresh random sign each step). The grid came from a pilot on
+# another seed (101) in the CPU lab (RESULTS.md): doses up to 1 moved nothing at any site, 3 to 30 made the
+# coherent delta error run away.
+DOSES = (0.3, 3.0, 30.0)
+COHERENCES = (0.5, 1.0)
+# The injection sites, each with its QK-only fix. Outside attention: mlp-out in the forward (the site claim 3 is
+# judged on, fixed before any sweep ran), and two gradient-side sites, W_up's and W_v's gradients; for all three
+# the fix is parameter-free QK-norm from step 0. The positive control: the backward's delta, where the kernel
+# fault reaches the gradient, fixed by training W_q and W_k on the error-free gradient.
+SITES = {"mlp-out": "qknorm", "grad-mlp": "qknorm", "grad-wv": "qknorm", "delta": "clean-grad"}
+CLAIM3_SITE = "mlp-out"
+CLAIM4_SITES = ("mlp-out", "delta")   # claim 4's random-sign arms run at these sites only (compute)
+NO_ERROR = "fp32"                     # the paired no-error arm: fp32 state, no injection, the same seeds
 
 
 def inject_arm(site, dose, coherence, fix=False):
@@ -45,8 +53,37 @@ def inject_arm(site, dose, coherence, fix=False):
     return name, flags + (f" --qk-fix {SITES[site]}" if fix else "")
 
 
-def _grid(coherences, fix):
-    return dict(inject_arm(site, dose, c, fix) for site in SITES for dose in DOSES for c in coherences)
+def _grid(coherences, fix, sites=tuple(SITES)):
+    return dict(inject_arm(site, dose, c, fix) for site in sites for dose in DOSES for c in coherences)
+
+
+# Claims 5 and 6 act on a runaway that something else drives: its source. On a GPU, the natural fault (bf16
+# state, the assay preset). In the CPU lab bf16 state does not run away (MEASUREMENTS.md), so the source is the
+# assay's coherent error at the backward's delta, at a dose the pilot saw run away (RESULTS.md), or the demo's
+# learning-rate runaway. A source's arms are named after it: bf16, bf16-probe-topk, assay-guard-clip, ...
+SOURCES = {
+    "bf16": "--accum bf16",
+    "assay": "--accum fp32 --inject-site delta --inject-scale 3 --inject-coherence 1",
+    "lr": "--accum bf16 --lr 3e-2 --min-lr 3e-2 --warmup-steps 20 --schedule constant",
+}
+
+
+def probe_arms(source):
+    """Claim 5: the unprobed source, the probe on W_q/W_k's top-k, the paper's equal-energy control, and three
+    more controls (reported): a fixed random QK subspace, W_v's top-k, the MLP's top-k; fp32 for the loss cost."""
+    base = SOURCES[source]
+    modes = {"topk": "qk-topk", "equal": "equal-energy", "fixed": "qk-fixed", "v-topk": "v-topk",
+             "mlp-topk": "mlp-topk"}
+    return {source: base, **{f"{source}-probe-{name}": f"{base} --probe {mode}" for name, mode in modes.items()},
+            NO_ERROR: "--accum fp32"}
+
+
+def action_arms(source):
+    """Claim 6: QK-Guard's own action (QK-norm) and the others at the same trigger; fp32-accum where the state is
+    bf16 (with fp32 state it has nothing to switch)."""
+    base = f"{SOURCES[source]} --guard on"
+    actions = ["lr-drop", "clip", "softcap", "qkclip"] + (["fp32-accum"] if "--accum bf16" in base else [])
+    return {f"{source}-guard": base, **{f"{source}-guard-{a}": f"{base} --guard-action {a}" for a in actions}}
 
 
 # The experiments, grouped by the claim they test: name -> train.py flags. An arm shared by several claims (bf16,
@@ -71,26 +108,12 @@ CLAIMS = {
         "fp32-guard": "--accum fp32 --guard on",
     }),
     3: ("an error outside attention drives the same QK runaway; the QK-only fix stops it", {
-        **_grid((1.0,), fix=False), **_grid((1.0,), fix=True)}),
-    4: ("sign-coherent errors run away, random signs do not", _grid(COHERENCES, fix=False)),
-    5: ("causal probe: removing QK's top directions stops the runaway; the same removal elsewhere does not", {
-        "bf16": "--accum bf16",
-        "fp32": "--accum fp32",
-        "bf16-probe-topk": "--accum bf16 --probe qk-topk",
-        "bf16-probe-fixed": "--accum bf16 --probe qk-fixed",
-        "bf16-probe-v-topk": "--accum bf16 --probe v-topk",
-        "bf16-probe-mlp-topk": "--accum bf16 --probe mlp-topk",
-        "bf16-probe-equal": "--accum bf16 --probe equal-energy",
-    }),
-    6: ("non-QK actions at the same trigger fail", {
-        "bf16-guard": "--accum bf16 --guard on",
-        "bf16-guard-lr-drop": "--accum bf16 --guard on --guard-action lr-drop",
-        "bf16-guard-clip": "--accum bf16 --guard on --guard-action clip",
-        "bf16-guard-softcap": "--accum bf16 --guard on --guard-action softcap",
-        # for comparison at the same trigger (not judged by the rule): the weight-side QK action, the source fix
-        "bf16-guard-qkclip": "--accum bf16 --guard on --guard-action qkclip",
-        "bf16-guard-fp32-accum": "--accum bf16 --guard on --guard-action fp32-accum",
-    }),
+        NO_ERROR: "--accum fp32", **_grid((1.0,), fix=False), **_grid((1.0,), fix=True)}),
+    4: ("sign-coherence, not size, lets an error in: coherent errors run away at smaller doses than random-sign "
+        "ones", {NO_ERROR: "--accum fp32", **_grid(COHERENCES, fix=False, sites=CLAIM4_SITES)}),
+    5: ("causal probe: removing QK's top directions stops the runaway; the same removal elsewhere does not",
+        probe_arms("bf16")),
+    6: ("non-QK actions at the same trigger fail", action_arms("bf16")),
     7: ("the same on a second architecture (llama: RMSNorm, SwiGLU, rotary)", {
         "llama-bf16": "--arch llama --accum bf16",
         "llama-fp32": "--arch llama --accum fp32",
@@ -103,11 +126,13 @@ DONE = ("completed", "collapsed")    # end statuses that mean "nothing left to r
 STOP_WAIT_S = 300                    # after Ctrl-C, how long children get to save their checkpoint
 
 
-def experiments(claims, only=None):
-    """name -> list of train.py flags, for the chosen claims (and names); a shared arm appears once."""
+def experiments(claims, only=None, source="bf16"):
+    """name -> list of train.py flags, for the chosen claims (and names); a shared arm appears once. Claims 5 and
+    6 act on the runaway of `source` (SOURCES)."""
     chosen = {}
     for number in claims:
-        for name, flags in CLAIMS[number][1].items():
+        arms = {5: lambda: probe_arms(source), 6: lambda: action_arms(source)}.get(number, lambda: CLAIMS[number][1])
+        for name, flags in arms().items():
             if only is None or name in only:
                 chosen[name] = shlex.split(flags)
     return chosen
@@ -282,6 +307,9 @@ def main(argv=None):
     p.add_argument("--claims", default=",".join(map(str, CLAIMS)), help="comma-separated claim numbers (1-7)")
     p.add_argument("--only", default=None, help="comma-separated experiment names, within those claims")
     p.add_argument("--seeds", type=int, default=SEEDS, help="seeds 1..N: seed k passes --seed k (see SEEDS)")
+    p.add_argument("--source", default="bf16", choices=list(SOURCES),
+                   help="what drives the runaway that claims 5 and 6 act on: bf16 (the natural fault, on a GPU), "
+                        "assay (an injected coherent error: the CPU lab), lr (the demo's learning-rate runaway)")
     p.add_argument("--parallel", type=int, default=None, help="runs at once (default: 8 on CUDA, 1 on CPU)")
     p.add_argument("--out-root", default="runs/claims", help="runs go to <out-root>/<experiment>/seed<k>/")
     p.add_argument("--resume", action="store_true", help="continue unfinished runs from their checkpoints")
@@ -293,7 +321,7 @@ def main(argv=None):
         p.error(f"--claims {args.claims!r}: give some of {','.join(map(str, CLAIMS))}")
     claims = [int(c) for c in args.claims.split(",")]
     only = None if args.only is None else set(args.only.split(","))
-    names_flags = experiments(claims, only)
+    names_flags = experiments(claims, only, args.source)
     if only is not None and only - set(names_flags):
         p.error(f"--only: {', '.join(sorted(only - set(names_flags)))} not in claims {args.claims}")
 

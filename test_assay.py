@@ -249,6 +249,31 @@ def test_equal_energy_takes_all_it_can_when_the_update_is_in_the_top_directions(
         outside = dW - topk_removed(dW, U, V)
         torch.testing.assert_close(new, dW - outside, rtol=0, atol=1e-7)   # all of the outside part went
     assert all(r < t for r, t in zip(log["q_removed"], log["q_target"]))  # and the log shows the shortfall
+    shares = [r / t for name in "qk" for r, t in zip(log[f"{name}_removed"], log[f"{name}_target"])]
+    assert log["removed_fraction_min"] == pytest.approx(min(shares)) and log["removed_fraction_min"] < 0.95, \
+        "the smallest share reaches the log, where report.py refuses a control that fell short"
+
+
+def test_the_smallest_removed_share_is_kept_over_a_log_interval_and_reset_after_it():
+    gpt = tiny_gpt()
+    weights = [w for a in gpt.attentions for w in (a.q_proj.weight, a.k_proj.weight)]
+    probe = Probe("equal-energy", k=3, seed=0)
+
+    def step(along_top):
+        probe.before_step(gpt)
+        with torch.no_grad():
+            for w in weights:
+                U, _, Vh = torch.linalg.svd(w.detach())
+                w += 1e-2 * torch.outer(U[:, 0], Vh[0]) if along_top else 3e-3 * torch.randn(32, 32)
+        return probe.after_step(gpt)["removed_fraction_min"]
+    assert step(False) == pytest.approx(1.0, abs=1e-4), "a random update has energy enough outside the top-k"
+    short = step(True)
+    assert short < 0.95
+    assert step(False) == short, "a later full step does not hide the interval's shortfall"
+    probe.reset_interval()
+    assert step(False) == pytest.approx(1.0, abs=1e-4)
+    state = probe.state_dict()
+    assert Probe("equal-energy", k=3).load_state_dict(state) is None and state["fraction_min"] <= 1.0
 
 
 def test_qk_fixed_removes_the_same_random_subspace_every_step():

@@ -30,18 +30,20 @@ KINDS = ("q", "k", *report.NON_QK_KINDS)
 # Synthetic run folders, written the way train.py writes them
 
 def write_run(root, arm, seed, steps=20, collapse=None, trigger=None, logit=10.0, growth=None, loss=3.0, val=None,
-              end="completed"):
+              end="completed", probe_share=None, args=None):
     """A run of `arm` logging every step: 2 layers of 2 heads, sigma of every weight kind per layer.
 
     logit: the max attention logit of each step, a number or a function of the step. growth: kind -> how many
     times sigma(W_kind) grows from the first logged step to the last (geometrically; 1 if not given, None: that
     kind is not logged). collapse: the loss is 8 from that step on, a collapse event is logged and the run stops
     2 steps later, collapsed. trigger: a guard_trigger event at that step. val: the final val loss (2.9, or 8 if
-    collapsed). end: the end record's status; None leaves the run in progress (no end record), "" an empty log."""
+    collapsed). end: the end record's status; None leaves the run in progress (no end record), "" an empty log.
+    loss: a number or a function of the step. probe_share: the equal-energy probe's smallest removed share, logged
+    at every step. args: more of config.json's flags."""
     path = os.path.join(str(root), arm, f"seed{seed}")
     os.makedirs(path)
     with open(os.path.join(path, "config.json"), "w") as f:
-        json.dump({"args": {"seed": seed}, "command": ["train.py", "--seed", str(seed), "--out-dir", path],
+        json.dump({"args": {"seed": seed, **(args or {})}, "command": ["train.py", "--seed", str(seed), "--out-dir", path],
                    "versions": {"gpu": "NVIDIA H200", "device": "cuda:0", "torch": "2.11.0+cu130"}}, f)
     growth = {**dict.fromkeys(KINDS, 1.0), **(growth or {})}
     last = steps - 1 if collapse is None else collapse + 2
@@ -52,10 +54,12 @@ def write_run(root, arm, seed, steps=20, collapse=None, trigger=None, logit=10.0
         if step == trigger:
             records.append({"event": "guard_trigger", "step": step, "layer": 1, "head": 0, "value": top,
                             "signal": "max-logit", "layers": [1], "active_from": step + 1})
-        records.append({"step": step, "lr": 1e-3, "loss": 8.0 if collapse is not None and step >= collapse else loss,
+        step_loss = loss(step) if callable(loss) else loss
+        records.append({"step": step, "lr": 1e-3, "loss": 8.0 if collapse is not None and step >= collapse else step_loss,
                         "grad_norm": 1.0, "max_logit": [[1.0, 2.0], [top, 3.0]],
                         **{f"sigma_{k}": [0.5, g ** (step / last)] for k, g in growth.items() if g is not None},
-                        "guard": "on" if trigger is not None and step > trigger else "dormant"})
+                        "guard": "on" if trigger is not None and step > trigger else "dormant",
+                        **({"probe": {"removed_fraction_min": probe_share}} if probe_share is not None else {})})
         if step == collapse:
             records.append({"event": "collapse", "step": collapse, "loss": 8.0})
     records.append({"event": "eval", "step": last + 1, "val_loss": val})
@@ -298,159 +302,246 @@ def grid(sites, coherences, fix):
             for f in ((False, True) if fix else (False,))}
 
 
-@pytest.mark.parametrize("rule, site", [("3", "mlp-out"), ("3+", "delta")])
+# The paired no-error arm: max logit 10, sigmas flat. An error arm "runs away" beyond it: max logit >= RUNAWAY_LOGIT
+# and LOGIT_RATIO x its own; through QK: sigma(W_q or W_k) x8 (SIGMA_RATIO x the no-error run's 1 and x the others').
+NOERR = {sweep.NO_ERROR: arm(0, OK)}
+
+
+def rule3(site, dose=3.0, k=7, **changes):
+    """The grid of `site` healthy, coherence 1 at `dose` running away through QK in k seeds, the no-error arm."""
+    return {**grid([site], [1.0], fix=True), **NOERR, inject(site, dose): arm(k, QK_RUNAWAY), **changes}
+
+
+@pytest.mark.parametrize("rule, site", [("3", "mlp-out"), ("3 (grad-mlp)", "grad-mlp"), ("3 (grad-wv)", "grad-wv"),
+                                        ("3+", "delta")])
 @pytest.mark.parametrize("changes, expected", [
-    param(lambda s: {inject(s, 0.1): arm(7, QK_RUNAWAY)}, "reproduced", id="7 of 8 at dose 0.1"),
-    param(lambda s: {inject(s, 0.01): arm(8, QK_RUNAWAY)}, "reproduced", id="8 of 8 at dose 0.01"),
-    param(lambda s: {inject(s, 0.1): arm(7, {"collapse": 10, "growth": {"k": 8.0}})}, "reproduced",
-          id="collapses, through W_k"),
-    param(lambda s: {inject(s, 0.1): arm(7, {"logit": R, "growth": {"q": 8.0}})}, "reproduced",
-          id="max logit exactly RUNAWAY_LOGIT"),
-    param(lambda s: {inject(s, 0.1): arm(7, {"logit": 0.99 * R, "growth": {"q": 8.0}})}, "not reproduced",
-          id="max logit just below RUNAWAY_LOGIT"),
-    param(lambda s: {inject(s, 0.1): arm(7, {"logit": 2 * R, "growth": {"q": 8.0, "v": 8.0}})}, "not reproduced",
-          id="sigma_v grows as much: not QK-specific"),
-    param(lambda s: {inject(s, 0.1): arm(7, {"logit": 2 * R, "growth": {"q": 8.0, "mlp_out": 4.0}})},
-          "not reproduced", id="QK growth exactly SIGMA_RATIO x the others'"),
-    param(lambda s: {inject(s, 0.1): arm(4, QK_RUNAWAY)}, "not reproduced", id="4 of 8"),
-    param(lambda s: {inject(s, 0.1): arm(5, QK_RUNAWAY)}, "not reproduced", id="5 of 8: p=1/32 > ALPHA/4"),
-    param(lambda s: {inject(s, 0.1): arm(6, QK_RUNAWAY)}, "not reproduced", id="6 of 8: p=1/64 > ALPHA/4"),
-    param(lambda s: {inject(s, 0.1): arm(7, QK_RUNAWAY), inject(s, 0.1, fix=True): arm(1, RUNAWAY)},
-          "not reproduced", id="the fix runs away in one of those seeds"),
-    param(lambda s: {inject(s, 0.1): arm(7, QK_RUNAWAY), inject(s, 0.1, fix=True): arm(0, OK, {1: UNFINISHED})},
-          "not reproduced", id="the fix unfinished in one of those seeds"),
-    param(lambda s: {inject(s, 0.1): arm(7, QK_RUNAWAY), inject(s, 0.3, fix=True): arm(8, RUNAWAY)},
-          "reproduced", id="the fix runs away at another dose"),
-    param(lambda s: {inject(s, 0.1): arm(4, QK_RUNAWAY), inject(s, 0.3): arm(0, OK, dict.fromkeys(
-        range(5, 9), QK_RUNAWAY))}, "not reproduced", id="4 seeds at one dose, 4 at another"),
-    param(lambda s: {inject(s, 0.1): arm(7, QK_RUNAWAY), inject(s, 0.3, fix=True): []}, "reproduced",
+    param(lambda s: rule3(s), "reproduced", id="7 of 8 at dose 3"),
+    param(lambda s: rule3(s, 0.3, 8), "reproduced", id="8 of 8 at dose 0.3"),
+    param(lambda s: rule3(s, **{inject(s, 3.0): arm(7, {"collapse": 10, "growth": {"k": 8.0}})}), "reproduced",
+          id="collapses where no-error does not, through W_k"),
+    param(lambda s: rule3(s, **{inject(s, 3.0): arm(7, {"logit": 0.99 * R, "growth": {"q": 8.0}})}),
+          "not reproduced", id="max logit just below RUNAWAY_LOGIT"),
+    param(lambda s: rule3(s, **{sweep.NO_ERROR: arm(8, {"logit": 2 * R})}), "not reproduced",
+          id="the no-error run's logits run away too (the old rule passed this)"),
+    param(lambda s: rule3(s, **{sweep.NO_ERROR: arm(8, {"logit": 0.25 * R})}), "not reproduced",
+          id="max logit under LOGIT_RATIO x the no-error run's"),
+    param(lambda s: rule3(s, **{sweep.NO_ERROR: arm(8, {"growth": {"q": 4.0}})}), "reproduced",
+          id="QK growth exactly SIGMA_RATIO x the no-error run's"),
+    param(lambda s: rule3(s, **{sweep.NO_ERROR: arm(8, {"growth": {"q": 4.1}})}), "not reproduced",
+          id="QK growth under SIGMA_RATIO x the no-error run's (the old rule passed this)"),
+    param(lambda s: rule3(s, **{inject(s, 3.0): arm(7, {"logit": 2 * R, "growth": {"q": 8.0, "v": 8.0}})}),
+          "not reproduced", id="sigma_v grows as much: not QK-specific"),
+    param(lambda s: rule3(s, k=4), "not reproduced", id="4 of 8"),
+    param(lambda s: rule3(s, k=6), "reproduced", id="6 of 8: p=1/64 < ALPHA/3"),
+    param(lambda s: rule3(s, k=5), "not reproduced", id="5 of 8: p=1/32 > ALPHA/3"),
+    param(lambda s: rule3(s, **{inject(s, 3.0, fix=True): arm(2, RUNAWAY)}), "not reproduced",
+          id="the fix runs away in two of those seeds: 5 vs 0"),
+    param(lambda s: rule3(s, **{inject(s, 3.0, fix=True): arm(2, {"val": 2.9 + report.FIX_TOL + 0.01})}),
+          "not reproduced", id="the fix ends FIX_TOL above the no-error run in two (the old rule passed this)"),
+    param(lambda s: rule3(s, **{inject(s, 3.0, fix=True): arm(8, {"val": 2.9 + report.FIX_TOL - 0.01})}),
+          "reproduced", id="the fix within FIX_TOL"),
+    param(lambda s: rule3(s, **{inject(s, 3.0, fix=True): arm(2, UNFINISHED)}), "not reproduced",
+          id="the fix unfinished in two of those seeds"),
+    param(lambda s: rule3(s, **{sweep.NO_ERROR: arm(0, OK, {1: UNFINISHED})}), "not reproduced",
+          id="the no-error run unfinished in one of those seeds"),
+    param(lambda s: rule3(s, **{sweep.NO_ERROR: []}), "not reproduced", id="no no-error runs"),
+    param(lambda s: rule3(s, **{inject(s, 30.0, fix=True): arm(8, RUNAWAY)}), "reproduced",
+          id="the fix runs away at another dose"),
+    param(lambda s: rule3(s, k=4, **{inject(s, 30.0): arm(0, OK, dict.fromkeys(range(5, 9), QK_RUNAWAY))}),
+          "not reproduced", id="4 seeds at one dose, 4 at another"),
+    param(lambda s: rule3(s, **{inject(s, 30.0, fix=True): []}), "reproduced",
           id="a missing fix arm counts against its own dose only"),
-    param(lambda s: {inject(s, 0.1, fix=True): [], inject(s, 0.1): arm(7, QK_RUNAWAY)}, "not reproduced",
+    param(lambda s: rule3(s, **{inject(s, 3.0, fix=True): []}), "not reproduced",
           id="the fix arm missing at the dose that ran away"),
 ])
 def test_rules_3_and_3plus(tmp_path, rule, site, changes, expected):
-    assert judge(tmp_path, rule, {**grid([site], [1.0], fix=True), **changes(site)}) == expected
+    assert judge(tmp_path, rule, changes(site)) == expected
 
 
 @pytest.mark.parametrize("doses, runaways, expected", [
-    param((0.1, 0.3), 6, "reproduced", id="6 of 8 with 2 doses run (p = 1/64 < 0.05 / 2)"),
-    param(sweep.DOSES, 6, "not reproduced", id="6 of 8 with 4 doses run (1/64 > 0.05 / 4)"),
+    param((3.0, 30.0), 6, "reproduced", id="6 of 8 with 2 doses run (p = 1/64 < 0.05 / 2)"),
+    param(sweep.DOSES, 5, "not reproduced", id="5 of 8 with 3 doses run (1/32 > 0.05 / 3)"),
     param((), 0, "not run", id="no dose of the site run"),
 ])
 def test_rule_3_judges_the_doses_that_were_run(tmp_path, doses, runaways, expected):
-    arms = {inject("mlp-out", d, 1.0, f): arm(runaways if d == 0.1 and not f else 0, QK_RUNAWAY if not f else OK)
+    arms = {inject("mlp-out", d, 1.0, f): arm(runaways if d == 3.0 and not f else 0, QK_RUNAWAY if not f else OK)
             for d in doses for f in (False, True)}
-    assert judge(tmp_path, "3", arms or {"bf16": arm(0, OK)}) == expected
+    assert judge(tmp_path, "3", {**arms, **NOERR} if arms else {"bf16": arm(0, OK)}) == expected
 
 
-def test_rule_3_uses_the_bonferroni_threshold(tmp_path):
-    assert report.ALPHA / len(sweep.DOSES) == 0.0125
-    text = rows(tmp_path, {**grid(["mlp-out"], [1.0], True), inject("mlp-out", 0.1): arm(7, QK_RUNAWAY),
-                           inject("mlp-out", 0.3): arm(5, QK_RUNAWAY)})["3"][2]
-    assert "7 seeds one way, 0 the other, p = 0.00781 (threshold 0.0125) -> holds" in text
-    assert "5 seeds one way, 0 the other, p = 0.0312 (threshold 0.0125) -> fails" in text
+def test_rule_3_uses_the_bonferroni_threshold_and_lists_the_fix_gaps(tmp_path):
+    assert report.ALPHA / len(sweep.DOSES) == pytest.approx(0.05 / 3)
+    text = rows(tmp_path, {**rule3("mlp-out"), inject("mlp-out", 30.0): arm(5, QK_RUNAWAY),
+                           inject("mlp-out", 30.0, fix=True): arm(8, {"val": 2.95})})["3"][2]
+    assert "7 seeds one way, 0 the other, p = 0.00781 (threshold 0.0167) -> holds" in text
+    assert "5 seeds one way, 0 the other, p = 0.0312 (threshold 0.0167) -> fails" in text
     assert text.count("sign test, ") == len(sweep.DOSES)
+    assert "mlp-out 30: QK-only fix's val loss - no-error's, median +0.050 (max +0.050; FIX_TOL 0.1)" in text
+
+
+def test_an_underpowered_dose_rule_is_inconclusive_at_its_own_threshold(tmp_path):
+    # 5 seeds: all one way gives p = 1/32 < ALPHA but > ALPHA / 3, the dose grid's threshold: no dose can hold,
+    # so the failed rule is inconclusive (the old check against ALPHA called it "not reproduced")
+    five = lambda runs: runs[:5]
+    arms = {name: five(runs) for name, runs in rule3("mlp-out", k=5).items()}
+    row = rows(tmp_path, arms)["3"]
+    assert row[1] == "inconclusive" and "this rule's threshold; run at least 6" in row[2]
+    # rule 1 (no grid): 5 seeds can reach p < ALPHA, so a failure there is a refutation
+    assert judge(tmp_path / "r1", "1", {"bf16": [OK] * 5, "fp32": [OK] * 5, "bf16-safemax": [OK] * 5}) == \
+        "not reproduced"
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Rule 4: at both sites, coherence 1 runs away where coherence 0.5 does not, at some dose
+# Rule 4: at both sites, coherent errors run away at smaller doses than random-sign ones (potency)
 
-def rule4(mlp_out=0.1, delta=0.1, **cells):
-    """The full grid, coherence 1 running away in 7 of 8 seeds at the given dose of each site (None: nowhere)."""
-    arms = grid(sweep.SITES, sweep.COHERENCES, fix=False)
+def rule4(mlp_out=3.0, delta=3.0, **cells):
+    """The grid, coherence 1 running away beyond no-error in 7 of 8 seeds from the given dose up at each site
+    (None: nowhere), random signs nowhere."""
+    arms = {**grid(sweep.CLAIM4_SITES, sweep.COHERENCES, fix=False), **NOERR}
     for site, dose in (("mlp-out", mlp_out), ("delta", delta)):
-        if dose is not None:
-            arms[inject(site, dose)] = arm(7, RUNAWAY)
+        for d in sweep.DOSES:
+            if dose is not None and d >= dose:
+                arms[inject(site, d)] = arm(7, RUNAWAY)
     return {**arms, **cells}
 
 
 @pytest.mark.parametrize("arms, expected", [
-    param(rule4(), "reproduced", id="both sites at dose 0.1"),
-    param(rule4(delta=0.3), "reproduced", id="each site at its own dose"),
+    param(rule4(), "reproduced", id="coherent from 3, random never"),
+    param(rule4(delta=30.0), "reproduced", id="each site at its own dose"),
+    param(rule4(**{inject("delta", 30.0, 0.5): arm(7, RUNAWAY)}), "reproduced",
+          id="random signs need 10x the dose"),
+    param(rule4(**{inject("delta", d, 0.5): arm(7, RUNAWAY) for d in (3.0, 30.0)}), "not reproduced",
+          id="random signs run away from the same dose"),
     param(rule4(delta=None), "not reproduced", id="only mlp-out"),
     param(rule4(mlp_out=None), "not reproduced", id="only delta"),
-    param(rule4(**{inject("delta", 0.1, 0.5): arm(7, COLLAPSE)}), "not reproduced",
-          id="coherence 0.5 runs away too"),
-    param(rule4(**{inject("delta", 0.1, 0.75): arm(7, COLLAPSE)}), "reproduced", id="coherence 0.75 is not judged"),
-    param(rule4(**{inject("mlp-out", 0.1): arm(5, RUNAWAY)}), "not reproduced", id="5 of 8 at one site"),
-    param(rule4(**{inject("delta", d, 0.75): [] for d in sweep.DOSES}), "reproduced",
-          id="coherence 0.75 need not run"),
+    param(rule4(**{inject("mlp-out", 0.3, 0.5): arm(7, RUNAWAY)}), "not reproduced",
+          id="random signs run away at a smaller dose (the old one-dose rule passed this at 3)"),
+    param(rule4(**{sweep.NO_ERROR: arm(8, {"logit": 2 * R})}), "not reproduced",
+          id="the no-error run runs away as well (the old rule passed this)"),
+    param(rule4(**{inject("mlp-out", d): arm(4, RUNAWAY) for d in sweep.DOSES}), "not reproduced",
+          id="coherent in 4 of 8 at one site"),
+    param(rule4(**{inject("mlp-out", d): arm(5, RUNAWAY) for d in sweep.DOSES}), "reproduced",
+          id="coherent in 5 of 8: p = 1/32"),
+    param(rule4(**{inject("delta", 0.3, 0.5): arm(0, OK, dict.fromkeys(range(1, 5), UNFINISHED))}),
+          "not reproduced", id="random signs unfinished in 4 seeds count as running away there"),
     param(rule4(**{inject("delta", d, c): [] for d in sweep.DOSES for c in sweep.COHERENCES}), "not reproduced",
           id="no dose of one site run: that site fails"),
-    param({inject(s, d, c): [] for s in sweep.SITES for d in sweep.DOSES for c in sweep.COHERENCES},
+    param({inject(s, d, c): [] for s in sweep.CLAIM4_SITES for d in sweep.DOSES for c in sweep.COHERENCES},
           "not run", id="nothing of the grid run"),
 ])
 def test_rule_4(tmp_path, arms, expected):
     assert judge(tmp_path, "4", arms) == expected
 
 
-# ---------------------------------------------------------------------------------------------------------------
-# Rule 5: bf16 runs away where bf16-probe-topk does not, and so does each control
+def test_rule_4_reports_potency_by_seed_and_the_dose_response(tmp_path):
+    arms = rule4(**{inject("delta", 30.0, 0.5): arm(7, RUNAWAY)})
+    row = rows(tmp_path, arms)["4"]
+    assert "mlp-out: smallest dose run away (coherent / random sign), by seed: seed1 3 / none" in row[2]
+    assert "delta: potency ratio (random / coherent), median 10" in row[2]
+    table = report.dose_table(report.load_runs(str(tmp_path)))
+    assert ["delta", "coherence 0.5", "0/8", "0/8", "7/8"] in table
+    assert ["mlp-out", "coherence 1", "0/8", "7/8", "7/8"] in table
 
-CONTROLS = ("bf16-probe-fixed", "bf16-probe-v-topk", "bf16-probe-mlp-topk")
-RULE5 = {"bf16": arm(7, RUNAWAY), "bf16-probe-topk": arm(0, OK), "bf16-probe-fixed": arm(7, RUNAWAY),
-         "bf16-probe-v-topk": arm(7, COLLAPSE), "bf16-probe-mlp-topk": arm(7, RUNAWAY)}
+
+# ---------------------------------------------------------------------------------------------------------------
+# Rule 5: the source runs away where the top-k probe does not, and so does the valid equal-energy control
+
+def rule5(source="bf16"):
+    return {source: arm(7, RUNAWAY), f"{source}-probe-topk": arm(0, OK),
+            f"{source}-probe-equal": arm(7, {**RUNAWAY, "probe_share": 1.0}, rest={"probe_share": 1.0}),
+            f"{source}-probe-fixed": arm(7, RUNAWAY), f"{source}-probe-v-topk": arm(7, COLLAPSE),
+            f"{source}-probe-mlp-topk": arm(7, RUNAWAY), **NOERR}
 
 
 @pytest.mark.parametrize("changes, expected", [
-    param({}, "reproduced", id="7 of 8 and each control 7 of 8"),
-    *(param({c: arm(0, OK)}, "not reproduced", id=f"{c} does not run away") for c in CONTROLS),
-    param({"bf16-probe-mlp-topk": arm(4, RUNAWAY)}, "not reproduced", id="a control 4 of 8"),
-    param({"bf16-probe-mlp-topk": arm(5, RUNAWAY)}, "reproduced", id="a control 5 of 8: p=1/32"),
+    param({}, "reproduced", id="7 of 8, the equal-energy control 7 of 8"),
+    param({"bf16-probe-equal": arm(7, {**RUNAWAY, "probe_share": 0.9}, rest={"probe_share": 1.0})},
+          "not reproduced", id="the control removed 90% of its target: not the control (the old rule passed this)"),
+    param({"bf16-probe-equal": arm(7, {**RUNAWAY, "probe_share": 0.95}, rest={"probe_share": 1.0})},
+          "reproduced", id="the control removed exactly CONTROL_ENERGY"),
+    param({"bf16-probe-equal": arm(7, RUNAWAY)}, "not reproduced", id="the control logged no removed share"),
+    param({"bf16-probe-equal": arm(0, {"probe_share": 1.0})}, "not reproduced",
+          id="the equal-energy control does not run away"),
+    *(param({c: arm(0, OK)}, "reproduced", id=f"{c} does not run away: reported, not judged (the old rule failed)")
+      for c in ("bf16-probe-fixed", "bf16-probe-v-topk", "bf16-probe-mlp-topk")),
     param({"bf16-probe-topk": arm(3, RUNAWAY)}, "not reproduced", id="topk runs away too: 4 vs 0"),
     param({"bf16-probe-topk": arm(3, UNFINISHED)}, "not reproduced", id="topk unfinished in 3 seeds"),
     param({"bf16": arm(4, RUNAWAY)}, "not reproduced", id="bf16 4 of 8"),
-    param({"bf16-probe-v-topk": []}, "not run", id="a control not run"),
+    param({"bf16-probe-equal": []}, "not run", id="the equal-energy control not run"),
+    param({"bf16-probe-v-topk": []}, "reproduced", id="a reported control not run"),
 ])
 def test_rule_5(tmp_path, changes, expected):
-    assert judge(tmp_path, "5", {**RULE5, **changes}) == expected
+    assert judge(tmp_path, "5", {**rule5(), **changes}) == expected
 
 
-def test_rule_5_loss_cost_line(tmp_path):
-    # fp32 at 2.9; topk 0.05 above it; v-topk's 7 collapsed seeds at val 8 (median 5.1 above); equal-energy not run
-    text = rows(tmp_path, {**RULE5, "fp32": arm(0, OK), "bf16-probe-topk": arm(8, {"val": 2.95})})["5"][2]
-    assert ("loss cost, median final val loss - fp32's: bf16-probe-topk +0.050, bf16-probe-fixed +0.000, "
-            "bf16-probe-v-topk +5.100, bf16-probe-mlp-topk +0.000, bf16-probe-equal n/a") in text
-    text = rows(tmp_path / "b", RULE5)["5"][2]     # no fp32 runs: no cost
-    assert "bf16-probe-topk n/a, bf16-probe-fixed n/a" in text
+def test_rule_5_runs_per_source_and_reports_shortfall_and_cost(tmp_path):
+    arms = {**rule5("assay"), "assay-probe-topk": arm(8, {"val": 2.95}),
+            "assay-probe-equal": arm(7, {**RUNAWAY, "probe_share": 1.0}, {8: {"probe_share": 0.5}})}
+    table = rows(tmp_path, arms)
+    assert "5" not in table and table["5 (assay)"][1] == "reproduced"
+    text = table["5 (assay)"][2]
+    assert "an injected coherent error at the backward's delta" in text
+    assert "assay-probe-equal: smallest share of the target energy removed in a step, by seed:" in text
+    assert "seed8 0.500" in text and "seed1 1.000" in text
+    assert "assay-probe-fixed: ran away 7/8" in text and "(a control, reported, not judged)" in text
+    assert "loss cost, median final val loss - fp32's: assay-probe-topk +0.050" in text
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Rule 6: at the guard's trigger (step 5), lr-drop, clip and softcap each fail where the QK-norm action does not
+# Rule 6: at the guard's trigger (step 5), lr-drop, clip and softcap each break down where QK-norm does not, and
+# QK-Clip breaks down in no seed
 
-AFTER = lambda step: 2 * R if step > 5 else 10.0           # logits past RUNAWAY_LOGIT after the trigger only
+AFTER = lambda step: 2 * R if step > 6 else 10.0           # logits past RUNAWAY_LOGIT once the action is on
 BEFORE = lambda step: 2 * R if step <= 5 else 10.0         # ... up to the trigger (its own step included) only
 COLLAPSED_AFTER = {**TRIG, "collapse": 10}
 RAN_AWAY_AFTER = {**TRIG, "logit": AFTER}
 WORSE = {**TRIG, "val": 2.9 + TOL + 0.01}
 ACTIONS = ("bf16-guard-lr-drop", "bf16-guard-clip", "bf16-guard-softcap")
 RULE6 = {"bf16-guard": arm(0, TRIG), "bf16-guard-lr-drop": arm(7, COLLAPSED_AFTER, rest=TRIG),
-         "bf16-guard-clip": arm(7, RAN_AWAY_AFTER, rest=TRIG), "bf16-guard-softcap": arm(7, WORSE, rest=TRIG)}
+         "bf16-guard-clip": arm(7, RAN_AWAY_AFTER, rest=TRIG), "bf16-guard-softcap": arm(7, COLLAPSED_AFTER, rest=TRIG),
+         "bf16-guard-qkclip": arm(0, TRIG)}
 
 
 @pytest.mark.parametrize("changes, expected", [
-    param({}, "reproduced", id="each fails in 7 of 8, a different way"),
-    *(param({a: arm(8, {**TRIG, "val": 2.9 + TOL - 0.01})}, "not reproduced", id=f"{a} within LOSS_TOL")
-      for a in ACTIONS),
+    param({}, "reproduced", id="each breaks down in 7 of 8"),
+    param({"bf16-guard-softcap": arm(8, WORSE)}, "not reproduced",
+          id="softcap stays stable, 0.04 nat worse: not a breakdown (the old rule counted it as failed)"),
     param({"bf16-guard-clip": arm(7, {**TRIG, "logit": BEFORE}, rest=TRIG)}, "not reproduced",
           id="clip's logits past RUNAWAY_LOGIT only up to the trigger"),
     param({"bf16-guard": arm(8, {**TRIG, "logit": BEFORE})}, "reproduced",
           id="QK-norm's logits past RUNAWAY_LOGIT only up to the trigger"),
     param({"bf16-guard": arm(3, RAN_AWAY_AFTER, rest=TRIG)}, "not reproduced", id="QK-norm runs away in 3: 4 vs 0"),
-    param({"bf16-guard": arm(0, TRIG, {8: COLLAPSED_AFTER})}, "reproduced",
-          id="QK-norm collapses in a seed where the actions did not fail: 7 vs 1, p=9/256"),
-    param({"bf16-guard-softcap": arm(4, WORSE, rest=TRIG)}, "not reproduced", id="softcap fails in 4 of 8"),
+    param({"bf16-guard-qkclip": arm(1, COLLAPSED_AFTER, rest=TRIG)}, "not reproduced",
+          id="QK-Clip breaks down in a seed (the old rule did not judge it)"),
+    param({"bf16-guard-qkclip": arm(0, TRIG, {3: UNFINISHED})}, "not reproduced", id="QK-Clip unfinished in a seed"),
+    param({"bf16-guard-qkclip": []}, "not run", id="QK-Clip not run"),
+    param({"bf16-guard-softcap": arm(4, COLLAPSED_AFTER, rest=TRIG)}, "not reproduced", id="softcap 4 of 8"),
     param({"bf16-guard-lr-drop": []}, "not run", id="lr-drop not run"),
 ])
 def test_rule_6(tmp_path, changes, expected):
     assert judge(tmp_path, "6", {**RULE6, **changes}) == expected
 
 
-def test_rule_6_comparison_arms_are_reported_not_judged(tmp_path):
-    row = rows(tmp_path, {**RULE6, "bf16-guard-qkclip": arm(8, COLLAPSED_AFTER)})["6"]
-    assert row[1] == "reproduced"
-    assert "bf16-guard-qkclip: failed 8/8 [95% CI 0.63-1.00] (for comparison, not judged)" in row[2]
-    assert "bf16-guard-fp32-accum" not in row[2]
+def test_rule_6_per_source_with_gaps_triggers_and_the_grace_window(tmp_path):
+    lab = {name.replace("bf16", "lr", 1): runs for name, runs in RULE6.items()}
+    # QK-norm's loss jumps by 1.5 right after it acts (step 6) and recovers: inside a grace of 100, past the
+    # margin of 1: shown as a transient the grace hid
+    lab["lr-guard"] = arm(8, {**TRIG, "loss": lambda s: 4.5 if 6 <= s <= 8 else 3.0, "args": {"collapse_grace": 100}})
+    lab["lr-guard-qkclip"] = arm(8, {**TRIG, "val": 3.0})
+    table = rows(tmp_path, lab)
+    assert "6" not in table and table["6 (lr)"][1] == "reproduced"
+    text = table["6 (lr)"][2]
+    assert "the demo's learning-rate runaway" in text and "lr-guard-qkclip +0.100" in text
+    assert "lr-guard: trigger step by seed: seed1 5" in text
+    assert "lr-guard: worst smoothed loss in the grace window above the pre-trigger best, by seed: seed1 +0." in text
+    run = report.Run(os.path.join(str(tmp_path), "lr-guard", "seed1"))
+    ema = [3.0] * 6
+    for s in range(6, 20):
+        ema.append(0.9 * ema[-1] + 0.1 * (4.5 if s <= 8 else 3.0))
+    assert run.grace_excess == pytest.approx(max(ema[6:]) - 3.0)
+    tight = arm(8, {**TRIG, "loss": lambda s: 9.0 if s >= 6 else 3.0, "args": {"collapse_grace": 100}})
+    text = rows(tmp_path / "b", {**lab, "lr-guard": tight})["6 (lr)"][2]
+    assert "(past the margin: would have counted)" in text
 
 
 def test_too_few_seeds_give_inconclusive_not_a_refutation(tmp_path):
@@ -489,13 +580,15 @@ def test_rule_7(tmp_path, changes, expected):
 def test_every_rule_passes_on_its_own_runs_together(tmp_path):
     """All the passing cases in one root: shared arms (bf16, fp32, bf16-guard) must agree, and every row reproduces."""
     arms = {**RULE1, **RULE2V, **RULE6, **RULE7, **rule4(),
-            **{k: v for k, v in RULE5.items() if k != "bf16"}, "bf16": RULE2["bf16"],    # bf16 collapses: ran away
+            **{k: v for k, v in rule5().items() if k != "bf16"}, "bf16": RULE2["bf16"],    # bf16 collapses: ran away
             "bf16-guard": RULE2["bf16-guard"], "bf16-qknorm-always": RULE2["bf16-qknorm-always"]}
     for site in sweep.SITES:
         arms.update({inject(site, d, 1.0, True): arm(0, OK) for d in sweep.DOSES})
-        arms[inject(site, 0.1)] = arm(7, QK_RUNAWAY)
+        for d in sweep.DOSES:      # through QK from 3 up (rule 4's coherent arms ran away from 3 too)
+            arms[inject(site, d)] = arm(7, QK_RUNAWAY) if d >= 3.0 else arm(0, OK)
     verdicts = {rule: row[1] for rule, row in rows(tmp_path, arms).items()}
-    assert verdicts == dict.fromkeys(["1", "2", "2v", "3", "3+", "4", "5", "6", "7"], "reproduced")
+    assert verdicts == dict.fromkeys(["1", "2", "2v", "3", "3 (grad-mlp)", "3 (grad-wv)", "3+", "4", "5", "6", "7"],
+                                     "reproduced")
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -514,38 +607,42 @@ def test_survival_counts_a_run_censored_at_a_collapse_step_at_risk(tmp_path):
 
 
 def test_dose_table_counts_finished_runs(tmp_path):
-    groups = write_arms(tmp_path, {inject("mlp-out", 0.1): [RUNAWAY, COLLAPSE, OK, {**RUNAWAY, "end": None}],
-                                   inject("mlp-out", 0.1, fix=True): [OK, OK],
-                                   inject("delta", 0.3, 0.5): [{"logit": 0.99 * R}]})
+    # counted against the no-error run of the same seed: seed 5's no-error run is unfinished, seed 4's error run
+    groups = write_arms(tmp_path, {inject("mlp-out", 3.0): [RUNAWAY, COLLAPSE, OK, {**RUNAWAY, "end": None},
+                                                            RUNAWAY],
+                                   inject("mlp-out", 3.0, fix=True): [OK, OK],
+                                   inject("delta", 30.0, 0.5): [{"logit": 0.99 * R}],
+                                   sweep.NO_ERROR: [OK, OK, OK, OK, UNFINISHED]})
     table = {(site, label): cells for site, label, *cells in report.dose_table(groups)}
-    assert len(table) == len(sweep.SITES) * (len(sweep.COHERENCES) + 1)
-    assert table["mlp-out", "c1"] == ["-", "-", "2/3", "-"]
-    assert table["mlp-out", "c1 + QK-only fix"] == ["-", "-", "0/2", "-"]
-    assert table["delta", "c0.5"] == ["-", "-", "-", "0/1"]
-    assert table["delta", "c0.75"] == ["-"] * len(sweep.DOSES)
+    assert set(table) == {("mlp-out", "coherence 1"), ("mlp-out", "coherence 1 + QK-only fix"),
+                          ("delta", "coherence 0.5")}, "only what ran"
+    assert table["mlp-out", "coherence 1"] == ["-", "2/3", "-"]
+    assert table["mlp-out", "coherence 1 + QK-only fix"] == ["-", "0/2", "-"]
+    assert table["delta", "coherence 0.5"] == ["-", "-", "0/1"]
 
 
 def test_build_text_has_every_rule_and_the_dose_table(tmp_path):
-    groups = write_arms(tmp_path, {**RULE1, inject("delta", 0.03): [RUNAWAY]})
+    groups = write_arms(tmp_path, {**RULE1, inject("delta", 3.0): [RUNAWAY]})
     text = report.build(groups, str(tmp_path), markdown=False)
     for rule, words, _, _ in report.RULES:
         assert re.search(rf"^{re.escape(rule)} +(reproduced|not reproduced|inconclusive|not run) ", text, re.M), rule
         assert f"{rule}. {words}." in text
     assert re.search(r"^1 +reproduced ", text, re.M) and re.search(r"^2 +not run ", text, re.M)
-    assert "== Dose-response (claims 3 and 4)" in text and "dose 0.01  dose 0.03  dose 0.1  dose 0.3" in text
+    assert "== Dose-response (claims 3 and 4)" in text and "dose 0.3  dose 3  dose 30" in text
     assert "== bf16 ==" in text and "bf16: 6/8 collapsed (median step 10)" in text
     assert "Dose-response" not in report.build(write_arms(tmp_path / "b", RULE1), "b", markdown=False)
 
 
 def test_markdown_has_tables_hardware_and_commands(tmp_path):
-    write_arms(tmp_path / "runs", {**RULE1, inject("mlp-out", 0.3): [RUNAWAY, OK]})
+    write_arms(tmp_path / "runs", {**RULE1, inject("mlp-out", 30.0): [RUNAWAY, OK]})
     md = tmp_path / "RESULTS.md"
     assert report.main([str(tmp_path / "runs"), "--markdown", str(md), "--plots", str(tmp_path / "plots")]) == 0
     text = md.read_text()
     assert "| claim | verdict |" in text and "| 1 | reproduced |" in text and "| 2 | not run |" in text
-    assert "| mlp-out | c1 | - | - | - | 1/2 |" in text
+    assert "| mlp-out | coherence 1 | - | - | 1/2 |" in text
     assert "### bf16-safemax" in text and "| seed2 | collapsed | 10 |" in text
-    assert "Hardware: NVIDIA H200 (torch 2.11.0+cu130)." in text
+    assert "machine NVIDIA H200 (torch 2.11.0+cu130, triton ?)" in text and "8 seeds (seed1 to seed8)" in text
+    assert "Not run (cut from the sweep" in text and "bf16-guard" in text.split("Not run (cut")[1].split("\n")[0]
     assert "## Commands\n\n```bash\npython train.py --seed 1 --out-dir " in text
     assert f"python train.py --seed 2 --out-dir {tmp_path / 'runs' / 'bf16' / 'seed2'}" in text
     if importlib.util.find_spec("matplotlib"):       # the plots, linked relative to the Markdown file
@@ -598,11 +695,11 @@ def test_report_command_markdown_and_runs_figure(tmp_path):
 def test_report_survives_nothing(tmp_path, capsys):
     assert report.main([str(tmp_path)]) == 0                           # an empty folder
     out = capsys.readouterr().out
-    assert f"no runs under {tmp_path}" in out and out.count("not run") == len(report.RULES) == 9
+    assert f"no runs under {tmp_path}" in out and out.count("not run") == len(report.RULES) == 11
     os.makedirs(tmp_path / "bf16" / "seed1")                           # a folder without any file
     assert report.main([str(tmp_path), "--plots", str(tmp_path)]) == 0
     out = capsys.readouterr().out
-    assert "empty log" in out and out.count("not run") == 9
+    assert "empty log" in out and out.count("not run") == 11
     out = report_cmd(tmp_path / "nowhere")
     assert out.returncode != 0 and "Traceback" not in out.stderr and "is not a folder" in out.stderr
 
@@ -668,17 +765,22 @@ def test_sweep_dry_run_skips_and_resumes(tmp_path):
 def test_sweep_runs_every_arm_the_rules_read():
     """Every arm a rule of report.py judges is launched by that rule's claim in sweep.py; claims 3 and 4 are the
     dose grid at both sites."""
-    for rule, _, arms, _ in report.RULES:
-        launched = sweep.experiments([int(rule[0])])
-        arms = arms({name: ["a run"] for name in launched}) if callable(arms) else arms
-        assert set(arms) <= set(launched), rule
+    for source in sweep.SOURCES:
+        ran = {name: ["a run"] for name in {**sweep.probe_arms(source), **sweep.action_arms(source)}}
+        for label, claim, arms, _ in report.expanded_rules(ran):
+            launched = sweep.experiments([int(claim[0])], source=source)
+            arms = arms({name: ["a run"] for name in launched}) if callable(arms) else arms
+            assert set(arms) <= set(launched), (label, source)
     assert set(sweep.experiments([4])) == {inject(s, d, c) for s in ("mlp-out", "delta") for d in sweep.DOSES
-                                           for c in sweep.COHERENCES}
-    assert set(sweep.experiments([3])) == {inject(s, d, 1.0, f) for s in ("mlp-out", "delta") for d in sweep.DOSES
-                                           for f in (False, True)}
-    assert sweep.experiments([3])[inject("delta", 0.03, 1.0, True)] == [
-        "--accum", "fp32", "--inject-site", "delta", "--inject-scale", "0.03", "--inject-coherence", "1",
+                                           for c in sweep.COHERENCES} | {sweep.NO_ERROR}
+    assert set(sweep.experiments([3])) == {inject(s, d, 1.0, f) for s in sweep.SITES for d in sweep.DOSES
+                                           for f in (False, True)} | {sweep.NO_ERROR}
+    assert sweep.experiments([3])[inject("delta", 3.0, 1.0, True)] == [
+        "--accum", "fp32", "--inject-site", "delta", "--inject-scale", "3", "--inject-coherence", "1",
         "--qk-fix", "clean-grad"]
+    assert sweep.experiments([3])[inject("grad-wv", 30.0, 1.0, True)][-2:] == ["--qk-fix", "qknorm"]
+    assert "assay-probe-equal" in sweep.experiments([5], source="assay")
+    assert "assay-guard-fp32-accum" not in sweep.experiments([6], source="assay"), "fp32 state: nothing to switch"
 
 
 def test_experiment_table_is_valid_train_flags():
@@ -771,8 +873,10 @@ def test_every_arm_of_every_claim_runs_end_to_end_and_is_judged(tmp_path, data_d
     tiny = ["--max-steps", "3", "--n-layer", "2", "--n-head", "2", "--n-embd", "32", "--block-size", "32",
             "--batch-size", "2", "--attn-impl", "torch", "--device", "cpu", "--eval-iters", "1", "--log-interval",
             "1", "--data-dir", data_dir, "--guard-threshold", "0.01", "--seed", "1"]   # a low threshold: triggers
-    arms = sweep.experiments(list(sweep.CLAIMS))
-    assert len(arms) > 50
+    arms = {**sweep.experiments(list(sweep.CLAIMS)),
+            **{name: flags for source in ("assay", "lr") for name, flags in sweep.experiments([5, 6], source=source)
+               .items()}}   # claims 5 and 6 on the CPU lab's runaways too
+    assert len(arms) > 80
     for name, flags in arms.items():
         out = root / name / "seed1"
         train.main(flags + tiny + ["--out-dir", str(out)])
@@ -782,7 +886,9 @@ def test_every_arm_of_every_claim_runs_end_to_end_and_is_judged(tmp_path, data_d
     triggered = {name for name, runs in groups.items() if runs[0].trigger is not None}
     assert "bf16-guard" in triggered and triggered <= {n for n in arms if "guard" in n}
     rows = report.verdicts(groups)
-    assert [row[0] for row in rows] == [rule[0] for rule in report.RULES]
+    per_source = lambda claim: [claim] + [f"{claim} ({s})" for s in ("assay", "lr")]
+    assert [row[0] for row in rows] == [label for rule in report.RULES for label in (
+        per_source(rule[0]) if rule[0] in report.SOURCE_RULES else [rule[0]])]
     assert all(verdict == "inconclusive" for _, verdict, _ in rows), rows     # one seed: judged, not decided
 
 

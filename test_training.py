@@ -314,6 +314,39 @@ def test_collapse_detector_on_synthetic_curves():
     assert run(blowup, margin=4.0, patience=5) is None    # 6.5 is 3.49 above the minimum 3.01
 
 
+def test_the_collapse_grace_hides_a_transient_and_only_a_transient():
+    # margin 1, patience 3, no smoothing: a loss 2 above its minimum for 5 logged steps is a collapse...
+    def run(losses, pause=None):
+        det = CollapseDetector(margin=1.0, patience=3, smoothing=0.0)
+        if pause is not None:
+            det.pause(pause)
+        for step, loss in enumerate(losses):
+            det.update(step, loss)
+        return det.collapsed_at
+
+    transient = [3.0] * 10 + [5.0] * 5 + [3.0] * 10       # steps 10-14 high, then back
+    assert run(transient) == 10, "without a grace the transient counts"
+    assert run(transient, pause=15) is None, "inside the grace (up to step 15) it does not"
+    assert run(transient, pause=12) == 12, "the part of it past the grace still counts, from the grace's end"
+    lasting = [3.0] * 10 + [5.0] * 15                      # the loss never comes back
+    assert run(lasting, pause=15) == 15, "a grace hides no collapse that outlasts it"
+    assert run([3.0] * 10 + [float("inf")] + [3.0] * 5, pause=100) == 10, "a non-finite loss always counts"
+    det = CollapseDetector()
+    det.pause(50)
+    det.pause(20)
+    assert det.paused_until == 50, "a second, shorter pause does not cut the first"
+
+
+def test_train_py_pauses_the_detector_for_the_grace_from_the_guards_action(tmp_path, data_dir):
+    out = tmp_path / "run"
+    result = train(out, data_dir, "--guard", "on", "--guard-threshold", "0.15", "--max-steps", "40",
+                   "--collapse-grace", "37", "--lr", "1e-2", "--warmup-steps", "2")
+    assert result.returncode == 0, result.stderr
+    trigger = next(r for r in read_log(out) if r.get("event") == "guard_trigger")
+    state = torch.load(out / "ckpt.pt", weights_only=True)
+    assert state["detector"]["paused_until"] == trigger["active_from"] + 37
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # train.py end to end
 
@@ -533,7 +566,7 @@ def test_settings_that_cannot_run_fail_before_training(tmp_path, data_dir, argv,
 def test_a_run_killed_before_its_first_checkpoint_can_be_resumed(tmp_path, data_dir):
     out = tmp_path / "run"
     cmd = [sys.executable, os.path.join(ROOT, "train.py"), "--data-dir", data_dir, "--out-dir", str(out), *TINY,
-           "--max-steps", "6", "--ckpt-interval", "1000"]
+           "--max-steps", "60", "--ckpt-interval", "1000"]   # long enough to be killed inside
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
     deadline = time.time() + 120
     while time.time() < deadline and len(step_losses(read_log(out)) if (out / "log.jsonl").exists() else {}) < 2:
@@ -549,7 +582,7 @@ def test_a_run_killed_before_its_first_checkpoint_can_be_resumed(tmp_path, data_
     resume = next(r for r in read_log(out) if r.get("event") == "resume")
     assert resume["step"] == 0 and resume["from_checkpoint"] is False
     from sweep import read_log as read_run
-    assert sorted(step_losses(read_run(str(out)))) == list(range(6)) and read_run(str(out))[-1]["status"] == "completed"
+    assert sorted(step_losses(read_run(str(out)))) == list(range(60)) and read_run(str(out))[-1]["status"] == "completed"
 
 
 def test_a_second_signal_ends_the_run_at_once_and_leaves_the_checkpoint(tmp_path, data_dir):

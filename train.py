@@ -163,6 +163,7 @@ def main(argv=None):
                                     monitor, guard, injector, probe_stats)
                 log.write(record, console_line(record))
                 interval, interval_start = new_interval(), time.time()
+                probe.reset_interval()
                 if detector.update(record["step"], record["loss"]):
                     log.write({"event": "collapse", "step": detector.collapsed_at, "loss": record["loss"]},
                               f"step {record['step']:6d} | COLLAPSE detected (first bad step {detector.collapsed_at})")
@@ -314,7 +315,8 @@ def start_log(args, dist, model, resumed, step, changed):
     if dist.master and not resumed and not os.path.exists(os.path.join(args.out_dir, "config.json")):
         with open(os.path.join(args.out_dir, "config.json"), "w") as f:
             json.dump({"args": vars(args), "versions": run_versions, "command": sys.argv,
-                       "world_size": dist.world, "params": model.num_params()}, f, indent=2)
+                       "world_size": dist.world, "params": model.num_params(),
+                       "started": time.strftime("%Y-%m-%d %H:%M:%S %Z")}, f, indent=2)
         runtime.save_source(args.out_dir, run_versions)
     log.write({"event": "resume" if args.resume else "start", "step": step, "from_checkpoint": resumed,
                "versions": run_versions, "world_size": dist.world, "command": sys.argv, "changed": changed},
