@@ -540,7 +540,8 @@ def verdicts(groups):
         if claim in SOURCE_RULES:
             title += f"; the runaway's source: {SOURCE_WORDS[label[3:-1] if '(' in label else 'bf16']}"
         missing = [a for a in arms if not groups.get(a)]
-        if missing and (not callable(arm_list) or len(missing) == len(arms)):   # a grid: part of it may run
+        grid_run = [a for a in arms if a != NO_ERROR and a not in missing]      # a grid: part of it may run
+        if missing and (not callable(arm_list) or not grid_run):
             rows.append([label, "not run", f"{title}\nno runs of {', '.join(missing[:3])}"
                                            f"{f' and {len(missing) - 3} more arms' if len(missing) > 3 else ''}"])
             continue
@@ -680,11 +681,24 @@ def build(groups, root, markdown, plots=(), markdown_dir=".", pilots=()):
                   + "".join(f" --pilot {p}" for p, _ in pilots) + " --markdown RESULTS.md`, from the runs' logs. "
                   + scale(groups)]
         cut = cut_arms(groups)
-        if cut:
+        idle = [s for s in SOURCES if not any(groups.get(a) for a in {**probe_arms(s), **action_arms(s)}
+                                              if a != NO_ERROR)]
+        if cut or idle:
             parts.append(f"Not run (cut from the sweep; a rule that needs them says \"not run\", or counts them "
-                         f"against its claim): {', '.join(cut)}.")
+                         f"against its claim): {', '.join(cut) or 'nothing of the claims judged'}"
+                         + (f"; claims 5 and 6 on the source{'s' if len(idle) > 1 else ''} {', '.join(idle)}"
+                            if idle else "") + ".")
+    rows = verdicts(groups)
+    judged = [r for r in rows if r[1] != "not run"]
+    if judged:
+        parts += [title(2, "Verdicts at a glance"), "\n".join(
+            f"- **{label}: {verdict.upper() if verdict == 'not reproduced' else verdict}**"
+            + (f" ({text.splitlines()[0]})" if text else "") + ": "
+            + "; ".join(line.replace("sign test, ", "") for line in text.splitlines()
+                        if line.startswith("sign test") or "claim wants none" in line)
+            for label, verdict, text in judged)]
     parts += [title(2, "Claims"), render(["claim", "verdict", "arms: n, counts [exact 95% interval]; tests"],
-                                         verdicts(groups), markdown),
+                                         rows, markdown),
               f"Rules (ALPHA={ALPHA}, FINAL_WINDOW={FINAL_WINDOW}, LOSS_TOL={LOSS_TOL}, "
               f"RUNAWAY_LOGIT={RUNAWAY_LOGIT:g}, SIGMA_RATIO={SIGMA_RATIO:g}; a run ran away if it collapsed or "
               f"its max logit reached RUNAWAY_LOGIT; arms are compared seed by seed with an exact one-sided sign "
@@ -803,7 +817,8 @@ def plot_claims(groups, out_dir):
         return []
     os.makedirs(out_dir, exist_ok=True)
     saved = []
-    rules = {label: arms for label, _, arms, _ in expanded_rules(groups) if not callable(arms)}
+    judged = {row[0] for row in verdicts(groups) if row[1] != "not run"}
+    rules = {label: arms for label, _, arms, _ in expanded_rules(groups) if not callable(arms) and label in judged}
     for label, arms in rules.items():
         arms = [n for n in dict.fromkeys(arms) if any(r.steps for r in groups.get(n, []))]
         if not arms or label in ("2v",):
@@ -836,7 +851,9 @@ def plot_claims(groups, out_dir):
             for (s, label), cells in curves.items():
                 if s == site:
                     xs = [d for d, (_, n) in zip(DOSES, cells) if n]
-                    ax.plot(xs, [k / n for k, n in cells if n], "o-", label=label)
+                    words = {"coherence 1": "sign-coherent", "coherence 0.5": "a random sign each step",
+                             "coherence 1 + QK-only fix": "sign-coherent, with the QK-only fix"}.get(label, label)
+                    ax.plot(xs, [k / n for k, n in cells if n], "o-", label=words)
             ax.set(xscale="log", title=f"error at {site}", xlabel="error size per step (rms / signal rms)")
             ax.grid(alpha=0.3)
         axes[0][0].set(ylabel="fraction of seeds run away\nbeyond the no-error run", ylim=(-0.05, 1.05))

@@ -14,6 +14,7 @@ record is skipped, so launching the same sweep again only runs what is left. Rea
 `python report.py runs/claims`.
 """
 import argparse
+import gzip
 import json
 import os
 import shlex
@@ -139,10 +140,13 @@ def experiments(claims, only=None, source="bf16"):
 
 
 def read_log(out_dir):
-    """The records of a run's log.jsonl ([] if none); a line cut short (being written, or killed) is skipped."""
-    records = []
-    if os.path.exists(os.path.join(out_dir, "log.jsonl")):
-        with open(os.path.join(out_dir, "log.jsonl")) as f:
+    """The records of a run's log.jsonl, or of its gzipped copy log.jsonl.gz (how results/ keeps them; [] if
+    neither); a line cut short (being written, or killed) is skipped."""
+    records, path = [], os.path.join(out_dir, "log.jsonl")
+    opener = (open, path) if os.path.exists(path) else (gzip.open, path + ".gz") if os.path.exists(path + ".gz") \
+        else None
+    if opener:
+        with opener[0](opener[1], "rt") as f:
             for line in f:
                 try:
                     record = json.loads(line)
@@ -165,7 +169,8 @@ def replayed(record, resume_step):
 
 def run_state(out_dir):
     """'new' (nothing there), 'completed' / 'collapsed' (done), or why it is unfinished."""
-    if not any(os.path.exists(os.path.join(out_dir, f)) for f in ("config.json", "log.jsonl", "ckpt.pt")):
+    if not any(os.path.exists(os.path.join(out_dir, f)) for f in ("config.json", "log.jsonl", "log.jsonl.gz",
+                                                                   "ckpt.pt")):
         return "new"
     records = read_log(out_dir)
     if not records:

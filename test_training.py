@@ -891,6 +891,20 @@ def test_the_model_vocabulary_follows_the_datas_tokenizer(tmp_path, data_dir):
         assert f"{tokenizer} tokens" in result.stdout
 
 
+def test_the_cpu_presets_read_bytes_and_the_gpu_presets_gpt2_bpe():
+    import config
+    import prepare_data
+    cpu = torch.device("cpu")
+    for preset, tokenizer in [("demo", "byte"), ("cpu", "byte"), ("lab", "byte"), ("assay", "gpt2"),
+                              ("gpt2", "gpt2"), ("gpt2-medium", "gpt2")]:
+        args, typed, parser = config.parse_args(["--preset", preset])
+        args = config.resolve(args, cpu, parser)
+        assert args.tokenizer == tokenizer and args.data_dir == prepare_data.default_out_dir("pycode", tokenizer)
+    args, typed, parser = config.parse_args(["--preset", "assay", "--tokenizer", "byte"])
+    assert config.resolve(args, cpu, parser).data_dir.endswith(os.path.join("data", "pycode-byte"))
+    assert config.padded_vocab(257) == 320 and config.padded_vocab(50257) == 50304 and config.padded_vocab(64) == 64
+
+
 def test_resuming_on_data_of_another_tokenizer_is_refused_in_one_line(tmp_path, data_dir):
     import shutil
     import sysconfig
