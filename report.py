@@ -805,7 +805,8 @@ def arm_words(name):
                     "probe-equal": "equal energy removed elsewhere", "probe-fixed": "a fixed random QK subspace "
                     "removed", "probe-v-topk": "W_v's top-k removed", "probe-mlp-topk": "the MLP's top-k removed"}.get(
                         rest, rest.replace("guard-", "QK-Guard's trigger, then "))
-            return f"{source}: {rest}"
+            short = {"bf16": "bf16 state", "assay": "injected delta error", "lr": "lr 3e-2"}.get(source, source)
+            return f"{short}: {rest}"
     return name
 
 
@@ -834,11 +835,11 @@ def plot_claims(groups, out_dir):
             curve = survival(groups[n])
             axes[3].step(*zip(*curve), where="post", color=f"C{i % 10}")
         for ax, panel in zip(axes[:3], ("loss", "logit", "sigma")):
-            ax.set(ylabel=PANELS[panel][0] + " (median over seeds)", yscale=PANELS[panel][1])
+            ax.set(ylabel=PANELS[panel][0].replace(" (", "\n("), yscale=PANELS[panel][1])
             ax.grid(alpha=0.3)
-        axes[3].set(ylabel="fraction of seeds not collapsed", ylim=(-0.05, 1.05), xlabel="step")
+        axes[3].set(ylabel="fraction of seeds\nnot collapsed", ylim=(-0.05, 1.05), xlabel="step")
         axes[3].grid(alpha=0.3)
-        axes[0].set_title(f"claim {label}", fontsize=10)
+        axes[0].set_title(f"claim {label}: each line the median over seeds of one arm", fontsize=10)
         axes[0].legend(fontsize=7)
         saved.append(os.path.join(out_dir, f"claim{label.replace(' ', '').replace('(', '-').replace(')', '')}.png"))
         fig.savefig(saved[-1], dpi=110, bbox_inches="tight")
