@@ -21,10 +21,10 @@ from guard import ACTIONS, DEFAULT_THRESHOLD, SCOPES, SIGNALS
 PRESETS = {
     # The demo: the cpu model at a learning rate high enough that its attention logits run away within a few
     # minutes on a laptop (README, "What you will see"); `auto` picks it on a CPU.
-    "demo": dict(size="cpu", tokenizer="byte", batch_size=8, grad_accum=1, max_steps=300, lr=3e-2, min_lr=3e-2, warmup_steps=20,
-                 schedule="constant", log_interval=10, eval_interval=100, eval_iters=4, ckpt_interval=100),
-    "cpu": dict(size="cpu", tokenizer="byte", batch_size=8, grad_accum=1, max_steps=100, lr=3e-3, min_lr=3e-4, warmup_steps=10,
-                schedule="cosine", log_interval=10, eval_interval=50, eval_iters=4, ckpt_interval=50),
+    "demo": dict(size="cpu", tokenizer="byte", batch_size=8, grad_accum=1, max_steps=300, lr=3e-2, min_lr=3e-2,
+                 warmup_steps=20, schedule="constant", log_interval=10, eval_interval=100, eval_iters=4, ckpt_interval=100),
+    "cpu": dict(size="cpu", tokenizer="byte", batch_size=8, grad_accum=1, max_steps=100, lr=3e-3, min_lr=3e-4,
+                warmup_steps=10, schedule="cosine", log_interval=10, eval_interval=50, eval_iters=4, ckpt_interval=50),
     # The CPU lab of the claims sweeps (RESULTS.md): the cpu model at a learning rate it trains healthily with,
     # held constant so that an injected error meets the same optimizer all run long; 300 steps, in which the
     # pilot's coherent errors at the grid's upper doses ran away, at about 20 s a run on two cores.
@@ -290,7 +290,8 @@ def resolve(args, device, parser):
 def model_config(args):
     """The model's configuration, from the flags."""
     return model_lib.GPTConfig(
-        vocab_size=args.vocab_size, arch=args.arch, n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd, block_size=args.block_size,
+        vocab_size=args.vocab_size, arch=args.arch, n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd,
+        block_size=args.block_size,
         dropout=args.dropout, attn_impl=args.attn_impl, accum=args.accum, block_n=args.block_n,
         safemax_beta=args.safemax_beta, qk_norm=args.qknorm == "always" or args.qk_fix == "qknorm",
         softcap=args.softcap, attn_scale=args.attn_scale, attn_dtype=args.attn_dtype,

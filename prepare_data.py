@@ -436,7 +436,8 @@ class TokenWindows:
 
     def __init__(self, data_dir, block_size, batch_size, seed, dataset="pycode", tokenizer="gpt2"):
         meta_path = os.path.join(data_dir, "meta.json")
-        redo = f"re-run `python prepare_data.py --dataset {dataset} --tokenizer {tokenizer} --out-dir {data_dir} --force`"
+        redo = (f"re-run `python prepare_data.py --dataset {dataset} --tokenizer {tokenizer} --out-dir {data_dir} "
+                f"--force`")
         try:
             with open(meta_path) as f:
                 meta = json.load(f)

@@ -25,6 +25,8 @@ import prepare_data
 from config import RESUMABLE_CHANGES
 
 CHECKPOINT_FORMAT = "qkguard-checkpoint-2"   # 2: tensors, numbers, strings, lists and dicts only
+# What a run saved before the byte tokenizer existed trained on: GPT-2's BPE, at its padded vocabulary.
+OLD_RUN_VOCABULARY = {"tokenizer": "gpt2", "vocab_size": 50304}
 
 
 class Dist:
@@ -195,7 +197,7 @@ def start_run(args, typed):
     else:
         raise SystemExit(f"error: --resume: {args.out_dir} holds no run (no ckpt.pt, no config.json): start a new "
                          f"run without --resume")
-    saved = {"tokenizer": "gpt2", "vocab_size": 50304, **saved}   # runs from before the byte tokenizer: GPT-2's
+    saved = {**OLD_RUN_VOCABULARY, **saved}
     conflicts = [f"--{k.replace('_', '-')} {v} (saved: {saved.get(k)})" for k, v in typed.items()
                  if k not in RESUMABLE_CHANGES and k in saved and saved[k] != v
                  and not (k == "preset" and v == "auto")]

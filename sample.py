@@ -36,7 +36,7 @@ def main(argv=None):
     if not os.path.exists(path):
         p.error(f"{path} does not exist: give a run directory that saved a checkpoint")
     state = runtime.load_checkpoint(path)
-    run = argparse.Namespace(**{"tokenizer": "gpt2", "vocab_size": 50304, **state["args"]})   # older runs: GPT-2's
+    run = argparse.Namespace(**{**runtime.OLD_RUN_VOCABULARY, **state["args"]})
     device = torch.device(runtime.device_name(args.device))
     model = model_lib.GPT(config.model_config(run)).to(device)
     model.load_state_dict(state["model"])

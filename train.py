@@ -323,7 +323,8 @@ def start_log(args, dist, model, resumed, step, changed):
               f"{'resuming' if args.resume else 'starting'} {args.out_dir} at step {step}"
               f"{'' if resumed or not args.resume else ' (it had saved no checkpoint: starting over)'}: "
               f"{args.preset} preset, {args.arch} {args.n_layer}x{args.n_embd}, {model.num_params() / 1e6:.2f}M "
-              f"params, {args.tokenizer} tokens, accum {args.accum}, guard {args.guard}, on {dist.device} x{dist.world}")
+              f"params, {args.tokenizer} tokens, accum {args.accum}, guard {args.guard}, on {dist.device} "
+              f"x{dist.world}")
     return log
 
 
