@@ -9,7 +9,6 @@ The assay: move a controlled error to other sources, and probe the QK channel ca
                     controls do the same to a fixed random subspace, to W_v's or the MLP's top-k directions, or
                     remove the same energy from random other directions
     clean_qk_grads  --qk-fix clean-grad: the gradient W_q, W_k would get without the fault; all else stays faulty
-    check_assay_flags   reject flag combinations that make no sense
 
 The paper's claim under test: wherever an error enters, if its per-head sign persists from step to step
 (temporal sign-coherence), it drives the same W_q/W_k spectral runaway.
@@ -19,8 +18,7 @@ import math
 
 import torch
 
-from attention_kernel import ACCUM_MODES, attention
-from guard import weight_matrices
+from attention_kernel import attention
 from model import apply_rotary
 
 INJECT_SITES = ("none", "attn-out", "mlp-in", "mlp-out", "residual", "delta", "grad-wv", "grad-mlp")
@@ -255,7 +253,7 @@ def measure_fault(model, idx, accum="bf16", dtype=torch.bfloat16):
         impl = "auto" if attn.impl in ("sdpa", "reference") else attn.impl   # those two have no state to break
         run = lambda mode: attention(q.to(dtype), k.to(dtype), v.to(dtype), accum=mode, qk_norm=attn.qk_norm,
                                      scale=attn.scale, softcap=attn.softcap, safemax_beta=attn.beta,
-                                     impl=impl, block_n=attn.block_n or None, rounding=attn.rounding).float()
+                                     impl=impl, block_n=attn.block_n, rounding=attn.rounding).float()
         o_ref = run("fp32")
         err = run(accum) - o_ref                                     # (B, H, T, D)
         ref_rms = o_ref.pow(2).mean(dim=(0, 2, 3)).sqrt()           # (H,)
@@ -312,7 +310,7 @@ class Probe:
 
     def _weights(self, model):
         names = {"v-topk": ("v",), "mlp-topk": ("mlp_in",)}.get(self.mode, ("q", "k"))
-        weights = weight_matrices(model)
+        weights = model.weight_matrices()
         return [(i, name, weights[name][i]) for i in range(len(model.blocks)) for name in names]
 
     def _fixed_basis(self, w, index):
@@ -389,10 +387,6 @@ class Probe:
 # ----------------------------------------------------------------------------------------------------------------
 # The QK-only fix (--qk-fix clean-grad): W_q and W_k learn as if there were no fault; nothing else changes.
 
-def qk_weights(model):
-    return [w for attn in model.attentions for w in (attn.q_proj.weight, attn.k_proj.weight)]
-
-
 @contextlib.contextmanager
 def fault_free(model, injector=None):
     """The same model without the fault under study: fp32 softmax state and no injected error (the kernel's other
@@ -413,45 +407,4 @@ def clean_qk_grads(model, x, y, autocast, scale, injector=None):
     other .grad is touched, so every other weight keeps its faulty gradient."""
     with fault_free(model, injector), autocast():
         _, loss, _ = model(x, y)
-    return torch.autograd.grad(loss * scale, qk_weights(model))
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# Flag checks for train.py.
-
-def check_assay_flags(site, scale, coherence, probe, probe_k, qk_fix, accum):
-    """Raise ValueError naming the flag for combinations that make no sense. scale and coherence are None when
-    not given; scale may also be "matched" (size and direction from measure_fault); qk_fix is off when
-    None, False or "off"."""
-    if site not in INJECT_SITES:
-        raise ValueError(f"--inject-site {site!r} is unknown; use one of {INJECT_SITES}")
-    if accum not in ACCUM_MODES:
-        raise ValueError(f"--accum {accum!r} is unknown; use one of {ACCUM_MODES}")
-    if site == "none":
-        if scale is not None:
-            raise ValueError("--inject-scale was given with --inject-site none: pick a site or drop the scale")
-        if coherence is not None:
-            raise ValueError("--inject-coherence was given with --inject-site none: pick a site or drop it")
-    else:
-        if scale is None:
-            raise ValueError(f"--inject-site {site} needs --inject-scale (error rms / signal rms, or 'matched')")
-        if isinstance(scale, str) and scale != "matched":
-            raise ValueError(f"--inject-scale {scale!r}: give a number > 0 or 'matched'")
-        if not isinstance(scale, str) and not scale > 0:
-            raise ValueError(f"--inject-scale must be > 0 with --inject-site {site}; got {scale}")
-    if coherence is not None and not 0.0 <= coherence <= 1.0:
-        raise ValueError(f"--inject-coherence is a probability in [0, 1]; got {coherence}")
-    if probe not in PROBE_MODES:
-        raise ValueError(f"--probe {probe!r} is unknown; use one of {PROBE_MODES}")
-    if probe_k < 1:
-        raise ValueError(f"--probe-k must be >= 1; got {probe_k}")
-    if qk_fix == "clean-grad" and site in GRAD_SITES and accum == "fp32":
-        raise ValueError(f"--qk-fix clean-grad recomputes the forward without the fault, but --inject-site {site} "
-                         "never touches the forward: the clean QK gradient would be the faulty one")
-    if qk_fix == "clean-grad" and site in ACTIVATION_SITES:
-        raise ValueError(f"--qk-fix clean-grad with --inject-site {site} trains W_q, W_k on the model without the "
-                         "error, a different objective rather than a QK-only fix: use --qk-fix qknorm for a "
-                         "forward site (clean-grad is for the backward sites delta, grad-wv, grad-mlp)")
-    if qk_fix not in (None, False, "off") and site == "none" and accum == "fp32":
-        raise ValueError("--qk-fix corrects the QK channel while a fault is active, but there is none: "
-                         "set --inject-site or a faulty --accum")
+    return torch.autograd.grad(loss * scale, model.qk_weights())

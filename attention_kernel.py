@@ -45,7 +45,7 @@ DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # The state and the separate PV product are rounded once per key block, so the block is part of the fault's
 # definition: where either is rounded, both implementations use this one unless block_n says otherwise (an H200
 # emulation of the fault used 128; the prior work's model used 512-key blocks at context 1024). Where neither is,
-# the block is a speed choice (Triton: _fwd_config) and changes only the summation order.
+# the block is a speed choice (Triton: fwd_config) and changes only the summation order.
 BF16_STATE_BLOCK_N = 128
 # The bf16 backward rounds its dq sums once per key block and its dk, dv sums once per query block of this size.
 BF16_BWD_BLOCK = 64
@@ -56,9 +56,8 @@ BF16_BWD_BLOCK = 64
 SAFEMAX_TIE = 1e-3
 SAFEMAX_MAX_SHIFT = 16.0
 _TIE, _MAX_SHIFT = tl.constexpr(SAFEMAX_TIE), tl.constexpr(SAFEMAX_MAX_SHIFT)   # as the kernels see them
-POISON_OUTPUTS = False  # tests set this: every output buffer starts as NaN, so an unwritten element shows
 # triton.jit picks the interpreter when the decorator runs, so this is read once, at import.
-_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -165,7 +164,7 @@ def _bwd_torch(do, q, k, v, o, lse, scale, softcap, rounding, block_n):
     qf, kf, vf, dof = q.float(), k.float(), v.float(), do.float()
     delta = (dof * o.float()).sum(-1)
     dq = torch.zeros(qf.shape, device=q.device)
-    dk, dv = _new(q.shape, dt, q.device), _new(q.shape, dt, q.device)   # written block by block: poisoned
+    dk, dv = new_buffer(q.shape, dt, q.device), new_buffer(q.shape, dt, q.device)   # written block by block: poisoned
     for j in range(0, T, block_n):
         keys, rows = slice(j, min(j + block_n, T)), slice(j, T)
         s, t = _logits_torch(qf[:, :, rows] @ kf[:, :, keys].mT, scale, softcap, "logits" in rounding)
@@ -341,7 +340,7 @@ def _fwd_block(q, K, V, start_n, offs_m, m_i, l_i, acc, top, stride_t, scale, so
 
 
 @triton.jit
-def _attn_fwd(Q, K, V, O, LSE, ROWMAX, stride_b, stride_h, stride_t, H, T, scale, softcap, beta,
+def attn_fwd(Q, K, V, O, LSE, ROWMAX, stride_b, stride_h, stride_t, H, T, scale, softcap, beta,
               HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
               BF16_STATE: tl.constexpr, SAFEMAX: tl.constexpr, ROUND_LOGITS: tl.constexpr,
               ROUND_PV: tl.constexpr, BWD_BF16: tl.constexpr, SOFTCAP: tl.constexpr,
@@ -389,7 +388,7 @@ def _attn_fwd(Q, K, V, O, LSE, ROWMAX, stride_b, stride_h, stride_t, H, T, scale
 
 
 @triton.jit
-def _attn_bwd_delta(O, DO, DELTA, stride_b, stride_h, stride_t, H, T, HEAD_DIM: tl.constexpr,
+def attn_bwd_delta(O, DO, DELTA, stride_b, stride_h, stride_t, H, T, HEAD_DIM: tl.constexpr,
                     BLOCK_M: tl.constexpr, BWD_BF16: tl.constexpr):
     # delta = rowsum(dO * O) with the STORED O: in bf16 modes the biased O enters the gradient, as in the prior work.
     pid_m = tl.program_id(0)
@@ -452,7 +451,7 @@ def _dkdv_block(k, v, dk, dv, Q, DO, LSE, DELTA, start_m, offs_n, stride_t, scal
 
 
 @triton.jit
-def _attn_bwd_dkdv(Q, K, V, DO, LSE, DELTA, DK, DV, stride_b, stride_h, stride_t, H, T, scale, softcap,
+def attn_bwd_dkdv(Q, K, V, DO, LSE, DELTA, DK, DV, stride_b, stride_h, stride_t, H, T, scale, softcap,
                    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                    ROUND_LOGITS: tl.constexpr, BWD_BF16: tl.constexpr, SOFTCAP: tl.constexpr,
                    DOT_FP32: tl.constexpr, IEEE: tl.constexpr):
@@ -511,7 +510,7 @@ def _dq_block(q, do, lse, delta, dq, K, V, start_n, offs_m, stride_t, scale, sof
 
 
 @triton.jit
-def _attn_bwd_dq(Q, K, V, DO, LSE, DELTA, DQ, stride_b, stride_h, stride_t, H, T, scale, softcap,
+def attn_bwd_dq(Q, K, V, DO, LSE, DELTA, DQ, stride_b, stride_h, stride_t, H, T, scale, softcap,
                  HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                  ROUND_LOGITS: tl.constexpr, BWD_BF16: tl.constexpr, SOFTCAP: tl.constexpr,
                  DOT_FP32: tl.constexpr, IEEE: tl.constexpr):
@@ -551,10 +550,10 @@ def _attn_bwd_dq(Q, K, V, DO, LSE, DELTA, DQ, stride_b, stride_h, stride_t, H, T
 # that no kernel spills registers (`python bench.py --only resources` prints registers, spills and shared memory;
 # `python bench.py --only tune` times other configurations on a GPU).
 
-def _fwd_config(D, dtype, block_n, accum, rounding):
+def fwd_config(D, dtype, block_n, accum, rounding):
     es = torch.empty((), dtype=dtype).element_size()
     rounded = accum != "fp32" or "pv" in rounding   # something is rounded once per key block
-    if not block_n:   # a standard fp32-state kernel: a speed choice; else part of the fault's definition
+    if block_n is None:   # a standard fp32-state kernel: a speed choice; else part of the fault's definition
         block_n = BF16_STATE_BLOCK_N if rounded else (32 if es == 4 else 64)
     if es == 4:
         # fp32 inputs: IEEE dots run on the FMA units, not the tensor cores, with their operands in registers;
@@ -572,26 +571,26 @@ def _fwd_config(D, dtype, block_n, accum, rounding):
     return block_m, block_n, warps, stages
 
 
-def _bwd_configs(D, dtype, rounding=()):
+def bwd_configs(D, dtype, rounding=()):
     """The dk/dv kernel's configuration, then the dq kernel's."""
     if "backward" in rounding:   # the bf16 sums are rounded once per BF16_BWD_BLOCK tile: the tile is fixed
         config = (BF16_BWD_BLOCK, BF16_BWD_BLOCK, 8 if D >= 128 else 4, 1)
         return config, config
-    if dtype == torch.float32:   # IEEE dots on the FMA units, as in _fwd_config
+    if dtype == torch.float32:   # IEEE dots on the FMA units, as in fwd_config
         return (16, 32, 8, 1), (16, 32, 8, 1)
     config = (64, 64, 8 if D >= 128 else 4, 2)
     return config, config
 
 
-def _flags(accum, rounding, q):
+def kernel_flags(accum, rounding, q):
     """The forward kernel's constexpr switches: the rounding sources, and how this machine runs dots."""
     return dict(BF16_STATE=accum != "fp32", ROUND_PV="pv" in rounding, **_bwd_flags(rounding, q))
 
 
 def _bwd_flags(rounding, q):
     """The switches the backward kernels take too (the state's rounding is the forward's alone)."""
-    return dict(ROUND_LOGITS="logits" in rounding, BWD_BF16="backward" in rounding, DOT_FP32=_INTERPRET,
-                IEEE=q.dtype == torch.float32 or _INTERPRET)
+    return dict(ROUND_LOGITS="logits" in rounding, BWD_BF16="backward" in rounding, DOT_FP32=INTERPRET,
+                IEEE=q.dtype == torch.float32 or INTERPRET)
 
 
 def _layout_args(x):
@@ -601,78 +600,76 @@ def _layout_args(x):
 
 # One launcher per kernel, each taking its configuration: the tuner times them alone.
 
-def _launch_fwd(config, q, k, v, o, lse, row_max, scale, softcap, accum, rounding, beta):
+def launch_fwd(config, q, k, v, o, lse, row_max, scale, softcap, accum, rounding, beta):
     B, H, T, D = q.shape
     block_m, block_n, warps, stages = config
-    _attn_fwd[(triton.cdiv(T, block_m), B * H)](
+    attn_fwd[(triton.cdiv(T, block_m), B * H)](
         q, k, v, o, lse, row_max, *_layout_args(q), T, scale, softcap, beta, HEAD_DIM=D, BLOCK_M=block_m,
-        BLOCK_N=block_n, SAFEMAX=accum == "bf16-safemax", SOFTCAP=softcap > 0, **_flags(accum, rounding, q),
+        BLOCK_N=block_n, SAFEMAX=accum == "bf16-safemax", SOFTCAP=softcap > 0, **kernel_flags(accum, rounding, q),
         num_warps=warps, num_stages=stages)
 
 
-def _launch_dkdv(config, q, k, v, do, lse, delta, dk, dv, scale, softcap, rounding):
+def launch_dkdv(config, q, k, v, do, lse, delta, dk, dv, scale, softcap, rounding):
     B, H, T, D = q.shape
     block_m, block_n, warps, stages = config
-    _attn_bwd_dkdv[(triton.cdiv(T, block_n), B * H)](
+    attn_bwd_dkdv[(triton.cdiv(T, block_n), B * H)](
         q, k, v, do, lse, delta, dk, dv, *_layout_args(q), T, scale, softcap, HEAD_DIM=D, BLOCK_M=block_m,
         BLOCK_N=block_n, SOFTCAP=softcap > 0, **_bwd_flags(rounding, q), num_warps=warps,
         num_stages=stages)
 
 
-def _launch_dq(config, q, k, v, do, lse, delta, dq, scale, softcap, rounding):
+def launch_dq(config, q, k, v, do, lse, delta, dq, scale, softcap, rounding):
     B, H, T, D = q.shape
     block_m, block_n, warps, stages = config
-    _attn_bwd_dq[(triton.cdiv(T, block_m), B * H)](
+    attn_bwd_dq[(triton.cdiv(T, block_m), B * H)](
         q, k, v, do, lse, delta, dq, *_layout_args(q), T, scale, softcap, HEAD_DIM=D, BLOCK_M=block_m,
         BLOCK_N=block_n, SOFTCAP=softcap > 0, **_bwd_flags(rounding, q), num_warps=warps,
         num_stages=stages)
 
 
-def _fwd_triton(q, k, v, o, scale, softcap, accum, rounding, beta, block_n):
+def fwd_triton(q, k, v, o, scale, softcap, accum, rounding, beta, block_n):
     """Writes o (q's layout, as are k and v); returns lse and the row max logit, (B, H, T) fp32."""
     B, H, T, D = q.shape
-    lse = _new((B, H, T), torch.float32, q.device)
-    row_max = _new((B, H, T), torch.float32, q.device)
-    _launch_fwd(_fwd_config(D, q.dtype, block_n, accum, rounding), q, k, v, o, lse, row_max, scale, softcap,
+    lse = new_buffer((B, H, T), torch.float32, q.device)
+    row_max = new_buffer((B, H, T), torch.float32, q.device)
+    launch_fwd(fwd_config(D, q.dtype, block_n, accum, rounding), q, k, v, o, lse, row_max, scale, softcap,
                 accum, rounding, beta)
     return lse, row_max
 
 
-def _bwd_delta(o, do, rounding):
+def bwd_delta(o, do, rounding):
     B, H, T, D = o.shape
-    delta = _new((B, H, T), torch.float32, o.device)
-    _attn_bwd_delta[(triton.cdiv(T, 64), B * H)](o, do, delta, *_layout_args(o), T, HEAD_DIM=D, BLOCK_M=64,
+    delta = new_buffer((B, H, T), torch.float32, o.device)
+    attn_bwd_delta[(triton.cdiv(T, 64), B * H)](o, do, delta, *_layout_args(o), T, HEAD_DIM=D, BLOCK_M=64,
                                                  BWD_BF16="backward" in rounding)
     return delta
 
 
 def _bwd_triton(do, q, k, v, o, lse, dq, dk, dv, scale, softcap, rounding):
     """Writes dq, dk, dv; every (B, H, T, D) tensor here shares q's layout."""
-    delta = _bwd_delta(o, do, rounding)
-    dkdv_config, dq_config = _bwd_configs(q.shape[3], q.dtype, rounding)
-    _launch_dkdv(dkdv_config, q, k, v, do, lse, delta, dk, dv, scale, softcap, rounding)
-    _launch_dq(dq_config, q, k, v, do, lse, delta, dq, scale, softcap, rounding)
+    delta = bwd_delta(o, do, rounding)
+    dkdv_config, dq_config = bwd_configs(q.shape[3], q.dtype, rounding)
+    launch_dkdv(dkdv_config, q, k, v, do, lse, delta, dk, dv, scale, softcap, rounding)
+    launch_dq(dq_config, q, k, v, do, lse, delta, dq, scale, softcap, rounding)
 
 
 # ----------------------------------------------------------------------------------------------------------------
 # Buffers, and the custom ops: opaque to torch.compile (no graph break), with a fake for shapes and a backward.
 
-def _new(shape, dtype, device):
-    """The allocator of every buffer the kernels write (lse, row_max, delta; o, dq, dk, dv through _new_like)."""
-    if POISON_OUTPUTS:
-        return torch.full(shape, float("nan"), dtype=dtype, device=device)
+def new_buffer(shape, dtype, device):
+    """The allocator of every buffer the kernels write (lse, row_max, delta; o, dq, dk, dv through new_like).
+    The tests replace it (and new_like) with one that fills NaN, so an element left unwritten shows."""
     return torch.empty(shape, dtype=dtype, device=device)
 
 
-def _new_like(q):
+def new_like(q):
     """A (B, H, T, D) buffer in the one layout that o, dq, dk, dv, and the k, v, do they are computed from, share
     with q: q's own strides when q is dense with a unit-stride head_dim (the model's (B, T, H, D).transpose(1, 2)
     views, so that nothing is copied on the way in or out), else contiguous. The fakes use it too, so
     torch.compile sees the strides the kernels write."""
     if q.stride(-1) != 1:
-        return _new(q.shape, q.dtype, q.device)
-    x = torch.empty_like(q)          # keeps a dense tensor's strides
-    return x.fill_(float("nan")) if POISON_OUTPUTS else x
+        return new_buffer(q.shape, q.dtype, q.device)
+    return torch.empty_like(q)       # keeps a dense tensor's strides
 
 
 def _in_layout(like, *xs):
@@ -687,18 +684,19 @@ def _no_autocast(x):
 
 
 def _sources(rounding):
+    """The ops carry the rounding sources as one comma-joined string: their schema has no tuple of strings."""
     return tuple(rounding.split(",")) if rounding else ()
 
 
 @torch.library.custom_op("qkguard::attn_fwd", mutates_args=())
 def _attn_fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, delta_error: Optional[torch.Tensor],
                  scale: float, softcap: float, accum: str, rounding: str, beta: float, impl: str,
-                 block_n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    o = _new_like(q)
+                 block_n: Optional[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    o = new_like(q)
     q, k, v = _in_layout(o, q, k, v)
     sources = _sources(rounding)
     if impl == "triton":
-        return o, *_fwd_triton(q, k, v, o, scale, softcap, accum, sources, beta, block_n or None)
+        return o, *fwd_triton(q, k, v, o, scale, softcap, accum, sources, beta, block_n)
     with _no_autocast(q):
         out, lse, row_max = _fwd_torch(q, k, v, scale, softcap, accum, sources, beta, block_n or BF16_STATE_BLOCK_N)
     return o.copy_(out), lse, row_max
@@ -707,14 +705,14 @@ def _attn_fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, delta_error:
 @_attn_fwd_op.register_fake
 def _(q, k, v, delta_error, scale, softcap, accum, rounding, beta, impl, block_n):
     rows = q.shape[:3]
-    return _new_like(q), q.new_empty(rows, dtype=torch.float32), q.new_empty(rows, dtype=torch.float32)
+    return new_like(q), q.new_empty(rows, dtype=torch.float32), q.new_empty(rows, dtype=torch.float32)
 
 
 @torch.library.custom_op("qkguard::attn_bwd", mutates_args=())
 def _attn_bwd_op(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
                  lse: torch.Tensor, delta_error: Optional[torch.Tensor], scale: float, softcap: float,
-                 rounding: str, impl: str, block_n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    dq, dk, dv = (_new_like(q) for _ in range(3))
+                 rounding: str, impl: str, block_n: Optional[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    dq, dk, dv = (new_like(q) for _ in range(3))
     if delta_error is not None:
         # The assay's backward-side error site: delta = rowsum(dO * (O + e)) with e = delta_error[h] * rms(O_h),
         # the way a biased O reaches the gradient (through delta, so only dq and dk), with the forward untouched.
@@ -732,7 +730,7 @@ def _attn_bwd_op(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Te
 
 @_attn_bwd_op.register_fake
 def _(do, q, k, v, o, lse, delta_error, scale, softcap, rounding, impl, block_n):
-    return _new_like(q), _new_like(q), _new_like(q)
+    return new_like(q), new_like(q), new_like(q)
 
 
 def _setup_context(ctx, inputs, output):
@@ -785,12 +783,12 @@ def _rms_norm(x, eps=1e-6):
 
 
 def resolve_rounding(rounding, dtype, impl="auto"):
-    """rounding as a tuple of ROUNDING_SOURCES: None -> DEFAULT_ROUNDING for bf16 inputs of the streaming kernel,
-    else none; a string "logits,pv" or "none" is accepted too."""
+    """rounding as a tuple of ROUNDING_SOURCES in their order: None -> DEFAULT_ROUNDING for bf16 inputs of the
+    streaming kernel, else none."""
     if rounding is None:
         return DEFAULT_ROUNDING if dtype == torch.bfloat16 and impl not in ("sdpa", "reference") else ()
     if isinstance(rounding, str):
-        rounding = () if rounding == "none" else tuple(rounding.split(","))
+        raise ValueError(f"rounding={rounding!r}: give a tuple of sources such as ('logits', 'pv'), () or None")
     unknown = [s for s in rounding if s not in ROUNDING_SOURCES]
     if unknown:
         raise ValueError(f"unknown rounding source {unknown[0]!r}; use some of {ROUNDING_SOURCES}, or 'none'")
@@ -825,7 +823,7 @@ def _validate(q, k, v, accum, impl, softcap, safemax_beta, block_n, rounding, de
         if q.shape[3] not in TRITON_HEAD_DIMS:
             raise ValueError(f"impl='triton' needs head_dim in {TRITON_HEAD_DIMS}; got {q.shape[3]}. "
                              f"Use impl='torch' for other sizes.")
-        if not q.is_cuda and not _INTERPRET:
+        if not q.is_cuda and not INTERPRET:
             raise ValueError("impl='triton' on CPU tensors needs TRITON_INTERPRET=1 in the environment before "
                              "attention_kernel is imported; or use impl='torch'")
         if block_n is not None and (block_n < 16 or block_n > 128 or block_n & (block_n - 1)):
@@ -865,6 +863,6 @@ def attention(q, k, v, accum="fp32", qk_norm=False, return_max_logit=False, *, s
         max_logit = _max_logit_chunked(q, k, scale) if return_max_logit else None
     else:
         o, _, row_max = torch.ops.qkguard.attn_fwd(q, k, v, delta_error, scale, float(softcap), accum,
-                                                   ",".join(rounding), float(safemax_beta), impl, int(block_n or 0))
+                                                   ",".join(rounding), float(safemax_beta), impl, block_n)
         max_logit = row_max.detach().amax(dim=-1)
     return (o, max_logit) if return_max_logit else o

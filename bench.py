@@ -41,8 +41,8 @@ import triton
 
 import attention_kernel as ak
 import runtime
-from guard import QK_KINDS, QKGuard, SpectralMonitor
-from model import MODEL_SIZES, GPT, GPTConfig
+from guard import DEFAULT_THRESHOLD, QKGuard, SpectralMonitor
+from model import MODEL_SIZES, QK_KINDS, GPT, GPTConfig
 
 H200_BF16_PEAK = 989e12    # dense bf16 FLOP/s, the MFU denominator (SOURCES.md, speed anchors)
 SHAPES = [(16, 12, 1024, 64), (4, 32, 4096, 64), (4, 16, 4096, 128)]   # attention (B, H, T, head_dim)
@@ -168,7 +168,7 @@ def train_flops_per_token(model, T):
 
 def build(args, attn_impl, max_logit, size=None, batch_size=None, **numerics):
     torch.manual_seed(0)
-    numerics = {"accum": "fp32", "rounding": "none", **numerics}
+    numerics = {"accum": "fp32", "rounding": (), **numerics}
     config = GPTConfig(**(size or args.size), attn_impl=attn_impl, max_logit=max_logit, **numerics)
     model = GPT(config).to(args.device)
     cuda = args.device.type == "cuda"
@@ -178,7 +178,7 @@ def build(args, attn_impl, max_logit, size=None, batch_size=None, **numerics):
     tokens = torch.randint(config.vocab_size, (batch_size or args.batch_size, config.block_size + 1),
                            device=args.device)
     x, y = tokens[:, :-1], tokens[:, 1:]
-    monitor, guard = SpectralMonitor(model), QKGuard(enabled=True)   # guard: default threshold, stays dormant
+    monitor, guard = SpectralMonitor(model), QKGuard(enabled=True, threshold=DEFAULT_THRESHOLD["max-logit"])
     monitor.measure(model, iters=30)                                  # converged before step 0, as train.py does
     count = [0]
 
@@ -343,7 +343,7 @@ def compile_for_gpu(cases=None, arch=90, dtype=torch.bfloat16):
     anything."""
     from triton.backends.compiler import GPUTarget
     from triton.backends.nvidia.compiler import get_ptxas
-    if ak._INTERPRET:
+    if ak.INTERPRET:
         raise SystemExit("--only resources needs TRITON_INTERPRET unset (the interpreter replaces the compiler)")
     cases = cases or [(D, accum, rounding) for D in (64, 128) for accum, rounding in RESOURCE_MODES]
     ptxas = get_ptxas(arch).path
@@ -356,14 +356,14 @@ def compile_for_gpu(cases=None, arch=90, dtype=torch.bfloat16):
         if "backward" in rounding and dtype != torch.bfloat16:
             continue                         # the bf16 backward takes bf16 inputs only
         q = torch.empty(1, 1, 1, D, dtype=dtype)
-        fwd, (dkdv, dq) = ak._fwd_config(D, q.dtype, None, accum, rounding), ak._bwd_configs(D, q.dtype, rounding)
-        flags = {**ak._flags(accum, rounding, q), "DOT_FP32": False, "IEEE": dtype == torch.float32,
+        fwd, (dkdv, dq) = ak.fwd_config(D, q.dtype, None, accum, rounding), ak.bwd_configs(D, q.dtype, rounding)
+        flags = {**ak.kernel_flags(accum, rounding, q), "DOT_FP32": False, "IEEE": dtype == torch.float32,
                  "SOFTCAP": False, "HEAD_DIM": D}
-        launches = [(ak._attn_fwd, fwd, dict(SAFEMAX=accum == "bf16-safemax"))]
+        launches = [(ak.attn_fwd, fwd, dict(SAFEMAX=accum == "bf16-safemax"))]
         backward = (D, "logits" in rounding, "backward" in rounding)   # all the backward kernels depend on
         if backward not in backwards:
             backwards.add(backward)
-            launches += [(ak._attn_bwd_dkdv, dkdv, {}), (ak._attn_bwd_dq, dq, {})]
+            launches += [(ak.attn_bwd_dkdv, dkdv, {}), (ak.attn_bwd_dq, dq, {})]
         for kernel, (block_m, block_n, warps, stages), extra in launches:
             constexprs = {**flags, **extra, "BLOCK_M": block_m, "BLOCK_N": block_n}
             names = kernel.arg_names
@@ -432,21 +432,21 @@ def _kernel_launches(q, k, v, do, accum, rounding):
     default forward."""
     B, H, T, D = q.shape
     scale = D ** -0.5
-    o = ak._new_like(q)
-    lse, _ = ak._fwd_triton(q, k, v, o, scale, 0.0, accum, rounding, 2.0, None)
-    delta = ak._bwd_delta(o, do, rounding)
-    fwd = (ak._new_like(q), ak._new((B, H, T), torch.float32, q.device), ak._new((B, H, T), torch.float32, q.device))
-    dkdv, dq = (ak._new_like(q), ak._new_like(q)), (ak._new_like(q),)
+    o = ak.new_like(q)
+    lse, _ = ak.fwd_triton(q, k, v, o, scale, 0.0, accum, rounding, 2.0, None)
+    delta = ak.bwd_delta(o, do, rounding)
+    fwd = (ak.new_like(q), ak.new_buffer((B, H, T), torch.float32, q.device), ak.new_buffer((B, H, T), torch.float32, q.device))
+    dkdv, dq = (ak.new_like(q), ak.new_like(q)), (ak.new_like(q),)
     bwd = (scale, 0.0, rounding)
-    return {"fwd": (lambda c: ak._launch_fwd(c, q, k, v, *fwd, scale, 0.0, accum, rounding, 2.0), fwd),
-            "dkdv": (lambda c: ak._launch_dkdv(c, q, k, v, do, lse, delta, *dkdv, *bwd), dkdv),
-            "dq": (lambda c: ak._launch_dq(c, q, k, v, do, lse, delta, *dq, *bwd), dq)}
+    return {"fwd": (lambda c: ak.launch_fwd(c, q, k, v, *fwd, scale, 0.0, accum, rounding, 2.0), fwd),
+            "dkdv": (lambda c: ak.launch_dkdv(c, q, k, v, do, lse, delta, *dkdv, *bwd), dkdv),
+            "dq": (lambda c: ak.launch_dq(c, q, k, v, do, lse, delta, *dq, *bwd), dq)}
 
 
 def tune(shapes=SHAPES, timer=None, candidates=tune_candidates):
     """Time each kernel's candidate configurations against its default at each shape (bf16 inputs in the model's
     layout), check that each gives the default's results, and print per kernel the default, the fastest, and
-    the agreement. Returns every row. To adopt a winner, edit attention_kernel._fwd_config or _bwd_configs."""
+    the agreement. Returns every row. To adopt a winner, edit attention_kernel.fwd_config or bwd_configs."""
     if timer is None:
         from triton.testing import do_bench
         timer = lambda fn: do_bench(fn, warmup=10, rep=50, return_mode="median")   # noqa: E731 (ms)
@@ -458,8 +458,8 @@ def tune(shapes=SHAPES, timer=None, candidates=tune_candidates):
         q, k, v, do = (torch.randn(B, T, H, D, device=dev).to(torch.bfloat16).transpose(1, 2) for _ in range(4))
         for accum, rounding in (("fp32", ()), ("bf16", ak.DEFAULT_ROUNDING)):
             launches = _kernel_launches(q, k, v, do, accum, rounding)
-            dkdv_default, dq_default = ak._bwd_configs(D, q.dtype, rounding)
-            defaults = {"fwd": ak._fwd_config(D, q.dtype, None, accum, rounding), "dkdv": dkdv_default,
+            dkdv_default, dq_default = ak.bwd_configs(D, q.dtype, rounding)
+            defaults = {"fwd": ak.fwd_config(D, q.dtype, None, accum, rounding), "dkdv": dkdv_default,
                         "dq": dq_default}
             for kernel in ("fwd",) if accum != "fp32" else ("fwd", "dkdv", "dq"):
                 launch, outs = launches[kernel]
@@ -495,7 +495,7 @@ def tune(shapes=SHAPES, timer=None, candidates=tune_candidates):
 def check():
     """Relative errors of every mode against the float64 reference on this device: o, dq, dk, dv."""
     dev = "cuda" if torch.cuda.is_available() else "cpu"
-    impls = (["triton"] if dev == "cuda" or ak._INTERPRET else []) + ["torch"]
+    impls = (["triton"] if dev == "cuda" or ak.INTERPRET else []) + ["torch"]
     shapes = ([(4, 12, 1024, 64), (2, 16, 2048, 128), (2, 4, 1000, 64)] if dev == "cuda"
               else [(1, 2, 256, 64), (1, 2, 130, 32)])
     print(f"relative error vs float64 reference on {dev} (norm of difference / norm of reference); "

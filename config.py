@@ -13,21 +13,20 @@ import time
 
 import model as model_lib
 import prepare_data
-from assay import INJECT_SITES, PROBE_MODES, check_assay_flags
+from assay import ACTIVATION_SITES, GRAD_SITES, INJECT_SITES, PROBE_MODES
 from attention_kernel import ACCUM_MODES, ROUNDING_SOURCES
 from guard import ACTIONS, DEFAULT_THRESHOLD, SCOPES, SIGNALS
 
 # Training defaults per preset; the model sizes are model.MODEL_SIZES[preset["size"]].
 PRESETS = {
-    # The demo: the cpu model at a learning rate high enough that its attention logits run away within a few
-    # minutes on a laptop (README, "What you will see"); `auto` picks it on a CPU.
+    # The demo: the cpu model at a learning rate high enough that its attention logits run away within
+    # a minute (README, "What you will see"); `auto` picks it on a CPU.
     "demo": dict(size="cpu", tokenizer="byte", batch_size=8, grad_accum=1, max_steps=300, lr=3e-2, min_lr=3e-2,
                  warmup_steps=20, schedule="constant", log_interval=10, eval_interval=100, eval_iters=4, ckpt_interval=100),
     "cpu": dict(size="cpu", tokenizer="byte", batch_size=8, grad_accum=1, max_steps=100, lr=3e-3, min_lr=3e-4,
                 warmup_steps=10, schedule="cosine", log_interval=10, eval_interval=50, eval_iters=4, ckpt_interval=50),
-    # The CPU lab of the claims sweeps (RESULTS.md): the cpu model at a learning rate it trains healthily with,
-    # held constant so that an injected error meets the same optimizer all run long; 300 steps, in which the
-    # pilot's coherent errors at the grid's upper doses ran away, at about 20 s a run on two cores.
+    # The CPU lab of the claims sweeps (RESULTS.md): the cpu model at a healthy learning rate, held constant
+    # so that an injected error meets the same optimizer all run long; 300 steps (the pilot's, RESULTS.md).
     "lab": dict(size="cpu", tokenizer="byte", batch_size=8, grad_accum=1, max_steps=300, lr=3e-3, min_lr=3e-3,
                 warmup_steps=20, schedule="constant", log_interval=10, eval_interval=100, eval_iters=4,
                 ckpt_interval=100),
@@ -104,7 +103,7 @@ def build_parser():
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
 
     def add(group, flag, default, help, **kw):
-        # Parsed with default None, so that what was typed is known (a resume keeps the saved run's values);
+        # Parsed with default None, so that what was typed is known (a resume keeps the saved values);
         # the defaults are filled in afterwards, from the preset (PRESET_KEYS) or from here.
         name = flag[2:].replace("-", "_")
         FLAG_DEFAULTS[name] = default
@@ -233,11 +232,6 @@ def parse_args(argv=None):
     typed = {k: v for k, v in vars(parser.parse_args(argv)).items() if v is not None}
     args = argparse.Namespace(**{**FLAG_DEFAULTS, **typed})
     args.guard_threshold = args.guard_threshold or DEFAULT_THRESHOLD[args.guard_signal]
-    try:
-        check_assay_flags(args.inject_site, args.inject_scale, args.inject_coherence, args.probe, args.probe_k,
-                          args.qk_fix, args.accum)
-    except ValueError as e:
-        parser.error(str(e))
     for refused, message in refusals(args, typed):
         if refused:
             parser.error(message)
@@ -248,7 +242,24 @@ def refusals(args, typed):
     """(refused, why and what to do instead): settings that would silently do nothing or fail later."""
     guard_on, action = args.guard == "on", args.guard_action
     qk_normed = args.qknorm == "always" or args.qk_fix == "qknorm"
+    site, scale, fix = args.inject_site, args.inject_scale, args.qk_fix
     return [
+        (site == "none" and scale is not None,
+         "--inject-scale was given with --inject-site none: pick a site or drop the scale"),
+        (site == "none" and args.inject_coherence is not None,
+         "--inject-coherence was given with --inject-site none: pick a site or drop it"),
+        (site != "none" and scale is None,
+         f"--inject-site {site} needs --inject-scale (error rms / signal rms, or 'matched')"),
+        (fix == "clean-grad" and site in GRAD_SITES and args.accum == "fp32",
+         f"--qk-fix clean-grad recomputes the forward without the fault, but --inject-site {site} never touches "
+         "the forward: the clean QK gradient would be the faulty one"),
+        (fix == "clean-grad" and site in ACTIVATION_SITES,
+         f"--qk-fix clean-grad with --inject-site {site} trains W_q, W_k on the model without the error, a "
+         "different objective rather than a QK-only fix: use --qk-fix qknorm for a forward site (clean-grad is "
+         "for the backward sites delta, grad-wv, grad-mlp)"),
+        (fix != "off" and site == "none" and args.accum == "fp32",
+         "--qk-fix corrects the QK channel while a fault is active, but there is none: set --inject-site or a "
+         "faulty --accum"),
         (args.inject_layers != "all" and not all(i.strip().isdigit() for i in args.inject_layers.split(",")),
          f"--inject-layers {args.inject_layers!r}: give comma-separated layer indices, or all"),
         (guard_on and action == "qknorm" and qk_normed,
@@ -288,11 +299,17 @@ def resolve(args, device, parser):
 
 
 def model_config(args):
-    """The model's configuration, from the flags."""
+    """The model's configuration, from the flags, in the forms the kernel takes (block_n 0 and --round auto:
+    None, the kernel's defaults)."""
     return model_lib.GPTConfig(
         vocab_size=args.vocab_size, arch=args.arch, n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd,
         block_size=args.block_size,
-        dropout=args.dropout, attn_impl=args.attn_impl, accum=args.accum, block_n=args.block_n,
+        dropout=args.dropout, attn_impl=args.attn_impl, accum=args.accum, block_n=args.block_n or None,
         safemax_beta=args.safemax_beta, qk_norm=args.qknorm == "always" or args.qk_fix == "qknorm",
         softcap=args.softcap, attn_scale=args.attn_scale, attn_dtype=args.attn_dtype,
-        rounding=None if args.round == "auto" else args.round)
+        rounding=kernel_rounding(args.round))
+
+
+def kernel_rounding(flag):
+    """--round as the kernel takes it: None (its default for the input dtype) or a tuple of sources."""
+    return None if flag == "auto" else () if flag == "none" else tuple(flag.split(","))

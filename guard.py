@@ -2,29 +2,26 @@
 QK-Guard: watch the query-key channel, stay dormant, and at the first threshold crossing switch an action on.
 
 Three parts, one screen each:
-  SpectralMonitor   the largest singular value of every weight matrix (W_q, W_k, W_v, W_o, MLP in and out) per
-                    layer, and of W_q, W_k per head, by power iteration carried across steps (a few matrix-vector
-                    products per step, never a full SVD): a runaway through the QK channel shows in W_q, W_k alone.
-  QKGuard           the dormant controller: signal -> first crossing of a threshold -> an action latched on for
-                    the rest of the run (its state travels in the checkpoint, so it stays latched on resume).
-  CollapseDetector  a non-finite loss, or a loss stuck above its running minimum by a margin.
+  SpectralMonitor   the top singular value of every weight matrix per layer, and of W_q, W_k per head, by
+                    power iteration carried across steps (never a full SVD)
+  QKGuard           the dormant controller: signal -> first crossing -> an action latched on for the rest of
+                    the run (its state travels in the checkpoint)
+  CollapseDetector  a non-finite loss, or a loss stuck above its running minimum by a margin
 
-The max attention logit itself costs nothing to watch: the attention kernel returns it as a by-product, and the
-model hands it back from forward() as an (n_layer, n_head) tensor.
+The max attention logit costs nothing to watch: the kernel returns it as a by-product, and the model hands
+it back from forward() as an (n_layer, n_head) tensor.
 """
 import math
 from typing import NamedTuple, Optional
 
 import torch
 
+from model import WEIGHT_KINDS
+
 SIGNALS = ("max-logit", "sigma-product")
-# Each signal's default threshold, in its own units (SOURCES.md and MEASUREMENTS.md hold the runs behind them).
-#   max-logit:     healthy fp32-state runs peaked at a max attention logit of 52 and 137 on an H200 (6 layers, width
-#                  384; lr 2e-3 and 3e-3), runaways passed 1800 before collapsing; 200 sits between.
-#   sigma-product: sigma(W_q,h) * sigma(W_k,h). Healthy CPU runs (the cpu model, lr 3e-3, 1500 steps) peaked at
-#                  16 and 19; in the demo (lr 3e-2) it passed 50 at the step where the max logit passed 200, and
-#                  the unguarded runs went on to 618-2090. A logit is bounded by it times |x_i| |x_j| / sqrt(hd): its
-#                  scale depends on the model: set it from a healthy run's log.
+# Each signal's default threshold, in its own units, set between healthy runs and runaways (SOURCES.md has
+# the H200 runs behind max-logit, MEASUREMENTS.md the CPU runs behind sigma-product). sigma-product is
+# sigma(W_q,h) * sigma(W_k,h), whose scale depends on the model: set it from a healthy run's log.
 DEFAULT_THRESHOLD = {"max-logit": 200.0, "sigma-product": 50.0}
 # What each action does once triggered, and where train.py's loop applies it.
 ACTIONS = {
@@ -38,16 +35,6 @@ ACTIONS = {
     "fp32-accum": "attention: fp32 softmax state in the covered layers (the fix at the source)",
 }
 SCOPES = ("all", "crossed")
-WEIGHT_KINDS = ("q", "k", "v", "o", "mlp_in", "mlp_out")   # logged as sigma_<kind>, one value per layer
-QK_KINDS, NON_QK_KINDS = WEIGHT_KINDS[:2], WEIGHT_KINDS[2:]
-
-
-def weight_matrices(model):
-    """{kind: the per-layer weight matrices of that kind}. mlp_in is the up projection (SwiGLU's gate aside)."""
-    blocks = model.blocks
-    return {"q": [b.attn.q_proj.weight for b in blocks], "k": [b.attn.k_proj.weight for b in blocks],
-            "v": [b.attn.v_proj.weight for b in blocks], "o": [b.attn.o_proj.weight for b in blocks],
-            "mlp_in": [b.mlp.up_proj.weight for b in blocks], "mlp_out": [b.mlp.down_proj.weight for b in blocks]}
 
 
 class SpectralMonitor:
@@ -65,7 +52,7 @@ class SpectralMonitor:
         n_layer, self.n_head = len(model.attentions), attn.n_head
         device, n_embd = attn.q_proj.weight.device, attn.q_proj.weight.shape[1]
         self.v = {kind: torch.randn(n_layer, ws[0].shape[1], generator=gen).to(device)
-                  for kind, ws in weight_matrices(model).items()}
+                  for kind, ws in model.weight_matrices().items()}
         self.v["qk_head"] = torch.randn(n_layer, 2, self.n_head, n_embd, generator=gen).to(device)
         self.sigma, self.sigma_head = None, None
 
@@ -80,8 +67,8 @@ class SpectralMonitor:
         """Refresh self.sigma (of `kinds`) and, with W_q and W_k, self.sigma_head; returns (sigma, sigma_head).
         train.py measures W_q, W_k at every monitored step (the guard reads them) and the other kinds only for the
         log: each call stacks a copy of the weights it measures."""
-        stacks = {kind: torch.stack(ws).float() for kind, ws in weight_matrices(model).items()
-                  if kind in kinds}                                                            # (layer, out, in)
+        stacks = {kind: torch.stack(ws).float()                                      # (layer, out, in)
+                  for kind, ws in model.weight_matrices(kinds).items()}
         if "q" in kinds:   # per head: head h owns output rows h*head_dim:(h+1)*head_dim of W_q and W_k
             stacks["qk_head"] = torch.stack([stacks["q"], stacks["k"]], dim=1).unflatten(2, (self.n_head, -1))
         norms = {}
@@ -131,14 +118,14 @@ class QKGuard:
     the action starts one monitored step later, and the GPU never waits for the guard.
     """
 
-    def __init__(self, enabled=False, signal="max-logit", threshold=None, action="qknorm", scope="all",
+    def __init__(self, *, threshold, enabled=False, signal="max-logit", action="qknorm", scope="all",
                  tau=100.0, lr_factor=0.1, clip_norm=0.1, softcap=50.0):
         for name, value, valid in (("signal", signal, SIGNALS), ("action", action, ACTIONS),
                                    ("scope", scope, SCOPES)):
             if value not in valid:
                 raise ValueError(f"unknown guard {name} {value!r}: choose one of {', '.join(valid)}")
         self.enabled, self.signal = enabled, signal
-        self.threshold = DEFAULT_THRESHOLD[signal] if threshold is None else threshold
+        self.threshold = threshold   # in the signal's units (train.py's default: DEFAULT_THRESHOLD[signal])
         self.action, self.scope = action, scope
         self.tau, self.lr_factor, self.clip_norm, self.softcap = tau, lr_factor, clip_norm, softcap
         self.trigger = None      # {"step", "layer", "head", "value"} of the first crossing
@@ -273,12 +260,12 @@ class QKGuard:
         pending = None if self.pending is None else {"step": self.pending.step, "values": self.pending.values.cpu()}
         return {"trigger": self.trigger, "layers": list(self.layers), "pending": pending}
 
-    def load_state_dict(self, state, model):
+    def load_state_dict(self, state):
+        """The latched state back; apply_to_model() then switches the action on in the model again."""
         self.trigger, self.layers = state["trigger"], list(state["layers"])
         pending = state.get("pending")
         self.pending = None if pending is None else \
             Pending(pending["step"], pending["values"], (pending["values"] > self.threshold).any(), None)
-        self.apply_to_model(model)
 
 
 class CollapseDetector:

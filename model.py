@@ -3,13 +3,13 @@ A GPT in one file, in two flavours chosen by config:
   arch="gpt2":  LayerNorm, GELU MLP, learned positions, tied embeddings (GPT-2 / nanoGPT).
   arch="llama": RMSNorm, rotary positions, SwiGLU MLP, tied embeddings (LLaMA style).
 
-Every attention layer goes through attention_kernel.attention(), whose state precision (`accum`) is the fault
-under study. W_q and W_k are separate nn.Linear layers, so the monitor and the guard can reach them per layer and,
-by slicing rows, per head: head h owns rows h*head_dim:(h+1)*head_dim of q_proj.weight and k_proj.weight.
+Every attention layer goes through attention_kernel.attention(), whose state precision (`accum`) is the
+fault under study. W_q and W_k are separate nn.Linear layers, so the monitor and the guard reach them per
+layer and, by rows, per head: head h owns rows h*head_dim:(h+1)*head_dim.
 
-The guard switches attention behaviour per layer through three plain attributes of CausalSelfAttention
-(qk_norm, softcap, accum). They are Python values, not tensors: torch.compile specializes on them and recompiles
-once when the guard flips them, and the dormant path carries no extra work.
+The guard switches attention per layer through three plain attributes of CausalSelfAttention (qk_norm,
+softcap, accum): Python values, not tensors, so torch.compile recompiles once when the guard flips them and
+the dormant path carries no extra work.
 """
 import math
 from dataclasses import dataclass
@@ -31,23 +31,27 @@ class GPTConfig:
     vocab_size: int = 50304     # GPT-2's 50257 padded up to a multiple of 64 for faster matmuls
     dropout: float = 0.0
     # attention numerics (see attention_kernel.py)
-    attn_impl: str = "auto"     # "auto" (Triton on CUDA, PyTorch twin on CPU), "triton", "torch", "sdpa"
-    accum: str = "fp32"         # streaming-softmax state precision: "fp32", "bf16", "bf16-safemax"
-    rounding: str | None = None # the kernel's other bf16 rounding points, e.g. "logits,pv" or "none"; None: the
-                                # kernel's default for the input dtype (bf16: logits and P V, as the prior work)
-    attn_dtype: str = "bf16"    # q, k, v enter attention in bf16 (rounded there if the model runs in fp32, as bf16
-                                # autocast makes them on a GPU), or "native": in the dtype they were computed in
-    block_n: int = 0            # key block of the streaming loop; 0 = the kernel's default
+    attn_impl: str = "auto"     # "auto" (Triton on CUDA, the PyTorch twin on CPU), "triton", "torch", "sdpa"
+    accum: str = "fp32"         # the streaming-softmax state: "fp32", "bf16", "bf16-safemax"
+    rounding: tuple | None = None   # the other bf16 rounding points, e.g. ("logits", "pv"); (): none;
+                                    # None: the kernel's default for the input dtype
+    attn_dtype: str = "bf16"    # q, k, v enter attention in bf16 (as under bf16 autocast), or "native"
+    block_n: int | None = None  # key block of the streaming loop; None: the kernel's default
     safemax_beta: float = 2.0
     qk_norm: bool = False       # parameter-free QK normalization from step 0 (the always-on baseline)
     softcap: float = 0.0        # tanh soft-capping of attention logits; 0 = off
     attn_scale: float = 0.0     # logit scale; 0 = 1/sqrt(head_dim)
-    max_logit: bool = True      # return each layer's max attention logit (the monitor's signal); off only for
-                                # speed baselines (with attn_impl="sdpa" it costs an extra QK^T pass)
+    max_logit: bool = True      # return each layer's max attention logit (the guard's signal); off only
+                                # for speed baselines (with sdpa it costs an extra QK^T pass)
 
 
-# Named sizes. "cpu" trains in minutes on two cores; "assay" is the minute-scale collapse model measured on an
-# H200 (SOURCES.md); "gpt2" and "gpt2-medium" are the 124M and 350M models.
+# The weight matrices the monitor watches, by kind: one per layer each (logged as sigma_<kind>).
+WEIGHT_KINDS = ("q", "k", "v", "o", "mlp_in", "mlp_out")
+QK_KINDS, NON_QK_KINDS = WEIGHT_KINDS[:2], WEIGHT_KINDS[2:]
+
+
+# Named sizes. "cpu" trains in minutes on two cores; "assay" is the minute-scale collapse model of
+# SOURCES.md (an H200); "gpt2" and "gpt2-medium" are the 124M and 350M models.
 MODEL_SIZES = {
     "cpu":         dict(n_layer=4, n_head=4, n_embd=128, block_size=128),
     "assay":       dict(n_layer=6, n_head=6, n_embd=384, block_size=512),
@@ -123,13 +127,13 @@ class CausalSelfAttention(nn.Module):
             cos, sin = rotary
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         computed_in = q.dtype
-        if self.attn_dtype is not None:   # a no-op under bf16 autocast; on a CPU in fp32, the GPU's inputs
+        if self.attn_dtype is not None:   # a no-op under autocast; on a CPU in fp32, what a GPU's would be
             q, k, v = q.to(self.attn_dtype), k.to(self.attn_dtype), v.to(self.attn_dtype)
         out = attention(q, k, v, accum=self.accum, qk_norm=self.qk_norm, return_max_logit=self.return_max_logit,
                         scale=self.scale, softcap=self.softcap, safemax_beta=self.beta, impl=self.impl,
-                        block_n=self.block_n or None, rounding=self.rounding, delta_error=self.delta_error)
+                        block_n=self.block_n, rounding=self.rounding, delta_error=self.delta_error)
         y, max_logit = out if self.return_max_logit else (out, None)
-        y = y.transpose(1, 2).contiguous().view(B, T, C).to(computed_in)   # channels h*hd:(h+1)*hd are head h's
+        y = y.transpose(1, 2).contiguous().view(B, T, C).to(computed_in)   # head h: channels h*hd:(h+1)*hd
         # max over the batch: the per-head signal the monitor and the guard watch
         return self.dropout(self.o_proj(y)), None if max_logit is None else max_logit.amax(dim=0)
 
@@ -197,6 +201,16 @@ class GPT(nn.Module):
     @property
     def attentions(self):
         return [block.attn for block in self.blocks]
+
+    def weight_matrices(self, kinds=WEIGHT_KINDS):
+        """{kind: that kind's weight matrix in every layer}. mlp_in is the up projection (SwiGLU's gate aside)."""
+        owners = {"q": "attn.q_proj", "k": "attn.k_proj", "v": "attn.v_proj", "o": "attn.o_proj",
+                  "mlp_in": "mlp.up_proj", "mlp_out": "mlp.down_proj"}
+        return {kind: [block.get_submodule(owners[kind]).weight for block in self.blocks] for kind in kinds}
+
+    def qk_weights(self):
+        """W_q and W_k of every layer, layer by layer: the QK channel's parameters."""
+        return [w for layer in zip(*self.weight_matrices(QK_KINDS).values()) for w in layer]
 
     def num_params(self):
         n = sum(p.numel() for p in self.parameters())

@@ -34,7 +34,6 @@ SIGMA_RATIO = 2.0        # "through the QK channel": sigma(W_q or W_k) grew more
 LOGIT_RATIO = 10.0       # "beyond the no-error run": a max logit at least LOGIT_RATIO times that run's (same seed)
 FIX_TOL = 0.1            # nat: a QK-only fix ends within FIX_TOL of the no-error run's val loss (same seed)
 CONTROL_ENERGY = 0.95    # the equal-energy control counts where every step removed this share of its target
-NON_QK_KINDS = ("v", "o", "mlp_in", "mlp_out")
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -98,9 +97,13 @@ class Run:
         self.finished = self.status in DONE
         self.steps, self.loss = [r["step"] for r in steps], [r["loss"] for r in steps]
         nan_if_none = lambda v: math.nan if v is None else v
-        # per kind, the max over layers at each logged step
+        # per kind, the max over layers at each logged step; besides W_q and W_k, the kinds the log holds
+        # (train.py logs sigma_<kind> per layer for every kind of model.WEIGHT_KINDS, and W_q, W_k per head)
+        logged = {key[len("sigma_"):] for r in steps for key in r if key.startswith("sigma_")
+                  and not key.endswith("_head")}
+        self.other_kinds = sorted(logged - {"q", "k"})
         self.sigmas = {kind: [nan_if_none(finite_max(r.get(f"sigma_{kind}", []))) for r in steps]
-                       for kind in ("q", "k", *NON_QK_KINDS)}
+                       for kind in ("q", "k", *self.other_kinds)}
         self.sigma = self.sigmas["q"]
         self.logit = [nan_if_none(finite_max(sum(r.get("max_logit", []), []))) for r in steps]  # layers, heads
         self.max_sigma, self.max_logit = finite_max(self.sigma), finite_max(self.logit)
@@ -146,7 +149,7 @@ class Run:
 
     def qk_and_other_growth(self):
         """(growth of sigma(W_q or W_k), the most-grown other kind's: None where none was logged)."""
-        return max(self.growth("q"), self.growth("k")), finite_max([self.growth(k) for k in NON_QK_KINDS])
+        return max(self.growth("q"), self.growth("k")), finite_max([self.growth(k) for k in self.other_kinds])
 
     def logit_after(self, step):
         return finite_max([v for s, v in zip(self.steps, self.logit) if s > step]) or 0.0
@@ -764,7 +767,7 @@ def plot_runs(runs, axes, colors, panels=tuple(PANELS)):
     """One line per run in each panel; the guard trigger a dotted vertical line, a collapse an x."""
     def series(run, panel):
         if panel == "others":
-            return [finite_max([run.sigmas[k][i] for k in NON_QK_KINDS]) or math.nan for i in range(len(run.steps))]
+            return [finite_max([run.sigmas[k][i] for k in run.other_kinds]) or math.nan for i in range(len(run.steps))]
         return getattr(run, panel)
     for run in runs:
         color, k = colors[run.group], run.seed[4:]

@@ -6,6 +6,7 @@ directory (config.json, log.jsonl, ckpt.pt and, for an edited tree, source.diff)
   start_run     a new run refuses a folder holding another; --resume takes the saved run's own flags
   save/load_checkpoint   atomic writes; loads with weights_only=True (a checkpoint cannot run code)
   rng_state     every rank's RNG states, as tensors, so a resumed run draws the same dropout masks
+  RunDir        the start record, checkpoints and the way back, for the loop
   RunLog        log.jsonl for programs, one console line for people
   StopSignal    the first Ctrl-C (or SIGTERM) stops after the step with a checkpoint; the second at once
 """
@@ -17,6 +18,7 @@ import random
 import signal
 import subprocess
 import sys
+import time
 
 import numpy as np
 import torch
@@ -52,6 +54,12 @@ class Dist:
             if op == "avg":
                 tensor /= self.world
         return tensor
+
+    def any(self, flag):
+        """True on every rank when it is true on one (a signal may reach the ranks at different steps)."""
+        if self.world == 1:
+            return bool(flag)
+        return bool(self.all_reduce(torch.tensor(float(bool(flag)), device=self.device), "max"))
 
     def barrier(self):
         if self.world > 1:
@@ -211,6 +219,57 @@ def start_run(args, typed):
         raise SystemExit(f"error: the run in {args.out_dir} already reached step {state['step']}: pass a "
                          f"--max-steps above it to train on")
     return argparse.Namespace(**merged), state, changed
+
+
+class RunDir:
+    """The run directory (--out-dir) as the loop sees it: the start record, checkpoints, and the way back."""
+
+    def __init__(self, args, dist, data_hash):
+        self.args, self.dist, self.data_hash = args, dist, data_hash
+        self.ckpt = os.path.join(args.out_dir, "ckpt.pt")
+
+    def open_log(self, params, step, resumed, changed):
+        """log.jsonl with its start (or resume) record; a new run's config.json and source.diff first."""
+        args, dist = self.args, self.dist
+        if dist.master:
+            os.makedirs(args.out_dir, exist_ok=True)
+        log, run_versions = RunLog(os.path.join(args.out_dir, "log.jsonl"), dist.master), versions(dist.device)
+        config_json = os.path.join(args.out_dir, "config.json")
+        if dist.master and not resumed and not os.path.exists(config_json):
+            with open(config_json, "w") as f:
+                json.dump({"args": vars(args), "versions": run_versions, "command": sys.argv,
+                           "world_size": dist.world, "params": params,
+                           "started": time.strftime("%Y-%m-%d %H:%M:%S %Z")}, f, indent=2)
+            save_source(args.out_dir, run_versions)
+        verb = "resuming" if args.resume else "starting"
+        over = " (it had saved no checkpoint: starting over)" if args.resume and not resumed else ""
+        log.write({"event": "resume" if args.resume else "start", "step": step, "from_checkpoint": resumed,
+                   "versions": run_versions, "world_size": dist.world, "command": sys.argv, "changed": changed},
+                  f"{verb} {args.out_dir} at step {step}{over}: {args.preset} preset, {args.arch} "
+                  f"{args.n_layer}x{args.n_embd}, {params / 1e6:.2f}M params, {args.tokenizer} tokens, accum "
+                  f"{args.accum}, guard {args.guard}, on {dist.device} x{dist.world}")
+        return log
+
+    def save(self, step, parts, totals):
+        """ckpt.pt: everything needed to go on exactly; every rank takes part (the RNG states are gathered)."""
+        state = {"format": CHECKPOINT_FORMAT, "step": step, "args": vars(self.args),
+                 **{name: part.state_dict() for name, part in parts.items() if part is not None},
+                 **totals.state_dict(), "data_content_sha256": self.data_hash, "rng": rng_state(self.dist)}
+        if self.dist.master:
+            save_checkpoint(self.ckpt, state)
+
+    def restore(self, state, parts, totals):
+        """Load every part and the running totals from the checkpoint; returns its step."""
+        if state.get("data_content_sha256") != self.data_hash:
+            raise SystemExit(f"error: the data in {self.args.data_dir} is not the data this run started with "
+                             f"(content hash {self.data_hash} != {state.get('data_content_sha256')}): resume with "
+                             f"the original data, or start a new run")
+        for name, part in parts.items():
+            if part is not None:
+                part.load_state_dict(state[name])
+        totals.load_state_dict(state, self.dist.device)
+        set_rng_state(state["rng"], self.dist)
+        return state["step"]
 
 
 def read_saved_args(path):

@@ -42,7 +42,8 @@ def main(argv=None):
     model.load_state_dict(state["model"])
     guard = QKGuard(signal=run.guard_signal, threshold=run.guard_threshold, action=run.guard_action,
                     softcap=run.softcap_value)
-    guard.load_state_dict(state["guard"], model)     # a fired guard's attention-side action stays on
+    guard.load_state_dict(state["guard"])
+    guard.apply_to_model(model)   # a fired guard's attention-side action stays on
     model.eval()
     enc = prepare_data.get_tokenizer(run.tokenizer)
     idx = torch.tensor([enc.encode(args.prompt)] * args.num_samples, device=device)

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 import model
-from assay import (ACTIVATION_SITES, ErrorInjector, Probe, check_assay_flags, clean_qk_grads, measure_fault)
+import config
+from assay import ACTIVATION_SITES, ErrorInjector, Probe, clean_qk_grads, measure_fault
 from attention_kernel import attention
 
 
@@ -393,7 +394,15 @@ def test_measure_fault_and_matched_injector():
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Flag checks.
+# Flag checks (train.py's parser: argparse's choices and types, then config.refusals).
+
+ASSAY_FLAGS = dict(site="--inject-site", scale="--inject-scale", coherence="--inject-coherence", probe="--probe",
+                   probe_k="--probe-k", qk_fix="--qk-fix", accum="--accum")
+
+
+def assay_argv(flags):
+    return [arg for name, value in flags.items() if value is not None for arg in (ASSAY_FLAGS[name], str(value))]
+
 
 @pytest.mark.parametrize("flags, names", [
     (dict(site="mlp"), "--inject-site"),
@@ -411,10 +420,10 @@ def test_measure_fault_and_matched_injector():
     (dict(accum="fp16"), "--accum"),
     (dict(site="mlp-out", scale=0.1, qk_fix="clean-grad"), "--qk-fix qknorm"),
 ])
-def test_check_assay_flags_rejects_nonsense(flags, names):
-    args = dict(site="none", scale=None, coherence=None, probe="off", probe_k=3, qk_fix="off", accum="fp32")
-    with pytest.raises(ValueError, match=names):
-        check_assay_flags(**{**args, **flags})
+def test_assay_flags_reject_nonsense(flags, names, capsys):
+    with pytest.raises(SystemExit):
+        config.parse_args(assay_argv(flags))
+    assert names in capsys.readouterr().err.strip().splitlines()[-1]
 
 
 @pytest.mark.parametrize("flags", [
@@ -425,6 +434,5 @@ def test_check_assay_flags_rejects_nonsense(flags, names):
     dict(site="delta", scale=0.1, coherence=1.0, qk_fix="clean-grad"),
     dict(accum="bf16", probe="qk-fixed"),
 ])
-def test_check_assay_flags_accepts_sense(flags):
-    args = dict(site="none", scale=None, coherence=None, probe="off", probe_k=3, qk_fix="off", accum="fp32")
-    check_assay_flags(**{**args, **flags})
+def test_assay_flags_accept_sense(flags):
+    config.parse_args(assay_argv(flags))

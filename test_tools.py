@@ -18,12 +18,13 @@ from pytest import param
 
 import report
 import sweep
+from model import NON_QK_KINDS, WEIGHT_KINDS
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 N = sweep.SEEDS                    # 8: every arm runs seeds 1..N
 R = report.RUNAWAY_LOGIT
 TOL = report.LOSS_TOL
-KINDS = ("q", "k", *report.NON_QK_KINDS)
+KINDS = WEIGHT_KINDS
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -170,7 +171,7 @@ def test_trigger_and_val_from_the_end_record_and_half_written_lines(tmp_path):
     ({"q": 8.0, "mlp_out": 4.0}, False),                    # exactly SIGMA_RATIO times: not more
     ({"q": 8.0, "mlp_out": 3.9}, True),
     ({"q": 8.0, "o": 5.0, "mlp_in": 1.5}, False),           # the most-grown other kind counts
-    ({"q": 8.0, **dict.fromkeys(report.NON_QK_KINDS, None)}, False),   # the others not logged: no evidence
+    ({"q": 8.0, **dict.fromkeys(NON_QK_KINDS, None)}, False),   # the others not logged: no evidence
 ])
 def test_qk_specific(tmp_path, growth, specific):
     run = write_arms(tmp_path, {"bf16": [{"growth": growth}]})["bf16"][0]

@@ -14,7 +14,8 @@ import pytest
 import torch
 
 import model as model_lib
-from guard import WEIGHT_KINDS, CollapseDetector, QKGuard, SpectralMonitor, weight_matrices
+from guard import CollapseDetector, QKGuard, SpectralMonitor
+from model import WEIGHT_KINDS
 from test_assay import topk_removed
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
@@ -113,7 +114,7 @@ def test_power_iteration_sigma_within_one_percent():
     for _ in range(300):
         sigma, sigma_head = monitor.measure(model, iters=1)
     assert set(sigma) == set(WEIGHT_KINDS)
-    for kind, weights in weight_matrices(model).items():       # every weight matrix of every layer
+    for kind, weights in model.weight_matrices().items():       # every weight matrix of every layer
         for layer, w in enumerate(weights):
             exact = torch.linalg.matrix_norm(w.detach(), ord=2)
             assert abs(sigma[kind][layer] - exact) / exact < 0.01, (kind, layer)
@@ -138,7 +139,8 @@ def test_guard_state_machine_dormant_triggered_latched_resumed():
     assert guard.triggered and all(a.qk_norm for a in model.attentions)
     assert guard.observe(7, torch.zeros(2, 2), sig, model) is None and guard.triggered, "must stay latched"
     fresh_model, fresh_guard = tiny_model(), QKGuard(enabled=True, threshold=10.0)
-    fresh_guard.load_state_dict(guard.state_dict(), fresh_model)
+    fresh_guard.load_state_dict(guard.state_dict())
+    fresh_guard.apply_to_model(fresh_model)
     assert fresh_guard.trigger == guard.trigger and all(a.qk_norm for a in fresh_model.attentions)
 
 
@@ -197,7 +199,8 @@ def test_the_deferred_check_acts_one_call_late_and_survives_a_checkpoint():
     assert guard.observe_deferred(4, low, sig, model) is None
     assert guard.observe_deferred(5, high, sig, model) is None and not guard.triggered, "queued, not yet acted on"
     resumed = QKGuard(enabled=True, threshold=10.0, action="lr-drop")
-    resumed.load_state_dict(guard.state_dict(), tiny_model())
+    resumed.load_state_dict(guard.state_dict())
+    resumed.apply_to_model(tiny_model())
     for g in (guard, resumed):
         event = g.observe_deferred(6, low, sig, model)
         assert event is not None and (event["step"], event["layer"], event["head"], event["value"]) == (5, 1, 0, 30.0)
@@ -723,10 +726,10 @@ def test_qk_fix_clean_grad_replaces_only_the_qk_gradients():
     model.zero_grad()
     with assay.fault_free(model, injector):
         model(x, y)[1].backward()
-    for w, g in zip(assay.qk_weights(model), clean):
+    for w, g in zip(model.qk_weights(), clean):
         assert torch.allclose(g, w.grad, rtol=1e-5, atol=1e-8), "clean-grad must equal the fault-free gradient"
     names = {id(p): n for n, p in model.named_parameters()}
-    assert all(not torch.allclose(faulty[names[id(w)]], w.grad) for w in assay.qk_weights(model)), \
+    assert all(not torch.allclose(faulty[names[id(w)]], w.grad) for w in model.qk_weights()), \
         "the fault should change the QK gradient, or the test shows nothing"
 
 

@@ -10,10 +10,7 @@ directory (--out-dir) holds config.json, log.jsonl and ckpt.pt (runtime.py keeps
 where each of the guard's actions and the assay's errors takes effect.
 """
 import contextlib
-import json
 import math
-import os
-import sys
 import time
 
 import torch
@@ -22,8 +19,9 @@ import config
 import model as model_lib
 import prepare_data
 import runtime
-from assay import ErrorInjector, Probe, clean_qk_grads, qk_weights
-from guard import NON_QK_KINDS, QK_KINDS, CollapseDetector, QKGuard, SpectralMonitor
+from assay import ErrorInjector, Probe, clean_qk_grads
+from guard import CollapseDetector, QKGuard, SpectralMonitor
+from model import NON_QK_KINDS, QK_KINDS
 from runtime import moved, running_max
 
 
@@ -70,18 +68,19 @@ def main(argv=None):
     injector = make_injector(args, model, get_batch, autocast) if args.inject_site != "none" else None
     parts = dict(model=model, optimizer=optimizer, monitor=monitor, detector=detector, probe=probe,
                  injector=injector, guard=guard)
-    step, interval, monitor_max_logit = 0, new_interval(), None
+    run_dir, totals, step = runtime.RunDir(args, dist, windows.content_hash), Totals(), 0
     if state is None:
         monitor.measure(model, iters=30)         # converged before step 0
     else:
-        step, interval, monitor_max_logit = restore(state, parts, windows, dist, args)
+        step = run_dir.restore(state, parts, totals)
+        guard.apply_to_model(model)              # a latched action stays on
     saved_step = step                            # nothing to save before the first update
     eval_model = train_model = torch.compile(model) if args.compile else model
-    if dist.world > 1:   # (evaluation skips DDP: a rank with no eval batch must not owe it a collective)
+    if dist.world > 1:   # evaluation skips DDP: a rank without an eval batch must owe it no collective
         train_model = torch.nn.parallel.DistributedDataParallel(
             train_model, device_ids=[device.index] if device.type == "cuda" else None)
 
-    log = start_log(args, dist, model, state is not None, step, changed)
+    log = run_dir.open_log(model.num_params(), step, resumed=state is not None, changed=changed)
 
     def evaluate():
         """Mean validation loss over the same eval_iters batches every time, split over the ranks."""
@@ -99,9 +98,10 @@ def main(argv=None):
         return val_loss
 
     # -------------------------------------------------------------------------------- the loop
-    # "step" in every record counts the updates done before it: a step record's loss and max logit come from
-    # the forward of update `step`, an eval at `step` sees the weights after `step` updates.
-    stop, status, val_loss, interval_start = runtime.StopSignal(), "completed", None, time.time()
+    # "step" in a record counts the updates before it: a step record's loss and max logit come from the
+    # forward of update `step`; an eval at `step` sees the weights after `step` updates.
+    stop, status, val_loss = runtime.StopSignal(), "completed", None
+    totals.start_clock()
     try:
         if state is None:
             val_loss = evaluate()
@@ -113,24 +113,25 @@ def main(argv=None):
             # (2) forward and backward over the micro-batches; an injected error enters inside the model
             if injector is not None:
                 injector.begin_step(step)
-            micro_steps, max_logit, loss_sum, clean = args.grad_accum // dist.world, None, 0.0, None
+            micro_steps, max_logit, loss, clean = args.grad_accum // dist.world, None, 0.0, None
             for micro in range(micro_steps):
                 x, y = get_batch("train", step, micro * dist.world + dist.rank)
                 sync = dist.world == 1 or micro == micro_steps - 1     # DDP all-reduces on the last one only
                 with autocast(), (contextlib.nullcontext() if sync else train_model.no_sync()):
-                    _, loss, step_max_logit = train_model(x, y)
-                (loss / micro_steps).backward()
-                loss_sum += loss.detach().float() / micro_steps
-                max_logit = running_max(max_logit, step_max_logit)
+                    _, micro_loss, micro_max_logit = train_model(x, y)
+                (micro_loss / micro_steps).backward()
+                loss += micro_loss.detach().float() / micro_steps
+                max_logit = running_max(max_logit, micro_max_logit)
                 if args.qk_fix == "clean-grad":    # (3) the QK-only fix: W_q, W_k learn from the fault-free model
                     grads = clean_qk_grads(model, x, y, autocast, 1.0 / micro_steps, injector)
                     clean = grads if clean is None else [a + b for a, b in zip(clean, grads)]
             if clean is not None:
-                for weight, grad in zip(qk_weights(model), clean):
+                for weight, grad in zip(model.qk_weights(), clean):
                     weight.grad = dist.all_reduce(grad)
             if injector is not None:               # (3) an error in a weight's gradient
                 injector.inject_grads(model)
             max_logit = dist.all_reduce(max_logit.float(), "max")
+            totals.add(loss, max_logit)
             # (4) clip; the clip action tightens it
             clip = guard.grad_clip(args.grad_clip)
             grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip if clip > 0 else math.inf)
@@ -139,30 +140,27 @@ def main(argv=None):
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             probe_stats = probe.after_step(model)
-            # (6) watch: every weight's top singular value, then the guard's check of the max logit since the last
-            # monitored step. The check is deferred (guard.observe_deferred): a crossing at monitored step s acts
-            # from the update after the next monitored step, and the GPU never waits for the guard.
-            monitor_max_logit = running_max(monitor_max_logit, max_logit)
+            # (6) watch: W_q's and W_k's top singular values, then the guard's check of the max logit since the
+            # last monitored step. The check is deferred (guard.observe_deferred): a crossing acts from the
+            # update after the next monitored step, so the GPU never waits for the guard.
             if step % args.monitor_interval == 0:
                 monitor.measure(model, args.power_iters, kinds=QK_KINDS)
-                event = guard.observe_deferred(step, monitor_max_logit, monitor.sigma_head, model)
-                monitor_max_logit = None
+                event = guard.observe_deferred(step, totals.take_guard_max_logit(), monitor.sigma_head, model)
                 if event:
                     detector.pause(event["active_from"] + args.collapse_grace)   # the switch is not a collapse
                     log.write(event, trigger_line(event, guard))
             # (7) act after the update: QK-Clip scales the offending heads' W_q, W_k
             guard.after_optimizer_step(model, max_logit)
 
-            interval = accumulate(interval, loss_sum, max_logit)
             step += 1
             if step % args.log_interval == 0 or step == args.max_steps:
-                # W_v, W_o, the MLP's: for the log only, so measured here, with the iterations the steps since
-                # the last record would have had (a power iteration left behind understates a growing sigma)
+                # the other weights: for the log only, so measured here, with the power iterations of every
+                # step since the last record (falling behind would understate a growing sigma)
                 monitor.measure(model, args.power_iters * args.log_interval, kinds=NON_QK_KINDS)
-                record = log_record(step, lr, grad_norm, interval, time.time() - interval_start, args, dist,
-                                    monitor, guard, injector, probe_stats)
+                tokens_per_step = args.grad_accum * args.batch_size * args.block_size
+                record = log_record(step, lr, grad_norm, totals.take_interval(dist, tokens_per_step),
+                                    monitor=monitor, guard=guard, injector=injector, probe_stats=probe_stats)
                 log.write(record, console_line(record))
-                interval, interval_start = new_interval(), time.time()
                 probe.reset_interval()
                 if detector.update(record["step"], record["loss"]):
                     log.write({"event": "collapse", "step": detector.collapsed_at, "loss": record["loss"]},
@@ -173,27 +171,69 @@ def main(argv=None):
             if step % args.eval_interval == 0 or step == args.max_steps:
                 val_loss = evaluate()
             if step % args.ckpt_interval == 0 and saved_step != step:
-                save(args, dist, parts, step, interval, monitor_max_logit, windows)
+                run_dir.save(step, parts, totals)
                 saved_step = step
-            if stop if dist.world == 1 else dist.all_reduce(torch.tensor(float(bool(stop)), device=device), "max"):
-                status = "interrupted"    # a signal may reach the ranks at different steps: they stop together
+            if dist.any(stop):
+                status = "interrupted"    # every rank stops at the same step
                 break
-        if status == "collapsed":   # the end record's val loss is the collapsed model's, not an old one
+        if status == "collapsed":   # the end record's val loss is the collapsed model's
             val_loss = evaluate()
         if saved_step != step:
-            save(args, dist, parts, step, interval, monitor_max_logit, windows)
+            run_dir.save(step, parts, totals)
     except BaseException as e:
         log.write({"event": "end", "status": "error", "step": step, "error": f"{type(e).__name__}: {e}"})
         raise
-    # guard_pending: a crossing at the last check, which the deferred guard had no step left to act on
-    log.write({"event": "end", "status": status, "step": step, "collapse_step": detector.collapsed_at,
-               "guard_trigger": guard.trigger, "guard_pending": guard.pending_crossing(), "val_loss": val_loss},
-              end_line(status, step, guard, detector, args, val_loss))
+    # guard_pending: a crossing at the last check, left without a step to act on
+    end = {"event": "end", "status": status, "step": step, "collapse_step": detector.collapsed_at,
+           "guard_trigger": guard.trigger, "guard_pending": guard.pending_crossing(), "val_loss": val_loss}
+    log.write(end, end_line(end, guard, args.out_dir))
     dist.close()
 
 
 # ----------------------------------------------------------------------------------------------------------------
 # The pieces the loop calls
+
+class Totals:
+    """The loop's running totals, on the device (no host sync until a record is written): the loss, step count and
+    max logit of the log interval, and the max logit since the guard's last check."""
+
+    def __init__(self):
+        self.loss_sum, self.steps, self.max_logit = 0.0, 0, None      # since the last log record
+        self.guard_max_logit = None                                    # since the last monitored step
+        self.started = time.time()
+
+    def start_clock(self):
+        self.started = time.time()
+
+    def add(self, loss, max_logit):
+        self.loss_sum, self.steps = self.loss_sum + loss, self.steps + 1
+        self.max_logit = running_max(self.max_logit, max_logit)
+        self.guard_max_logit = running_max(self.guard_max_logit, max_logit)
+
+    def take_guard_max_logit(self):
+        value, self.guard_max_logit = self.guard_max_logit, None
+        return value
+
+    def take_interval(self, dist, tokens_per_step):
+        """The interval's mean loss (over the ranks), tokens per second and max logit; the next interval starts."""
+        interval = {"loss": dist.all_reduce(torch.as_tensor(self.loss_sum / self.steps)).item(),
+                    "tokens_per_s": tokens_per_step * self.steps / (time.time() - self.started),
+                    "max_logit": self.max_logit.tolist()}
+        self.loss_sum, self.steps, self.max_logit = 0.0, 0, None
+        self.start_clock()
+        return interval
+
+    def state_dict(self):   # the checkpoint's keys "interval" and "monitor_max_logit"
+        return {"interval": {"loss_sum": float(self.loss_sum), "steps": self.steps,
+                             "max_logit": moved(self.max_logit, "cpu")},
+                "monitor_max_logit": moved(self.guard_max_logit, "cpu")}
+
+    def load_state_dict(self, state, device):
+        interval = state["interval"]
+        self.loss_sum, self.steps = interval["loss_sum"], interval["steps"]
+        self.max_logit = moved(interval["max_logit"], device)
+        self.guard_max_logit = moved(state["monitor_max_logit"], device)
+
 
 def lr_at(step, args):
     """Linear warmup to --lr, then constant or a cosine down to --min-lr at --decay-steps."""
@@ -205,23 +245,11 @@ def lr_at(step, args):
     return args.min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (args.lr - args.min_lr)
 
 
-def new_interval():
-    """What the next log record accumulates, on the device: no host sync until the record is written."""
-    return {"loss_sum": 0.0, "steps": 0, "max_logit": None}
-
-
-def accumulate(interval, loss, max_logit):
-    return {"loss_sum": interval["loss_sum"] + loss, "steps": interval["steps"] + 1,
-            "max_logit": running_max(interval["max_logit"], max_logit)}
-
-
-def log_record(step, lr, grad_norm, interval, elapsed, args, dist, monitor, guard, injector, probe_stats):
+def log_record(step, lr, grad_norm, interval, *, monitor, guard, injector, probe_stats):
     """The record of the steps since the last one: mean loss, max logit over the interval, latest sigmas.
     Written after the update, so the last update's index is step - 1."""
-    tokens = args.grad_accum * args.batch_size * args.block_size
-    loss = dist.all_reduce(torch.as_tensor(interval["loss_sum"] / interval["steps"])).item()
-    record = {"step": step - 1, "lr": lr, "loss": loss, "grad_norm": grad_norm.item(),
-              "tokens_per_s": tokens * interval["steps"] / elapsed, "max_logit": interval["max_logit"].tolist(),
+    record = {"step": step - 1, "lr": lr, "loss": interval["loss"], "grad_norm": grad_norm.item(),
+              "tokens_per_s": interval["tokens_per_s"], "max_logit": interval["max_logit"],
               **monitor.record(), "guard": "on" if guard.triggered else ("dormant" if guard.enabled else "off")}
     if injector is not None:
         record.update(injector.last_stats)
@@ -245,20 +273,20 @@ def trigger_line(event, guard):
             f"{event['layers']} from step {event['active_from']}")
 
 
-def end_line(status, step, guard, detector, args, val_loss):
-    """The run's last console line: what happened, and when."""
-    what = [f"run {status} at step {step}"]
+def end_line(end, guard, out_dir):
+    """The run's last console line, from its end record: what happened, and when."""
+    what = [f"run {end['status']} at step {end['step']}"]
     if guard.trigger:
         what.append(f"QK-Guard fired at step {guard.trigger['step']} ({guard.signal} {guard.trigger['value']:.1f} > "
                     f"{guard.threshold:g}, layer {guard.trigger['layer']} head {guard.trigger['head']}) and "
                     f"{guard.action} stayed on")
     elif guard.enabled:
         what.append(f"QK-Guard stayed dormant ({guard.signal} never crossed {guard.threshold:g})")
-    if detector.collapsed_at is not None:
-        what.append(f"the loss collapsed from step {detector.collapsed_at}")
-    if val_loss is not None:
-        what.append(f"val loss {val_loss:.4f}")
-    return "; ".join(what) + f". Log and checkpoint in {args.out_dir}"
+    if end["collapse_step"] is not None:
+        what.append(f"the loss collapsed from step {end['collapse_step']}")
+    if end["val_loss"] is not None:
+        what.append(f"val loss {end['val_loss']:.4f}")
+    return "; ".join(what) + f". Log and checkpoint in {out_dir}"
 
 
 def make_injector(args, model, get_batch, autocast):
@@ -299,59 +327,9 @@ def check_attention_settings(model, device, args, use_bf16):
     softcap = args.softcap_value if args.guard == "on" and args.guard_action == "softcap" else attn.softcap
     try:
         model_lib.attention(probe, probe, probe, accum=attn.accum, impl=attn.impl, softcap=softcap,
-                            safemax_beta=attn.beta, block_n=attn.block_n or None, rounding=attn.rounding)
+                            safemax_beta=attn.beta, block_n=attn.block_n, rounding=attn.rounding)
     except ValueError as e:
         raise SystemExit(f"error: the attention settings cannot run: {e}")
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# The run directory: the start record, checkpoints and resume
-
-def start_log(args, dist, model, resumed, step, changed):
-    if dist.master:
-        os.makedirs(args.out_dir, exist_ok=True)
-    log, run_versions = runtime.RunLog(os.path.join(args.out_dir, "log.jsonl"), dist.master), \
-        runtime.versions(dist.device)
-    if dist.master and not resumed and not os.path.exists(os.path.join(args.out_dir, "config.json")):
-        with open(os.path.join(args.out_dir, "config.json"), "w") as f:
-            json.dump({"args": vars(args), "versions": run_versions, "command": sys.argv,
-                       "world_size": dist.world, "params": model.num_params(),
-                       "started": time.strftime("%Y-%m-%d %H:%M:%S %Z")}, f, indent=2)
-        runtime.save_source(args.out_dir, run_versions)
-    log.write({"event": "resume" if args.resume else "start", "step": step, "from_checkpoint": resumed,
-               "versions": run_versions, "world_size": dist.world, "command": sys.argv, "changed": changed},
-              f"{'resuming' if args.resume else 'starting'} {args.out_dir} at step {step}"
-              f"{'' if resumed or not args.resume else ' (it had saved no checkpoint: starting over)'}: "
-              f"{args.preset} preset, {args.arch} {args.n_layer}x{args.n_embd}, {model.num_params() / 1e6:.2f}M "
-              f"params, {args.tokenizer} tokens, accum {args.accum}, guard {args.guard}, on {dist.device} "
-              f"x{dist.world}")
-    return log
-
-
-def save(args, dist, parts, step, interval, monitor_max_logit, windows):
-    """ckpt.pt: everything needed to go on exactly; every rank takes part (the RNG states are gathered)."""
-    state = {"format": runtime.CHECKPOINT_FORMAT, "step": step, "args": vars(args),
-             **{name: part.state_dict() for name, part in parts.items() if part is not None},
-             "monitor_max_logit": moved(monitor_max_logit, "cpu"),
-             "interval": {**interval, "loss_sum": float(interval["loss_sum"]),
-                          "max_logit": moved(interval["max_logit"], "cpu")},
-             "data_content_sha256": windows.content_hash, "rng": runtime.rng_state(dist)}
-    if dist.master:
-        runtime.save_checkpoint(os.path.join(args.out_dir, "ckpt.pt"), state)
-
-
-def restore(state, parts, windows, dist, args):
-    """Load every part from the checkpoint; returns (step, interval, monitor_max_logit)."""
-    if state.get("data_content_sha256") != windows.content_hash:
-        raise SystemExit(f"error: the data in {args.data_dir} is not the data this run started with (content hash "
-                         f"{windows.content_hash} != {state.get('data_content_sha256')}): resume with the original "
-                         f"data, or start a new run")
-    for name, part in parts.items():
-        if part is not None:
-            part.load_state_dict(state[name], parts["model"]) if name == "guard" else part.load_state_dict(state[name])
-    runtime.set_rng_state(state["rng"], dist)
-    interval = {**state["interval"], "max_logit": moved(state["interval"]["max_logit"], dist.device)}
-    return state["step"], interval, moved(state["monitor_max_logit"], dist.device)
 
 
 if __name__ == "__main__":
