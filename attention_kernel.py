@@ -1,29 +1,29 @@
-"""Causal flash attention whose bf16 rounding points can be switched on one at a time: the fault and its repairs.
+"""Causal flash attention with each bf16 rounding point a switch: the fault and its repairs.
 
-The streaming softmax folds key block after key block into a running max m, a running sum l and an output
-accumulator O. Qiu & Yao (arXiv 2510.04212, code at github.com/ucker/why-low-precision-training-fails) keep every
-tensor of it in bf16; their training collapses, and fp32 state repairs it. Here each of their rounding points is a
-switch, r(x) meaning "round to bf16 (nearest even)":
+The streaming softmax folds each key block into a running max m, a running sum l and an output
+accumulator O. Qiu & Yao (arXiv 2510.04212, github.com/ucker/why-low-precision-training-fails) keep
+all of it in bf16 and their training collapses; fp32 state repairs it. Each of their rounding points
+is a switch here, r(x) meaning "round to bf16 (nearest even)":
 
-  source     what is rounded to bf16 (when on)                                     switched by
-  logits     S = r(r(q k^T) * scale), as out of a bf16 matmul                       rounding=("logits", ...)
-  state      m, alpha = r(exp(r(m_old - m))), P = r(exp(r(S - m))), l = r(r(alpha   accum="bf16" (or
-             l) + max(r(rowsum P), 1e-10)), O = r(r(alpha O) + PV), o = r(O / l)    "bf16-safemax")
-  pv         each block's PV = r(P @ V) by itself before it is added to O           rounding=("pv", ...)
-  backward   lse, P, dP, delta, dS and the dq, dk, dv sums once per 64-row block    rounding=("backward", ...)
+  source    rounded to bf16 when on                                  switched by
+  logits    S = r(r(q k^T) * scale), as out of a bf16 matmul         rounding=("logits", ...)
+  state     m; alpha = r(exp(r(m_old - m))); P = r(exp(r(S - m)));   accum="bf16" or "bf16-safemax"
+            l = r(r(alpha l) + max(r(rowsum P), 1e-10)); O = r(r(alpha O) + PV); o = r(O / l)
+  pv        each block's PV = r(P @ V) alone, before it joins O      rounding=("pv", ...)
+  backward  lse, P, dP, delta, dS; dq, dk, dv sums per 64-row block  rounding=("backward", ...)
 
-accum="fp32" keeps the state in fp32 (the repair), "bf16" rounds it (the fault), and "bf16-safemax" adds the
-prior work's fix at the source (where a block's row max repeats within 1e-3, shift by beta*max, so no P is 1).
-rounding=None means "logits" and "pv" for bf16 inputs (the prior work's kernel around its state, so that "fp32" and
-"bf16" differ in the state alone) and nothing for other input dtypes; rounding=() is a standard flash kernel.
+accum="fp32" keeps the state in fp32 (the repair), "bf16" rounds it (the fault); "bf16-safemax" adds
+the prior work's fix at the source: where a block's row max repeats (within 1e-3), shift by beta*max
+so no P is 1. rounding=None: "logits" and "pv" for bf16 inputs (the prior work's kernel around its
+state, so "fp32" and "bf16" differ only in it), else none; rounding=() is a standard flash kernel.
 
-Two implementations of one algorithm with the same rounding points, behind torch.library custom ops (so a model
-calling attention() compiles with fullgraph=True):
-  - a PyTorch twin, first below: the readable statement of the algorithm (CPU training, and the kernels' check);
-  - Triton kernels, the same algorithm fast (CUDA, or CPU tensors under TRITON_INTERPRET=1 set before import).
-"sdpa" (PyTorch's fused kernels) and "reference" (float64, materialized) are there to compare against.
+Two implementations of one algorithm with the same rounding points, behind torch.library custom ops
+(a model calling attention() compiles with fullgraph=True):
+  - the PyTorch twin, first below: the algorithm to read (CPU training, and the kernels' check);
+  - Triton kernels: the same, fast (CUDA, or CPU tensors with TRITON_INTERPRET=1 set before import).
+"sdpa" (PyTorch's fused kernels) and "reference" (float64, materialized) are for comparison.
 
-    python bench.py --only check            # errors against the float64 reference on this device
+    python bench.py --only check     # errors against the float64 reference on this device
     (speed: bench.py also times, tunes and compiles these kernels for a GPU)
 """
 import functools
@@ -42,27 +42,28 @@ DEFAULT_ROUNDING = ("logits", "pv")               # rounding=None with bf16 inpu
 IMPLS = ("auto", "triton", "torch", "sdpa", "reference")
 TRITON_HEAD_DIMS = (16, 32, 64, 128)
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-# The state and the separate PV product are rounded once per key block, so the block is part of the fault's
-# definition: where either is rounded, both implementations use this one unless block_n says otherwise (an H200
-# emulation of the fault used 128; the prior work's model used 512-key blocks at context 1024). Where neither is,
-# the block is a speed choice (Triton: fwd_config) and changes only the summation order.
+# The state and the separate PV product are rounded once per key block, so the block is part of the
+# fault: where either is rounded, both implementations use this one unless block_n says otherwise
+# (an H200 emulation of the fault used 128; the prior work's model, 512 at context 1024). Elsewhere
+# it is a speed choice (Triton: fwd_config) and changes only the summation order.
 BF16_STATE_BLOCK_N = 128
-# The bf16 backward rounds its dq sums once per key block and its dk, dv sums once per query block of this size.
+# The bf16 backward's block: it rounds the dq sums once per key block, dk and dv per query block.
 BF16_BWD_BLOCK = 64
-# Safe-max: entries within SAFEMAX_TIE of the block max count as ties (the prior work's 1e-3). Its shift beta*max
-# leaves the tied entries at p = exp(-(beta-1)*max), which underflows past max ~ 87/(beta-1), and the prior work's
-# clamp of the block sum at 1e-10 then replaces l, both wrecking the output. So the shift above the max is capped:
-# exp(-16) = 1.1e-7 keeps the block sum far above the clamp and every entry within 20 of the max a normal float.
+# Safe-max: entries within SAFEMAX_TIE of the block max are ties (the prior work's 1e-3). A shift of
+# beta*max leaves ties at p = exp(-(beta-1)*max), which underflows past max ~ 87/(beta-1), and the
+# prior work's 1e-10 clamp of the block sum then replaces l: either wrecks the output. So the shift
+# above the max is capped: exp(-16) = 1.1e-7 keeps the block sum far above the clamp and every entry
+# within 20 of the max a normal float.
 SAFEMAX_TIE = 1e-3
 SAFEMAX_MAX_SHIFT = 16.0
-_TIE, _MAX_SHIFT = tl.constexpr(SAFEMAX_TIE), tl.constexpr(SAFEMAX_MAX_SHIFT)   # as the kernels see them
+_TIE, _MAX_SHIFT = tl.constexpr(SAFEMAX_TIE), tl.constexpr(SAFEMAX_MAX_SHIFT)  # the kernels' copies
 # triton.jit picks the interpreter when the decorator runs, so this is read once, at import.
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# The PyTorch twin: the algorithm, vectorized over all queries, looping over key blocks. Matmuls run in fp32 on
-# upcast operands (exact products, as the tensor cores' fp32 accumulation).
+# --------------------------------------------------------------------------------------------------
+# The PyTorch twin: the algorithm vectorized over queries, looping over key blocks. Matmuls run in
+# fp32 on upcast operands (exact products, as the tensor cores' fp32 accumulation).
 
 def _r(x):
     """r(x): round fp32 to bf16 (nearest even) and back."""
@@ -84,7 +85,7 @@ def _tanh(x):
 
 
 def _logits_torch(qk, scale, softcap, round_logits):
-    """S = r(r(q k^T) * scale) when rounded; softcap: S = r(c * tanh(S / c)). Returns (S, tanh or None)."""
+    """S = r(r(q k^T) * scale) [softcap: r(c tanh(S / c))], r if rounded; -> (S, tanh or None)."""
     r = _r if round_logits else _keep
     s, t = r(r(qk) * scale), None
     if softcap > 0:
@@ -94,29 +95,28 @@ def _logits_torch(qk, scale, softcap, round_logits):
 
 
 def _safemax_shift_torch(s, rm, beta):
-    """Where the row max rm repeats (within SAFEMAX_TIE), shift by beta*rm (rm > 0) or to 0 (rm < 0) instead of
-    rm, capped at SAFEMAX_MAX_SHIFT above rm, so that no p is exactly 1. Exact in real arithmetic (softmax is
-    shift-invariant). A shift the bf16 m cannot hold within the cap (|rm| beyond 2**12) is not made."""
+    """Where row max rm repeats (within SAFEMAX_TIE), shift by beta*rm (rm > 0) or to 0 (rm < 0),
+    at most SAFEMAX_MAX_SHIFT above rm, so no p is exactly 1: exact in real arithmetic (softmax is
+    shift-invariant). No shift where the bf16 m cannot hold it within the cap (|rm| past 2**12)."""
     tied = ((s >= (rm - SAFEMAX_TIE)[..., None]).sum(-1) > 1) & (rm > float("-inf"))
     shift = rm + torch.where(rm > 0, (beta - 1) * rm, -rm).clamp(max=SAFEMAX_MAX_SHIFT)
     return torch.where(tied & (_r(shift) <= rm + SAFEMAX_MAX_SHIFT), shift, rm)
 
 
 def _causal_mask(rows, keys, device):
-    """For the block (rows, keys) of slices: (hidden, seen) = (0 / -inf, 1 / 0) where a row does / does not see
-    a key."""
+    """(hidden, seen) for slices (rows, keys): 0, 1 where a row sees a key; -inf, 0 where not."""
     return _causal_mask_of(rows.start, rows.stop, keys.start, keys.stop, device)
 
 
-@functools.lru_cache(maxsize=64)   # every layer of every step asks for the same few blocks; callers only read them
+@functools.lru_cache(maxsize=64)   # the same few blocks each layer and step; callers only read them
 def _causal_mask_of(row0, row1, key0, key1, device):
     seen = (torch.arange(key0, key1, device=device)[None, :] <= torch.arange(row0, row1, device=device)[:, None])
     return seen.float().log(), seen.float()   # log(1) = 0, log(0) = -inf
 
 
 def _exp_seen(x, seen, r=_keep):
-    """r(exp(x)) where the row sees the key, 0 where it does not: the same values as exp of a logit masked to -inf,
-    without taking exp of -inf (on a CPU, exp of an argument that underflows runs about 10x slower)."""
+    """r(exp(x)) where the row sees the key, else 0: exp of a logit masked to -inf, but no exp(-inf)
+    (slow on a CPU, as are other underflows: MEASUREMENTS.md, 2026-12-01, the CPU lab)."""
     return r(torch.exp(x * seen)) * seen
 
 
@@ -126,24 +126,24 @@ def _fwd_torch(q, k, v, scale, softcap, accum, rounding, beta, block_n):
     state_bf16 = accum != "fp32"
     rs = _r if state_bf16 else _keep                  # the state's rounding points
     rpv = _r if "pv" in rounding else _keep           # the block product's own rounding
-    exact_p = state_bf16 and v.dtype == torch.bfloat16  # P already holds bf16 values: no cast before P V
+    exact_p = state_bf16 and v.dtype == torch.bfloat16  # P holds bf16 values: no cast before P V
     qf, kf, vf = q.float(), k.float(), v.float()
-    m = torch.full((B, H, T), float("-inf"), device=q.device)       # running max (or safe-max shift)
-    l = torch.zeros((B, H, T), device=q.device)                      # running sum of P
-    acc = torch.zeros((B, H, T, D), device=q.device)                 # running sum of P V
-    top = torch.full((B, H, T), float("-inf"), device=q.device)     # true max logit (never the shift)
+    m = torch.full((B, H, T), float("-inf"), device=q.device)   # running max (or safe-max shift)
+    l = torch.zeros((B, H, T), device=q.device)                  # running sum of P
+    acc = torch.zeros((B, H, T, D), device=q.device)             # running sum of P V
+    top = torch.full((B, H, T), float("-inf"), device=q.device)  # true max logit (never the shift)
     for j in range(0, T, block_n):
-        keys, rows = slice(j, min(j + block_n, T)), slice(j, T)     # rows < j see none of these keys: a no-op
+        keys, rows = slice(j, min(j + block_n, T)), slice(j, T)     # rows < j see none of these
         hidden, seen = _causal_mask(rows, keys, q.device)
         s, _ = _logits_torch(qf[:, :, rows] @ kf[:, :, keys].mT, scale, softcap, "logits" in rounding)
-        s_seen = s + hidden                                          # the keys a row sees; -inf past it
+        s_seen = s + hidden                                          # -inf past the row's last key
         rm = s_seen.amax(-1)
         top[..., rows] = torch.maximum(top[..., rows], rm)
         shift = _safemax_shift_torch(s_seen, rm, beta) if accum == "bf16-safemax" else rm
         m_old = m[..., rows]
         m_new = rs(torch.maximum(m_old, shift))
         alpha = rs(torch.exp(rs(m_old - m_new)))
-        p = _exp_seen(rs(s - m_new[..., None]), seen, rs)   # bf16 state: P is exactly 1 where a max repeats
+        p = _exp_seen(rs(s - m_new[..., None]), seen, rs)   # bf16 state: P = 1 at a repeated max
         block_sum = _r(p.sum(-1)).clamp_min(1e-10) if state_bf16 else p.sum(-1)
         l[..., rows] = rs(rs(alpha * l[..., rows]) + block_sum)
         pv = rpv((p if exact_p else _as(p, v.dtype)) @ vf[:, :, keys])
@@ -154,17 +154,17 @@ def _fwd_torch(q, k, v, scale, softcap, accum, rounding, beta, block_n):
 
 
 def _bwd_torch(do, q, k, v, o, lse, scale, softcap, rounding, block_n):
-    """The fp32 backward: recompute S with the forward's rounding, P = exp(S - lse), then
-    dV = P^T dO;  dP = dO V^T;  dS = P * (dP - delta) [softcap: * (1 - tanh^2)];  dQ = dS K scale;  dK = dS^T Q scale,
-    with delta = rowsum(dO * O) from the stored o (in bf16 modes the biased O enters the gradient here). P and dS
-    are cast to the input dtype for the matmuls."""
+    """The fp32 backward: recompute S (the forward's rounding) and P = exp(S - lse); dV = P^T dO;
+    dP = dO V^T; dS = P * (dP - delta) [softcap: * (1 - tanh^2)]; dQ = dS K scale;
+    dK = dS^T Q scale; delta = rowsum(dO * O) of the stored o (in bf16 modes the biased O enters the
+    gradient here). P and dS are cast to the input dtype for the matmuls."""
     if "backward" in rounding:
         return _bwd_torch_bf16(do, q, k, v, o, lse, scale, softcap, rounding)
     T, dt = q.shape[2], q.dtype
     qf, kf, vf, dof = q.float(), k.float(), v.float(), do.float()
     delta = (dof * o.float()).sum(-1)
     dq = torch.zeros(qf.shape, device=q.device)
-    dk, dv = new_buffer(q.shape, dt, q.device), new_buffer(q.shape, dt, q.device)   # written block by block: poisoned
+    dk, dv = new_buffer(q.shape, dt, q.device), new_buffer(q.shape, dt, q.device)   # set per block
     for j in range(0, T, block_n):
         keys, rows = slice(j, min(j + block_n, T)), slice(j, T)
         s, t = _logits_torch(qf[:, :, rows] @ kf[:, :, keys].mT, scale, softcap, "logits" in rounding)
@@ -180,16 +180,16 @@ def _bwd_torch(do, q, k, v, o, lse, scale, softcap, rounding, block_n):
 
 
 def _bwd_torch_bf16(do, q, k, v, o, lse, scale, softcap, rounding):
-    """The prior work's bf16 backward: every tensor rounded as it is made (lse came rounded from the forward), the
-    scale inside dS, and dq, dk, dv summed in bf16, one (query block, key block) tile of BF16_BWD_BLOCK at a time:
-    dq over key blocks in order, dk and dv over query blocks in order (as the Triton kernels loop)."""
+    """The prior work's bf16 backward: every tensor rounded as it is made (lse came rounded), the
+    scale inside dS, and dq, dk, dv summed in bf16 one BF16_BWD_BLOCK tile at a time: dq over key
+    blocks in order, dk and dv over query blocks in order (as the Triton kernels loop)."""
     T, dt, n = q.shape[2], q.dtype, BF16_BWD_BLOCK
     qf, kf, vf, dof = q.float(), k.float(), v.float(), do.float()
     delta = _r(_r(dof * o.float()).sum(-1))
     dq, dk, dv = (torch.zeros(qf.shape, device=q.device) for _ in range(3))
     for j in range(0, T, n):
         keys = slice(j, min(j + n, T))
-        for i in range(j, T, n):                     # the query blocks that see key block j, in order
+        for i in range(j, T, n):                     # the query blocks that see key block j
             rows = slice(i, min(i + n, T))
             s, t = _logits_torch(qf[:, :, rows] @ kf[:, :, keys].mT, scale, softcap, "logits" in rounding)
             p = _exp_seen(_r(s - lse[..., rows, None]), _causal_mask(rows, keys, q.device)[1], _r)
@@ -202,15 +202,15 @@ def _bwd_torch_bf16(do, q, k, v, o, lse, scale, softcap, rounding):
     return dq.to(dt), dk.to(dt), dv.to(dt)
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# The same algorithm as Triton kernels. One program per (query or key block, batch*head). Every (B, H, T, D) tensor
-# of a call shares one layout, passed as (batch, head, time) strides with head_dim unit-stride: the model's
-# transposed views as they are. Key blocks left of the diagonal are wholly visible and skip the causal mask.
+# --------------------------------------------------------------------------------------------------
+# The same algorithm as Triton kernels, one program per (query or key block, batch*head). A call's
+# (B, H, T, D) tensors share a layout, passed as (batch, head, time) strides (head_dim unit-stride):
+# the model's transposed views as they are. Key blocks left of the diagonal skip the causal mask.
 
 @triton.jit
 def _round_bf16(x):
-    # r(x): fp32 -> nearest-even bf16 -> fp32, with integer ops. The interpreter's float cast truncates instead
-    # of rounding, so x.to(tl.bfloat16) would disagree between CPU and GPU. Exact for +-inf; NaN is not expected.
+    # r(x) in integer ops: the interpreter's float cast truncates, so x.to(tl.bfloat16) would differ
+    # between CPU and GPU. Exact for +-inf; NaN is not expected.
     bits = x.to(tl.int32, bitcast=True)
     bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536
     return bits.to(tl.float32, bitcast=True)
@@ -226,8 +226,8 @@ def _r_if(x, ON: tl.constexpr):
 
 @triton.jit
 def _cast(x, P):
-    # fp32 x to the element type of pointer P (the input dtype). A bf16 target is rounded to nearest even first,
-    # so that the cast itself is exact and the interpreter (which truncates) agrees with the GPU.
+    # fp32 x to P's element type (the input dtype). bf16 is rounded first, so the cast is exact and
+    # the interpreter (which truncates) agrees with the GPU.
     if P.dtype.element_ty == tl.bfloat16:
         x = _round_bf16(x)
     return x.to(P.dtype.element_ty)
@@ -241,15 +241,14 @@ def _head(bh, H, stride_b, stride_h):
 
 @triton.jit
 def _rows(offs, stride_t):
-    # Element offsets of time rows, in int64: the model's layout has stride_t = n_embd, so T * stride_t passes
+    # Element offsets of time rows, in int64: the model's stride_t is n_embd, so T * stride_t passes
     # 2**31 for long sequences of wide models.
     return offs.to(tl.int64) * stride_t
 
 
 @triton.jit
 def _load_block(ptrs, in_range, MASK: tl.constexpr):
-    # A key block on the diagonal may run past T: mask it. One left of the diagonal lies wholly below T, and its
-    # loads (most of them at large T) skip the mask.
+    # A diagonal key block may run past T: mask it. Those left of it (most loads) lie below T.
     if MASK:
         x = tl.load(ptrs, mask=in_range, other=0.0)
     else:
@@ -259,9 +258,9 @@ def _load_block(ptrs, in_range, MASK: tl.constexpr):
 
 @triton.jit
 def _dot(a, b, acc, DOT_FP32: tl.constexpr, IEEE: tl.constexpr):
-    # acc + a @ b with fp32 accumulation. DOT_FP32: the interpreter's tl.dot is wrong on bf16/fp16 operands
-    # (triton issue 11584); a product of two bf16/fp16 numbers is exact in fp32, so upcasting loses nothing.
-    # IEEE: fp32 operands must not go through TF32 on the GPU (it would break a 1e-4 tolerance).
+    # acc + a @ b, accumulated in fp32. DOT_FP32: the interpreter's tl.dot is wrong on bf16/fp16
+    # operands (triton issue 11584); their products are exact in fp32, so upcasting loses nothing.
+    # IEEE: no TF32 for fp32 operands on the GPU (it would break a 1e-4 tolerance).
     if DOT_FP32:
         a = a.to(tl.float32)
         b = b.to(tl.float32)
@@ -285,7 +284,7 @@ def _tanh_tl(x):
 
 @triton.jit
 def _logits(qk, scale, softcap, ROUND_LOGITS: tl.constexpr, SOFTCAP: tl.constexpr):
-    # As _logits_torch: S = r(r(q k^T) * scale) [softcap: r(c * tanh(S / c))]; returns (S, tanh) for the backward.
+    # As _logits_torch: S = r(r(q k^T) * scale) [softcap: r(c tanh(S / c))]; tanh for the backward.
     s = _r_if(_r_if(qk, ON=ROUND_LOGITS) * scale, ON=ROUND_LOGITS)
     t = s
     if SOFTCAP:
@@ -296,7 +295,7 @@ def _logits(qk, scale, softcap, ROUND_LOGITS: tl.constexpr, SOFTCAP: tl.constexp
 
 @triton.jit
 def _safemax_shift(s, rm, beta):
-    # As _safemax_shift_torch. rm = -inf (a row that sees no key of this block) keeps the no-op shift.
+    # As _safemax_shift_torch. rm = -inf (a row that sees none of these keys) keeps the no-op shift.
     tied = (tl.sum((s >= (rm - _TIE)[:, None]).to(tl.int32), 1) > 1) & (rm > float("-inf"))
     shift = rm + tl.minimum(tl.where(rm > 0, (beta - 1.0) * rm, -rm), _MAX_SHIFT)
     return tl.where(tied & (_round_bf16(shift) <= rm + _MAX_SHIFT), shift, rm)
@@ -307,8 +306,7 @@ def _fwd_block(q, K, V, start_n, offs_m, m_i, l_i, acc, top, stride_t, scale, so
                HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL_MASK: tl.constexpr,
                BF16_STATE: tl.constexpr, SAFEMAX: tl.constexpr, ROUND_LOGITS: tl.constexpr,
                ROUND_PV: tl.constexpr, SOFTCAP: tl.constexpr, DOT_FP32: tl.constexpr, IEEE: tl.constexpr):
-    # One step of the streaming softmax, as the loop body of _fwd_torch: fold key block [start_n, start_n +
-    # BLOCK_N) into (m, l, acc).
+    # One streaming-softmax step (_fwd_torch's loop body): fold key block start_n into (m, l, acc).
     offs_n = start_n + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
     kT = _load_block(K + _rows(offs_n, stride_t)[None, :] + offs_d[:, None], offs_n[None, :] < T, CAUSAL_MASK)
@@ -319,12 +317,12 @@ def _fwd_block(q, K, V, start_n, offs_m, m_i, l_i, acc, top, stride_t, scale, so
         s = tl.where(offs_n[None, :] <= offs_m[:, None], s, float("-inf"))
 
     rm = tl.max(s, 1)
-    top = tl.maximum(top, rm)
+    top = tl.maximum(top, rm)   # the true max logit (never the shift)
     shift = rm
     if SAFEMAX:
         shift = _safemax_shift(s, rm, beta)
     m_new = _r_if(tl.maximum(m_i, shift), ON=BF16_STATE)
-    alpha = _r_if(tl.exp(_r_if(m_i - m_new, ON=BF16_STATE)), ON=BF16_STATE)
+    alpha = _r_if(tl.exp(_r_if(m_i - m_new, ON=BF16_STATE)), ON=BF16_STATE)   # rescales l and acc
     p = _r_if(tl.exp(_r_if(s - m_new[:, None], ON=BF16_STATE)), ON=BF16_STATE)
     block_sum = tl.sum(p, 1)
     if BF16_STATE:   # clamped where the row sees the block (elsewhere the step must stay a no-op)
@@ -345,6 +343,7 @@ def attn_fwd(Q, K, V, O, LSE, ROWMAX, stride_b, stride_h, stride_t, H, T, scale,
               BF16_STATE: tl.constexpr, SAFEMAX: tl.constexpr, ROUND_LOGITS: tl.constexpr,
               ROUND_PV: tl.constexpr, BWD_BF16: tl.constexpr, SOFTCAP: tl.constexpr,
               DOT_FP32: tl.constexpr, IEEE: tl.constexpr):
+    # One query block per program: fold in the key blocks it sees, then store o, lse, the row max.
     pid_m = tl.program_id(0)
     bh = tl.program_id(1)
     head = _head(bh, H, stride_b, stride_h)
@@ -362,8 +361,8 @@ def attn_fwd(Q, K, V, O, LSE, ROWMAX, stride_b, stride_h, stride_t, H, T, scale,
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
     top = tl.full([BLOCK_M], float("-inf"), tl.float32)
 
-    # Causal: this query block sees the key blocks up to its own end, in order from key 0 (which every row
-    # sees, so m_i is finite after the first block; a later block that a row cannot see is an exact no-op).
+    # Causal: key blocks from key 0 to this query block's end, masked on the diagonal only. Each row
+    # sees key 0, so m_i is finite after the first block; a later block a row cannot see is a no-op.
     diag = pid_m * BLOCK_M // BLOCK_N * BLOCK_N
     for start_n in range(0, diag, BLOCK_N):
         m_i, l_i, acc, top = _fwd_block(
@@ -376,7 +375,7 @@ def attn_fwd(Q, K, V, O, LSE, ROWMAX, stride_b, stride_h, stride_t, H, T, scale,
             HEAD_DIM=HEAD_DIM, BLOCK_N=BLOCK_N, CAUSAL_MASK=True, BF16_STATE=BF16_STATE, SAFEMAX=SAFEMAX,
             ROUND_LOGITS=ROUND_LOGITS, ROUND_PV=ROUND_PV, SOFTCAP=SOFTCAP, DOT_FP32=DOT_FP32, IEEE=IEEE)
 
-    o = _r_if(acc / l_i[:, None], ON=BF16_STATE)    # the O that the backward's delta = rowsum(dO * O) then sees
+    o = _r_if(acc / l_i[:, None], ON=BF16_STATE)    # the O that the backward's delta sees
     lse = m_i + tl.log(l_i)
     if BWD_BF16:
         lse = _round_bf16(_round_bf16(tl.log(l_i)) + m_i)
@@ -390,7 +389,7 @@ def attn_fwd(Q, K, V, O, LSE, ROWMAX, stride_b, stride_h, stride_t, H, T, scale,
 @triton.jit
 def attn_bwd_delta(O, DO, DELTA, stride_b, stride_h, stride_t, H, T, HEAD_DIM: tl.constexpr,
                     BLOCK_M: tl.constexpr, BWD_BF16: tl.constexpr):
-    # delta = rowsum(dO * O) with the STORED O: in bf16 modes the biased O enters the gradient, as in the prior work.
+    # delta = rowsum(dO * O) of the stored O: biased in bf16 modes, as in the prior work.
     pid_m = tl.program_id(0)
     bh = tl.program_id(1)
     head = _head(bh, H, stride_b, stride_h)
@@ -405,7 +404,7 @@ def attn_bwd_delta(O, DO, DELTA, stride_b, stride_h, stride_t, H, T, HEAD_DIM: t
 
 @triton.jit
 def _ds(p, dp, delta, t, scale, SOFTCAP: tl.constexpr, BWD_BF16: tl.constexpr):
-    # dS = P * (dP - delta) [* (1 - tanh^2)]; the bf16 backward rounds each product and takes the scale inside.
+    # dS = P * (dP - delta) [* (1 - tanh^2)]; the bf16 backward rounds each product, scale inside.
     if BWD_BF16:
         ds = _round_bf16(_round_bf16(p * scale) * _round_bf16(dp - delta))
     else:
@@ -430,13 +429,13 @@ def _dkdv_block(k, v, dk, dv, Q, DO, LSE, DELTA, start_m, offs_n, stride_t, scal
                 HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, CAUSAL_MASK: tl.constexpr,
                 ROUND_LOGITS: tl.constexpr, BWD_BF16: tl.constexpr, SOFTCAP: tl.constexpr,
                 DOT_FP32: tl.constexpr, IEEE: tl.constexpr):
-    # Add query block [start_m, start_m + BLOCK_M)'s share to dk and dv, in transposed form (keys x queries).
+    # Add query block start_m's share to dk and dv, computed transposed (keys x queries).
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)
     row_ok = offs_m < T
     qT = tl.load(Q + _rows(offs_m, stride_t)[None, :] + offs_d[:, None], mask=row_ok[None, :], other=0.0)
     do = tl.load(DO + _rows(offs_m, stride_t)[:, None] + offs_d[None, :], mask=row_ok[:, None], other=0.0)
-    lse = tl.load(LSE + offs_m, mask=row_ok, other=float("inf"))   # rows past T: p = 0, no contribution
+    lse = tl.load(LSE + offs_m, mask=row_ok, other=float("inf"))   # rows past T: p = 0
     delta = tl.load(DELTA + offs_m, mask=row_ok, other=0.0)
     sT, tT = _logits(_mm(k, qT, DOT_FP32=DOT_FP32, IEEE=IEEE), scale, softcap, ROUND_LOGITS=ROUND_LOGITS,
                      SOFTCAP=SOFTCAP)
@@ -455,7 +454,7 @@ def attn_bwd_dkdv(Q, K, V, DO, LSE, DELTA, DK, DV, stride_b, stride_h, stride_t,
                    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                    ROUND_LOGITS: tl.constexpr, BWD_BF16: tl.constexpr, SOFTCAP: tl.constexpr,
                    DOT_FP32: tl.constexpr, IEEE: tl.constexpr):
-    # One key block per program, dk and dv accumulating in registers; loop over the query blocks that see it.
+    # One key block per program, dk and dv in registers; loop over the query blocks that see it.
     pid_n = tl.program_id(0)
     bh = tl.program_id(1)
     head = _head(bh, H, stride_b, stride_h)
@@ -471,8 +470,8 @@ def attn_bwd_dkdv(Q, K, V, DO, LSE, DELTA, DK, DV, stride_b, stride_h, stride_t,
     dk = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
     dv = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
 
-    lo = pid_n * BLOCK_N // BLOCK_M * BLOCK_M                          # earlier queries cannot see these keys
-    full = ((pid_n + 1) * BLOCK_N + BLOCK_M - 1) // BLOCK_M * BLOCK_M  # from here on, every query sees them all
+    lo = pid_n * BLOCK_N // BLOCK_M * BLOCK_M                          # earlier queries see none
+    full = ((pid_n + 1) * BLOCK_N + BLOCK_M - 1) // BLOCK_M * BLOCK_M  # later queries see them all
     for start_m in range(lo, full, BLOCK_M):
         dk, dv = _dkdv_block(k, v, dk, dv, Q, DO, LSE, DELTA, start_m, offs_n, stride_t, scale, softcap, T,
                              HEAD_DIM=HEAD_DIM, BLOCK_M=BLOCK_M, CAUSAL_MASK=True, ROUND_LOGITS=ROUND_LOGITS,
@@ -493,7 +492,7 @@ def _dq_block(q, do, lse, delta, dq, K, V, start_n, offs_m, stride_t, scale, sof
               HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL_MASK: tl.constexpr,
               ROUND_LOGITS: tl.constexpr, BWD_BF16: tl.constexpr, SOFTCAP: tl.constexpr,
               DOT_FP32: tl.constexpr, IEEE: tl.constexpr):
-    # Add key block [start_n, start_n + BLOCK_N)'s share to dq.
+    # Add key block start_n's share to dq.
     offs_n = start_n + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
     kT_offs = _rows(offs_n, stride_t)[None, :] + offs_d[:, None]
@@ -514,7 +513,7 @@ def attn_bwd_dq(Q, K, V, DO, LSE, DELTA, DQ, stride_b, stride_h, stride_t, H, T,
                  HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                  ROUND_LOGITS: tl.constexpr, BWD_BF16: tl.constexpr, SOFTCAP: tl.constexpr,
                  DOT_FP32: tl.constexpr, IEEE: tl.constexpr):
-    # One query block per program; loop over the key blocks it sees, unmasked left of the diagonal (as forward).
+    # One query block per program, looping over the key blocks it sees as the forward does.
     pid_m = tl.program_id(0)
     bh = tl.program_id(1)
     head = _head(bh, H, stride_b, stride_h)
@@ -545,35 +544,35 @@ def attn_bwd_dq(Q, K, V, DO, LSE, DELTA, DQ, stride_b, stride_h, stride_t, H, T,
     tl.store(DQ + q_ptrs, _cast(dq, DQ), mask=offs_m[:, None] < T)
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# Launch configurations (BLOCK_M, BLOCK_N, num_warps, num_stages) for an H100/H200, chosen from sm_90 compiles so
-# that no kernel spills registers (`python bench.py --only resources` prints registers, spills and shared memory;
-# `python bench.py --only tune` times other configurations on a GPU).
+# --------------------------------------------------------------------------------------------------
+# Launch configurations (BLOCK_M, BLOCK_N, num_warps, num_stages) for an H100/H200, chosen from
+# sm_90 compiles to avoid register spills (MEASUREMENTS.md). `python bench.py --only resources`
+# prints registers, spills and shared memory; `--only tune` times other configurations on a GPU.
 
 def fwd_config(D, dtype, block_n, accum, rounding):
     es = torch.empty((), dtype=dtype).element_size()
     rounded = accum != "fp32" or "pv" in rounding   # something is rounded once per key block
-    if block_n is None:   # a standard fp32-state kernel: a speed choice; else part of the fault's definition
+    if block_n is None:   # part of the fault's definition where rounded, else a speed choice
         block_n = BF16_STATE_BLOCK_N if rounded else (32 if es == 4 else 64)
     if es == 4:
-        # fp32 inputs: IEEE dots run on the FMA units, not the tensor cores, with their operands in registers;
-        # larger tiles spill tens of KB per thread (`python bench.py --only resources --dtype fp32`).
-        if rounded:      # the rounded modes hold a second tile (the separate P V): 16 warps share it
+        # fp32 inputs: IEEE dots on the FMA units, operands in registers; larger tiles spill tens of
+        # KB per thread (`python bench.py --only resources --dtype fp32`).
+        if rounded:      # a second tile (the separate P V), shared by 16 warps
             return 32 if D <= 64 else 16, block_n, 16 if block_n >= 128 else 8, 1
         block_m = 16 if D > 64 else max(16, min(64, 2048 // block_n))
         return block_m, block_n, 16 if D > 64 and block_n >= 128 else 8, 1
-    # Registers grow with the S tile (BLOCK_M x BLOCK_N) and the accumulator (BLOCK_M x D) per thread; the rounded
-    # modes need more temporaries (a separate P V tile): 4 warps spill there (3 KB per thread at D=64), 8 do not.
+    # A thread's registers grow with the S tile (BLOCK_M x BLOCK_N) and accumulator (BLOCK_M x D);
+    # the rounded modes add a P V tile: 4 warps spill there (3 KB per thread at D=64), 8 do not.
     block_m = 128 if not rounded or D <= 64 else 64
     warps = 4 if not rounded and block_m * (block_n + D) <= 128 * 128 else 8
-    # Pipeline stages: each holds one K and one V tile; stay well inside the 227 KB of shared memory per SM.
+    # Each pipeline stage holds a K and a V tile: well inside the 227 KB of shared memory per SM.
     stages = max(1, min(3, (160 * 1024 - block_m * D * es) // (2 * block_n * D * es)))
     return block_m, block_n, warps, stages
 
 
 def bwd_configs(D, dtype, rounding=()):
     """The dk/dv kernel's configuration, then the dq kernel's."""
-    if "backward" in rounding:   # the bf16 sums are rounded once per BF16_BWD_BLOCK tile: the tile is fixed
+    if "backward" in rounding:   # the bf16 sums are rounded once per tile: the tile is fixed
         config = (BF16_BWD_BLOCK, BF16_BWD_BLOCK, 8 if D >= 128 else 4, 1)
         return config, config
     if dtype == torch.float32:   # IEEE dots on the FMA units, as in fwd_config
@@ -583,7 +582,7 @@ def bwd_configs(D, dtype, rounding=()):
 
 
 def kernel_flags(accum, rounding, q):
-    """The forward kernel's constexpr switches: the rounding sources, and how this machine runs dots."""
+    """The forward kernel's constexpr switches: rounding sources, and how this machine runs dots."""
     return dict(BF16_STATE=accum != "fp32", ROUND_PV="pv" in rounding, **_bwd_flags(rounding, q))
 
 
@@ -653,38 +652,37 @@ def _bwd_triton(do, q, k, v, o, lse, dq, dk, dv, scale, softcap, rounding):
     launch_dq(dq_config, q, k, v, do, lse, delta, dq, scale, softcap, rounding)
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# Buffers, and the custom ops: opaque to torch.compile (no graph break), with a fake for shapes and a backward.
+# --------------------------------------------------------------------------------------------------
+# Buffers, and the custom ops: opaque to torch.compile (no graph break), with fakes and a backward.
 
 def new_buffer(shape, dtype, device):
-    """The allocator of every buffer the kernels write (lse, row_max, delta; o, dq, dk, dv through new_like).
-    The tests replace it (and new_like) with one that fills NaN, so an element left unwritten shows."""
+    """Allocates every buffer the kernels write (lse, row_max, delta; o, dq, dk, dv via new_like).
+    Tests replace it (and new_like) with one that fills NaN, so an element left unwritten shows."""
     return torch.empty(shape, dtype=dtype, device=device)
 
 
 def new_like(q):
-    """A (B, H, T, D) buffer in the one layout that o, dq, dk, dv, and the k, v, do they are computed from, share
-    with q: q's own strides when q is dense with a unit-stride head_dim (the model's (B, T, H, D).transpose(1, 2)
-    views, so that nothing is copied on the way in or out), else contiguous. The fakes use it too, so
-    torch.compile sees the strides the kernels write."""
+    """A (B, H, T, D) buffer in the layout o, dq, dk, dv (and k, v, do) share with q: q's strides if
+    q is dense with unit-stride head_dim (the model's (B, T, H, D).transpose(1, 2) views: no copy),
+    else contiguous. The fakes use it too, so torch.compile sees the strides the kernels write."""
     if q.stride(-1) != 1:
         return new_buffer(q.shape, q.dtype, q.device)
     return torch.empty_like(q)       # keeps a dense tensor's strides
 
 
 def _in_layout(like, *xs):
-    """xs with like's strides (the kernels take one set of strides for all): copies only where they differ."""
+    """xs with like's strides (the kernels take one set of strides): copies only where unlike."""
     return [x if x.stride() == like.stride() else torch.empty_like(like).copy_(x) for x in xs]
 
 
 def _no_autocast(x):
-    """A caller's autocast stays on inside a custom op: it would run the twin's fp32 matmuls in bf16 and move
-    its rounding points (every state would then see bf16 logits)."""
+    """A caller's autocast stays on inside a custom op: it would run the twin's fp32 matmuls in bf16
+    and move its rounding points (every state would then see bf16 logits)."""
     return torch.autocast(x.device.type, enabled=False)
 
 
 def _sources(rounding):
-    """The ops carry the rounding sources as one comma-joined string: their schema has no tuple of strings."""
+    """The ops take the rounding sources comma-joined: an op schema has no tuple of strings."""
     return tuple(rounding.split(",")) if rounding else ()
 
 
@@ -714,8 +712,8 @@ def _attn_bwd_op(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Te
                  rounding: str, impl: str, block_n: Optional[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     dq, dk, dv = (new_like(q) for _ in range(3))
     if delta_error is not None:
-        # The assay's backward-side error site: delta = rowsum(dO * (O + e)) with e = delta_error[h] * rms(O_h),
-        # the way a biased O reaches the gradient (through delta, so only dq and dk), with the forward untouched.
+        # The assay's "delta" site: delta = rowsum(dO * (O + e)), e = delta_error[h] * rms(O_h): the
+        # way a biased O reaches the gradient (through delta: dq and dk only), forward untouched.
         rms = o.float().pow(2).mean(dim=(0, 2, 3)).sqrt()                              # (H,)
         o = (o.float() + (delta_error.float() * rms[:, None])[None, :, None, :]).to(o.dtype)
     do, q, k, v, o = _in_layout(dq, do, q, k, v, o)
@@ -750,11 +748,11 @@ def _backward(ctx, do, _dlse, _drow_max):
 _attn_fwd_op.register_autograd(_backward, setup_context=_setup_context)
 
 
-# ----------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Comparison implementations and the public entry point.
 
 def _attn_reference(q, k, v, scale, softcap):
-    """float64, materialized causal softmax, with autograd. Returns (o float64, max_logit float32)."""
+    """float64 materialized causal softmax, with autograd. Returns o float64, max_logit float32."""
     T = q.shape[2]
     s = q.double() @ k.double().mT * scale
     if softcap > 0:
@@ -777,14 +775,14 @@ def _max_logit_chunked(q, k, scale, chunk=256):
 
 
 def _rms_norm(x, eps=1e-6):
-    """Parameter-free RMS norm over head_dim in fp32 (float64 stays), cast back: |q.k| <= head_dim afterwards."""
+    """Parameter-free RMS norm over head_dim in fp32 (float64 stays): |q.k| <= head_dim after it."""
     xf = x.to(torch.promote_types(x.dtype, torch.float32))
     return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
 
 
 def resolve_rounding(rounding, dtype, impl="auto"):
-    """rounding as a tuple of ROUNDING_SOURCES in their order: None -> DEFAULT_ROUNDING for bf16 inputs of the
-    streaming kernel, else none."""
+    """rounding as a tuple of ROUNDING_SOURCES in their order; None: DEFAULT_ROUNDING for bf16
+    inputs of the streaming kernel, else none."""
     if rounding is None:
         return DEFAULT_ROUNDING if dtype == torch.bfloat16 and impl not in ("sdpa", "reference") else ()
     if isinstance(rounding, str):
@@ -805,7 +803,7 @@ def _validate(q, k, v, accum, impl, softcap, safemax_beta, block_n, rounding, de
                          f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
     if q.shape[2] < 1:
         raise ValueError("time dimension is empty")
-    dtypes = DTYPES + ((torch.float64,) if impl == "reference" else ())   # float64 leaves: float64 gradients
+    dtypes = DTYPES + ((torch.float64,) if impl == "reference" else ())   # float64 gradients too
     if q.dtype not in dtypes or k.dtype != q.dtype or v.dtype != q.dtype:
         raise ValueError(f"q, k, v must share one dtype among {dtypes}; got {q.dtype}, {k.dtype}, {v.dtype}")
     if not softcap >= 0 or math.isinf(softcap):
@@ -839,17 +837,17 @@ def _validate(q, k, v, accum, impl, softcap, safemax_beta, block_n, rounding, de
 
 def attention(q, k, v, accum="fp32", qk_norm=False, return_max_logit=False, *, scale=None, softcap=0.0,
               safemax_beta=2.0, impl="auto", block_n=None, rounding=None, delta_error=None):
-    """Causal multi-head attention. q, k, v: (batch, heads, time, head_dim), same dtype (bf16, fp16 or fp32; also
-    float64 for impl="reference").
-    Returns o (same shape and dtype as q), or (o, max_logit) with max_logit (batch, heads) float32 when asked.
+    """Causal multi-head attention. q, k, v: (batch, heads, time, head_dim), one dtype (bf16, fp16,
+    fp32; also float64 for impl="reference"). Returns o (q's shape and dtype), or (o, max_logit).
 
-    accum: the streaming-softmax state, one of ACCUM_MODES. rounding: the other bf16 rounding points, some of
-    ROUNDING_SOURCES (see the module docstring; None: "logits" and "pv" for bf16 inputs, none otherwise).
-    qk_norm: parameter-free RMS norm of q and k (scale unchanged, so |logit| <= scale * head_dim). softcap > 0:
-    logits <- softcap * tanh(logits / softcap). max_logit: max over the unmasked logits entering the softmax (after
-    scale, qk_norm, softcap); no gradient. impl: one of IMPLS ("reference" returns float64). block_n: key block of
-    the streaming loop. delta_error: (heads, head_dim), the assay's error in the O that the backward's delta sees,
-    in units of each head's rms(O); the forward is unchanged.
+    accum: the streaming-softmax state, one of ACCUM_MODES.
+    rounding: some of ROUNDING_SOURCES (module docstring); None: ("logits", "pv") for bf16, else ().
+    qk_norm: parameter-free RMS norm of q and k (scale unchanged, so |logit| <= scale * head_dim).
+    softcap > 0: logits <- softcap * tanh(logits / softcap).
+    max_logit: (batch, heads) float32, the max of the logits entering the softmax; no gradient.
+    impl: one of IMPLS ("reference" returns float64). block_n: the streaming loop's key block.
+    delta_error: (heads, head_dim), the assay's error in the O that the backward's delta sees, in
+        units of each head's rms(O); the forward is unchanged.
     """
     rounding = resolve_rounding(rounding, q.dtype, impl)
     impl = _validate(q, k, v, accum, impl, softcap, safemax_beta, block_n, rounding, delta_error)

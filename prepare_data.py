@@ -1,21 +1,20 @@
 """
 Tokenize a dataset into nanoGPT-style train.bin / val.bin (flat uint16 tokens) plus meta.json.
 
-    python prepare_data.py                                   # pycode: this Python's own .py files, GPT-2 BPE
-    python prepare_data.py --tokenizer byte                  # the same files, one token per byte (a CPU's lab)
+    python prepare_data.py                        # pycode: this Python's own .py files, GPT-2 BPE
+    python prepare_data.py --tokenizer byte       # the same files, one token per byte (a CPU's lab)
     python prepare_data.py --dataset text --input notes/ book.txt
-    python prepare_data.py --dataset shakespeare             # downloads 1 MB
-    python prepare_data.py --dataset owt                     # needs `pip install datasets`, network, ~55 GB
+    python prepare_data.py --dataset shakespeare  # downloads 1 MB
+    python prepare_data.py --dataset owt          # needs `pip install datasets`, network, ~55 GB
 
-Two tokenizers (--tokenizer): gpt2, GPT-2's BPE (50,257 tokens; the paper's setting, data/<dataset>), and byte,
-one token per byte of the file plus an end-of-text token (257 tokens; data/<dataset>-byte). The byte vocabulary
-is what makes a CPU lab fast: a model's output layer over GPT-2's vocabulary is most of a small model's step
-(MEASUREMENTS.md). meta.json names the tokenizer and its vocabulary; train.py sizes the model from it.
-Read a split like nanoGPT does: np.memmap("data/pycode/train.bin", dtype=np.uint16, mode="r").
-Every document (a source file; for shakespeare each of the two parts) is followed by the end-of-text token.
-A dataset folder is complete iff its meta.json exists: the .bin files and meta.json are written under
-temporary names, fsynced and renamed into place, meta.json last. Re-running on unchanged sources and options
-does no work ("up to date"); --force rebuilds.
+Tokenizers (--tokenizer): gpt2, GPT-2's BPE (50,257 tokens, the paper's setting; data/<dataset>),
+and byte, one token per byte plus end-of-text (257 tokens; data/<dataset>-byte). Bytes make a CPU
+lab fast: at GPT-2's vocabulary the output layer is most of a small model's step (MEASUREMENTS.md).
+meta.json names the tokenizer and its vocabulary; train.py sizes the model from it. Read a split as
+nanoGPT does: np.memmap("data/pycode/train.bin", dtype=np.uint16, mode="r"). Every document (a
+source file; each of shakespeare's two parts) ends with the end-of-text token.
+A folder is complete iff its meta.json exists: outputs are written under temporary names, fsynced
+and renamed into place, meta.json last. Re-runs on unchanged inputs do no work; --force rebuilds.
 """
 import argparse
 import contextlib
@@ -42,33 +41,32 @@ except ImportError:  # Windows: no lock
     fcntl = None
 
 # -----------------------------------------------------------------------------
-# configuration
+# configuration (the owt and shakespeare val fractions are nanoGPT's)
 DATASETS = ("pycode", "text", "owt", "shakespeare")
-VAL_FRACTION = {"pycode": 0.01, "text": 0.01, "owt": 0.0005, "shakespeare": 0.1}  # nanoGPT's for owt/shakespeare
-TEXT_GLOB = "**/*.txt"      # files taken from an --input folder (dataset "text"); files named directly always count
+VAL_FRACTION = {"pycode": 0.01, "text": 0.01, "owt": 0.0005, "shakespeare": 0.1}
+TEXT_GLOB = "**/*.txt"      # what an --input folder contributes; files named directly always count
 TOKENIZERS = ("gpt2", "byte")
-GPT2_ENCODING = "r50k_base" # GPT-2's BPE; get_encoding("gpt2") needs two more files, so does not load offline
+GPT2_ENCODING = "r50k_base" # GPT-2's BPE; get_encoding("gpt2") needs two more files: fails offline
 SPLITS = ("train", "val")
-CHUNK_BYTES = 8 << 20       # text per encode_ordinary_batch call: token lists cost ~10x the text in memory
+CHUNK_BYTES = 8 << 20       # text per encode batch, whose token lists take ~10x its size in memory
 PROGRESS_SECONDS = 2.0
 SHAKESPEARE_URL = "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"
 OWT_NAME = "openwebtext"
-FORMAT = 2                  # bump when the output changes: old fingerprints then no longer match (2: tokenizers)
+FORMAT = 2                  # bump on an output change, voiding old fingerprints (2: tokenizers)
 REPO_DIR = os.path.dirname(os.path.abspath(__file__))
 # -----------------------------------------------------------------------------
 
 
 class DataError(SystemExit):
-    """Bad input or a missing requirement. A SystemExit, so it ends the program with its message and no
-    traceback, whether it came from the command line or from train.py calling prepare()."""
+    """Bad input or a missing requirement, a SystemExit: it ends the program with no traceback."""
 
 
 # -----------------------------------------------------------------------------
 # The two tokenizers: documents (bytes or str) to token arrays, and tokens back to text (sample.py).
 
 class ByteTokenizer:
-    """One token per byte (0..255) and an end-of-text token, 256: every file comes back byte for byte, UTF-8 or
-    not. (A source file holds no NUL byte, or it is skipped as binary, so nothing else could be confused.)"""
+    """One token per byte (0..255) and end-of-text, 256: every file comes back byte for byte, UTF-8
+    or not. (A file holding a NUL byte is skipped as binary, so nothing else could be confused.)"""
     name, n_vocab, eot_token = "byte", 257, 256
 
     def encode_batch(self, docs, workers=1):
@@ -82,8 +80,8 @@ class ByteTokenizer:
 
 
 class GPT2Tokenizer:
-    """GPT-2's BPE through tiktoken. Undecodable bytes become U+FFFD rather than losing the whole file, and
-    "<|endoftext|>" written inside a document is plain text, not the special token."""
+    """GPT-2's BPE through tiktoken. Undecodable bytes become U+FFFD rather than losing the file,
+    and "<|endoftext|>" inside a document is plain text, not the special token."""
     name = "gpt2"
 
     def __init__(self):
@@ -102,7 +100,7 @@ class GPT2Tokenizer:
 
 
 def get_tokenizer(name):
-    """The tokenizer a meta.json names ('r50k_base' is how datasets before the byte tokenizer named GPT-2's)."""
+    """The tokenizer a meta.json names ('r50k_base': GPT-2's, as older datasets name it)."""
     if name == "byte":
         return ByteTokenizer()
     if name in ("gpt2", GPT2_ENCODING):
@@ -116,21 +114,22 @@ def default_out_dir(dataset, tokenizer="gpt2"):
 
 
 def split_of(rel_path, val_fraction):
-    """'train' or 'val' for a file, from a hash of its path relative to its root: the same on every machine,
-    for every folder the files live in and every order they come in (Python's hash() is salted per process)."""
+    """'train' or 'val' for a file, from a hash of its path relative to its root: the same on any
+    machine, folder and file order (Python's hash() is salted per process)."""
     digest = hashlib.sha256(rel_path.replace(os.sep, "/").encode()).digest()
     return "val" if int.from_bytes(digest[:8], "big") < val_fraction * 2**64 else "train"
 
 
 def pycode_files():
-    """(path, rel) of every .py file of this interpreter's standard library and site-packages, sorted by path."""
+    """(path, rel) of every .py file of this Python's stdlib and site-packages, sorted by path;
+    a root listed twice (purelib is often platlib) is walked once."""
     paths = sysconfig.get_paths()
     stdlib = paths["stdlib"]
-    roots = {os.path.realpath(p): p for p in (paths["platlib"], paths["purelib"], stdlib)}  # purelib == platlib?
+    roots = {os.path.realpath(p): p for p in (paths["platlib"], paths["purelib"], stdlib)}
     found = []
     for root in roots.values():
         for dirpath, dirnames, filenames in os.walk(root):
-            # a site-packages inside the stdlib is another environment's, or purelib itself (walked on its own)
+            # the stdlib's site-packages is another environment's, or purelib (walked on its own)
             dirnames[:] = [d for d in dirnames if d != "__pycache__"
                            and not (root == stdlib and d in ("site-packages", "dist-packages"))]
             found += [(os.path.join(dirpath, n), os.path.relpath(os.path.join(dirpath, n), root))
@@ -139,7 +138,7 @@ def pycode_files():
 
 
 def text_files(inputs, pattern=TEXT_GLOB):
-    """(path, rel) of the files named in inputs, and of those matching pattern inside the folders named."""
+    """(path, rel) of the files named in inputs, and of those matching pattern in its folders."""
     found = {}
     for given in inputs:
         p = Path(given).absolute()
@@ -158,14 +157,13 @@ def text_files(inputs, pattern=TEXT_GLOB):
 
 
 def _stat(path, rel):
-    with contextlib.suppress(OSError):  # a broken link or no permission: not a source (returns None)
+    with contextlib.suppress(OSError):  # a broken link or no permission: None, not a source
         st = os.stat(path)
         return {"path": path, "rel": rel, "size": st.st_size, "mtime_ns": st.st_mtime_ns}
 
 
 def fingerprint(dataset, options, sources):
-    """Cheap identity of a build: options (the tokenizer among them) and each source's path, size and mtime (no
-    reading)."""
+    """A cheap identity of a build, reading no file: options and each source's path, size, mtime."""
     h = hashlib.sha256(json.dumps([FORMAT, dataset, options], sort_keys=True).encode())
     for s in sources:
         h.update(f"{s['path']}\0{s['size']}\0{s['mtime_ns']}\n".encode())
@@ -193,20 +191,20 @@ def _up_to_date(out_dir, meta, fp):
 
 
 def _file_docs(sources, val_fraction, records, skipped, by_position=False):
-    """Yield (split, bytes, nbytes) per source file, recording its hash; by_position: the first 1-val_fraction
-    of the file to train, the rest to val (nanoGPT's shakespeare) instead of whole files by path."""
+    """Yield (split, bytes, nbytes) per source file, recording its hash. by_position (nanoGPT's
+    shakespeare): the first 1 - val_fraction of each file to train, the rest to val."""
     for s in sources:
         try:
             data = Path(s["path"]).read_bytes()
         except OSError:
             data = None
-        if data is None or b"\0" in data:  # unreadable, or binary rather than text: listed in meta.json
+        if data is None or b"\0" in data:  # unreadable or binary: listed in meta.json
             skipped.append(s["path"])
             continue
         split = "train/val" if by_position else split_of(s["rel"], val_fraction)
         records.append({"path": s["path"], "rel": s["rel"], "bytes": len(data), "split": split,
                         "sha256": hashlib.sha256(data).hexdigest()})
-        if by_position:   # cut at a character, so that GPT-2's BPE sees whole UTF-8 sequences on both sides
+        if by_position:   # cut at a character: each side holds whole UTF-8 sequences for the BPE
             text = data.decode("utf-8", errors="replace")
             cut = len(text[:int(len(text) * (1 - val_fraction))].encode())
             yield "train", data[:cut], cut
@@ -216,7 +214,7 @@ def _file_docs(sources, val_fraction, records, skipped, by_position=False):
 
 
 def _owt_docs(val_fraction, workers, records):
-    """Yield (split, text, nbytes) per OpenWebText document; returns (generator, number of documents)."""
+    """Yield (split, text, nbytes) per OpenWebText document; returns (generator, document count)."""
     try:
         import datasets
     except ImportError:
@@ -260,7 +258,7 @@ def _download_shakespeare(out_dir):
 
 
 def _take(docs, limit):
-    """The next documents from the iterator, about `limit` bytes of text (at least one, unless exhausted)."""
+    """The next documents, about `limit` bytes of text (at least one unless exhausted)."""
     batch, n = [], 0
     for doc in docs:
         batch.append(doc)
@@ -275,11 +273,11 @@ def _write_tokens(f, tokens):
 
 
 def _tokenize(docs, files, enc, workers, total_docs=None):
-    """Encode documents in parallel batches, appending each one's tokens and end-of-text to its split's file."""
+    """Encode documents in parallel batches, appending tokens and end-of-text to their split."""
     counts, ndocs = dict.fromkeys(SPLITS, 0), dict.fromkeys(SPLITS, 0)
     eot, nbytes, t0 = [enc.eot_token], 0, time.time()
     last = t0
-    with ThreadPoolExecutor(1) as reader:  # reads (and hashes) the next batch while this one is encoded
+    with ThreadPoolExecutor(1) as reader:  # reads and hashes the next batch while this one encodes
         pending = reader.submit(_take, docs, CHUNK_BYTES)
         while batch := pending.result():
             pending = reader.submit(_take, docs, CHUNK_BYTES)
@@ -299,8 +297,8 @@ def _tokenize(docs, files, enc, workers, total_docs=None):
 
 
 def _publish(out_dir, tmp, meta):
-    """Move the finished temporaries into place. meta.json goes first out and last in, so that while the .bin
-    files are swapped no meta.json claims the folder is complete."""
+    """Move the finished temporaries into place. meta.json goes first out and last in, so no
+    meta.json claims the folder complete while the .bin files are swapped."""
     with open(tmp["meta"], "w") as f:
         f.write(_dump_meta(meta))
         f.flush()
@@ -310,7 +308,7 @@ def _publish(out_dir, tmp, meta):
     for split in SPLITS:
         os.replace(tmp[split], os.path.join(out_dir, f"{split}.bin"))
     os.replace(tmp["meta"], os.path.join(out_dir, "meta.json"))
-    with contextlib.suppress(OSError):  # make the renames durable; a folder cannot be opened on Windows
+    with contextlib.suppress(OSError):  # make the renames durable; Windows cannot open a folder
         fd = os.open(out_dir, os.O_RDONLY)
         os.fsync(fd)
         os.close(fd)
@@ -325,7 +323,7 @@ def _dump_meta(meta):
 
 @contextlib.contextmanager
 def _lock(out_dir):
-    """One build per folder at a time (say every rank of a multi-GPU run calls prepare()): the rest wait."""
+    """One build per folder at a time; the rest (say other ranks of a multi-GPU run) wait."""
     with open(os.path.join(out_dir, ".lock"), "w") as f:
         if fcntl:
             try:
@@ -338,8 +336,8 @@ def _lock(out_dir):
 
 def prepare(dataset="pycode", out_dir=None, inputs=None, val_fraction=None, workers=None, force=False,
             glob=TEXT_GLOB, tokenizer="gpt2"):
-    """Build (or find up to date) the tokenized dataset; returns its folder. val_fraction None: the dataset's
-    default (VAL_FRACTION); out_dir None: default_out_dir(dataset, tokenizer)."""
+    """Build (or find up to date) the tokenized dataset; returns its folder. val_fraction None:
+    the dataset's default (VAL_FRACTION); out_dir None: default_out_dir(dataset, tokenizer)."""
     if dataset not in DATASETS:
         raise DataError(f"unknown dataset {dataset!r}; choose one of {', '.join(DATASETS)}")
     if tokenizer not in TOKENIZERS:
@@ -406,7 +404,7 @@ def _build(dataset, out_dir, inputs, val_fraction, workers, force, glob, tokeniz
             "dataset": dataset, "options": options, "tokens": counts, "documents": ndocs,
             "tokenizer": tokenizer, "vocab_size": enc.n_vocab, "eot_token": enc.eot_token, "dtype": "uint16",
             "fingerprint": fp,  # of paths, sizes, mtimes and options: the up-to-date check
-            "content_sha256": content.hexdigest(),  # of the lines "<sha256> <split> <rel>" of the sources
+            "content_sha256": content.hexdigest(),  # of the sources' "<sha256> <split> <rel>" lines
             "created": datetime.now(timezone.utc).isoformat(timespec="seconds"), "seconds": round(seconds, 2),
             "versions": {"format": FORMAT, "python": platform.python_version(), "numpy": np.__version__,
                          "tiktoken": version("tiktoken")},
@@ -426,13 +424,13 @@ def _build(dataset, out_dir, inputs, val_fraction, workers, force, glob, tokeniz
     return out_dir
 
 
-# ----------------------------------------------------------------------------------------------------------------
+# -----------------------------------------------------------------------------
 # The read side of the format, for train.py: checked against meta.json, sampled reproducibly.
 
 class TokenWindows:
-    """Random windows of block_size + 1 tokens. The windows of step s depend only on (seed, s), so a resumed run
-    sees exactly the batches an uninterrupted one would, every run with the same seed sees the same data order,
-    and N processes together see the same global batch as one."""
+    """Random windows of block_size + 1 tokens. Step s's windows depend only on (seed, s): a resumed
+    run sees the batches an uninterrupted one would, runs with one seed see one data order, and N
+    processes together see the same global batch as one."""
 
     def __init__(self, data_dir, block_size, batch_size, seed, dataset="pycode", tokenizer="gpt2"):
         meta_path = os.path.join(data_dir, "meta.json")
@@ -446,7 +444,7 @@ class TokenWindows:
         if not isinstance(meta, dict):
             raise SystemExit(f"error: {meta_path} is not a dataset description: {redo}")
         self.content_hash = meta.get("content_sha256")
-        # what the model is sized for; datasets from before the byte tokenizer named GPT-2's BPE r50k_base
+        # what the model is sized for; older datasets name GPT-2's BPE r50k_base
         self.tokenizer = "gpt2" if meta.get("tokenizer") == GPT2_ENCODING else meta.get("tokenizer")
         self.vocab_size = meta.get("vocab_size")
         if self.tokenizer not in TOKENIZERS or not isinstance(self.vocab_size, int) or \
@@ -469,7 +467,7 @@ class TokenWindows:
         self.block_size, self.batch_size, self.seed = block_size, batch_size, seed
 
     def get(self, split, step, index):
-        """Window `index` of step `step` (for val: eval batch `index`, the same at every eval), int64
+        """Window `index` of step `step` (val: eval batch `index`, the same at every eval), int64
         (batch_size, block_size + 1)."""
         data, T = self.data[split], self.block_size
         rng = np.random.default_rng([self.seed, 0 if split == "train" else 1, step, index])
@@ -478,7 +476,7 @@ class TokenWindows:
 
 
 def _workers(text):
-    n = int(text)          # argparse turns the ValueError of a non-integer into its own one-line error
+    n = int(text)          # argparse reports a non-integer's ValueError in one line
     if n < 0:
         raise argparse.ArgumentTypeError(f"{text}: give 0 (all cores) or a positive number of threads")
     return n
@@ -487,22 +485,23 @@ def _workers(text):
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dataset", choices=DATASETS, default="pycode",
-                        help="pycode (default): .py files of this Python's stdlib and site-packages; text: --input "
-                             "files; owt: OpenWebText via Hugging Face datasets; shakespeare: tiny Shakespeare")
+                        help="pycode (default): this Python's stdlib and site-packages .py files; "
+                             "text: --input files; owt: OpenWebText; shakespeare: tiny Shakespeare")
     parser.add_argument("--tokenizer", choices=TOKENIZERS, default="gpt2",
-                        help="gpt2 (default): GPT-2's BPE, 50,257 tokens, the paper's setting; byte: one token per "
-                             "byte plus end-of-text, 257 tokens, for fast CPU runs")
-    parser.add_argument("--out-dir", help="output folder (default data/<dataset> for gpt2, data/<dataset>-byte for "
-                                          "byte, next to this script)")
-    parser.add_argument("--input", nargs="+", metavar="PATH", help="text: files and/or folders to tokenize")
+                        help="gpt2 (default): GPT-2's BPE, 50,257 tokens, the paper's setting; "
+                             "byte: a token per byte plus end-of-text (257), for fast CPU runs")
+    parser.add_argument("--out-dir", help="output folder (default data/<dataset> for gpt2, "
+                                          "data/<dataset>-byte for byte, next to this script)")
+    parser.add_argument("--input", nargs="+", metavar="PATH", help="text: files and folders")
     parser.add_argument("--glob", default=TEXT_GLOB,
-                        help=f"text: files to take from --input folders, recursive with ** (default {TEXT_GLOB}); "
-                             "files containing NUL bytes are skipped as binary")
-    parser.add_argument("--val-fraction", type=float, help="share of files (or, for shakespeare, of text) "
-                        "that goes to val; default " + ", ".join(f"{k} {v}" for k, v in VAL_FRACTION.items()))
+                        help=f"text: files to take from --input folders (default {TEXT_GLOB}); "
+                             "** recurses; files with NUL bytes are skipped as binary")
+    parser.add_argument("--val-fraction", type=float,
+                        help="share of files (for shakespeare, of text) that goes to val; default "
+                             + ", ".join(f"{k} {v}" for k, v in VAL_FRACTION.items()))
     parser.add_argument("--workers", type=_workers, default=os.cpu_count(),
-                        help="tokenizer threads (default os.cpu_count() = %(default)s; 0 means that too)")
-    parser.add_argument("--force", action="store_true", help="rebuild even if the dataset is up to date")
+                        help="tokenizer threads (0 or default: os.cpu_count(), %(default)s)")
+    parser.add_argument("--force", action="store_true", help="rebuild even if up to date")
     args = parser.parse_args(argv)
     try:
         prepare(args.dataset, args.out_dir, args.input, args.val_fraction, args.workers, args.force, args.glob,

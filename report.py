@@ -22,21 +22,20 @@ import statistics
 from sweep import (CLAIM3_SITE, CLAIM4_SITES, CLAIMS, COHERENCES, DONE, DOSES, NO_ERROR, SITES, SOURCES,
                    action_arms, inject_arm, probe_arms, read_log)
 
-# ---------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # The verdict rules' constants.
-ALPHA = 0.05             # a contrast holds at one-sided p < ALPHA (exact sign test over the seeds where arms differ)
+ALPHA = 0.05             # a contrast holds at p < ALPHA (one-sided sign test, seed by seed)
 FINAL_WINDOW = 5         # final train loss = mean of the last FINAL_WINDOW logged losses
 LOSS_TOL = 0.03          # nat: the paper's largest gap between QK-Guard and always-on QK-norm
-RUNAWAY_LOGIT = 1000.0   # a runaway's max attention logit (H200 emulation: healthy runs peaked at 52-137, the
-                         # runaways reached 1808 and 10240; Wortsman et al. saw divergence past 1e4)
-SIGMA_RATIO = 2.0        # "through the QK channel": sigma(W_q or W_k) grew more than SIGMA_RATIO times as much as
-                         # any other weight matrix's (v, o, MLP in, MLP out), and as the no-error run's did
-LOGIT_RATIO = 10.0       # "beyond the no-error run": a max logit at least LOGIT_RATIO times that run's (same seed)
-FIX_TOL = 0.1            # nat: a QK-only fix ends within FIX_TOL of the no-error run's val loss (same seed)
-CONTROL_ENERGY = 0.95    # the equal-energy control counts where every step removed this share of its target
+RUNAWAY_LOGIT = 1000.0   # a runaway's max logit, between healthy and runaway peaks (SOURCES.md)
+SIGMA_RATIO = 2.0        # "through the QK channel": sigma(W_q or W_k) grew SIGMA_RATIO times as
+                         # much as any other weight matrix's, and as the no-error run's
+LOGIT_RATIO = 10.0       # "beyond the no-error run": max logit >= LOGIT_RATIO x that run's
+FIX_TOL = 0.1            # nat: a QK-only fix ends at most FIX_TOL above the no-error run's val loss
+CONTROL_ENERGY = 0.95    # the equal-energy control counts if it removed this share every step
 
 
-# ---------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Exact statistics, no dependencies: the one-sided sign test and Clopper-Pearson intervals.
 
 def binom_tail(k, n):
@@ -45,7 +44,7 @@ def binom_tail(k, n):
 
 
 def sign_test(pairs):
-    """pairs: (a, b) booleans per seed. One-sided test of "a happens where b does not more often than the reverse":
+    """pairs: (a, b) booleans per seed. One-sided test that a-without-b outnumbers b-without-a:
     (a-only count, b-only count, p)."""
     a_only = sum(a and not b for a, b in pairs)
     b_only = sum(b and not a for a, b in pairs)
@@ -70,7 +69,7 @@ def clopper_pearson(k, n, alpha=ALPHA):
     return lower, upper
 
 
-# ---------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Reading runs
 
 def finite_max(values):
@@ -97,15 +96,15 @@ class Run:
         self.finished = self.status in DONE
         self.steps, self.loss = [r["step"] for r in steps], [r["loss"] for r in steps]
         nan_if_none = lambda v: math.nan if v is None else v
-        # per kind, the max over layers at each logged step; besides W_q and W_k, the kinds the log holds
-        # (train.py logs sigma_<kind> per layer for every kind of model.WEIGHT_KINDS, and W_q, W_k per head)
+        # per kind, each logged step's max over layers (and heads, for max_logit): q, k and the
+        # other kinds the log holds (train.py logs sigma_<kind> per layer; W_q, W_k per head too)
         logged = {key[len("sigma_"):] for r in steps for key in r if key.startswith("sigma_")
                   and not key.endswith("_head")}
         self.other_kinds = sorted(logged - {"q", "k"})
         self.sigmas = {kind: [nan_if_none(finite_max(r.get(f"sigma_{kind}", []))) for r in steps]
                        for kind in ("q", "k", *self.other_kinds)}
         self.sigma = self.sigmas["q"]
-        self.logit = [nan_if_none(finite_max(sum(r.get("max_logit", []), []))) for r in steps]  # layers, heads
+        self.logit = [nan_if_none(finite_max(sum(r.get("max_logit", []), []))) for r in steps]
         self.max_sigma, self.max_logit = finite_max(self.sigma), finite_max(self.logit)
         first = lambda kind: next((r["step"] for r in events if r["event"] == kind), None)
         self.collapse_step = first("collapse") if first("collapse") is not None else end.get("collapse_step")
@@ -118,7 +117,7 @@ class Run:
                                 self.trigger)
         tail = self.loss[-FINAL_WINDOW:]
         self.final_train = sum(tail) / len(tail) if tail else None
-        # the equal-energy control: the smallest share of its target energy any step removed (None: no probe)
+        # the equal-energy control: the least share of its target any step removed (None: no probe)
         shares = [r["probe"]["removed_fraction_min"] for r in steps if "removed_fraction_min" in r.get("probe", {})]
         self.removed_fraction = min(shares) if shares else None
         self.grace_excess = self._grace_excess()
@@ -126,9 +125,9 @@ class Run:
         self.final_val = evals[-1] if evals else end.get("val_loss")
 
     def _grace_excess(self):
-        """A guarded run's worst smoothed loss inside the collapse detector's grace window (the steps after its
-        action starts, where a loss transient does not count), above the best smoothed loss before it; None if
-        the guard never acted. Smoothing as the detector's (config.json's flags)."""
+        """A guarded run's worst smoothed loss in the collapse detector's grace window (the steps
+        after its action starts, where a transient does not count), above its best smoothed loss
+        before; None if the guard never acted. Smoothed as the detector is (config.json's flags)."""
         args = self.config.get("args", {})
         if self.acting_from is None:
             return None
@@ -143,12 +142,12 @@ class Run:
         return None if worst is None or best == math.inf else worst - best
 
     def growth(self, kind):
-        """How many times its first logged value sigma(kind) grew to, at most (nan if not logged)."""
+        """max sigma(kind) / its first logged value (nan if not logged)."""
         values = [v for v in self.sigmas[kind] if not math.isnan(v)]
         return max(values) / values[0] if values and values[0] > 0 else math.nan
 
     def qk_and_other_growth(self):
-        """(growth of sigma(W_q or W_k), the most-grown other kind's: None where none was logged)."""
+        """(growth of sigma(W_q or W_k), of the most-grown other kind: None if none logged)."""
         return max(self.growth("q"), self.growth("k")), finite_max([self.growth(k) for k in self.other_kinds])
 
     def logit_after(self, step):
@@ -165,8 +164,8 @@ def load_runs(root):
     return groups
 
 
-# ---------------------------------------------------------------------------------------------------------------
-# The words of the rules. A predicate reads one finished run; `outcomes` scores a whole arm seed by seed.
+# --------------------------------------------------------------------------------------------------
+# The rules' words. A predicate reads one finished run; `outcomes` scores an arm seed by seed.
 
 def collapsed(run): return run.collapsed
 def triggered(run): return run.trigger is not None
@@ -174,7 +173,7 @@ def ran_away(run): return run.collapsed or (run.max_logit or 0.0) >= RUNAWAY_LOG
 
 
 def qk_specific(run):
-    """The runaway went through the QK channel: sigma(W_q or W_k) grew more than SIGMA_RATIO times as much as the
+    """Through the QK channel: sigma(W_q or W_k) grew more than SIGMA_RATIO times as much as the
     most-grown other weight matrix. False where the other kinds were not logged."""
     qk, other = run.qk_and_other_growth()
     return other is not None and not math.isnan(qk) and qk > SIGMA_RATIO * other
@@ -186,12 +185,11 @@ class Claim:
     def __init__(self, groups, arms):
         self.runs = {a: {r.seed: r for r in groups.get(a, [])} for a in {*groups, *arms}}
         self.seeds = sorted({s for a in arms for s in self.runs[a]}, key=lambda s: (len(s), s))
-        self.alpha = ALPHA      # the strictest threshold a test of the rule used: "inconclusive" is judged there
+        self.alpha = ALPHA      # the strictest threshold the rule's tests used, for "inconclusive"
 
     def outcomes(self, arm, pred, claim_wants, ref=None):
-        """Per seed: pred(run) for a finished run, or pred(run, the same seed's run of arm `ref`) when ref is
-        given; where a run it needs is unfinished or missing, the value that hurts the claim (claim_wants is the
-        value the claim hopes for in this arm)."""
+        """Per seed: pred(run), or pred(run, the same seed's run of arm `ref`) if ref is given;
+        a run it needs unfinished or missing gives not claim_wants (what the claim hopes for)."""
         out = []
         for seed in self.seeds:
             run, other = self.runs[arm].get(seed), self.runs[ref].get(seed) if ref else None
@@ -216,8 +214,8 @@ class Claim:
                 + (f" ({left} unfinished, counted against)" if left else "")), out
 
     def contrast(self, a, a_pred, b, b_pred, name, alpha=ALPHA, ref=None):
-        """Does a's event happen where b's does not (seed by seed)? The claim wants a's event and not b's. With
-        ref, the predicates also read the same seed's run of arm ref."""
+        """Does a's event happen where b's does not, seed by seed? The claim wants a's, not b's.
+        With ref, the predicates also read the same seed's run of arm ref."""
         la, oa = self.count(a, name, a_pred, True, ref)
         lb, ob = self.count(b, name, b_pred, False, ref)
         k, j, p = sign_test(list(zip(oa, ob)))
@@ -236,8 +234,8 @@ def collapses_vs_not(c, faulty, *repaired):
 
 
 def guard_prevents(c, unguarded, guarded, reference):
-    """The guard arm collapses in no seed, fewer than the unguarded arm (sign test), triggers before each
-    unguarded collapse of the same seed, and ends within LOSS_TOL of always-on QK-norm in every seed."""
+    """The guarded arm collapses in no seed, fewer than the unguarded (sign test); in every seed it
+    triggers before any unguarded collapse and ends within LOSS_TOL of always-on QK-norm."""
     never = c.outcomes(guarded, collapsed, False)
     ok, lines = c.contrast(unguarded, collapsed, guarded, collapsed, "collapsed")
     leads, early = [], True
@@ -261,8 +259,8 @@ def guard_prevents(c, unguarded, guarded, reference):
 
 
 def guard_is_dormant(c, healthy, guarded):
-    """On healthy training the guard fires in no seed, and while dormant it changes nothing (final losses within
-    LOSS_TOL of the unguarded healthy run, seed by seed)."""
+    """On healthy training the guard fires in no seed, and while dormant changes nothing (final val
+    loss within LOSS_TOL of the unguarded healthy run, seed by seed)."""
     line, fired = c.count(guarded, "triggered", triggered, False)
     gaps = []
     for s in c.seeds:
@@ -270,7 +268,7 @@ def guard_is_dormant(c, healthy, guarded):
         if g and g.finished and g.trigger is not None:
             continue                     # counted above, as a false trigger
         both = all(r and r.finished and r.final_val is not None for r in (g, h))
-        gaps.append(abs(g.final_val - h.final_val) if both else math.inf)    # unfinished: against the claim
+        gaps.append(abs(g.final_val - h.final_val) if both else math.inf)  # unfinished: inf, fails
     cost = max(gaps) if gaps else math.inf
     return not any(fired) and cost <= LOSS_TOL, [
         line, f"dormant cost, largest |val loss - {healthy}'s| over {len(gaps)} untriggered seeds (an unfinished "
@@ -278,8 +276,8 @@ def guard_is_dormant(c, healthy, guarded):
 
 
 def dose_contrast(c, site, better, worse, better_pred, worse_pred, name, ref=None):
-    """The contrast at each dose of the grid that was run (a sweep may run part of it); holds at some dose with
-    p < ALPHA / the number of doses run (Bonferroni)."""
+    """The contrast at each dose of the grid that ran; holds if at some dose p < ALPHA / the number
+    of doses run (Bonferroni)."""
     doses = c.doses_run(site)
     holds, lines = False, [f"{site}: doses run {', '.join(f'{d:g}' for d in doses) or 'none'}"]
     for dose in doses:
@@ -290,29 +288,29 @@ def dose_contrast(c, site, better, worse, better_pred, worse_pred, name, ref=Non
 
 
 def beyond(run, ref):
-    """Ran away beyond the no-error run of its seed (ref): its max logit reached RUNAWAY_LOGIT and LOGIT_RATIO
-    times ref's, or it collapsed where ref did not. A threshold the no-error run crosses too proves nothing."""
+    """Ran away beyond ref, its seed's no-error run: max logit >= RUNAWAY_LOGIT and LOGIT_RATIO x
+    ref's, or it collapsed where ref did not. A bar the no-error run passes too proves nothing."""
     logits = (run.max_logit or 0.0) >= max(RUNAWAY_LOGIT, LOGIT_RATIO * (ref.max_logit or 0.0))
     return logits or (run.collapsed and not ref.collapsed)
 
 
 def through_qk(run, ref):
-    """Ran away beyond ref, through the QK channel: sigma(W_q or W_k) grew SIGMA_RATIO times as much as ref's
-    did, and SIGMA_RATIO times as much as the most-grown other matrix of this run."""
+    """Ran away beyond ref through the QK channel: sigma(W_q or W_k) grew SIGMA_RATIO times as much
+    as ref's did and as this run's most-grown other matrix."""
     qk, ref_qk = run.qk_and_other_growth()[0], ref.qk_and_other_growth()[0]
     return beyond(run, ref) and qk_specific(run) and not math.isnan(ref_qk) and qk >= SIGMA_RATIO * ref_qk
 
 
 def fix_failed(run, ref):
-    """A QK-only fix failed: the run ran away beyond ref anyway, or ended more than FIX_TOL above ref's val loss
-    (QK-norm from step 0 bounds every logit, so for it only the loss can tell)."""
+    """A QK-only fix failed: it ran away beyond ref anyway, or ended more than FIX_TOL above ref's
+    val loss (QK-norm from step 0 bounds every logit, so for it only the loss can tell)."""
     worse = run.final_val is None or ref.final_val is None or run.final_val > ref.final_val + FIX_TOL
     return beyond(run, ref) or worse
 
 
 def injection_claim(c, site):
-    """Claim 3 at one site: the coherent error runs away through the QK channel beyond the no-error run where
-    the same error with its QK-only fix does not fail; the fix's val-loss gaps are listed."""
+    """Claim 3 at one site: the coherent error runs away through QK beyond the no-error run where
+    the same error with its QK-only fix does not fail; lists the fix's val-loss gaps."""
     holds, lines = dose_contrast(c, site, lambda s, d: inject_arm(s, d, 1.0)[0],
                                  lambda s, d: inject_arm(s, d, 1.0, True)[0], through_qk, fix_failed,
                                  "error: ran away through QK beyond no-error / fix: failed", ref=NO_ERROR)
@@ -328,9 +326,9 @@ def injection_claim(c, site):
 
 
 def potencies(c, site, coherence, claim_wants):
-    """Per seed: the smallest dose of the grid at which (site, coherence) ran away beyond the no-error run;
-    math.inf where it did at none. An unfinished or missing run counts the way that hurts the claim: as not
-    running away where claim_wants says it should (coherent), as running away where it should not."""
+    """Per seed: the smallest dose at which (site, coherence) ran away beyond the no-error run,
+    math.inf if none. An unfinished or missing run counts against the claim: as running away if
+    claim_wants is False, else not."""
     out = []
     for seed in c.seeds:
         ref, found = c.runs[NO_ERROR].get(seed), math.inf
@@ -345,10 +343,9 @@ def potencies(c, site, coherence, claim_wants):
 
 
 def coherence_claim(c, site):
-    """Claim 4 at one site: potency, not one dose. Per seed, the smallest dose at which sign-coherent errors run
-    away beyond the no-error run against the smallest at which random-sign ones (coherence 0.5) do; the claim
-    wants the coherent one smaller (a sign test over the seeds where they differ). Both dose-response curves are
-    in the dose table."""
+    """Claim 4 at one site: potency, not one dose. Per seed, the smallest dose at which coherent
+    errors run away beyond the no-error run, against that of random-sign ones (coherence 0.5); the
+    claim wants the coherent one smaller (sign test). Both curves are in the dose table."""
     coherent, random = potencies(c, site, 1.0, True), potencies(c, site, 0.5, False)
     k, j, p = sign_test([(a < b, b < a) for a, b in zip(coherent, random)])
     c.alpha = min(c.alpha, ALPHA)
@@ -366,18 +363,17 @@ def coherence_claim(c, site):
 
 
 def valid_control(run):
-    """The equal-energy control removed at least CONTROL_ENERGY of its target energy at every step (the log keeps
+    """The equal-energy control removed >= CONTROL_ENERGY of its target at every step (the log keeps
     each interval's smallest share); a run that fell short is not that control."""
     return run.removed_fraction is not None and run.removed_fraction >= CONTROL_ENERGY
 
 
 def probe_holds(c, source):
-    """Claim 5 on the runaway of `source`. Projecting the W_q/W_k update off their top-k singular directions
-    freezes those singular values by construction, so sigma(W_q) says nothing here: the rule judges what can fail,
-    the runaway's logits and loss. The source runs away where the probe on its top-k does not, and the paper's
-    equal-energy control (the same energy from other directions of W_q, W_k) runs away where the probe does not;
-    an equal-energy run that removed less than CONTROL_ENERGY of its target at some step counts against the claim.
-    The other controls are reported, not judged."""
+    """Claim 5 on the runaway of `source`. The probe projects the W_q/W_k update off their top-k
+    singular directions, which freezes those singular values, so the rule judges logits and loss:
+    the source runs away where the probe does not, and so does the paper's equal-energy control
+    (the same energy from other directions of W_q, W_k), counted only if it removed CONTROL_ENERGY
+    of its target at every step. The other controls are reported, not judged."""
     topk, equal = f"{source}-probe-topk", f"{source}-probe-equal"
     holds, lines = c.contrast(source, ran_away, topk, ran_away, "ran away")
     ok, more = c.contrast(equal, lambda r: ran_away(r) and valid_control(r), topk, ran_away,
@@ -398,15 +394,15 @@ def probe_holds(c, source):
 
 
 def broke_down(run):
-    """Collapsed, or its logits reached RUNAWAY_LOGIT after the guard's action started (anywhere, if it never
-    fired). A softcap action caps the logits it reports at its c, so for it only a collapse counts."""
+    """Collapsed, or logits reached RUNAWAY_LOGIT after the guard's action started (anywhere, if it
+    never fired). A softcap caps the logits it reports at its c: for it only a collapse counts."""
     start = run.acting_from if run.acting_from is not None else -1
     return run.collapsed or run.logit_after(start - 1) >= RUNAWAY_LOGIT
 
 
 def grace_line(c, arm):
-    """Each guarded run's worst smoothed loss inside the collapse detector's grace window, above its best before
-    the trigger: a grace hides a real collapse as well as the switch's transient, so it is shown."""
+    """Per seed, the guarded run's worst smoothed loss in the grace window above its best before the
+    trigger: shown, as a grace window hides a real collapse as well as the switch's transient."""
     margin = lambda r: r.config.get("args", {}).get("collapse_margin", 1.0)
     cells = [f"{s} {num(c.runs[arm][s].grace_excess, '+.3f')}" + (" (past the margin: would have counted)" if
              (c.runs[arm][s].grace_excess or 0) > margin(c.runs[arm][s]) else "")
@@ -416,14 +412,15 @@ def grace_line(c, arm):
 
 
 def non_qk_actions_fail(c, source):
-    """Claim 6 on the runaway of `source`: each non-QK action at QK-Guard's trigger breaks down (collapse, or
-    logits past RUNAWAY_LOGIT after it acts) where QK-norm, the guard's own action, does not (sign tests); QK-Clip,
-    a QK-side action too, breaks down in no seed. The val-loss gap to QK-norm is reported beside."""
+    """Claim 6 on the runaway of `source`: each non-QK action at QK-Guard's trigger breaks down (see
+    broke_down) where QK-norm, the guard's own action, does not (sign tests); QK-Clip, also QK-side,
+    breaks down in no seed. The val-loss gap to QK-norm is reported."""
     qknorm = f"{source}-guard"
     holds, lines = True, []
     for arm in (f"{source}-guard-lr-drop", f"{source}-guard-clip", f"{source}-guard-softcap"):
         ok, (arm_line, qknorm_line, test_line) = c.contrast(arm, broke_down, qknorm, broke_down, "broke down")
-        shown = [arm_line, test_line] if lines else [arm_line, qknorm_line, test_line]   # QK-norm's count once
+        # QK-norm's count is shown once, with the first arm
+        shown = [arm_line, test_line] if lines else [arm_line, qknorm_line, test_line]
         holds, lines = holds and ok, lines + shown
     qkclip = f"{source}-guard-qkclip"
     line, out = c.count(qkclip, "broke down", broke_down, False)
@@ -447,10 +444,10 @@ def joined(*results):
     return all(ok for ok, _ in results), [line for _, lines in results for line in lines]
 
 
-# One rule per row: (claim, the rule in words, its arms, the check). The words print beside the verdicts.
+# RULES: (claim, rule in words, its arms, its check), one a row; the words print with the verdicts.
 def _inject_arms(coherences, fixes, sites):
-    """The arms of the dose grid a rule reads: of the doses with any run at each site (all of them where none
-    ran, so that "not run" names them)."""
+    """The dose-grid arms a rule reads: at each site, those of the doses with any run (all doses
+    where none ran, so that "not run" names them)."""
     def arms(groups):
         out = []
         for site in sites:
@@ -521,17 +518,16 @@ def expanded_rules(groups):
             out.append((claim, claim, arms, rule))
             continue
         ran = [s for s in SOURCES if any(groups.get(a) for a in arms(s) if a != NO_ERROR)] or ["bf16"]
-        # (a source with every arm but the no-error one missing did not run; bf16 stands for "not run")
+        # a source ran if an arm other than no-error did; bf16 stands in if none did ("not run")
         out += [(claim if s == "bf16" else f"{claim} ({s})", claim, arms(s), lambda c, s=s, rule=rule: rule(c, s))
                 for s in ran]
     return out
 
 
 def verdicts(groups):
-    """One row per rule: [claim, verdict, what was measured]. A rule with an arm that has no run folder at all is
-    "not run" (a dose-grid rule: when no arm of its grid has one); otherwise it is judged, every missing or
-    unfinished run counted against it, and "inconclusive" where it fails with too few seeds for any sign test to
-    reach p < ALPHA (4 or fewer)."""
+    """One row per rule: [claim, verdict, what was measured]. "not run" if an arm has no run folder
+    (a dose grid: if none of its arms has one); else judged, missing or unfinished runs counted
+    against it, and "inconclusive" if it fails with too few seeds for any sign test to pass."""
     rows = []
     for label, claim, arm_list, rule in expanded_rules(groups):
         arms = arm_list(groups) if callable(arm_list) else arm_list
@@ -543,7 +539,7 @@ def verdicts(groups):
         if claim in SOURCE_RULES:
             title += f"; the runaway's source: {SOURCE_WORDS[label[3:-1] if '(' in label else 'bf16']}"
         missing = [a for a in arms if not groups.get(a)]
-        grid_run = [a for a in arms if a != NO_ERROR and a not in missing]      # a grid: part of it may run
+        grid_run = [a for a in arms if a != NO_ERROR and a not in missing]  # grids may run in part
         if missing and (not callable(arm_list) or not grid_run):
             rows.append([label, "not run", f"{title}\nno runs of {', '.join(missing[:3])}"
                                            f"{f' and {len(missing) - 3} more arms' if len(missing) > 3 else ''}"])
@@ -552,8 +548,8 @@ def verdicts(groups):
         holds, lines = rule(c)
         verdict = "reproduced" if holds else "not reproduced"
         if not holds and binom_tail(len(c.seeds), len(c.seeds)) >= c.alpha:
-            # no sign test over so few seeds can reach the rule's own threshold (Bonferroni-corrected for a dose
-            # grid): a failed rule says nothing against the claim
+            # no sign test over so few seeds can reach the rule's threshold (Bonferroni-corrected
+            # for a dose grid): a failure says nothing against the claim
             verdict = "inconclusive"
             enough = next(n for n in range(1, 64) if binom_tail(n, n) < c.alpha)
             lines.append(f"{len(c.seeds)} seeds: even all of them one way give p = "
@@ -563,7 +559,7 @@ def verdicts(groups):
     return rows
 
 
-# ---------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Tables: built once, rendered as aligned text or as Markdown
 
 def num(x, spec=".4g"):
@@ -576,7 +572,7 @@ def median(values):
 
 
 def group_line(name, runs):
-    """A group in one line: collapses, median collapse step, maxima and losses (medians), trigger steps."""
+    """A group in a line: collapses, median collapse step, maxima and losses, trigger steps."""
     if not runs:
         return f"{name}: no runs"
     m = lambda attr, spec: num(median(getattr(r, attr) for r in runs), spec)
@@ -604,8 +600,8 @@ def group_rows(runs):
 
 
 def dose_response(groups):
-    """Claims 3 and 4: per (site, coherence or fix) and dose, (ran away beyond the no-error run of the same seed,
-    finished pairs), over the runs whose no-error run finished too."""
+    """Claims 3 and 4: per (site, coherence or fix), per dose: (how many ran away beyond their
+    seed's no-error run, how many finished with their no-error run finished too)."""
     ref = {r.seed: r for r in groups.get(NO_ERROR, []) if r.finished}
     curves = {}
     for site in SITES:
@@ -637,7 +633,7 @@ def render(header, rows, markdown):
 
 
 def scale(groups):
-    """The scale the runs were made at, in one paragraph, from their config.json (the same every time)."""
+    """The runs' scale in one paragraph, from their config.json (the same every time)."""
     configs = [r.config for rs in groups.values() for r in rs if r.config.get("args")]
     if not configs:
         return "Scale: unknown (no config.json)."
@@ -730,9 +726,9 @@ def build(groups, root, markdown, plots=(), markdown_dir=".", pilots=()):
     return "\n\n".join(parts) + "\n"
 
 
-# ---------------------------------------------------------------------------------------------------------------
-# Plots: per claim, loss / max logit / sigma(W_q) / the most-grown other weight against step (trigger a vertical
-# line, collapse an x), and the survival curves (fraction of seeds not yet collapsed)
+# --------------------------------------------------------------------------------------------------
+# Plots: loss, max logit, sigma(W_q) and the most-grown other weight against step (a trigger is a
+# vertical line, a collapse an x), and survival curves (the fraction of seeds not yet collapsed)
 
 def _pyplot():
     try:
@@ -746,7 +742,7 @@ def _pyplot():
 
 
 def survival(runs):
-    """Kaplan-Meier: [(step, fraction not yet collapsed)]; runs that did not collapse are censored at their end."""
+    """Kaplan-Meier [(step, fraction not yet collapsed)]; uncollapsed runs censored at their end."""
     # at equal steps the collapses come first: a run censored at step t was still at risk at t
     times = sorted(((r.collapse_step if r.collapsed and r.collapse_step is not None else (r.steps or [0])[-1]),
                     not r.collapsed) for r in runs)
@@ -789,8 +785,8 @@ def plot_runs(runs, axes, colors, panels=tuple(PANELS)):
 
 
 def arm_words(name):
-    """An arm's name in words, for legends: 'inject-mlp-out-0.1-c1-qkfix' -> 'mlp-out error 0.1, coherent, with
-    the QK-only fix'."""
+    """An arm's name in words, for legends: 'inject-mlp-out-0.1-c1-qkfix' -> 'mlp-out error 0.1,
+    coherent, with the QK-only fix'."""
     if name == NO_ERROR:
         return "no error (fp32 state)"
     if name.startswith("inject-"):
@@ -814,8 +810,8 @@ def arm_words(name):
 
 
 def plot_claims(groups, out_dir):
-    """Claims 1, 2, 5, 6, 7: per arm, the median over seeds of the loss, the max logit and sigma(W_q) against step,
-    and the survival curves; claims 3 and 4: the dose-response curves (dose_response.png)."""
+    """Claims 1, 2, 5, 6, 7: per arm, the median over seeds of loss, max logit and sigma(W_q)
+    against step, and survival curves; claims 3 and 4: dose-response curves (dose_response.png)."""
     plt = _pyplot()
     if plt is None:
         return []
@@ -869,8 +865,8 @@ def plot_claims(groups, out_dir):
 
 
 def describe(run):
-    """A run in words, from its config.json, for a legend: "bf16 state, guard off", "bf16 state, QK-Guard
-    (qknorm)"; the folder name where there is no config."""
+    """A run in words for a legend, from its config.json ("bf16 state, guard off", "bf16 state,
+    QK-Guard (qknorm)"); the folder name where there is no config."""
     args = run.config.get("args", {})
     if not args:
         return os.path.basename(os.path.normpath(run.path))
@@ -879,8 +875,8 @@ def describe(run):
 
 
 def plot_some_runs(paths, png, labels=None):
-    """--runs: one figure of a few run folders (the demo's unguarded and guarded runs, say), each labelled in
-    words (labels, or describe())."""
+    """--runs: one figure of a few run folders (say the demo's unguarded and guarded runs), labelled
+    by `labels` or describe()."""
     plt = _pyplot()
     if plt is None:
         return None
@@ -899,15 +895,15 @@ def plot_some_runs(paths, png, labels=None):
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("root", nargs="?", help="the sweep's --out-root, e.g. runs/claims")
-    p.add_argument("--markdown", metavar="FILE", help="also write the tables as Markdown (for RESULTS.md)")
+    p.add_argument("--markdown", metavar="FILE", help="also write Markdown, e.g. RESULTS.md")
     p.add_argument("--plots", metavar="DIR",
-                   help="where the PNG plots go (default: plots/ beside --markdown, else the runs folder)")
+                   help="the plots' folder (default: plots/ beside --markdown, else the root)")
     p.add_argument("--pilot", action="append", default=[], metavar="DIR",
-                   help="a pilot's runs (<DIR>/<experiment>/seed<k>/), tabled in their own section (repeatable)")
-    p.add_argument("--runs", nargs="+", metavar="DIR", help="plot these run folders instead (with --png)")
+                   help="a pilot's runs, <DIR>/<experiment>/seed<k>/, tabled apart (repeatable)")
+    p.add_argument("--runs", nargs="+", metavar="DIR", help="plot these run folders instead")
     p.add_argument("--png", default="runs.png", help="--runs: the figure's file (default runs.png)")
-    p.add_argument("--labels", nargs="+", metavar="TEXT", help="--runs: the legend's words, one per run (default: "
-                   "from each run's config, e.g. 'bf16 state, guard off')")
+    p.add_argument("--labels", nargs="+", metavar="TEXT",
+                   help="--runs: the legend's words, one per run (default: from each run's config)")
     args = p.parse_args(argv)
     if args.runs:
         missing = [d for d in args.runs if not os.path.exists(os.path.join(d, "log.jsonl"))]

@@ -1,12 +1,11 @@
 """
-Print what a trained model writes: load a run directory's checkpoint and sample from it, with the run's own
+Print what a trained model writes: sample from a run directory's checkpoint with the run's own
 numerics and, if its guard fired, with the guard's action on (as the model was when it stopped).
 
-    python sample.py runs/<run>                                # 3 samples of 200 tokens after a newline
-    python sample.py runs/<run> --prompt "def " --num-samples 5 --max-new-tokens 100 --temperature 0.8
+    python sample.py runs/<run>                  # 3 samples of 200 tokens after a newline
+    python sample.py runs/<run> --prompt "def " --num-samples 5 --max-new-tokens 100
 
-The run's tokenizer (GPT-2's BPE or bytes) decodes. Set TIKTOKEN_CACHE_DIR where the GPT-2 BPE cannot be
-downloaded (see README).
+The run's tokenizer decodes; set TIKTOKEN_CACHE_DIR where GPT-2's BPE cannot be downloaded (README).
 """
 import argparse
 import contextlib

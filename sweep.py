@@ -25,26 +25,23 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
-# Seeds per arm. report.py judges a contrast between two arms with an exact sign test over the seeds where they
-# differ: at least 5 such seeds, all one way, are needed for p < 0.05 (1/32), and 7 for the dose grid's
-# Bonferroni threshold 0.05 / 4 (1/128), so 8 seeds leave room for a seed or three where both arms agree.
-# 3 seeds can never reach p < 0.05 (1/8 at best).
+# Seeds per arm. report.py compares two arms by an exact sign test over the seeds where they
+# differ: p < 0.05 needs 5 such seeds all one way (1/32), the dose grid's Bonferroni 0.05 / 3
+# needs 6 (1/64). 8 leave room for seeds where both arms agree.
 SEEDS = 8
-# Claims 3 and 4: the injected error's size (error rms / rms of the signal it joins; see assay.py), fixed in
-# advance as a grid spanning 100x rather than tuned on the contrast it is then judged by, crossed with its
-# sign-coherence: 1 (sign-coherent) and 0.5 (a fresh random sign each step). The grid came from a pilot on
-# another seed (101) in the CPU lab (RESULTS.md): doses up to 1 moved nothing at any site, 3 to 30 made the
-# coherent delta error run away.
+# Claims 3 and 4: the injected error's size (its rms / that of the signal it joins; see assay.py)
+# and sign-coherence (1: coherent; 0.5: a fresh random sign each step). The grid was fixed in
+# advance, not tuned on the contrast it judges, from a pilot on seed 101 (RESULTS.md, "Pilot").
 DOSES = (0.3, 3.0, 30.0)
 COHERENCES = (0.5, 1.0)
-# The injection sites, each with its QK-only fix. Outside attention: mlp-out in the forward (the site claim 3 is
-# judged on, fixed before any sweep ran), and two gradient-side sites, W_up's and W_v's gradients; for all three
-# the fix is parameter-free QK-norm from step 0. The positive control: the backward's delta, where the kernel
-# fault reaches the gradient, fixed by training W_q and W_k on the error-free gradient.
+# Injection site -> its QK-only fix. Outside attention: mlp-out in the forward (claim 3's site,
+# chosen before any sweep ran) and the gradients of W_up and W_v, fixed by parameter-free QK-norm
+# from step 0. The positive control, the backward's delta (where the kernel fault lands), is fixed
+# by training W_q and W_k on the error-free gradient.
 SITES = {"mlp-out": "qknorm", "grad-mlp": "qknorm", "grad-wv": "qknorm", "delta": "clean-grad"}
 CLAIM3_SITE = "mlp-out"
 CLAIM4_SITES = ("mlp-out", "delta")   # claim 4's random-sign arms run at these sites only (compute)
-NO_ERROR = "fp32"                     # the paired no-error arm: fp32 state, no injection, the same seeds
+NO_ERROR = "fp32"                     # the paired no-error arm: fp32 state, no injection
 
 
 def inject_arm(site, dose, coherence, fix=False):
@@ -58,10 +55,10 @@ def _grid(coherences, fix, sites=tuple(SITES)):
     return dict(inject_arm(site, dose, c, fix) for site in sites for dose in DOSES for c in coherences)
 
 
-# Claims 5 and 6 act on a runaway that something else drives: its source. On a GPU, the natural fault (bf16
-# state, the assay preset). In the CPU lab bf16 state does not run away (MEASUREMENTS.md), so the source is the
-# assay's coherent error at the backward's delta, at a dose the pilot saw run away (RESULTS.md), or the demo's
-# learning-rate runaway. A source's arms are named after it: bf16, bf16-probe-topk, assay-guard-clip, ...
+# Claims 5 and 6 act on a runaway something else drives: its source. On a GPU, the natural fault
+# (bf16 state, assay preset). In the CPU lab bf16 state does not run away (MEASUREMENTS.md), so the
+# source is a coherent error at delta, at a dose the pilot saw run away (RESULTS.md), or the demo's
+# learning rate. A source names its arms: bf16, bf16-probe-topk, assay-guard-clip, ...
 SOURCES = {
     "bf16": "--accum bf16",
     "assay": "--accum fp32 --inject-site delta --inject-scale 3 --inject-coherence 1",
@@ -70,8 +67,8 @@ SOURCES = {
 
 
 def probe_arms(source):
-    """Claim 5: the unprobed source, the probe on W_q/W_k's top-k, the paper's equal-energy control, and three
-    more controls (reported): a fixed random QK subspace, W_v's top-k, the MLP's top-k; fp32 for the loss cost."""
+    """Claim 5: the source, the probe on W_q/W_k's top-k, the paper's equal-energy control, three
+    reported controls (a fixed random QK subspace, W_v's and the MLP's top-k), fp32 for the loss."""
     base = SOURCES[source]
     modes = {"topk": "qk-topk", "equal": "equal-energy", "fixed": "qk-fixed", "v-topk": "v-topk",
              "mlp-topk": "mlp-topk"}
@@ -80,15 +77,15 @@ def probe_arms(source):
 
 
 def action_arms(source):
-    """Claim 6: QK-Guard's own action (QK-norm) and the others at the same trigger; fp32-accum where the state is
-    bf16 (with fp32 state it has nothing to switch)."""
+    """Claim 6: QK-Guard's own action (QK-norm) and the others at its trigger; fp32-accum only where
+    the state is bf16 (fp32 state has nothing to switch)."""
     base = f"{SOURCES[source]} --guard on"
     actions = ["lr-drop", "clip", "softcap", "qkclip"] + (["fp32-accum"] if "--accum bf16" in base else [])
     return {f"{source}-guard": base, **{f"{source}-guard-{a}": f"{base} --guard-action {a}" for a in actions}}
 
 
-# The experiments, grouped by the claim they test: name -> train.py flags. An arm shared by several claims (bf16,
-# fp32, bf16-guard) is one set of runs. Flags left out take train.py's defaults (on a GPU: the assay preset).
+# claim -> (its words, {arm: train.py flags}). An arm in several claims (bf16, fp32) runs once.
+# Flags left out take train.py's defaults (on a GPU: the assay preset).
 CLAIMS = {
     1: ("bf16 softmax state collapses; fp32 state and bf16-safemax do not", {
         "bf16": "--accum bf16",
@@ -128,8 +125,8 @@ STOP_WAIT_S = 300                    # after Ctrl-C, how long children get to sa
 
 
 def experiments(claims, only=None, source="bf16"):
-    """name -> list of train.py flags, for the chosen claims (and names); a shared arm appears once. Claims 5 and
-    6 act on the runaway of `source` (SOURCES)."""
+    """name -> train.py flags for the chosen claims (and names), a shared arm once; claims 5 and 6
+    act on the runaway of `source` (SOURCES)."""
     chosen = {}
     for number in claims:
         arms = {5: lambda: probe_arms(source), 6: lambda: action_arms(source)}.get(number, lambda: CLAIMS[number][1])
@@ -140,8 +137,8 @@ def experiments(claims, only=None, source="bf16"):
 
 
 def read_log(out_dir):
-    """The records of a run's log.jsonl, or of its gzipped copy log.jsonl.gz (how results/ keeps them; [] if
-    neither); a line cut short (being written, or killed) is skipped."""
+    """The records of a run's log.jsonl, or of log.jsonl.gz (as results/ keeps them); [] if neither.
+    A line cut short (still being written, or killed) is skipped."""
     records, path = [], os.path.join(out_dir, "log.jsonl")
     opener = (open, path) if os.path.exists(path) else (gzip.open, path + ".gz") if os.path.exists(path + ".gz") \
         else None
@@ -152,7 +149,7 @@ def read_log(out_dir):
                     record = json.loads(line)
                 except ValueError:
                     continue
-                if record.get("event") == "resume":   # a resumed run replays the steps after its checkpoint
+                if record.get("event") == "resume":   # drop what the resumed run logs again
                     records = [r for r in records if not replayed(r, record["step"])
                                and (record.get("from_checkpoint", True) or r.get("event") == "start")]
                 records.append(record)
@@ -160,8 +157,8 @@ def read_log(out_dir):
 
 
 def replayed(record, resume_step):
-    """Whether a record written before a resume at `resume_step` is written again by the resumed run: step
-    records and guard/collapse events of updates >= resume_step, evals after it (see train.py's step numbering)."""
+    """Whether the run resumed at `resume_step` writes this earlier record again: step records and
+    guard/collapse events of updates >= resume_step, evals after it (train.py's step numbering)."""
     if "step" not in record or record.get("event") in ("start", "resume", "end"):
         return False
     return record["step"] > resume_step if record.get("event") == "eval" else record["step"] >= resume_step
@@ -179,8 +176,8 @@ def run_state(out_dir):
 
 
 def plan(names_flags, seeds, out_root, extra, resume):
-    """The runs to launch, seed-major (every experiment gets seed 1 before any gets seed 2, so a sweep cut
-    short still covers every experiment), and the ones skipped with the reason."""
+    """The runs to launch, seed-major (each experiment's seed 1 before any seed 2, so a sweep cut
+    short still covers them all), and the ones skipped with the reason."""
     train = os.path.relpath(os.path.join(HERE, "train.py"))
     todo, skipped = [], []
     for seed in range(1, seeds + 1):
@@ -194,13 +191,13 @@ def plan(names_flags, seeds, out_root, extra, resume):
                 todo.append((out_dir, cmd))
             elif not resume:
                 skipped.append((out_dir, f"unfinished ({state}): pass --resume to continue it, or delete it"))
-            else:   # train.py --resume goes on from the checkpoint, or starts over where it saved none
+            else:   # train.py --resume continues from the checkpoint, or starts over without one
                 todo.append((out_dir, cmd + ["--resume"]))
     return todo, skipped
 
 
 def flag_value(flags, name, default=None):
-    """The value of `name` in a train.py flag list (last one wins, as in argparse); --name=value too."""
+    """`name`'s value in a train.py flag list: the last wins, as in argparse; --name=value too."""
     value = default
     for i, flag in enumerate(flags):
         if flag == name and i + 1 < len(flags):
@@ -211,8 +208,8 @@ def flag_value(flags, name, default=None):
 
 
 def prepare_data_once(extra):
-    """N runs starting together would all build the default dataset: build it once, first, with the tokenizer
-    the runs' preset names (train.py's rule: --tokenizer, else the preset's; auto is demo on a CPU)."""
+    """Build the default dataset once, first, or N runs starting together would all build it; with
+    the tokenizer train.py picks (--tokenizer, else the preset's; preset auto is demo on a CPU)."""
     if flag_value(extra, "--data-dir"):
         return
     import config    # only here, as torch below: report.py imports this file and needs neither
@@ -231,11 +228,11 @@ def prepare_data_once(extra):
 
 
 def default_parallel(extra):
-    """8 runs share a GPU (an H200 ran 4 of the assay model at ~5 steps/s each, SOURCES.md); a CPU is busy with
-    one. Not measured at 8: gpu_checks.sh says how to find the number for a GPU."""
+    """8 runs share a GPU, 1 a CPU. 8 is not measured (SOURCES.md has 4 sharing an H200);
+    gpu_checks.sh says how to find the number for a GPU."""
     if flag_value(extra, "--device", "auto").startswith("cpu"):
         return 1
-    import torch    # only here: the rest of sweep.py (and report.py, which imports it) needs no torch
+    import torch    # only here: the rest of sweep.py, and report.py which imports it, need no torch
     return 8 if torch.cuda.is_available() else 1
 
 
@@ -256,7 +253,7 @@ def outcome(out_dir, returncode):
 
 
 def stop(running):
-    """Ask every child to stop (SIGINT: train.py finishes its step and saves a checkpoint), then wait."""
+    """Send every child SIGINT (train.py finishes its step and saves a checkpoint), then wait."""
     print(f"stopping {len(running)} runs (they save a checkpoint; Ctrl-C again to kill them)", flush=True)
     for proc in running:
         proc.send_signal(signal.SIGINT)
@@ -273,7 +270,7 @@ def stop(running):
 
 
 def launch(todo, parallel):
-    """Run the commands, at most `parallel` at once. Returns the folders of the runs that errored."""
+    """Run the commands, at most `parallel` at once; return the folders of the runs that errored."""
     queue, running, errors, n, started, ended = list(todo), {}, [], len(todo), 0, 0
     try:
         while queue or running:
@@ -283,7 +280,7 @@ def launch(todo, parallel):
                 # appended, so a resumed run keeps the output of its earlier part
                 with open(os.path.join(out_dir, "stdout.log"), "a") as out, \
                         open(os.path.join(out_dir, "stderr.log"), "a") as err:
-                    # a session of its own: a terminal Ctrl-C reaches only us, and we pass on exactly one SIGINT
+                    # own session: a terminal's Ctrl-C reaches only us, and we pass on one SIGINT
                     proc = subprocess.Popen(cmd, stdout=out, stderr=err, start_new_session=True,
                                             env=dict(os.environ, PYTHONUNBUFFERED="1"))
                 running[proc] = (out_dir, time.time())
@@ -309,15 +306,15 @@ def main(argv=None):
     argv, extra = argv[:cut], argv[cut + 1:]
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
                                 usage="%(prog)s [options] [-- extra train.py flags for every run]")
-    p.add_argument("--claims", default=",".join(map(str, CLAIMS)), help="comma-separated claim numbers (1-7)")
-    p.add_argument("--only", default=None, help="comma-separated experiment names, within those claims")
-    p.add_argument("--seeds", type=int, default=SEEDS, help="seeds 1..N: seed k passes --seed k (see SEEDS)")
+    p.add_argument("--claims", default=",".join(map(str, CLAIMS)), help="claims 1-7, e.g. 1,2")
+    p.add_argument("--only", default=None, help="comma-separated arm names from those claims")
+    p.add_argument("--seeds", type=int, default=SEEDS, help="seeds 1..N (seed k passes --seed k)")
     p.add_argument("--source", default="bf16", choices=list(SOURCES),
-                   help="what drives the runaway that claims 5 and 6 act on: bf16 (the natural fault, on a GPU), "
-                        "assay (an injected coherent error: the CPU lab), lr (the demo's learning-rate runaway)")
-    p.add_argument("--parallel", type=int, default=None, help="runs at once (default: 8 on CUDA, 1 on CPU)")
-    p.add_argument("--out-root", default="runs/claims", help="runs go to <out-root>/<experiment>/seed<k>/")
-    p.add_argument("--resume", action="store_true", help="continue unfinished runs from their checkpoints")
+                   help="the runaway claims 5 and 6 act on: bf16 (the natural fault, GPU), assay (an "
+                        "injected coherent error, the CPU lab), lr (the demo's learning-rate runaway)")
+    p.add_argument("--parallel", type=int, default=None, help="runs at once (default 8 on CUDA, else 1)")
+    p.add_argument("--out-root", default="runs/claims", help="into <out-root>/<experiment>/seed<k>/")
+    p.add_argument("--resume", action="store_true", help="continue unfinished runs too")
     p.add_argument("--dry-run", action="store_true", help="print the commands, run nothing")
     args = p.parse_args(argv)
     if args.seeds < 1 or (args.parallel is not None and args.parallel < 1):
@@ -346,7 +343,7 @@ def main(argv=None):
 
     def interrupt(signum, frame):
         raise KeyboardInterrupt
-    for sig in (signal.SIGINT, signal.SIGTERM):     # SIGINT too: a shell starts background jobs ignoring it
+    for sig in (signal.SIGINT, signal.SIGTERM):     # SIGINT too: background jobs start ignoring it
         signal.signal(sig, interrupt)
     try:
         errors = launch(todo, parallel)

@@ -1,5 +1,5 @@
-"""Tests of the assay: injected error sizes and sign statistics, where the error lands, the QK probe's
-projection and its equal-energy control, the matched fault, and the flag checks. Fresh random inputs each run."""
+"""Tests of the assay: injected error sizes and sign statistics, where the error lands, the QK probe
+and its equal-energy control, the matched fault, the flag checks. Fresh random inputs each run."""
 import contextlib
 
 import pytest
@@ -22,7 +22,7 @@ def head_rms(t, n_head):
     return torch.stack([g.float().pow(2).mean().sqrt() for g in groups])
 
 
-# ----------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Size of the error.
 
 @pytest.mark.parametrize("site", ACTIVATION_SITES)
@@ -38,7 +38,7 @@ def test_activation_error_has_requested_rms_ratio(site, scale):
     ratio = head_rms(y.detach() - x.detach(), n_head) / head_rms(x.detach(), n_head)
     torch.testing.assert_close(ratio, torch.full((n_head,), scale), rtol=0.02, atol=0)
     assert inj.last_stats["inject_rms_ratio"] == pytest.approx(scale, rel=0.02)
-    # the error is the same vector at every token, and detached: the gradient passes through unchanged
+    # the error is one vector at every token, and detached: the gradient passes through unchanged
     err = (y - x).detach()
     torch.testing.assert_close(err, err[:1, :1].expand_as(err))
     y.sum().backward()
@@ -64,7 +64,7 @@ def test_gradient_error_has_requested_rms_ratio(site, arch, n_head, n_embd):
     torch.testing.assert_close(gpt.blocks[0].attn.q_proj.weight.grad, other, rtol=0, atol=0)
 
 
-# ----------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Sign statistics over steps.
 
 def sign_history(coherence, steps=range(400), seed=0, state=None):
@@ -104,15 +104,15 @@ def test_signs_resume_exactly():
         inj.begin_step(step)
         straight_on.append(inj.signs.clone())
     straight_on = torch.stack(straight_on)
-    resumed, _ = sign_history(0.7, steps=range(99, 150), seed=99, state=state)   # another seed: the state wins
+    resumed, _ = sign_history(0.7, steps=range(99, 150), seed=99, state=state)  # the state wins
     torch.testing.assert_close(resumed, straight_on, rtol=0, atol=0)
-    torch.testing.assert_close(resumed[0], first[-1], rtol=0, atol=0)   # repeating step 99 changes nothing
+    torch.testing.assert_close(resumed[0], first[-1], rtol=0, atol=0)  # step 99 again: no change
     assert (resumed[1:] != resumed[:-1]).any()
     again, _ = sign_history(0.7, steps=range(100), seed=3)
-    torch.testing.assert_close(again, first, rtol=0, atol=0)            # deterministic given the seed
+    torch.testing.assert_close(again, first, rtol=0, atol=0)  # deterministic given the seed
 
 
-# ----------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Where the error lands in the model.
 
 def block_outputs(gpt, idx):
@@ -136,7 +136,7 @@ def test_injection_changes_only_selected_layers(site):
     torch.testing.assert_close(outs_inj[0], outs[0], rtol=0, atol=0)          # layer 0 untouched
     assert (outs_inj[1] - outs[1]).abs().max() > 1e-3
     assert (logits_inj - logits).abs().max() > 1e-3
-    with inj.paused():                                                        # the fault-free passes
+    with inj.paused():                                                        # fault-free passes
         torch.testing.assert_close(block_outputs(gpt, idx)[0], logits, rtol=0, atol=0)
     inj.detach()
     torch.testing.assert_close(block_outputs(gpt, idx)[0], logits, rtol=0, atol=0)
@@ -145,9 +145,9 @@ def test_injection_changes_only_selected_layers(site):
 
 
 def test_delta_site_changes_only_the_qk_gradients_of_its_layers():
-    # The backward-side site: the forward is untouched, and in the selected layer only W_q and W_k (through dq,
-    # dk) get another gradient; W_v, W_o, the MLP of that layer keep theirs. Layers below it see the change too
-    # (dq, dk flow into their output): that is the fault's own path.
+    # The backward-side site: the forward is untouched, and in the selected layer only W_q and W_k
+    # (through dq, dk) get another gradient; W_v, W_o, the MLP of that layer keep theirs. Layers
+    # below see the change too (dq, dk flow into their output): that is the fault's own path.
     gpt = tiny_gpt()
     idx = torch.randint(0, 128, (2, 16))
 
@@ -177,12 +177,12 @@ def test_delta_site_changes_only_the_qk_gradients_of_its_layers():
         torch.testing.assert_close(g, clean[name], rtol=1e-5, atol=1e-8)
 
 
-# ----------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # The QK probe.
 
 def probe_step(mode, gpt, updates, k=3):
-    """Run one probe step around a fake optimizer step that adds `updates` to W_q and W_k. Returns the
-    weights before, the log, and the top-k singular vectors of each weight before the step."""
+    """Run one probe step around a fake optimizer step that adds `updates` to W_q and W_k. Returns
+    the weights before, the log, and the top-k singular vectors of each weight before the step."""
     weights = [w for a in gpt.attentions for w in (a.q_proj.weight, a.k_proj.weight)]
     before = [w.detach().clone() for w in weights]
     svds = [torch.linalg.svd(w, full_matrices=False) for w in before]
@@ -231,7 +231,7 @@ def test_equal_energy_removes_the_same_energy_elsewhere():
         removed = dW - new
         target = topk_removed(dW, U, V).norm()
         assert removed.norm().item() == pytest.approx(target.item(), rel=1e-4)
-        # fp32 roundoff of the complement's QR: up to 7e-4 of the removed norm over 200 seeds (1e-4 failed once)
+        # complement's QR roundoff: up to 7e-4 of the removed norm in 200 seeds (1e-4 failed once)
         assert (U.T @ removed).norm() / target < 3e-3 and (removed @ V).norm() / target < 3e-3
         assert (dW - new).norm() > 0.1 * dW.norm()   # it did remove something
     assert log["q_removed"] == pytest.approx(log["q_target"], rel=1e-4)
@@ -248,8 +248,8 @@ def test_equal_energy_takes_all_it_can_when_the_update_is_in_the_top_directions(
     applied, log, tops = probe_step("equal-energy", gpt, updates)
     for dW, new, (U, V) in zip(updates, applied, tops):
         outside = dW - topk_removed(dW, U, V)
-        torch.testing.assert_close(new, dW - outside, rtol=0, atol=1e-7)   # all of the outside part went
-    assert all(r < t for r, t in zip(log["q_removed"], log["q_target"]))  # and the log shows the shortfall
+        torch.testing.assert_close(new, dW - outside, rtol=0, atol=1e-7)  # all of the outside gone
+    assert all(r < t for r, t in zip(log["q_removed"], log["q_target"]))  # logged as a shortfall
     shares = [r / t for name in "qk" for r, t in zip(log[f"{name}_removed"], log[f"{name}_target"])]
     assert log["removed_fraction_min"] == pytest.approx(min(shares)) and log["removed_fraction_min"] < 0.95, \
         "the smallest share reaches the log, where report.py refuses a control that fell short"
@@ -278,7 +278,7 @@ def test_the_smallest_removed_share_is_kept_over_a_log_interval_and_reset_after_
 
 
 def test_qk_fixed_removes_the_same_random_subspace_every_step():
-    # The control that cannot average out: its (U, V) are drawn once per weight and kept, unlike equal-energy's.
+    # A control that cannot average out: (U, V) drawn once per weight, kept, unlike equal-energy's.
     gpt = tiny_gpt()
     probe = Probe("qk-fixed", k=3, seed=5)
     bases = []
@@ -333,7 +333,7 @@ def test_probe_off_changes_nothing():
         torch.testing.assert_close(new, dW, rtol=0, atol=1e-7)
 
 
-# ----------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # The matched fault.
 
 def test_measure_fault_and_matched_injector():
@@ -343,7 +343,7 @@ def test_measure_fault_and_matched_injector():
     for key in ("error_ratio", "bias_ratio"):
         assert fault[key].shape == (2, 2) and torch.isfinite(fault[key]).all() and (fault[key] > 0).all()
     assert measure_fault(gpt, idx, accum="fp32")["error_ratio"].abs().max() == 0
-    # the same numbers computed here: each layer's q, k, v from its input, attention with bf16 vs fp32 state
+    # the same numbers here: each layer's q, k, v from its input, attention with bf16 vs fp32 state
     inputs = {}
     hooks = [a.register_forward_pre_hook(lambda m, args: inputs.__setitem__(m.layer_idx, args[0]))
              for a in gpt.attentions]
@@ -355,10 +355,10 @@ def test_measure_fault_and_matched_injector():
             q, k, v = (p(inputs[layer]).view(4, 16, 2, 16).transpose(1, 2).to(torch.bfloat16)
                        for p in (a.q_proj, a.k_proj, a.v_proj))
             o32, o16 = (attention(q, k, v, accum=acc, impl="torch").float() for acc in ("fp32", "bf16"))
-            err = o16 - o32                                                # (B, H, T, head_dim)
+            err = o16 - o32                               # (B, H, T, head_dim)
             ref_rms = o32.pow(2).mean(dim=(0, 2, 3)).sqrt()
-            bias = err.mean(dim=(0, 2))                                    # signed mean over batch and tokens
-            assert (bias > 0).any() and (bias < 0).any()                   # so a sign error would show
+            bias = err.mean(dim=(0, 2))                   # signed mean over batch and tokens
+            assert (bias > 0).any() and (bias < 0).any()  # so a sign error would show
             torch.testing.assert_close(fault["bias_dir"][layer], bias, rtol=1e-5, atol=1e-8)
             torch.testing.assert_close(fault["error_ratio"][layer], err.pow(2).mean(dim=(0, 2, 3)).sqrt() / ref_rms)
             torch.testing.assert_close(fault["bias_ratio"][layer], bias.pow(2).mean(dim=1).sqrt() / ref_rms)
@@ -371,7 +371,7 @@ def test_measure_fault_and_matched_injector():
         def keep(key, x):        # a hook that returns None leaves the activation as it is
             seen[key] = x.detach()
         handles = []
-        for layer, block in enumerate(gpt.blocks):   # the site's input or output, before and after the injector
+        for layer, block in enumerate(gpt.blocks):  # before and after the injector, at the site
             for when in (0, 1):
                 if site == "attn-out":
                     handles.append(block.attn.o_proj.register_forward_pre_hook(
@@ -393,7 +393,7 @@ def test_measure_fault_and_matched_injector():
             assert (cos > 0.999).all()
 
 
-# ----------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Flag checks (train.py's parser: argparse's choices and types, then config.refusals).
 
 ASSAY_FLAGS = dict(site="--inject-site", scale="--inject-scale", coherence="--inject-coherence", probe="--probe",

@@ -66,7 +66,7 @@ def test_round_trip_and_meta(tmp_path):
     for split in prep.SPLITS:
         tokens = load(out, split)
         assert os.path.getsize(os.path.join(out, f"{split}.bin")) == 2 * meta["tokens"][split] == 2 * len(tokens)
-        # each file's tokens then one EOT; the literal "<|endoftext|>" in c.txt must not become token 50256
+        # each file's tokens, then one EOT; a literal "<|endoftext|>" in c.txt is not token 50256
         docs = np.split(np.asarray(tokens), np.flatnonzero(tokens == EOT) + 1)[:-1]
         sources = [s for s in meta["sources"] if s["split"] == split]
         assert len(docs) == len(sources) == meta["documents"][split]
@@ -84,8 +84,8 @@ def test_round_trip_and_meta(tmp_path):
 
 
 def test_byte_tokens_give_every_file_back_byte_for_byte(tmp_path):
-    # One token per byte and an end-of-text token (256) after each file: every file's bytes come back exactly,
-    # files that are not UTF-8 included (GPT-2's BPE replaces their bad bytes with U+FFFD instead).
+    # One token per byte and an end-of-text token (256) after each file: every file's bytes come
+    # back exactly, non-UTF-8 files included (GPT-2's BPE replaces their bad bytes with U+FFFD).
     files = {rel: text.encode("utf-8") for rel, text in FILES.items()}
     files.update({"latin1.txt": "café, naïve\n".encode("latin-1"), "bad.txt": b"\x80\xff\xfe lone bytes \xc3",
                   "crlf.txt": b"a\r\nb\r\n", "high/all.txt": bytes(range(1, 256))})
@@ -118,7 +118,7 @@ def test_each_tokenizer_has_its_own_folder_and_fingerprint(tmp_path, capsys):
     assert prep.default_out_dir("pycode", "byte").endswith(os.path.join("data", "pycode-byte"))
     out = build(tmp_path)
     capsys.readouterr()
-    build(tmp_path, tokenizer="byte")   # the same folder and sources, another tokenizer: rebuilt, not "up to date"
+    build(tmp_path, tokenizer="byte")  # same sources, another tokenizer: rebuilt, not "up to date"
     assert "up to date" not in capsys.readouterr().out and prep.read_meta(out)["tokenizer"] == "byte"
     with pytest.raises(SystemExit, match="unknown tokenizer"):
         build(tmp_path, tokenizer="bpe")
@@ -136,7 +136,7 @@ def test_split_is_deterministic_and_honours_fraction(tmp_path):
                            cwd=os.path.dirname(os.path.abspath(prep.__file__)), env={**os.environ, "PYTHONHASHSEED": "12345"})
     assert other.stdout.strip() == "".join("v" if prep.split_of(n, 0.1) == "val" else "t" for n in names[:500])
     assert prep.split_of(os.path.join("pkg", "m.py"), 0.3) == prep.split_of("pkg/m.py", 0.3)
-    # same files in another folder, named one by one in reverse order: the same split and the same bytes
+    # the same files in another folder, named one by one in reverse order: the same split and bytes
     flat = {f"f{i:03d}.txt": f"doc {i}\n" for i in range(60)}
     a, b = make_files(tmp_path / "a", flat), make_files(tmp_path / "elsewhere" / "b", flat)
     out_a = prep.prepare("text", out_dir=str(tmp_path / "oa"), inputs=[str(a)], val_fraction=0.2)
@@ -155,7 +155,7 @@ def test_pycode_discovery():
     assert all(p.endswith(".py") and "__pycache__" not in p for p in paths)
     rels = {rel for _, rel in files}
     assert "os.py" in rels and not any(os.path.isabs(r) for r in rels)
-    assert any(r.startswith("numpy" + os.sep) for r in rels)  # site-packages, relative to its own root
+    assert any(r.startswith("numpy" + os.sep) for r in rels)  # site-packages, relative to its root
     assert not any("site-packages" in r for r in rels)
     val = sum(prep.split_of(r, 0.01) == "val" for r in rels)
     assert 0 < val < 0.03 * len(rels)
@@ -218,7 +218,7 @@ def test_crash_while_publishing_leaves_nothing_that_looks_complete(tmp_path, mon
     with pytest.raises(OSError, match="simulated crash"):
         build(tmp_path)
     monkeypatch.undo()
-    assert prep.read_meta(out) is None  # train.bin is new, val.bin old: no meta.json may claim completeness
+    assert prep.read_meta(out) is None  # train.bin new, val.bin old: no meta.json may vouch for it
     assert not [n for n in os.listdir(out) if n.endswith(".tmp")]
     build(tmp_path)  # the next run repairs it
     meta = prep.read_meta(out)

@@ -1,8 +1,8 @@
-"""Numerics of attention_kernel: accuracy against float64, Triton == PyTorch twin, and the bf16 fault's character.
+"""Numerics of attention_kernel: accuracy against float64, Triton against its twin, the bf16 fault.
 
-    TRITON_INTERPRET=1 python -m pytest -q test_numerics.py      # add -s to see the measured tables
+    TRITON_INTERPRET=1 python -m pytest -q test_numerics.py    # -s prints the measured tables
 
-Inputs are fresh random each run; every failure message carries the seed. All output buffers start as NaN.
+Inputs are fresh random each run; every failure message carries the seed. Outputs start as NaN.
 """
 import math
 import os
@@ -20,7 +20,7 @@ from attention_kernel import ACCUM_MODES, ROUNDING_SOURCES, attention
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 BF16, FP32 = torch.bfloat16, torch.float32
-# False only if another module imported attention_kernel on a CPU machine before this file could set the flag.
+# False only if attention_kernel was imported on a CPU before this file could set TRITON_INTERPRET.
 TRITON_OK = DEV == "cuda" or ak.INTERPRET
 
 
@@ -51,7 +51,7 @@ def rel(a, b):
 
 
 def bias_ratio(o, ref):
-    """Mean signed error over rms error: about 0 for unbiased rounding, +-1 for a constant offset."""
+    """Mean signed error over rms error: ~0 for unbiased rounding, +-1 for a constant offset."""
     e = o.double() - ref.double()
     return (e.mean() / e.pow(2).mean().sqrt()).item()
 
@@ -61,8 +61,8 @@ def randn(*shape, dtype=BF16, scale=1.0):
 
 
 def run(q, k, v, do, **kw):
-    """Output and (dq, dk, dv) of attention(**kw) for upstream gradient do. The float64 reference runs on float64
-    copies: autograd returns a leaf's gradient in the leaf's dtype, which would round it back to bf16."""
+    """Output and (dq, dk, dv) of attention(**kw) for upstream gradient do. The reference runs on
+    float64 copies: autograd returns a leaf's gradient in the leaf's dtype."""
     if kw.get("impl") == "reference":
         q, k, v, do = (x.double() for x in (q, k, v, do))
     q, k, v = (x.detach().requires_grad_() for x in (q, k, v))
@@ -80,22 +80,22 @@ def all_finite(out):
     return all(torch.isfinite(x).all() for x in (o, *g))
 
 
-# ---------------------------------------------------------------------------------------------------------------
-# fp32 state (the repair) against float64: output and all three gradients, ragged T, several head sizes.
+# --------------------------------------------------------------------------------------------------
+# fp32 state (the repair) against float64: output and all gradients, ragged T, several head sizes.
 
 @pytest.mark.parametrize("impl", ["torch", "triton"])
 @pytest.mark.parametrize("dtype,rounding", [(BF16, ()), (BF16, None), (torch.float16, ()), (FP32, ())])
 @pytest.mark.parametrize("T,D,block_n", [(1, 32, 16), (37, 64, 32), (130, 128, 64), (200, 64, None)])
 def test_fp32_state_matches_float64(impl, dtype, T, D, block_n, rounding, seed):
-    # rounding=(): a standard flash kernel; None: for bf16 inputs the prior work's logits and P V roundings too.
+    # rounding=(): a standard flash kernel; None: with bf16 inputs, logits and P V rounded too.
     need_triton(impl)
     q, k, v, do = (randn(2, 2, T, D, dtype=dtype) for _ in range(4))
     out, ref = run(q, k, v, do, impl=impl, block_n=block_n, rounding=rounding), run(q, k, v, do, impl="reference")
     assert all(x.dtype == torch.float64 for x in (ref[0], *ref[1])), "the reference must not round to the inputs"
     errs = errors(out, ref)
-    # 3x to 5x the largest error of 3 seeds of every case (bf16 3.0e-3, with the logits and P V rounded 4.0e-3;
-    # fp16 3.6e-4, fp32 2.1e-6). With bf16 inputs this cannot tell the states apart (bf16 state: about 4e-3 to
-    # 5e-3); test_bf16_state_error_* does that.
+    # 3x to 5x the largest error over 3 seeds (bf16 3.0e-3, 4.0e-3 with logits and P V rounded; fp16
+    # 3.6e-4, fp32 2.1e-6). Too loose to tell the bf16 state (4e-3 to 5e-3) from fp32 state:
+    # test_bf16_state_error_* does that.
     tol = {BF16: 1e-2, torch.float16: 2e-3, FP32: 1e-5}[dtype]
     assert all_finite(out), f"seed {seed}: unwritten (NaN) or non-finite output"
     assert out[0].dtype == dtype and all(g.dtype == dtype for g in out[1])
@@ -107,7 +107,7 @@ def test_fp32_state_matches_float64(impl, dtype, T, D, block_n, rounding, seed):
 @pytest.mark.parametrize("qk_norm,softcap", [(True, 0.0), (False, 5.0), (True, 5.0)])
 def test_qk_norm_and_softcap_match_float64(impl, dtype, qk_norm, softcap, seed):
     need_triton(impl)
-    # q is scaled up so that, without qk_norm, logits reach past the cap (with qk_norm they reach scale*D = 8).
+    # q is scaled up so that logits pass the cap without qk_norm (with it they reach scale*D = 8).
     q, k, v, do = randn(2, 2, 70, 64, dtype=dtype, scale=3.0), *(randn(2, 2, 70, 64, dtype=dtype) for _ in range(3))
     kw = dict(qk_norm=qk_norm, softcap=softcap)
     out = run(q, k, v, do, impl=impl, block_n=32, **kw)
@@ -116,16 +116,14 @@ def test_qk_norm_and_softcap_match_float64(impl, dtype, qk_norm, softcap, seed):
     assert all_finite(out) and max(errs) < tol, f"seed {seed}: rel errors o, dq, dk, dv = {errs}"
 
 
-# ---------------------------------------------------------------------------------------------------------------
-# The Triton kernels and the PyTorch twin implement the same rounding points.
-# Tolerance: the two paths differ only in fp32 summation order (matmul and row sums), about 1e-7 relative. Such a
-# difference can push a value across a bf16 rounding boundary and flip one rounding by one bf16 ulp, but rarely
-# (measured: at most 16 of 65536 output elements at T=1024). So the difference must stay well below the mode's own
-# error against float64: at most half of it (plus 1e-6 for fp32 roundoff in the fp32-input case). A tenth was too
-# tight at this size: over 120 seeded bf16 runs the ratio's 95th percentile was 0.025 and its maximum 0.19 (a few
-# flipped roundings of p or ds land in one gradient): over the nine cases, an estimated one suite run in ten
-# failed somewhere. A real difference in the algorithm shows far above it: fp32 state where bf16 was asked gave
-# 1.0, a key block of 32 instead of 64 gave 0.74 on dq and dk. Almost every bf16 output element must also agree bit for bit.
+# --------------------------------------------------------------------------------------------------
+# The Triton kernels and the PyTorch twin implement the same rounding points. They differ only in
+# fp32 summation order (~1e-7 relative), which rarely flips a bf16 rounding by one ulp (measured: at
+# most 16 of 65536 output elements at T=1024). So their difference must stay under half the mode's
+# own error against float64 (+1e-6 for fp32 roundoff). A tenth was too tight: over 120 bf16 runs the
+# ratio reached 0.19 (a few flipped roundings of p or ds in one gradient), failing about one suite
+# run in ten. A real change shows far above: 1.0 for fp32 state where bf16 was asked, 0.74 on dq, dk
+# for key block 32 instead of 64. Almost every bf16 output element must also agree bit for bit.
 
 @pytest.mark.parametrize("accum,rounding", [(a, None) for a in ACCUM_MODES] + [
     ("fp32", ()), ("fp32", ("backward",)), ("bf16", ROUNDING_SOURCES)])
@@ -147,25 +145,24 @@ def test_triton_matches_torch_twin(accum, rounding, dtype, softcap, seed):
 
 
 def test_block_n_is_honoured(seed):
-    # In the bf16 state the rounding of m, l and acc happens per key block, so the block size changes the result.
+    # The bf16 state rounds m, l and acc once per key block, so the block size changes the result.
     q, k, v = (randn(1, 2, 256, 64) for _ in range(3))
     a, b = (attention(q, k, v, accum="bf16", impl="torch", block_n=n) for n in (32, 128))
     assert not torch.equal(a, b), f"seed {seed}"
 
 
-# ---------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # The fault is emulated for real.
 
 def test_bf16_state_error_is_larger_at_T1024(seed):
-    # The state alone, everything else equal. Measured with `python -m pytest -s test_numerics.py -k T1024` (it
-    # prints these) and 3 seeds of the same code; shape (1, 4, 1024, 64), bf16 inputs, torch twin, block 128,
-    # float64 gradients, relative errors of (o, dq, dk, dv):
-    #   rounding ()               fp32 state 2.0e-3 2.5e-3 2.4e-3 2.3e-3   bf16 state 4.0e-3 3.5e-3 3.5e-3 3.2e-3
-    #                             ratio 1.99..2.01 (o), 1.38..1.52 (gradients)
-    #   default (logits, pv)      fp32 state 3.8e-3 3.8e-3 3.9e-3 3.6e-3   bf16 state 4.9e-3 4.5e-3 4.5e-3 4.3e-3
-    #                             ratio 1.29..1.30 (o), 1.14..1.22 (gradients): bf16 logits alone nearly double
-    #                             the standard kernel's error, so the state's share is smaller
-    #   + backward in bf16        gradients 1.3e-2 to 1.5e-2
+    # The state alone, everything else equal. Errors of (o, dq, dk, dv) with fp32 and bf16 state,
+    # 3 seeds, (1, 4, 1024, 64), bf16 inputs, the twin, block 128 (`-s -k T1024` prints the ratios):
+    #   rounding ()           fp32 2.0e-3 2.5e-3 2.4e-3 2.3e-3   bf16 4.0e-3 3.5e-3 3.5e-3 3.2e-3
+    #                         ratio 1.99..2.01 (o), 1.38..1.52 (gradients)
+    #   default (logits, pv)  fp32 3.8e-3 3.8e-3 3.9e-3 3.6e-3   bf16 4.9e-3 4.5e-3 4.5e-3 4.3e-3
+    #                         ratio 1.29..1.30 (o), 1.14..1.22: bf16 logits alone nearly double the
+    #                         standard kernel's error, so the state's share is smaller
+    #   + backward in bf16    gradients 1.3e-2 to 1.5e-2
     # With fp32 inputs the contrast is stark (fp32 state ~3e-7).
     q, k, v, do = (randn(1, 4, 1024, 64) for _ in range(4))
     ref = run(q, k, v, do, impl="reference")
@@ -193,8 +190,8 @@ def test_bf16_state_error_is_larger_at_T1024(seed):
 
 
 def block_ties(q, k, scale, block_n):
-    """Per row: does any key block hold its (bf16-rounded) row max more than once, within ak.SAFEMAX_TIE (the
-    prior work's rule)? As the bf16 kernel sees s."""
+    """Per row: does some key block hold its row max twice, within ak.SAFEMAX_TIE (the prior work's
+    rule), in s rounded as the bf16 kernel sees it?"""
     T = q.shape[2]
     s = ((q.float() @ k.float().mT).to(BF16).float() * scale).to(BF16).float()
     s = s.masked_fill(~torch.ones(T, T, dtype=torch.bool, device=q.device).tril(), float("-inf"))
@@ -207,7 +204,7 @@ def block_ties(q, k, scale, block_n):
 
 
 def tied_family(B, H, T, D, every=16, sign=1.0):
-    """Copies of one key at every `every`-th position (key 0 included) that every query prefers; values of one sign."""
+    """Every `every`-th key (from 0) a copy of one key every query prefers; values of one sign."""
     q, k = torch.randn(B, H, T, D, device=DEV), torch.randn(B, H, T, D, device=DEV)
     u = torch.randn(B, H, 1, D, device=DEV)
     u = u / u.norm(dim=-1, keepdim=True)
@@ -220,8 +217,8 @@ def tied_family(B, H, T, D, every=16, sign=1.0):
 @pytest.mark.parametrize("impl,T,block_n", [("torch", 512, 64), ("triton", 130, 32)])
 def test_safemax_differs_exactly_where_a_block_max_repeats(impl, T, block_n, seed):
     need_triton(impl)
-    # What holds (checked, not assumed): rows are independent, and safemax changes a row's state only in a key
-    # block where the row max repeats. So rows with no such tie are bit-identical to "bf16"; rows with ties differ.
+    # Rows are independent, and safemax changes a row's state only in a key block where its max
+    # repeats: rows without such a tie must equal "bf16" bit for bit, rows with one differ.
     scale = 1 / 8
     q, k, v = (randn(1, 4, T, 64) for _ in range(3))
     b16, safe = (attention(q, k, v, accum=a, impl=impl, block_n=block_n) for a in ("bf16", "bf16-safemax"))
@@ -236,13 +233,13 @@ def test_safemax_differs_exactly_where_a_block_max_repeats(impl, T, block_n, see
     differ = ~(outs["bf16"] == outs["bf16-safemax"]).all(-1)
     print(f"{impl}: tied family, {tie.float().mean().item():.0%} of rows tied; safemax differs from bf16 on "
           f"{differ[tie].float().mean().item():.0%} of them")
-    # From row 16 on, a row sees two copies (keys 0 and 16) inside one key block, so nearly all such rows tie.
+    # From row 16 on, a row sees two copies (keys 0 and 16) in one key block: nearly all tie.
     assert tie[..., 16:].float().mean() > 0.95 and differ[tie].float().mean() > 0.9, f"seed {seed}"
     assert not torch.equal(outs["fp32"], outs["bf16"]), f"seed {seed}"
 
 
 def test_safemax_beta_is_honoured_alike_by_both_implementations(seed):
-    # Every other test runs safemax at the default beta = 2: a kernel that ignored beta would pass them all.
+    # Every other test runs safemax at the default beta 2: a kernel ignoring beta would pass them.
     need_triton("triton")
     q, k, v = tied_family(1, 2, 130, 64)
     ref = attention(q, k, v, impl="reference")
@@ -256,13 +253,13 @@ def test_safemax_beta_is_honoured_alike_by_both_implementations(seed):
 
 
 def prior_work_bf16(q, k, v, do, n, safemax=False):
-    """Qiu & Yao's flash attention as their pure-PyTorch code computes it: every tensor bf16, so every op rounds
-    once, tiles of n queries by n keys, forward and backward; written for this test, op by op, from the algorithm
-    their code runs. Tiles wholly above the diagonal are skipped: in theirs they add nothing (their safe-max also
-    shifts a negative running max to 0 there, a quirk this test avoids with positive maxima).
-    A bf16 matmul is mm(): exact products summed in fp32, rounded once (a GPU's tensor cores). The CPU's own bf16
-    matmul sums in another order, and an fp32 sum that lands on the other side of a bf16 rounding boundary moves
-    one element, then the rows that depend on it (measured: 34 of 41 seeds differed somewhere, up to 0.8% of dk)."""
+    """Qiu & Yao's flash attention, forward and backward, written op by op from their pure-PyTorch
+    code: every tensor bf16, so every op rounds once; tiles of n queries by n keys. Tiles wholly
+    above the diagonal are skipped: they add nothing in theirs (whose safe-max also shifts a
+    negative running max to 0 there, a quirk this test avoids with positive maxima).
+    mm() is a bf16 matmul as tensor cores do it: exact products summed in fp32, rounded once. The
+    CPU's own bf16 matmul sums in another order and moves elements (MEASUREMENTS.md, "the twin and
+    the Triton kernel equal the prior work's bf16 algorithm")."""
     mm = lambda a, b: (a.float() @ b.float()).to(BF16)
     B, H, T, D = q.shape
     scale, neg = D ** -0.5, -torch.finfo(BF16).max
@@ -302,15 +299,14 @@ def prior_work_bf16(q, k, v, do, n, safemax=False):
 @pytest.mark.parametrize("impl", ["torch", "triton"])
 @pytest.mark.parametrize("accum", ["bf16", "bf16-safemax"])
 def test_every_rounding_point_is_the_prior_works(impl, accum, seed):
-    # Both implementations, with every source on, give the bf16 transcription's o, dq, dk, dv bit for bit
-    # (measured: equal in 40 runs of this test, all four cases). Dropping the separate rounding of P V
-    # (O = r(r(alpha O) + P V), the fused form this kernel had before) moves 12 to 18% of o: this test fails if
-    # that rounding is lost.
+    # With every source on, both implementations give the transcription's o, dq, dk, dv bit for bit.
+    # Without the separate rounding of P V (O = r(r(alpha O) + P V), the old fused form) 12 to 18%
+    # of o moves, so losing it fails the test (MEASUREMENTS.md, as for prior_work_bf16).
     need_triton(impl)
     q, k, v, do = (randn(1, 2, 192, 64) for _ in range(4))
     if accum == "bf16-safemax":
         q, k, v = tied_family(1, 2, 192, 64, every=8)
-        q = (q.float() * 0.5).to(BF16)          # tied maxima near 6: inside the prior work's uncapped regime
+        q = (q.float() * 0.5).to(BF16)  # tied maxima near 6: in the prior work's uncapped regime
     want = prior_work_bf16(q, k, v, do, ak.BF16_BWD_BLOCK, safemax=accum == "bf16-safemax")
     kw = dict(accum=accum, impl=impl, block_n=ak.BF16_BWD_BLOCK)
     full = run(q, k, v, do, rounding=ROUNDING_SOURCES, **kw)
@@ -322,9 +318,9 @@ def test_every_rounding_point_is_the_prior_works(impl, accum, seed):
 
 @pytest.mark.parametrize("impl", ["torch", "triton"])
 def test_safemax_is_finite_and_accurate_up_to_huge_tied_maxima(impl, seed):
-    # The prior work's shift beta*max leaves tied entries at exp(-(beta-1)*max): before the cap, a tied max of 92
-    # gave a 19% error and 100 gave NaN (measured with the twin); the clamp of the block sum at 1e-10 wrecks l
-    # from a tied max of about 23 on. Capped, the error stays at the bf16 state's (measured 2.2e-3 to 3.0e-3).
+    # The prior work's shift beta*max leaves tied entries at exp(-(beta-1)*max), and its clamp of
+    # the block sum at 1e-10 wrecks l from a tied max of about 23 on. Capped, the error stays at the
+    # bf16 state's (MEASUREMENTS.md, "which rounding source carries the fault's bias").
     need_triton(impl)
     for top in (50.0, 100.0, 1000.0, 1e30):
         g = torch.Generator(device=DEV).manual_seed(seed % 2**31)
@@ -345,9 +341,9 @@ def test_safemax_is_finite_and_accurate_up_to_huge_tied_maxima(impl, seed):
 
 @pytest.mark.parametrize("impl", ["torch", "triton"])
 def test_delta_error_moves_only_dq_and_dk_by_the_expected_amount(impl, seed):
-    # The assay's backward-side site: delta = rowsum(dO * (O + e)), e_h = delta_error[h] * rms(O_h). The forward
-    # and dv stay as they were; dS changes by -P * rowsum(dO * e), so dq and dk move by exactly what a float64
-    # materialized backward with that delta gives.
+    # The assay's backward-side site: delta = rowsum(dO * (O + e)), e_h = delta_error[h] * rms(O_h).
+    # The forward and dv stay as they were; dS changes by -P * rowsum(dO * e), so dq and dk move by
+    # exactly what a float64 materialized backward with that delta gives.
     need_triton(impl)
     q, k, v, do = (randn(1, 3, 90, 32, scale=1.5) for _ in range(4))
     err = torch.randn(3, 32, device=DEV) * 0.3
@@ -367,9 +363,9 @@ def test_delta_error_moves_only_dq_and_dk_by_the_expected_amount(impl, seed):
         assert rel(got, want) < 0.05, f"seed {seed}: {name} moved by {got.norm():.3e}, expected {want.norm():.3e}"
 
 
-# ---------------------------------------------------------------------------------------------------------------
-# The fault's character: which rounding source carries a bias. Bias ratio = mean signed error / rms error of o
-# against float64, on several input families, each source switched on alone.
+# --------------------------------------------------------------------------------------------------
+# The fault's character: which rounding source carries a bias. Bias ratio = mean signed error / rms
+# error of o against float64, on several input families, each source switched on alone.
 
 FAMILIES = {
     "generic": lambda: tuple(randn(1, 4, 1024, 64) for _ in range(3)),
@@ -384,7 +380,7 @@ SOURCE_ARMS = {                       # name: (accum, rounding)
     "logits": ("fp32", ("logits",)),
     "pv": ("fp32", ("pv",)),
     "state": ("bf16", ()),
-    "fp32": ("fp32", None),           # the defaults: the prior work's logits and P V roundings around the state
+    "fp32": ("fp32", None),           # the defaults: the prior work's logits and P V roundings
     "bf16": ("bf16", None),           # the prior work's forward
     "bf16-safemax": ("bf16-safemax", None),
 }
@@ -412,26 +408,26 @@ def test_fault_character_table(seed):
     # Generic inputs: no source is biased.
     assert all(abs(b) < 0.05 for a in SOURCE_ARMS for b in bias["generic", a]), msg
     for fam, sign in (("tied+", 1), ("tied-", -1)):
-        # Tied maxima, values of one sign. The state carries the bias: its error follows the values' sign in
-        # every seed (measured +0.14 to +0.20 with or without the other sources). Where a row's max repeats,
-        # P holds exact 1s, the block sum of P lands on the bf16 grid, and the small remainder of the other
-        # keys is rounded away every time: l comes out low, o high, in the values' direction.
+        # Tied maxima, values of one sign (measured ratios: MEASUREMENTS.md, "which rounding source
+        # carries the fault's bias"). The state's error follows the values' sign in every seed:
+        # where a row's max repeats, P holds exact 1s, the block sum lands on the bf16 grid and the
+        # other keys' small remainder is rounded away every time, so l comes out low and o high.
         assert all(sign * b > 0.1 for a in ("state", "bf16") for b in bias[fam, a]), msg
-        # Rounded logits alone add no bias (measured at most 0.015); the P V product rounded by itself a little
-        # (at most 0.06), well under half the state's.
+        # Rounded logits alone add no bias; P V rounded by itself a little (at most 0.06), under
+        # half the state's.
         assert all(abs(b) < 0.03 for a in ("none", "logits") for b in bias[fam, a]), msg
         assert all(abs(b) < 0.1 for a in ("pv", "fp32") for b in bias[fam, a]), msg
         assert mean_abs[fam, "pv"] < 0.5 * mean_abs[fam, "state"], msg
-        # Safe-max takes the 1s out of P but not the equal P of tied entries, whose sum still lands on the grid
-        # when their count is a power of two (8 per block here): it removes about half (measured 0.07 to 0.11).
+        # Safe-max takes the 1s out of P but not the equal P of tied entries, whose sum still lands
+        # on the grid when their count is a power of two (8 per block here): it removes about half.
         assert mean_abs[fam, "bf16-safemax"] < 0.7 * mean_abs[fam, "bf16"], msg
-    # Every family: the bf16 state's error is larger than the fp32 state's, and safemax's stays near the bf16
-    # state's, so a safemax that shifts p wrongly cannot hide behind its small bias.
+    # Every family: the bf16 state errs more than the fp32 state, and safemax stays near the bf16
+    # state, so a safemax that shifts p wrongly cannot hide behind its small bias.
     assert all(err[f, "bf16"] > 1.1 * err[f, "fp32"] for f in FAMILIES), f"seed {seed}: {err}"
     assert all(err[f, "bf16-safemax"] < 2 * err[f, "bf16"] for f in FAMILIES), f"seed {seed}: {err}"
 
 
-# ---------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # max_logit by-product, torch.compile, errors.
 
 def float64_max_logit(q, k, scale, softcap=0.0):
@@ -462,9 +458,9 @@ def test_max_logit(impl, variant, seed):
         o, ml = attention(q, k, v, accum=accum, impl=impl, qk_norm=variant == "qk_norm", softcap=softcap,
                           return_max_logit=True, block_n=32 if impl in ("torch", "triton") else None)
         assert ml.shape == (B, H) and ml.dtype == torch.float32 and not ml.requires_grad
-        tol = 2.0 ** -8 if impl in ("torch", "triton") else 1e-5  # bf16 inputs: s is rounded to bf16 by default
+        tol = 2.0 ** -8 if impl in ("torch", "triton") else 1e-5  # by default s is rounded to bf16
         assert torch.allclose(ml.double(), want, rtol=tol, atol=1e-6), f"seed {seed}: {accum}: {ml} vs {want}"
-        if variant == "qk_norm":  # |logit| <= scale * D, up to bf16 rounding of the normalized q, k and s
+        if variant == "qk_norm":  # |logit| <= scale * D, up to bf16 rounding of normed q, k and s
             assert (ml <= scale * D * (1 + 2.0 ** -6)).all() and (ml > 0.95 * scale * D).all(), f"seed {seed}: {ml}"
         if variant == "softcap":
             assert (ml <= softcap).all(), f"seed {seed}"
@@ -473,12 +469,12 @@ def test_max_logit(impl, variant, seed):
 def test_torch_compile_fullgraph_matches_eager(seed):
     def f(x, w, accum):
         B, T, C = x.shape
-        q, k, v = (x @ w).view(B, T, 3, 2, C // 2).permute(2, 0, 3, 1, 4)  # non-contiguous (B, H, T, D) views
+        q, k, v = (x @ w).view(B, T, 3, 2, C // 2).permute(2, 0, 3, 1, 4)  # non-contiguous views
         o, ml = attention(q, k, v, accum=accum, qk_norm=True, return_max_logit=True, impl="torch", block_n=16)
         return o.transpose(1, 2).reshape(B, T, C).square().mean(), ml
 
     x = torch.randn(2, 40, 64, device=DEV)
-    compiled = torch.compile(f, fullgraph=True, backend="aot_eager")  # fullgraph: any graph break raises
+    compiled = torch.compile(f, fullgraph=True, backend="aot_eager")  # any graph break raises
     for accum in ("fp32", "bf16"):
         w = torch.randn(64, 192, device=DEV, requires_grad=True)
         (l1, m1), (l2, m2) = compiled(x, w, accum), f(x, w, accum)
@@ -489,8 +485,8 @@ def test_torch_compile_fullgraph_matches_eager(seed):
 
 @pytest.mark.parametrize("impl", ["torch", "triton", "sdpa"])
 def test_a_callers_autocast_changes_nothing_inside(impl, seed):
-    # train.py calls the model under bf16 autocast, which stays on inside the custom ops: it once ran the twin's
-    # fp32 matmuls in bf16 (fp32 state then erred like bf16 state) and rounded the sdpa path's max logit.
+    # train.py runs the model under bf16 autocast, still on inside the custom ops: once it ran the
+    # twin's fp32 matmuls in bf16 (fp32 state erred like bf16) and rounded sdpa's max logit.
     need_triton(impl)
     q, k, v, do = (randn(2, 3, 100, 32, dtype=FP32, scale=2.0) for _ in range(4))
     for accum in ACCUM_MODES if impl != "sdpa" else ("fp32",):
@@ -499,16 +495,16 @@ def test_a_callers_autocast_changes_nothing_inside(impl, seed):
         with torch.autocast(DEV, dtype=BF16):
             autocast = attention(q, k, v, **kw)[1], run(q, k, v, do, accum=accum, impl=impl)
         assert torch.equal(plain[0], autocast[0]), f"seed {seed}: {accum}: max logit changed"
-        if impl != "sdpa":   # sdpa itself follows autocast (bf16 output): only its max logit is ours
+        if impl != "sdpa":  # sdpa itself follows autocast (bf16 output); its max logit is ours
             (o1, g1), (o2, g2) = plain[1], autocast[1]
             assert all(torch.equal(a, b) for a, b in zip((o1, *g1), (o2, *g2))), f"seed {seed}: {accum}"
 
 
 @pytest.mark.parametrize("impl", ["torch", "triton"])
 def test_strided_inputs_need_no_copies_and_change_nothing(impl, seed):
-    # The model hands over (B, T, H, D).transpose(1, 2) views. The kernels read them in place and write o, dq,
-    # dk, dv in the same layout, so o.transpose(1, 2) is contiguous for free; every result must equal, bit for
-    # bit, the result on contiguous copies, and a mixed layout (k, v contiguous) must give the same too.
+    # The model hands over (B, T, H, D).transpose(1, 2) views; the kernels read them in place and
+    # write o, dq, dk, dv in the same layout (o.transpose(1, 2) is then contiguous). Every result
+    # must equal, bit for bit, the one on contiguous copies and on a mixed layout (k, v contiguous).
     need_triton(impl)
     B, T, H, D = 2, 150, 3, 32
     q, k, v, do = (randn(B, T, H, D, scale=2.0).transpose(1, 2) for _ in range(4))
@@ -526,9 +522,9 @@ def test_strided_inputs_need_no_copies_and_change_nothing(impl, seed):
 
 
 def test_kernels_compile_for_an_h100_without_spills():
-    # No GPU here, but Triton compiles for one: every kernel the GPU runs at head_dim 64 (the GPT-2 shapes), for
-    # bf16 and fp32 inputs, must compile for sm_90, spill no registers and fit the 227 KB of shared memory.
-    # Slow (32 s here without a Triton cache): real compiles.
+    # Triton compiles for a GPU without one: every kernel a GPU runs at head_dim 64 (GPT-2's), for
+    # bf16 and fp32 inputs, must compile for sm_90, spill no registers and fit the 227 KB of shared
+    # memory. Slow: real compiles (32 s here without a Triton cache).
     import json
     import subprocess
     import sys
@@ -546,10 +542,10 @@ def test_kernels_compile_for_an_h100_without_spills():
 
 
 def test_every_tuning_candidate_gives_the_defaults_results(seed):
-    # bench.py --only tune times other launch configurations on a GPU; any of them may become a default, so each must compute
-    # the same thing: bit for bit in the bf16-state forward (its key block is fixed; the query block, warps and
-    # stages do not touch a row's arithmetic), up to summation order elsewhere. Uneven blocks (32 x 128,
-    # 128 x 32) take the backward's diagonal and tail loops through their other cases.
+    # `bench.py --only tune` times other launch configurations on a GPU; any may become a default,
+    # so each must compute the same: bit for bit in the bf16-state forward (its key block is fixed;
+    # the rest leaves a row's arithmetic alone), up to summation order elsewhere. Uneven blocks
+    # (32 x 128, 128 x 32) take the backward's diagonal and tail loops through their other cases.
     need_triton("triton")
     rows = bench.tune(shapes=[(1, 2, 150, 32)], timer=lambda fn: 0.0)
     assert {(r["kernel"], r["accum"]) for r in rows} == {("fwd", "fp32"), ("dkdv", "fp32"), ("dq", "fp32"),
@@ -611,44 +607,41 @@ def test_poison_helper_fills_nan():
     assert torch.isnan(ak.new_buffer((3,), torch.float32, DEV)).all()
 
 
-# ---------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Is the bf16 state's error in dW_q persistent in direction from one training step to the next?
 #
-# Qiu & Yao (SOURCES.md): in GPT-2 small, after thousands of steps, the bf16 state makes the error in
-# dW_q a sum of similar rank-1 terms with a persistent sign, so W_q grows along one direction. Here: a tiny GPT
-# trains with fp32 state (one trajectory); at each of 8 consecutive steps the same batch is backpropagated three
-# times, and per layer e_t = dW_q(bf16 state) - dW_q(fp32 state). We measure cos(e_t, e_{t+1}) (cE) and
-# cos(e_t, mean of e_0..e_{t-1}) (cM), against two nulls: (1) the random level, E|cos| = sqrt(2/(pi*n)) = 0.012 for
-# n = 64*64 (cos of e from two unrelated models gave mean |cos| 0.009..0.014, the same); (2) an unbiased rounding
-# perturbation of the same computation, c_t = dW_q(fp32 state, key block 32) - dW_q(fp32 state, key block 64)
-# (fp32 summation order only, ~1e-7 relative, but cosines are scale-free), whose cos(c_t, c_{t+1}) is cC. Null (2)
-# is the fair one: the errors are concentrated in few directions, so in trained models even cC spreads far beyond
-# 0.012 from step to step. And one positive control: the fp32 gradient's own cos(g_t, g_{t+1}) (cG).
+# Qiu & Yao (SOURCES.md): in GPT-2 small, after thousands of steps, the bf16 state makes the error
+# in dW_q a sum of similar rank-1 terms with a persistent sign, so W_q grows along one direction.
+# Here a tiny GPT trains with fp32 state; at each of 8 steps the same batch is backpropagated three
+# times, and per layer e_t = dW_q(bf16 state) - dW_q(fp32 state). Measured: cE = cos(e_t, e_{t+1})
+# and cM = cos(e_t, mean of e_0..e_{t-1}), against two nulls: (1) the random level,
+# E|cos| = sqrt(2/(pi*n)) = 0.012 for n = 64*64 (e from two unrelated models: 0.009..0.014); (2) the
+# fair one, c_t = dW_q(fp32 state, key block 32) - dW_q(fp32 state, key block 64), an unbiased
+# rounding perturbation (summation order only; cosines are scale-free) whose cos(c_t, c_{t+1}) is
+# cC: errors sit in few directions, so even cC spreads far beyond 0.012. Positive control: the fp32
+# gradient's cos(g_t, g_{t+1}) (cG).
 #
-# Set-up: 2 layers, d=64, 2 heads, T=256, key block 64, batch 4, tokens from a fixed pool of 8 six-grams over a
-# 32-token vocabulary with 10% noise (so tokens and phrases repeat, and the model has structure to learn); AdamW
-# (0.9, 0.95), clip 1.0; a fresh batch each step, or the same batch every step.
-# This test now runs the kernel with the prior work's rounding points: bf16 q, k, v and rounding "none", so that e
-# is the state's error alone and c only fp32 summation order. A loop calling
-# wq_error_persistence over 12 seeds (1000..1011), lr 1e-3, 2026-11-30:
-#   fresh batches:  cE -0.022..+0.033 (mean +0.005)  cM -0.019..+0.020  cC -0.012..+0.009  cG +0.47..+0.57
-#                   |e|/|g| 2e-3
-#   same batch:     cE +0.008..+0.051 (mean +0.028)  cM +0.008..+0.043  cC -0.008..+0.018  cG +0.79..+0.85
-# Earlier measurements (the kernel before this one, longer runs, llama, after warm-up) are in MEASUREMENTS.md
-# ("the bf16 state's error in dW_q"). Their conclusion, honestly: at this scale the bf16-state error in dW_q is NOT
-# persistent in direction across steps (cE ~0.01 with fresh batches, inside the control's spread, while cG ~0.5);
-# a weak persistent part shows on a repeated batch only. A run with cE or cM above 0.2 would be a finding: report it.
+# Set-up: 2 layers, d=64, 2 heads, T=256, key block 64, batch 4; tokens from a fixed pool of 8
+# six-grams over 32 tokens with 10% noise (structure to learn); AdamW (0.9, 0.95), clip 1.0; a fresh
+# batch each step, or the same one. bf16 q, k, v and no other rounding source: e is the state's
+# error alone, c only fp32 summation order. Over 12 seeds (1000..1011), lr 1e-3, 2026-11-30:
+#   fresh batches: cE -0.022..+0.033 (mean +0.005)  cM -0.019..+0.020  cC -0.012..+0.009
+#                  cG +0.47..+0.57  |e|/|g| 2e-3
+#   same batch:    cE +0.008..+0.051 (mean +0.028)  cM +0.008..+0.043  cC -0.008..+0.018
+#                  cG +0.79..+0.85
+# Earlier runs and the conclusion are in MEASUREMENTS.md ("the bf16 state's error in dW_q"): at this
+# scale it is NOT persistent in direction; a weak persistent part shows on a repeated batch only.
+# cE or cM above 0.2 would be a finding: report it.
 #
-# What this test asserts (from init, lr 1e-3, the regime that fits ~30 s on two contended cores), for one fresh seed,
-# with fresh batches and with a repeated batch, per run, with margin over all measured (here and MEASUREMENTS.md):
+# Asserted per run, for one fresh seed, fresh and repeated batch (from init, lr 1e-3: ~30 s on two
+# contended cores), with margin over every measurement here and in MEASUREMENTS.md:
 #   - the fault is active: 3e-4 < |e|/|g| < 3e-2;
-#   - no strong persistence: cE < 0.2 and cM < 0.2 (measured max 0.103 and 0.079); the control's |cC| < 0.1;
-#   - the measurement can see persistence where there is some: cG > 0.3 (measured min 0.46) and cG - cE > 0.25
-#     (measured min 0.41).
-# The weak same-batch persistence (cE > cC) is printed, not asserted: its margin per seed is too thin.
+#   - no strong persistence: cE < 0.2 and cM < 0.2 (measured max 0.103 and 0.079); |cC| < 0.1;
+#   - persistence would show: cG > 0.3 (measured min 0.46) and cG - cE > 0.25 (measured min 0.41).
+# The weak same-batch persistence (cE > cC) is printed, not asserted: per seed its margin is thin.
 
 def _ngram_tokens(gen, pool, vocab, B, T, noise=0.1):
-    """B rows of T+1 tokens: n-grams drawn from `pool` (so tokens and phrases repeat), a fraction `noise` replaced."""
+    """B rows of T+1 tokens: n-grams from `pool` (phrases repeat), a fraction `noise` replaced."""
     n, L = pool.shape
     seq = pool[torch.randint(0, n, (B, T // L + 2), generator=gen)].reshape(B, -1)[:, :T + 1].clone()
     flip = torch.rand(seq.shape, generator=gen) < noise
@@ -657,7 +650,7 @@ def _ngram_tokens(gen, pool, vocab, B, T, noise=0.1):
 
 
 def _wq_grads(model, x, y, accum, block_n):
-    """dW_q of every layer, stacked (n_layer, C, C) in float64, with every layer's state switched to `accum`."""
+    """dW_q of every layer as float64 (n_layer, C, C), with every layer's state set to `accum`."""
     for a in model.attentions:
         a.accum, a.block_n = accum, block_n
     model.zero_grad(set_to_none=True)
@@ -672,14 +665,14 @@ def _cos(a, b):
 
 
 def wq_error_persistence(seed, same_batch, steps=8, B=4, T=256, vocab=32, block_n=64, lr=1e-3):
-    """Train a tiny GPT with fp32 state; each step, e_t = dW_q(bf16) - dW_q(fp32) on that step's batch, per layer.
-    Returns per-seed means of: cE = cos(e_t, e_{t+1}), cM = cos(e_t, mean e_<t), cC = cos(c_t, c_{t+1}) for the
-    summation-order control c_t, cG = cos(g_t, g_{t+1}) for the fp32 gradient; rel = |e| / |g|."""
+    """Train a tiny GPT with fp32 state; e_t = dW_q(bf16) - dW_q(fp32) on each step's batch, per
+    layer. Returns per-seed means of cE = cos(e_t, e_{t+1}), cM = cos(e_t, mean e_<t), cC = cos(c_t,
+    c_{t+1}) (summation-order control), cG = cos(g_t, g_{t+1}) (fp32 gradient), rel = |e| / |g|."""
     from model import GPT, GPTConfig
     torch.manual_seed(seed)
     gen = torch.Generator().manual_seed(seed)
     cfg = GPTConfig(n_layer=2, n_head=2, n_embd=64, block_size=T, vocab_size=vocab, attn_impl="torch",
-                    accum="fp32", block_n=block_n, rounding=())   # the state alone differs between e's terms
+                    accum="fp32", block_n=block_n, rounding=())   # only the state differs in e
     model = GPT(cfg).to(DEV)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
     pool = torch.randint(0, vocab, (8, 6), generator=gen)
@@ -724,7 +717,7 @@ def test_wq_error_persistence_across_steps(seed):
 
 @pytest.mark.parametrize("accum", ["bf16", "bf16-safemax"])
 def test_bf16_state_defaults_to_the_same_key_block_in_both_implementations(accum, seed):
-    """The bf16 state is rounded once per key block, so the default block is part of the fault's definition."""
+    """The bf16 state rounds per key block: the default block is part of the fault's definition."""
     need_triton("triton")
     q, k, v = (randn(1, 2, 300, 32) for _ in range(3))
     by_default = [attention(q, k, v, accum=accum, impl=impl) for impl in ("torch", "triton")]

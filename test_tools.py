@@ -1,9 +1,9 @@
 """Tests of sweep.py (launching the claims) and report.py (reading them back and judging them).
 
-Run: python -m pytest -q test_tools.py   (CPU; the rules' tests take seconds, the end-to-end and bench tests longer)
+Run: python -m pytest -q test_tools.py   (CPU; the rules take seconds, end-to-end and bench longer)
 
-Every rule of report.RULES is tested on synthetic runs over sweep.SEEDS seeds: a case that must pass it, and cases
-that each remove one of its conditions and must fail it.
+Every rule of report.RULES is tested on synthetic runs over sweep.SEEDS seeds: a case that must
+pass it, and cases that each remove one of its conditions and must fail it.
 """
 import importlib.util
 import json
@@ -27,20 +27,20 @@ TOL = report.LOSS_TOL
 KINDS = WEIGHT_KINDS
 
 
-# ---------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Synthetic run folders, written the way train.py writes them
 
 def write_run(root, arm, seed, steps=20, collapse=None, trigger=None, logit=10.0, growth=None, loss=3.0, val=None,
               end="completed", probe_share=None, args=None):
     """A run of `arm` logging every step: 2 layers of 2 heads, sigma of every weight kind per layer.
 
-    logit: the max attention logit of each step, a number or a function of the step. growth: kind -> how many
-    times sigma(W_kind) grows from the first logged step to the last (geometrically; 1 if not given, None: that
-    kind is not logged). collapse: the loss is 8 from that step on, a collapse event is logged and the run stops
-    2 steps later, collapsed. trigger: a guard_trigger event at that step. val: the final val loss (2.9, or 8 if
-    collapsed). end: the end record's status; None leaves the run in progress (no end record), "" an empty log.
-    loss: a number or a function of the step. probe_share: the equal-energy probe's smallest removed share, logged
-    at every step. args: more of config.json's flags."""
+    logit: the max attention logit of each step; logit and loss: a number or a function of the step.
+    growth: kind -> how many times sigma(W_kind) grows from the first logged step to the last
+    (geometrically; 1 if not given, None if not logged). args: more of config.json's flags.
+    collapse: the loss is 8 from that step on; a collapse event, and the run stops 2 steps later.
+    trigger: a guard_trigger event at that step. val: the final val loss (2.9, or 8 if collapsed).
+    end: the end record's status; None leaves the run in progress (no end record), "" an empty log.
+    probe_share: the equal-energy probe's smallest removed share, logged at every step."""
     path = os.path.join(str(root), arm, f"seed{seed}")
     os.makedirs(path)
     with open(os.path.join(path, "config.json"), "w") as f:
@@ -77,14 +77,14 @@ def write_run(root, arm, seed, steps=20, collapse=None, trigger=None, logit=10.0
 OK = {}                                        # healthy: max logit 10, sigmas flat, val 2.9
 COLLAPSE = {"collapse": 10}
 UNFINISHED = {"end": None}                     # in progress: no end record
-RUNAWAY = {"logit": 2 * R}                     # max logit past RUNAWAY_LOGIT, no collapse, sigmas flat
-QK_RUNAWAY = {"logit": 2 * R, "growth": {"q": 8.0}}    # ... through QK: sigma(W_q) x8, the others flat
+RUNAWAY = {"logit": 2 * R}                     # logit past RUNAWAY_LOGIT, no collapse, sigmas flat
+QK_RUNAWAY = {"logit": 2 * R, "growth": {"q": 8.0}}  # ... through QK: sigma(W_q) x8, others flat
 TRIG = {"trigger": 5}                          # guarded: triggered at step 5, healthy
 
 
 def arm(k, kw, edits=None, rest=OK):
-    """An arm's runs by seed: seeds 1..k with keywords kw, the others `rest`; edits: {seed: keywords, or None for
-    no folder at all}."""
+    """An arm's runs by seed: seeds 1..k with keywords kw, the others `rest`; edits: {seed:
+    keywords, or None for no folder at all}."""
     runs = [kw] * k + [rest] * (N - k)
     for seed, e in (edits or {}).items():
         runs[seed - 1] = e
@@ -109,7 +109,7 @@ def judge(root, rule, arms):
     return rows(root, arms)[rule][1]
 
 
-# ---------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Statistics, against exact values
 
 def test_binom_tail_and_sign_test():
@@ -131,7 +131,7 @@ def test_clopper_pearson(k, n, lower, upper):
     assert report.clopper_pearson(k, n) == pytest.approx((lower, upper), abs=1e-4)
 
 
-# ---------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Reading runs
 
 def test_run_reads_a_log(tmp_path):
@@ -162,7 +162,7 @@ def test_trigger_and_val_from_the_end_record_and_half_written_lines(tmp_path):
         f.write("".join(json.dumps(r) + "\n" for r in records) + '{"step": 9, "lo')   # a half-written line
     run = report.load_runs(str(tmp_path))["fp32-guard"][0]
     assert run.loss == [5.0, 4.0, 3.0] and run.final_train == pytest.approx(4.0)
-    assert run.trigger == 1 and run.final_val == 2.9 and run.finished                    # from the end record
+    assert run.trigger == 1 and run.final_val == 2.9 and run.finished  # from the end record
 
 
 @pytest.mark.parametrize("growth, specific", [
@@ -178,7 +178,7 @@ def test_qk_specific(tmp_path, growth, specific):
     assert report.SIGMA_RATIO == 2.0 and report.qk_specific(run) is specific
 
 
-# ---------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Rule 1: bf16 collapses where fp32 does not, and where bf16-safemax does not
 
 RULE1 = {"bf16": arm(6, COLLAPSE), "fp32": arm(0, OK), "bf16-safemax": arm(0, OK)}
@@ -216,9 +216,9 @@ def test_rule_1_text_counts_intervals_and_unfinished(tmp_path):
     assert row[1] == "not run" and "no runs of fp32, bf16-safemax" in row[2]
 
 
-# ---------------------------------------------------------------------------------------------------------------
-# Rule 2: bf16-guard never collapses, fewer than bf16, triggers before each bf16 collapse, ends within LOSS_TOL of
-# bf16-qknorm-always in every seed. bf16 collapses at step 10 in seeds 1-7.
+# --------------------------------------------------------------------------------------------------
+# Rule 2: bf16-guard never collapses, fewer than bf16, triggers before each bf16 collapse, ends
+# within LOSS_TOL of bf16-qknorm-always in every seed. bf16 collapses at step 10 in seeds 1-7.
 
 RULE2 = {"bf16": arm(7, COLLAPSE), "bf16-guard": arm(8, TRIG), "bf16-qknorm-always": arm(0, OK)}
 
@@ -227,9 +227,9 @@ RULE2 = {"bf16": arm(7, COLLAPSE), "bf16-guard": arm(8, TRIG), "bf16-qknorm-alwa
     param({}, "reproduced", id="7 of 8 prevented"),
     param({"bf16": arm(5, COLLAPSE)}, "reproduced", id="5 of 8, p=1/32"),
     param({"bf16": arm(4, COLLAPSE)}, "not reproduced", id="4 of 8, p=1/16"),
-    param({"bf16-guard": arm(8, TRIG, {1: {"trigger": 5, "collapse": 12}}),   # 6 vs 0 still holds, and the
-           "bf16-qknorm-always": arm(0, OK, {1: {"collapse": 12}})},          # losses match: only "never" fails
-          "not reproduced", id="guard collapses in one seed"),
+    param({"bf16-guard": arm(8, TRIG, {1: {"trigger": 5, "collapse": 12}}),  # 6 vs 0 still holds,
+           "bf16-qknorm-always": arm(0, OK, {1: {"collapse": 12}})},         # the losses match:
+          "not reproduced", id="guard collapses in one seed"),               # only "never" fails
     param({"bf16-guard": arm(8, TRIG, {1: {"trigger": 12}})}, "not reproduced", id="trigger after the collapse"),
     param({"bf16-guard": arm(8, TRIG, {1: {"trigger": 10}})}, "not reproduced", id="trigger at the collapse step"),
     param({"bf16-guard": arm(8, TRIG, {1: {"trigger": 8}})}, "reproduced", id="the action starts a step before"),
@@ -262,8 +262,8 @@ def test_rule_2_text(tmp_path):
     assert "train inf, val inf" in text
 
 
-# ---------------------------------------------------------------------------------------------------------------
-# Rule 2v: on healthy training fp32-guard never triggers, and while dormant ends within LOSS_TOL of fp32
+# --------------------------------------------------------------------------------------------------
+# Rule 2v: on healthy training fp32-guard never triggers, and dormant ends within LOSS_TOL of fp32
 
 RULE2V = {"fp32": arm(0, OK), "fp32-guard": arm(0, OK)}
 
@@ -284,14 +284,14 @@ def test_rule_2v(tmp_path, changes, expected):
 
 @pytest.mark.parametrize("fp32_seed8", [UNFINISHED, None], ids=["unfinished", "missing"])
 def test_rule_2v_counts_an_unfinished_reference_against_it(tmp_path, fp32_seed8):
-    # fp32-guard's seed 8 ended 1 nat above the others; its fp32 run did not finish (or is missing), so the
-    # dormant cost of seed 8 is unknown: scored the way that hurts the claim, the rule must fail
+    # fp32-guard's seed 8 ended 1 nat above the others, and its fp32 run is unfinished or missing:
+    # its dormant cost is unknown, scored the way that hurts the claim, so the rule must fail
     arms = {"fp32": arm(0, OK, {8: fp32_seed8}), "fp32-guard": arm(0, OK, {8: {"val": 3.9}})}
     assert judge(tmp_path, "2v", arms) == "not reproduced"
 
 
-# ---------------------------------------------------------------------------------------------------------------
-# Rules 3 and 3+: at some dose, the coherent error runs away through QK where its QK-only fix does not
+# --------------------------------------------------------------------------------------------------
+# Rules 3 and 3+: at some dose, the coherent error runs away through QK; its QK-only fix does not
 
 def inject(site, dose, coherence=1.0, fix=False):
     return sweep.inject_arm(site, dose, coherence, fix)[0]
@@ -303,13 +303,14 @@ def grid(sites, coherences, fix):
             for f in ((False, True) if fix else (False,))}
 
 
-# The paired no-error arm: max logit 10, sigmas flat. An error arm "runs away" beyond it: max logit >= RUNAWAY_LOGIT
-# and LOGIT_RATIO x its own; through QK: sigma(W_q or W_k) x8 (SIGMA_RATIO x the no-error run's 1 and x the others').
+# The paired no-error arm: max logit 10, sigmas flat. An error arm runs away beyond it: max logit >=
+# RUNAWAY_LOGIT and LOGIT_RATIO x its own; through QK: sigma(W_q or W_k) x8 (SIGMA_RATIO x the
+# no-error run's 1 and x the others').
 NOERR = {sweep.NO_ERROR: arm(0, OK)}
 
 
 def rule3(site, dose=3.0, k=7, **changes):
-    """The grid of `site` healthy, coherence 1 at `dose` running away through QK in k seeds, the no-error arm."""
+    """`site`'s grid and no-error, healthy but for coherence 1 at `dose`: QK runaway in k seeds."""
     return {**grid([site], [1.0], fix=True), **NOERR, inject(site, dose): arm(k, QK_RUNAWAY), **changes}
 
 
@@ -381,8 +382,8 @@ def test_rule_3_uses_the_bonferroni_threshold_and_lists_the_fix_gaps(tmp_path):
 
 
 def test_an_underpowered_dose_rule_is_inconclusive_at_its_own_threshold(tmp_path):
-    # 5 seeds: all one way gives p = 1/32 < ALPHA but > ALPHA / 3, the dose grid's threshold: no dose can hold,
-    # so the failed rule is inconclusive (the old check against ALPHA called it "not reproduced")
+    # 5 seeds: all one way gives p = 1/32 < ALPHA but > ALPHA / 3, the dose grid's threshold, so no
+    # dose can hold and the failed rule is inconclusive (before: "not reproduced")
     five = lambda runs: runs[:5]
     arms = {name: five(runs) for name, runs in rule3("mlp-out", k=5).items()}
     row = rows(tmp_path, arms)["3"]
@@ -392,12 +393,12 @@ def test_an_underpowered_dose_rule_is_inconclusive_at_its_own_threshold(tmp_path
         "not reproduced"
 
 
-# ---------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Rule 4: at both sites, coherent errors run away at smaller doses than random-sign ones (potency)
 
 def rule4(mlp_out=3.0, delta=3.0, **cells):
-    """The grid, coherence 1 running away beyond no-error in 7 of 8 seeds from the given dose up at each site
-    (None: nowhere), random signs nowhere."""
+    """The grid, coherence 1 running away beyond no-error in 7 of 8 seeds from the given dose up at
+    each site (None: nowhere), random signs nowhere."""
     arms = {**grid(sweep.CLAIM4_SITES, sweep.COHERENCES, fix=False), **NOERR}
     for site, dose in (("mlp-out", mlp_out), ("delta", delta)):
         for d in sweep.DOSES:
@@ -444,8 +445,8 @@ def test_rule_4_reports_potency_by_seed_and_the_dose_response(tmp_path):
     assert ["mlp-out", "coherence 1", "0/8", "7/8", "7/8"] in table
 
 
-# ---------------------------------------------------------------------------------------------------------------
-# Rule 5: the source runs away where the top-k probe does not, and so does the valid equal-energy control
+# --------------------------------------------------------------------------------------------------
+# Rule 5: the source and the valid equal-energy control run away where the top-k probe does not
 
 def rule5(source="bf16"):
     return {source: arm(7, RUNAWAY), f"{source}-probe-topk": arm(0, OK),
@@ -488,12 +489,12 @@ def test_rule_5_runs_per_source_and_reports_shortfall_and_cost(tmp_path):
     assert "loss cost, median final val loss - fp32's: assay-probe-topk +0.050" in text
 
 
-# ---------------------------------------------------------------------------------------------------------------
-# Rule 6: at the guard's trigger (step 5), lr-drop, clip and softcap each break down where QK-norm does not, and
-# QK-Clip breaks down in no seed
+# --------------------------------------------------------------------------------------------------
+# Rule 6: at the guard's trigger (step 5), lr-drop, clip and softcap each break down where QK-norm
+# does not, and QK-Clip breaks down in no seed
 
-AFTER = lambda step: 2 * R if step > 6 else 10.0           # logits past RUNAWAY_LOGIT once the action is on
-BEFORE = lambda step: 2 * R if step <= 5 else 10.0         # ... up to the trigger (its own step included) only
+AFTER = lambda step: 2 * R if step > 6 else 10.0    # logits past RUNAWAY_LOGIT once action is on
+BEFORE = lambda step: 2 * R if step <= 5 else 10.0  # ... only up to the trigger, its step included
 COLLAPSED_AFTER = {**TRIG, "collapse": 10}
 RAN_AWAY_AFTER = {**TRIG, "logit": AFTER}
 WORSE = {**TRIG, "val": 2.9 + TOL + 0.01}
@@ -525,8 +526,8 @@ def test_rule_6(tmp_path, changes, expected):
 
 def test_rule_6_per_source_with_gaps_triggers_and_the_grace_window(tmp_path):
     lab = {name.replace("bf16", "lr", 1): runs for name, runs in RULE6.items()}
-    # QK-norm's loss jumps by 1.5 right after it acts (step 6) and recovers: inside a grace of 100, past the
-    # margin of 1: shown as a transient the grace hid
+    # QK-norm's loss jumps by 1.5 right after it acts (step 6) and recovers: inside a grace of 100,
+    # past the margin of 1: shown as a transient the grace hid
     lab["lr-guard"] = arm(8, {**TRIG, "loss": lambda s: 4.5 if 6 <= s <= 8 else 3.0, "args": {"collapse_grace": 100}})
     lab["lr-guard-qkclip"] = arm(8, {**TRIG, "val": 3.0})
     table = rows(tmp_path, lab)
@@ -556,7 +557,7 @@ def test_too_few_seeds_give_inconclusive_not_a_refutation(tmp_path):
         "not reproduced"
 
 
-# ---------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Rule 7: rules 1 and 2 on the llama arms
 
 RULE7 = {"llama-bf16": arm(6, COLLAPSE), "llama-fp32": arm(0, OK), "llama-bf16-guard": arm(8, TRIG),
@@ -579,20 +580,20 @@ def test_rule_7(tmp_path, changes, expected):
 
 
 def test_every_rule_passes_on_its_own_runs_together(tmp_path):
-    """All the passing cases in one root: shared arms (bf16, fp32, bf16-guard) must agree, and every row reproduces."""
+    """The passing cases in one root: shared arms (bf16, fp32, bf16-guard) agree; all reproduce."""
     arms = {**RULE1, **RULE2V, **RULE6, **RULE7, **rule4(),
             **{k: v for k, v in rule5().items() if k != "bf16"}, "bf16": RULE2["bf16"],    # bf16 collapses: ran away
             "bf16-guard": RULE2["bf16-guard"], "bf16-qknorm-always": RULE2["bf16-qknorm-always"]}
     for site in sweep.SITES:
         arms.update({inject(site, d, 1.0, True): arm(0, OK) for d in sweep.DOSES})
-        for d in sweep.DOSES:      # through QK from 3 up (rule 4's coherent arms ran away from 3 too)
+        for d in sweep.DOSES:  # through QK from 3 up (rule 4's coherent arms ran away from 3 too)
             arms[inject(site, d)] = arm(7, QK_RUNAWAY) if d >= 3.0 else arm(0, OK)
     verdicts = {rule: row[1] for rule, row in rows(tmp_path, arms).items()}
     assert verdicts == dict.fromkeys(["1", "2", "2v", "3", "3 (grad-mlp)", "3 (grad-wv)", "3+", "4", "5", "6", "7"],
                                      "reproduced")
 
 
-# ---------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Report helpers: survival curves, the dose table, the text and Markdown tables
 
 def test_survival_kaplan_meier(tmp_path):
@@ -608,7 +609,7 @@ def test_survival_counts_a_run_censored_at_a_collapse_step_at_risk(tmp_path):
 
 
 def test_dose_table_counts_finished_runs(tmp_path):
-    # counted against the no-error run of the same seed: seed 5's no-error run is unfinished, seed 4's error run
+    # against the same seed's no-error run; unfinished: seed 5's no-error run, seed 4's error run
     groups = write_arms(tmp_path, {inject("mlp-out", 3.0): [RUNAWAY, COLLAPSE, OK, {**RUNAWAY, "end": None},
                                                             RUNAWAY],
                                    inject("mlp-out", 3.0, fix=True): [OK, OK],
@@ -646,7 +647,7 @@ def test_markdown_has_tables_hardware_and_commands(tmp_path):
     assert "Not run (cut from the sweep" in text and "bf16-guard" in text.split("Not run (cut")[1].split("\n")[0]
     assert "## Commands\n\n```bash\npython train.py --seed 1 --out-dir " in text
     assert f"python train.py --seed 2 --out-dir {tmp_path / 'runs' / 'bf16' / 'seed2'}" in text
-    if importlib.util.find_spec("matplotlib"):       # the plots, linked relative to the Markdown file
+    if importlib.util.find_spec("matplotlib"):  # the plots, linked relative to the Markdown file
         assert "![claim1](plots/claim1.png)" in text and (tmp_path / "plots" / "claim1.png").exists()
         # without --plots they go into plots/ beside the Markdown file (its folder made if need be)
         assert report.main([str(tmp_path / "runs"), "--markdown", str(tmp_path / "out" / "R.md")]) == 0
@@ -656,18 +657,18 @@ def test_markdown_has_tables_hardware_and_commands(tmp_path):
 
 def test_plots_or_a_clear_skip(tmp_path, monkeypatch, capsys):
     groups = write_arms(tmp_path, {**RULE1, "bf16-guard": [TRIG], inject("delta", 3.0): [RUNAWAY, OK]})
-    monkeypatch.setitem(sys.modules, "matplotlib", None)                # as if it were not installed
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # as if it were not installed
     assert report.plot_claims(groups, str(tmp_path / "p")) == []
     assert "plots skipped" in capsys.readouterr().out
     monkeypatch.undo()
     pytest.importorskip("matplotlib")
     saved = report.plot_claims(groups, str(tmp_path / "p"))
-    # the judged rules' plots (claim 2 has no reference arm: not run, not drawn) and the dose-response curves
+    # the judged rules' plots (claim 2 has no reference arm: not drawn), dose-response curves
     assert saved == [str(tmp_path / "p" / name) for name in ("claim1.png", "dose_response.png")]
     assert all(os.path.getsize(p) > 1000 for p in saved)
 
 
-# ---------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # report.py as a command
 
 def report_cmd(*args):
@@ -706,7 +707,7 @@ def test_report_survives_nothing(tmp_path, capsys):
     assert out.returncode != 0 and "Traceback" not in out.stderr and "is not a folder" in out.stderr
 
 
-# ---------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # sweep.py
 
 def sweep_cmd(*args, timeout=60):
@@ -747,10 +748,10 @@ def test_sweep_refuses_bad_arguments(tmp_path, args, message):
 
 def test_sweep_dry_run_skips_and_resumes(tmp_path):
     root = str(tmp_path)
-    write_run(root, "fp32", 1)                                           # ended: skipped
-    write_run(root, "bf16", 2, collapse=10)                              # collapsed: ended, skipped
-    write_run(root, "bf16", 1, end=None)                                 # unfinished: skipped unless --resume
-    write_run(root, "fp32", 2, end="interrupted")                        # unfinished, no checkpoint
+    write_run(root, "fp32", 1)                     # ended: skipped
+    write_run(root, "bf16", 2, collapse=10)        # collapsed: ended, skipped
+    write_run(root, "bf16", 1, end=None)           # unfinished: skipped unless --resume
+    write_run(root, "fp32", 2, end="interrupted")  # unfinished, no checkpoint
     args = ("--dry-run", "--claims", "1", "--only", "bf16,fp32", "--seeds", "2", "--out-root", root)
     out = sweep_cmd(*args)
     assert f"skip {root}/fp32/seed1: completed" in out.stdout and f"skip {root}/bf16/seed2: collapsed" in out.stdout
@@ -758,15 +759,15 @@ def test_sweep_dry_run_skips_and_resumes(tmp_path):
     assert f"skip {root}/fp32/seed2: unfinished (interrupted): pass --resume" in out.stdout
     assert sum("train.py" in line for line in out.stdout.splitlines()) == 0
     open(os.path.join(root, "bf16", "seed1", "ckpt.pt"), "w").close()
-    out = sweep_cmd(*args, "--resume")    # with a checkpoint or without one (train.py then starts it over)
+    out = sweep_cmd(*args, "--resume")  # with a checkpoint or without (then train.py starts over)
     assert [line for line in out.stdout.splitlines() if "train.py" in line] == [
         shlex.join([sys.executable, "train.py", "--accum", accum, "--seed", seed, "--out-dir",
                     f"{root}/{accum}/seed{seed}", "--resume"]) for seed, accum in (("1", "bf16"), ("2", "fp32"))]
 
 
 def test_sweep_runs_every_arm_the_rules_read():
-    """Every arm a rule of report.py judges is launched by that rule's claim in sweep.py; claims 3 and 4 are the
-    dose grid at both sites."""
+    """Every arm a rule of report.py judges is launched by that rule's claim in sweep.py; claims 3
+    and 4 are the dose grid at both sites."""
     for source in sweep.SOURCES:
         ran = {name: ["a run"] for name in {**sweep.probe_arms(source), **sweep.action_arms(source)}}
         for label, claim, arms, _ in report.expanded_rules(ran):
@@ -792,7 +793,7 @@ def test_experiment_table_is_valid_train_flags():
     for number in sweep.CLAIMS:
         for name, flags in sweep.experiments([number]).items():
             args = parse_args(flags + ["--max-steps", "1"])[0]
-            assert (args.guard == "on") == ("-guard" in name), name       # only the guard arms are guarded
+            assert (args.guard == "on") == ("-guard" in name), name  # only guard arms are guarded
 
 
 def test_report_reads_gzipped_logs_as_results_keeps_them(tmp_path):
@@ -824,7 +825,7 @@ def test_read_log_drops_the_records_a_resume_replays(tmp_path):
 
 
 def test_read_log_drops_everything_before_a_resume_that_starts_over(tmp_path):
-    # a run killed before its first checkpoint: --resume starts it over at step 0 (from_checkpoint false)
+    # killed before its first checkpoint: --resume starts it over at step 0 (from_checkpoint false)
     lines = [{"event": "start", "step": 0}, {"event": "eval", "step": 0, "val_loss": 9.0},
              *({"step": s, "loss": 10.0 - s} for s in range(3)),
              {"event": "resume", "step": 0, "from_checkpoint": False}, {"event": "eval", "step": 0, "val_loss": 9.5},
@@ -836,7 +837,7 @@ def test_read_log_drops_everything_before_a_resume_that_starts_over(tmp_path):
     assert records[0]["event"] == "start"
 
 
-# ---------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # sweep then report, on real tiny CPU runs
 
 @pytest.fixture(scope="module")
@@ -875,15 +876,14 @@ def test_sweep_and_report_end_to_end(tmp_path, data_dir):
     assert rep.returncode == 0 and "Traceback" not in rep.stderr, rep.stderr
     for name in arms:
         assert f"== {name} ==" in rep.stdout and f"{name}: 0/1 collapsed" in rep.stdout
-    # nothing collapsed: judged (all its arms ran), and not reproduced
-    # one seed: judged (all its arms ran), and inconclusive (no sign test over 1 seed can reach p < 0.05)
+    # one seed: judged (all its arms ran) and inconclusive (no sign test on 1 seed reaches p < 0.05)
     assert re.search(r"^1 +inconclusive ", rep.stdout, re.M), rep.stdout
     assert "| 1 | inconclusive |" in (tmp_path / "R.md").read_text()
 
 
 def test_every_arm_of_every_claim_runs_end_to_end_and_is_judged(tmp_path, data_dir):
-    """A tiny sweep of every arm (run in this process, 3 steps each, one seed): each run ends, and every rule
-    of report.py reads them and gives a verdict, none of them "not run"."""
+    """A tiny sweep of every arm (run in this process, 3 steps each, one seed): each run ends, and
+    every rule of report.py reads them and gives a verdict, none of them "not run"."""
     import train
     root = tmp_path / "runs"
     tiny = ["--max-steps", "3", "--n-layer", "2", "--n-head", "2", "--n-embd", "32", "--block-size", "32",
@@ -908,12 +908,12 @@ def test_every_arm_of_every_claim_runs_end_to_end_and_is_judged(tmp_path, data_d
     assert all(verdict == "inconclusive" for _, verdict, _ in rows), rows     # one seed: judged, not decided
 
 
-# ---------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # bench.py
 
 def test_bench_smoke(tmp_path):
-    """bench.py --smoke runs the benchmark's code paths at a tiny size on the CPU (even where a GPU is present,
-    so the test stays quick): the three training configurations, the monitor cost, the targets, the JSON."""
+    """bench.py --smoke runs the benchmark's code paths at a tiny size on the CPU (even with a GPU,
+    to stay quick): the three training configurations, the monitor cost, the targets, the JSON."""
     out_json = tmp_path / "bench.json"
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
     out = subprocess.run([sys.executable, os.path.join(ROOT, "bench.py"), "--smoke", "--json", str(out_json)],
@@ -937,17 +937,17 @@ def test_bench_smoke(tmp_path):
     assert isinstance(result["monitor_cost"], float)
     assert len(result["targets"]) == 7
     assert all(set(t) == {"target", "measured", "goal", "met"} for t in result["targets"])
-    assert [t["met"] for t in result["targets"][:5]] == [None] * 5        # no attention table on the CPU
+    assert [t["met"] for t in result["targets"][:5]] == [None] * 5  # no attention table on the CPU
 
 
 @pytest.mark.parametrize("x, at_most_met, at_least_met", [(0.99, True, False), (1.0, True, True),
                                                           (1.01, False, True)])
 def test_bench_targets_verdicts_at_their_limits(x, at_most_met, at_least_met):
-    # every measurement x times its limit (at-most: fp32 attention / cuDNN or flash 1.0, bf16 modes / fp32 1.25,
-    # monitor cost 1%; at-least: tokens/s over SDPA's 1.0): met on the right side, and at the limit itself
+    # x times each limit (at most: fp32 attention / cuDNN or flash 1.0, bf16 modes / fp32 1.25,
+    # monitor cost 1%; at least: tokens/s over SDPA's 1.0): met on the right side and at the limit
     import bench
     att = {s: {"fp32/cudnn": x, "fp32/flash": x, "bf16/fp32": 1.25 * x * w, "bf16-safemax/fp32": 1.25 * x * w}
-           for s, w in zip(bench.SHAPES, (0.5, 1.0, 0.8))}                 # the worst shape is the second
+           for s, w in zip(bench.SHAPES, (0.5, 1.0, 0.8))}  # the worst shape is the second
     s0, s1, s2 = bench.SHAPES
     att[s0]["fp32/flash"] = att[s1]["fp32/cudnn"] = att[s2]["fp32/cudnn"] = 2.0 - x   # not this shape's target
     row = lambda tokens_per_s: {"ms_per_step": 16384 / tokens_per_s * 1e3, "tokens_per_s": tokens_per_s,
@@ -956,6 +956,6 @@ def test_bench_targets_verdicts_at_their_limits(x, at_most_met, at_least_met):
     rows = bench.targets(att, train, 0.01 * x)
     assert [r["met"] for r in rows] == [at_most_met] * 5 + [at_least_met, at_most_met]
     assert [r["measured"] for r in rows] == pytest.approx([x, x, x, 1.25 * x, 1.25 * x, x, 0.01 * x])
-    att[s2]["bf16/fp32"] = None                                            # a shape not measured: no worst
-    rows = bench.targets(att, train, None)                                 # and no monitor cost
+    att[s2]["bf16/fp32"] = None                             # a shape not measured: no worst
+    rows = bench.targets(att, train, None)                  # and no monitor cost
     assert rows[3]["met"] is None and rows[3]["measured"] is None and rows[6]["met"] is None

@@ -1,4 +1,4 @@
-"""Tests of the model, the training loop, the monitor and QK-Guard, and of runs that never lose work.
+"""Tests of the model, the training loop, the monitor, QK-Guard, and runs that never lose work.
 
 Run: python -m pytest -q test_training.py   (CPU; a few minutes on two cores)
 """
@@ -31,8 +31,8 @@ def tiny_model(arch="gpt2", **kw):
 
 @pytest.fixture(scope="session")
 def data_dir(tmp_path_factory):
-    """A small real dataset: some standard-library sources in byte tokens (the CPU presets'), a fifth of the files
-    in val."""
+    """A small real dataset: some standard-library sources in byte tokens (the CPU presets'), a
+    fifth of the files in val."""
     import sysconfig
     import prepare_data
     stdlib = sysconfig.get_paths()["stdlib"]
@@ -61,7 +61,7 @@ def step_losses(records):
     return {r["step"]: r["loss"] for r in records if "loss" in r and "event" not in r}
 
 
-# ---------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # The model
 
 @pytest.mark.parametrize("arch", ["gpt2", "llama"])
@@ -100,17 +100,17 @@ def test_qk_weights_are_reachable_per_head():
     assert torch.equal(w_k[1], attn.k_proj.weight[16:32])
 
 
-# ---------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Monitor, guard, collapse detector
 
 def test_power_iteration_sigma_within_one_percent():
     torch.manual_seed(0)
     model = tiny_model(n_embd=64, n_head=4)
     monitor = SpectralMonitor(model, seed=1)
-    # A freshly initialized matrix has almost no gap between its top singular values, so power iteration
-    # converges slowly there (W_q per head: within 1% after 30 steps; every matrix of this model, over 5 seeds of
-    # its init: after 18 to 119 steps);
-    # trained weights, and a runaway above all, have a gap. One step per training step keeps up from then on.
+    # A freshly initialized matrix has almost no gap between its top singular values, so power
+    # iteration converges slowly there (to 1% after 18 to 119 steps for this model's matrices over 5
+    # seeds of its init; W_q per head after 30). Trained weights, and a runaway above all, have a
+    # gap: one step per training step keeps up from then on.
     for _ in range(300):
         sigma, sigma_head = monitor.measure(model, iters=1)
     assert set(sigma) == set(WEIGHT_KINDS)
@@ -162,7 +162,7 @@ def test_guard_sigma_product_signal():
     model = tiny_model()
     guard = QKGuard(enabled=True, signal="sigma-product", threshold=10.0)
     sigma_head = torch.ones(2, 2, 2)
-    sigma_head[0, 0, 1], sigma_head[0, 1, 1] = 4.0, 3.0      # sigma(W_q) * sigma(W_k) = 12 at layer 0 head 1
+    sigma_head[0, 0, 1], sigma_head[0, 1, 1] = 4.0, 3.0  # sigma product 12 at layer 0, head 1
     event = guard.observe(3, torch.full((2, 2), 1e6), sigma_head, model)
     assert (event["layer"], event["head"], event["value"]) == (0, 1, 12.0)
 
@@ -209,8 +209,8 @@ def test_the_deferred_check_acts_one_call_late_and_survives_a_checkpoint():
 
 
 def test_covered_layers_never_count_as_a_new_crossing():
-    # scope "crossed" with a signal the action does not lower (sigma-product under qknorm): layer 0 stays above
-    # the threshold after it is covered; that must not queue a crossing (on a GPU, a host sync) at every check.
+    # Scope "crossed", a signal the action does not lower (sigma-product under qknorm): covered
+    # layer 0 stays above the threshold and must not queue a crossing (a GPU host sync) every check.
     model = tiny_model()
     guard = QKGuard(enabled=True, signal="sigma-product", threshold=10.0, action="qknorm", scope="crossed")
     sigma_head = torch.ones(2, 2, 2)
@@ -264,8 +264,8 @@ def test_qkclip_caps_the_offending_heads_and_nothing_else():
 
 
 def test_inductor_compiled_model_matches_eager():
-    # torch.compile's real backend (Inductor, as on a GPU) plans memory from the custom ops' fakes, which promise
-    # o, dq, dk, dv in q's transposed layout; a broken promise shows as an error or as wrong numbers here.
+    # Inductor, torch.compile's real backend, plans memory from the custom ops' fakes, which promise
+    # o, dq, dk, dv in q's transposed layout; a broken promise shows as an error or wrong numbers.
     torch._dynamo.reset()
     torch.manual_seed(0)
     model = tiny_model(accum="bf16", max_logit=True)
@@ -273,7 +273,7 @@ def test_inductor_compiled_model_matches_eager():
     (_, loss, max_logit), (_, c_loss, c_max_logit) = model(x, y), torch.compile(model, fullgraph=True)(x, y)
     grads, c_grads = (torch.autograd.grad(loss_, list(model.parameters())) for loss_ in (loss, c_loss))
     assert torch.allclose(c_loss, loss, rtol=1e-5) and torch.equal(c_max_logit, max_logit)
-    for g, c in zip(grads, c_grads):   # Inductor reorders fp32 sums; a bf16 rounding of the state may flip
+    for g, c in zip(grads, c_grads):  # Inductor reorders fp32 sums; a state rounding may flip
         assert (c - g).norm() <= 1e-3 * g.norm() + 1e-8
 
 
@@ -318,7 +318,7 @@ def test_collapse_detector_on_synthetic_curves():
 
 
 def test_the_collapse_grace_hides_a_transient_and_only_a_transient():
-    # margin 1, patience 3, no smoothing: a loss 2 above its minimum for 5 logged steps is a collapse...
+    # margin 1, patience 3, no smoothing: 5 logged steps 2 above the minimum are a collapse...
     def run(losses, pause=None):
         det = CollapseDetector(margin=1.0, patience=3, smoothing=0.0)
         if pause is not None:
@@ -350,7 +350,7 @@ def test_train_py_pauses_the_detector_for_the_grace_from_the_guards_action(tmp_p
     assert state["detector"]["paused_until"] == trigger["active_from"] + 37
 
 
-# ---------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # train.py end to end
 
 def test_train_run_writes_log_config_and_checkpoint(tmp_path, data_dir):
@@ -399,9 +399,9 @@ def test_a_low_threshold_triggers_the_guard_and_logs_it(tmp_path, data_dir):
 
 
 def test_the_demo_runs_away_on_a_cpu_and_the_guard_fires(tmp_path, data_dir):
-    # The main job on a CPU (--preset demo, what `python train.py --accum bf16 --guard on` picks there), cut short:
-    # unguarded, the max attention logit passes the guard's threshold within 40 steps; guarded, the guard fires,
-    # its action bounds the logits, and the run goes on to the end.
+    # The main job on a CPU (--preset demo, what `python train.py --accum bf16 --guard on` picks
+    # there), cut short: unguarded, the max attention logit passes the guard's threshold within 40
+    # steps; guarded, the guard fires, its action bounds the logits, and the run goes on to the end.
     common = ["--preset", "demo", "--accum", "bf16", "--device", "cpu", "--max-steps", "40", "--batch-size", "4",
               "--eval-iters", "2", "--eval-interval", "40", "--ckpt-interval", "40", "--log-interval", "1"]
     runs = {}
@@ -444,7 +444,7 @@ def test_a_bad_flag_exits_non_zero_naming_the_flag(tmp_path, data_dir, argv, nam
     assert result.returncode != 0 and names in result.stderr
 
 
-# ---------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Runs that never lose work: resume, checkpoints, processes, bad input
 
 def _files(folder):
@@ -453,12 +453,12 @@ def _files(folder):
 
 
 def test_sigterm_then_resume_matches_an_uninterrupted_run(tmp_path, data_dir):
-    # mid-interval stops (log every 4 steps), dropout, a guard that fires, an injected error and the probe:
-    # every piece of state the checkpoint must carry
+    # mid-interval stops (log every 4 steps), dropout, a guard that fires, an injected error and the
+    # probe: every piece of state the checkpoint must carry
     common = ["--max-steps", "150", "--eval-interval", "1000", "--ckpt-interval", "1000", "--dropout", "0.1",
               "--on-collapse", "continue", "--log-interval", "4", "--guard", "on", "--guard-threshold", "0.15",
               "--inject-site", "mlp-out", "--inject-scale", "0.1", "--inject-coherence", "0.8", "--probe", "qk-topk",
-              "--monitor-interval", "3"]   # a stop between checks must keep the max logit not yet checked
+              "--monitor-interval", "3"]  # a stop between checks keeps the unchecked max logit
     full = train(tmp_path / "full", data_dir, *common)
     assert full.returncode == 0, full.stderr
     cut = tmp_path / "cut"
@@ -476,7 +476,7 @@ def test_sigterm_then_resume_matches_an_uninterrupted_run(tmp_path, data_dir):
     resumed = train(cut, data_dir, *common, "--resume")
     assert resumed.returncode == 0, resumed.stderr
     assert read_log(cut)[-1]["status"] == "completed"
-    # bit-identical on the CPU: the same weights, optimizer moments, batches, dropout masks, guard, error, probe
+    # bit-identical on the CPU: weights, optimizer moments, batches, dropout, guard, error, probe
     def comparable(records):
         return [{k: v for k, v in r.items() if k != "tokens_per_s"} for r in records
                 if "event" not in r or r["event"] in ("guard_trigger", "eval")]
@@ -563,7 +563,7 @@ def test_settings_that_cannot_run_fail_before_training(tmp_path, data_dir, argv,
     assert not (tmp_path / "run" / "log.jsonl").exists()
 
 
-# ---------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Every way a run can stop or be misconfigured ends in a clear state
 
 def test_a_run_killed_before_its_first_checkpoint_can_be_resumed(tmp_path, data_dir):
@@ -589,8 +589,8 @@ def test_a_run_killed_before_its_first_checkpoint_can_be_resumed(tmp_path, data_
 
 
 def test_a_second_signal_ends_the_run_at_once_and_leaves_the_checkpoint(tmp_path, data_dir):
-    # Long steps (many micro-batches): the first SIGTERM asks for a stop after the step, the second ends the
-    # process at once. Before, the second was ignored and the step ran on.
+    # Long steps (many micro-batches): the first SIGTERM asks for a stop after the step, the second
+    # ends the process at once. Before, the second was ignored and the step ran on.
     out = tmp_path / "run"
     cmd = [sys.executable, os.path.join(ROOT, "train.py"), "--data-dir", data_dir, "--out-dir", str(out), *TINY,
            "--max-steps", "1000", "--ckpt-interval", "1", "--grad-accum", "64"]
@@ -663,15 +663,15 @@ def _numeric_flags(parser):
             ("--dataset", "--data-dir", "--out-dir", "--inject-layers", "--device", "--round", "--input", "--glob")]
 
 
-# Values each flag accepts for 0, with the meaning its help gives (or plain: a seed, a rate of 0, no warmup).
+# Flags that accept 0, with the meaning their help gives (or plain: a seed, a rate of 0, no warmup).
 ZERO_MEANS = {"--block-n", "--softcap", "--attn-scale", "--guard-threshold", "--decay-steps", "--grad-clip",
               "--seed", "--warmup-steps", "--weight-decay", "--dropout", "--min-lr", "--beta1", "--beta2",
               "--collapse-smoothing", "--collapse-grace", "--inject-coherence", "--workers", "--warmup"}
 
 
 def test_every_numeric_flag_refuses_nonsense_in_one_line():
-    """0, -1, nan and inf through every numeric flag of train.py, sweep.py, prepare_data.py and bench.py: a
-    one-line error, or (0 only) a value the flag's help gives a meaning to. Never a traceback."""
+    """0, -1, nan and inf through each numeric flag of train.py, sweep.py, prepare_data.py,
+    bench.py: a one-line error or (0 only) a value its help gives a meaning. Never a traceback."""
     import bench
     import config
     import prepare_data
@@ -705,7 +705,7 @@ def test_every_numeric_flag_refuses_nonsense_in_one_line():
                 assert len(result.stderr.strip().splitlines()[-1]) > 0 and "error" in result.stderr, result.stderr
 
 
-# ---------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # The assay wired into train.py
 
 def test_qk_fix_clean_grad_replaces_only_the_qk_gradients():
@@ -713,7 +713,7 @@ def test_qk_fix_clean_grad_replaces_only_the_qk_gradients():
     from assay import ErrorInjector
     torch.manual_seed(0)
     model = tiny_model(accum="bf16")
-    injector = ErrorInjector("delta", 0.5, 1.0, 2, 2, 32, seed=0).attach(model)   # two faults at once
+    injector = ErrorInjector("delta", 0.5, 1.0, 2, 2, 32, seed=0).attach(model)  # two faults
     injector.begin_step(0)
     idx = torch.randint(0, 128, (4, 16))
     x, y = idx[:, :-1], idx[:, 1:]
@@ -734,7 +734,7 @@ def test_qk_fix_clean_grad_replaces_only_the_qk_gradients():
 
 
 def top_part(dW, W, k):
-    """The part of dW that touches W's top-k singular directions on either side (test_assay.topk_removed)."""
+    """dW's part in W's top-k singular directions, on either side (test_assay.topk_removed)."""
     U, _, Vh = torch.linalg.svd(W)
     return topk_removed(dW, U[:, :k], Vh[:k].T)
 
@@ -745,7 +745,7 @@ def top_part(dW, W, k):
     ["--inject-site", "delta", "--inject-scale", "0.3", "--qk-fix", "clean-grad"],
     ["--inject-site", "grad-wv", "--inject-scale", "0.2", "--inject-layers", "1"],
     ["--inject-site", "residual", "--inject-scale", "matched", "--probe", "qk-topk"],
-    ["--accum", "bf16", "--probe", "equal-energy", "--probe-k", "4"],   # k: not the default 3, not n_layer 2
+    ["--accum", "bf16", "--probe", "equal-energy", "--probe-k", "4"],  # k != 3 (default) or n_layer
     ["--accum", "bf16", "--probe", "qk-fixed"],
 ])
 def test_assay_runs_log_what_they_did(tmp_path, data_dir, argv):
@@ -758,7 +758,7 @@ def test_assay_runs_log_what_they_did(tmp_path, data_dir, argv):
         assert all(r["inject_rms_ratio"] > 0 for r in steps)
         assert all(len(r["inject_signs"]) == (1 if "--inject-layers" in argv else 2) for r in steps)
     if "--probe" in argv:
-        # the last update, from the last two checkpoints (ckpt.pt.prev: after step 2), against an SVD done here
+        # the last update, ckpt.pt.prev (after step 2) to ckpt.pt, against an SVD done here
         k = int(argv[argv.index("--probe-k") + 1]) if "--probe-k" in argv else 3
         before, after = (torch.load(out / name, weights_only=False)["model"] for name in ("ckpt.pt.prev", "ckpt.pt"))
         probe = steps[-1]["probe"]
@@ -767,20 +767,20 @@ def test_assay_runs_log_what_they_did(tmp_path, data_dir, argv):
             for layer, target in enumerate(probe[f"{name}_target"]):
                 W = before[f"blocks.{layer}.attn.{name}_proj.weight"]
                 dW = after[f"blocks.{layer}.attn.{name}_proj.weight"] - W
-                if "qk-topk" in argv:   # nothing left in the top k directions, while the (k+1)-th still moves
+                if "qk-topk" in argv:   # nothing left in the top k; the (k+1)-th still moves
                     assert top_part(dW, W, k).norm() < 1e-3 * dW.norm()
                     assert top_part(dW, W, k + 1).norm() > 0.05 * dW.norm()
                 elif "qk-fixed" in argv:   # its own subspace, not the top k: they keep moving
                     assert top_part(dW, W, k).norm() > 0.05 * dW.norm() and probe[f"{name}_removed"][layer] > 0
-                else:                   # the control took nothing from the top k: they hold what qk-topk removes
+                else:                   # the control: the top k keep what qk-topk removes
                     assert top_part(dW, W, k).norm().item() == pytest.approx(target, rel=1e-3)
                     assert probe[f"{name}_removed"][layer] > 0
 
 
 def test_clean_grad_and_inject_layers_move_exactly_the_weights_they_should(tmp_path, data_dir):
-    # One step without clipping (which would couple all gradients) from the same seed. clean-grad: W_q, W_k as in
-    # the fault-free run, every other weight as in the faulty run (the delta site: the backward-side error, whose
-    # clean gradient is the fault-free one). --inject-layers 1: only layer 1's W_v moves.
+    # One step, same seed, no clipping (it would couple all gradients). clean-grad: W_q, W_k as in
+    # the fault-free run, all else as in the faulty run (the delta site's error is backward-side, so
+    # its clean gradient is the fault-free one). --inject-layers 1: only layer 1's W_v moves.
     def one_step(name, *argv):
         result = train(tmp_path / name, data_dir, "--max-steps", "1", "--grad-clip", "0", *argv)
         assert result.returncode == 0, result.stderr
@@ -837,8 +837,8 @@ def test_learning_rate_schedule():
 
 
 def test_resume_with_repeated_flags_and_a_sparse_monitor(tmp_path, data_dir):
-    """Repeating the run's own flags on --resume is fine (as a sweep does); monitoring every 3rd step still
-    sees every step's max logit, and a resume between monitored steps has sigmas to log."""
+    """Repeating the run's own flags on --resume is fine (a sweep does); monitoring every 3rd step
+    still sees every step's max logit, and a resume between monitored steps has sigmas to log."""
     out = tmp_path / "run"
     flags = ["--inject-site", "mlp-out", "--inject-scale", "0.05", "--monitor-interval", "3", "--guard", "on",
              "--guard-threshold", "1.5", "--lr", "1e-2", "--warmup-steps", "1", "--schedule", "constant"]
@@ -872,12 +872,12 @@ def test_flags_that_would_silently_do_nothing_or_crash_later_are_refused(tmp_pat
     assert not (tmp_path / "run").exists()
 
 
-# ----------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # The vocabulary follows the data
 
 def test_the_model_vocabulary_follows_the_datas_tokenizer(tmp_path, data_dir):
-    # byte data: 257 tokens padded to 320; GPT-2 data: 50,257 padded to 50,304. Both recorded in config.json
-    # and in the checkpoint, and the checkpoint's embedding has that many rows.
+    # byte data: 257 tokens padded to 320; GPT-2 data: 50,257 padded to 50,304. Both recorded in
+    # config.json and in the checkpoint, whose embedding has that many rows.
     import sysconfig
     import prepare_data
     gpt2_data = prepare_data.prepare(dataset="text", out_dir=str(tmp_path / "gpt2-data"), val_fraction=0.5,
@@ -917,7 +917,7 @@ def test_resuming_on_data_of_another_tokenizer_is_refused_in_one_line(tmp_path, 
     out = tmp_path / "run"
     assert train(out, str(data), "--max-steps", "2").returncode == 0
     before = (out / "ckpt.pt").read_bytes()
-    # the same folder re-prepared with GPT-2's BPE (other sources too: the content hash alone would not say why)
+    # the folder re-prepared with GPT-2's BPE (other sources too: a content hash would not say why)
     prepare_data.prepare(dataset="text", out_dir=str(data), tokenizer="gpt2", force=True, val_fraction=0.5,
                          inputs=[os.path.join(sysconfig.get_paths()["stdlib"], n + ".py")
                                  for n in ("argparse", "ast", "calendar", "csv", "enum", "typing")])
