@@ -695,8 +695,9 @@ def _attn_fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, delta_error:
     sources = _sources(rounding)
     if impl == "triton":
         return o, *fwd_triton(q, k, v, o, scale, softcap, accum, sources, beta, block_n)
+    block_n = BF16_STATE_BLOCK_N if block_n is None else block_n   # the twin always has a key block
     with _no_autocast(q):
-        out, lse, row_max = _fwd_torch(q, k, v, scale, softcap, accum, sources, beta, block_n or BF16_STATE_BLOCK_N)
+        out, lse, row_max = _fwd_torch(q, k, v, scale, softcap, accum, sources, beta, block_n)
     return o.copy_(out), lse, row_max
 
 
@@ -721,8 +722,9 @@ def _attn_bwd_op(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Te
     if impl == "triton":
         _bwd_triton(do, q, k, v, o, lse, dq, dk, dv, scale, softcap, sources)
         return dq, dk, dv
+    block_n = BF16_STATE_BLOCK_N if block_n is None else block_n
     with _no_autocast(q):
-        grads = _bwd_torch(do, q, k, v, o, lse, scale, softcap, sources, block_n or BF16_STATE_BLOCK_N)
+        grads = _bwd_torch(do, q, k, v, o, lse, scale, softcap, sources, block_n)
     return tuple(buffer.copy_(g) for buffer, g in zip((dq, dk, dv), grads))
 
 
@@ -789,7 +791,7 @@ def resolve_rounding(rounding, dtype, impl="auto"):
         raise ValueError(f"rounding={rounding!r}: give a tuple of sources such as ('logits', 'pv'), () or None")
     unknown = [s for s in rounding if s not in ROUNDING_SOURCES]
     if unknown:
-        raise ValueError(f"unknown rounding source {unknown[0]!r}; use some of {ROUNDING_SOURCES}, or 'none'")
+        raise ValueError(f"unknown rounding source {unknown[0]!r}; use some of {ROUNDING_SOURCES}, or () for none")
     return tuple(s for s in ROUNDING_SOURCES if s in rounding)     # one canonical order
 
 

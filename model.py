@@ -48,6 +48,8 @@ class GPTConfig:
 # The weight matrices the monitor watches, by kind: one per layer each (logged as sigma_<kind>).
 WEIGHT_KINDS = ("q", "k", "v", "o", "mlp_in", "mlp_out")
 QK_KINDS, NON_QK_KINDS = WEIGHT_KINDS[:2], WEIGHT_KINDS[2:]
+WEIGHT_OWNERS = {"q": "attn.q_proj", "k": "attn.k_proj", "v": "attn.v_proj", "o": "attn.o_proj",
+                 "mlp_in": "mlp.up_proj", "mlp_out": "mlp.down_proj"}   # each kind's nn.Linear in a Block
 
 
 # Named sizes. "cpu" trains in minutes on two cores; "assay" is the minute-scale collapse model of
@@ -204,9 +206,7 @@ class GPT(nn.Module):
 
     def weight_matrices(self, kinds=WEIGHT_KINDS):
         """{kind: that kind's weight matrix in every layer}. mlp_in is the up projection (SwiGLU's gate aside)."""
-        owners = {"q": "attn.q_proj", "k": "attn.k_proj", "v": "attn.v_proj", "o": "attn.o_proj",
-                  "mlp_in": "mlp.up_proj", "mlp_out": "mlp.down_proj"}
-        return {kind: [block.get_submodule(owners[kind]).weight for block in self.blocks] for kind in kinds}
+        return {kind: [block.get_submodule(WEIGHT_OWNERS[kind]).weight for block in self.blocks] for kind in kinds}
 
     def qk_weights(self):
         """W_q and W_k of every layer, layer by layer: the QK channel's parameters."""

@@ -97,9 +97,10 @@ class Run:
         self.steps, self.loss = [r["step"] for r in steps], [r["loss"] for r in steps]
         nan_if_none = lambda v: math.nan if v is None else v
         # per kind, each logged step's max over layers (and heads, for max_logit): q, k and the
-        # other kinds the log holds (train.py logs sigma_<kind> per layer; W_q, W_k per head too)
-        logged = {key[len("sigma_"):] for r in steps for key in r if key.startswith("sigma_")
-                  and not key.endswith("_head")}
+        # other kinds the log holds, as train.py logs them: sigma_<kind>, one number per layer
+        per_layer = lambda v: isinstance(v, list) and not any(isinstance(x, list) for x in v)
+        logged = {key[len("sigma_"):] for r in steps for key, v in r.items() if key.startswith("sigma_")
+                  and per_layer(v)}
         self.other_kinds = sorted(logged - {"q", "k"})
         self.sigmas = {kind: [nan_if_none(finite_max(r.get(f"sigma_{kind}", []))) for r in steps]
                        for kind in ("q", "k", *self.other_kinds)}

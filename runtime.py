@@ -228,7 +228,7 @@ class RunDir:
         self.args, self.dist, self.data_hash = args, dist, data_hash
         self.ckpt = os.path.join(args.out_dir, "ckpt.pt")
 
-    def open_log(self, params, step, resumed, changed):
+    def start_log(self, params, step, resumed, changed):
         """log.jsonl with its start (or resume) record; a new run's config.json and source.diff first."""
         args, dist = self.args, self.dist
         if dist.master:

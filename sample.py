@@ -34,16 +34,8 @@ def main(argv=None):
     path = os.path.join(args.run_dir, "ckpt.pt")
     if not os.path.exists(path):
         p.error(f"{path} does not exist: give a run directory that saved a checkpoint")
-    state = runtime.load_checkpoint(path)
-    run = argparse.Namespace(**{**runtime.OLD_RUN_VOCABULARY, **state["args"]})
     device = torch.device(runtime.device_name(args.device))
-    model = model_lib.GPT(config.model_config(run)).to(device)
-    model.load_state_dict(state["model"])
-    guard = QKGuard(signal=run.guard_signal, threshold=run.guard_threshold, action=run.guard_action,
-                    softcap=run.softcap_value)
-    guard.load_state_dict(state["guard"])
-    guard.apply_to_model(model)   # a fired guard's attention-side action stays on
-    model.eval()
+    run, state, model, guard = load_run(path, device)
     enc = prepare_data.get_tokenizer(run.tokenizer)
     idx = torch.tensor([enc.encode(args.prompt)] * args.num_samples, device=device)
     torch.manual_seed(args.seed)
@@ -54,6 +46,19 @@ def main(argv=None):
     for i, row in enumerate(out.tolist()):
         text = enc.decode(row)
         print(f"---------------- sample {i + 1} of {args.run_dir} ({what})\n{text}")
+
+
+def load_run(path, device):
+    """(the run's flags, its checkpoint, the model in eval mode as it was when it stopped, its guard)."""
+    state = runtime.load_checkpoint(path)
+    run = argparse.Namespace(**{**runtime.OLD_RUN_VOCABULARY, **state["args"]})
+    model = model_lib.GPT(config.model_config(run)).to(device)
+    model.load_state_dict(state["model"])
+    guard = QKGuard(signal=run.guard_signal, threshold=run.guard_threshold, action=run.guard_action,
+                    softcap=run.softcap_value)
+    guard.load_state_dict(state["guard"])
+    guard.apply_to_model(model)   # a fired guard's attention-side action stays on
+    return run, state, model.eval(), guard
 
 
 if __name__ == "__main__":

@@ -178,6 +178,14 @@ def test_qk_specific(tmp_path, growth, specific):
     assert report.SIGMA_RATIO == 2.0 and report.qk_specific(run) is specific
 
 
+def test_the_other_kinds_are_read_from_the_log():
+    # a real run's log: its other kinds are the model's, and its per-head sigma_q_head is not one
+    path = os.path.join(ROOT, "results", "lab", "assay", "seed1")
+    assert any("sigma_q_head" in r for r in sweep.read_log(path))
+    assert report.Run(path).other_kinds == sorted(NON_QK_KINDS)
+
+
+
 # --------------------------------------------------------------------------------------------------
 # Rule 1: bf16 collapses where fp32 does not, and where bf16-safemax does not
 

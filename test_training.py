@@ -948,3 +948,13 @@ def test_sample_decodes_a_byte_level_run(tmp_path, data_dir):
     for text in samples:
         body = text.split("\n", 1)[1]
         assert body.startswith("def ") and len(body) > len("def "), "the prompt, then decoded bytes"
+
+
+def test_sample_loads_a_fired_guard_with_its_action_on(tmp_path, data_dir):
+    import sample
+    out = tmp_path / "run"
+    assert train(out, data_dir, "--max-steps", "3", "--guard", "on", "--guard-threshold", "1e-3").returncode == 0
+    run, state, model, guard = sample.load_run(os.path.join(out, "ckpt.pt"), torch.device("cpu"))
+    assert guard.triggered and state["guard"]["layers"] == list(range(len(model.attentions)))
+    assert all(attn.qk_norm for attn in model.attentions), "the latched QK-norm is on in the sampled model"
+    assert not model.training

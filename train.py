@@ -68,7 +68,8 @@ def main(argv=None):
     injector = make_injector(args, model, get_batch, autocast) if args.inject_site != "none" else None
     parts = dict(model=model, optimizer=optimizer, monitor=monitor, detector=detector, probe=probe,
                  injector=injector, guard=guard)
-    run_dir, totals, step = runtime.RunDir(args, dist, windows.content_hash), Totals(), 0
+    run_dir, totals = runtime.RunDir(args, dist, windows.content_hash), Totals()
+    step = 0
     if state is None:
         monitor.measure(model, iters=30)         # converged before step 0
     else:
@@ -80,7 +81,7 @@ def main(argv=None):
         train_model = torch.nn.parallel.DistributedDataParallel(
             train_model, device_ids=[device.index] if device.type == "cuda" else None)
 
-    log = run_dir.open_log(model.num_params(), step, resumed=state is not None, changed=changed)
+    log = run_dir.start_log(model.num_params(), step, resumed=state is not None, changed=changed)
 
     def evaluate():
         """Mean validation loss over the same eval_iters batches every time, split over the ranks."""
@@ -145,7 +146,7 @@ def main(argv=None):
             # update after the next monitored step, so the GPU never waits for the guard.
             if step % args.monitor_interval == 0:
                 monitor.measure(model, args.power_iters, kinds=QK_KINDS)
-                event = guard.observe_deferred(step, totals.take_guard_max_logit(), monitor.sigma_head, model)
+                event = guard.observe_deferred(step, totals.take_monitor_max_logit(), monitor.sigma_head, model)
                 if event:
                     detector.pause(event["active_from"] + args.collapse_grace)   # the switch is not a collapse
                     log.write(event, trigger_line(event, guard))
@@ -158,9 +159,11 @@ def main(argv=None):
                 # step since the last record (falling behind would understate a growing sigma)
                 monitor.measure(model, args.power_iters * args.log_interval, kinds=NON_QK_KINDS)
                 tokens_per_step = args.grad_accum * args.batch_size * args.block_size
-                record = log_record(step, lr, grad_norm, totals.take_interval(dist, tokens_per_step),
-                                    monitor=monitor, guard=guard, injector=injector, probe_stats=probe_stats)
+                interval = totals.take_interval(dist, tokens_per_step)
+                record = log_record(step, lr, grad_norm, interval, monitor=monitor, guard=guard,
+                                    injector=injector, probe_stats=probe_stats)
                 log.write(record, console_line(record))
+                totals.start_clock()
                 probe.reset_interval()
                 if detector.update(record["step"], record["loss"]):
                     log.write({"event": "collapse", "step": detector.collapsed_at, "loss": record["loss"]},
@@ -194,45 +197,46 @@ def main(argv=None):
 # The pieces the loop calls
 
 class Totals:
-    """The loop's running totals, on the device (no host sync until a record is written): the loss, step count and
-    max logit of the log interval, and the max logit since the guard's last check."""
+    """The loop's running totals, on the device (no host sync until a record is written): the loss, step count
+    and max logit of the log interval, and the max logit since the last monitored step (the guard's check)."""
 
     def __init__(self):
         self.loss_sum, self.steps, self.max_logit = 0.0, 0, None      # since the last log record
-        self.guard_max_logit = None                                    # since the last monitored step
-        self.started = time.time()
+        self.monitor_max_logit = None                                  # since the last monitored step
+        self.start_clock()
 
     def start_clock(self):
+        """The interval's clock, for tokens_per_s: started before the first step and after each record."""
         self.started = time.time()
 
     def add(self, loss, max_logit):
         self.loss_sum, self.steps = self.loss_sum + loss, self.steps + 1
         self.max_logit = running_max(self.max_logit, max_logit)
-        self.guard_max_logit = running_max(self.guard_max_logit, max_logit)
+        self.monitor_max_logit = running_max(self.monitor_max_logit, max_logit)
 
-    def take_guard_max_logit(self):
-        value, self.guard_max_logit = self.guard_max_logit, None
+    def take_monitor_max_logit(self):
+        value, self.monitor_max_logit = self.monitor_max_logit, None
         return value
 
     def take_interval(self, dist, tokens_per_step):
-        """The interval's mean loss (over the ranks), tokens per second and max logit; the next interval starts."""
+        """The interval's tokens per second, mean loss (over the ranks) and max logit; the sums start over."""
+        elapsed = time.time() - self.started
         interval = {"loss": dist.all_reduce(torch.as_tensor(self.loss_sum / self.steps)).item(),
-                    "tokens_per_s": tokens_per_step * self.steps / (time.time() - self.started),
-                    "max_logit": self.max_logit.tolist()}
+                    "tokens_per_s": tokens_per_step * self.steps / elapsed, "max_logit": self.max_logit.tolist()}
         self.loss_sum, self.steps, self.max_logit = 0.0, 0, None
-        self.start_clock()
         return interval
 
-    def state_dict(self):   # the checkpoint's keys "interval" and "monitor_max_logit"
+    # In the checkpoint, under the keys "interval" and "monitor_max_logit" (format 2).
+    def state_dict(self):
         return {"interval": {"loss_sum": float(self.loss_sum), "steps": self.steps,
                              "max_logit": moved(self.max_logit, "cpu")},
-                "monitor_max_logit": moved(self.guard_max_logit, "cpu")}
+                "monitor_max_logit": moved(self.monitor_max_logit, "cpu")}
 
     def load_state_dict(self, state, device):
         interval = state["interval"]
         self.loss_sum, self.steps = interval["loss_sum"], interval["steps"]
         self.max_logit = moved(interval["max_logit"], device)
-        self.guard_max_logit = moved(state["monitor_max_logit"], device)
+        self.monitor_max_logit = moved(state["monitor_max_logit"], device)
 
 
 def lr_at(step, args):
