@@ -1,17 +1,15 @@
 """
 The assay: move a controlled error to other sources, and probe the QK channel causally.
 
-    ErrorInjector   a per-head error of chosen size and sign-coherence at one site: in the forward (it then
-                    changes the model), or in the backward where the kernel's fault reaches the gradient (delta),
-                    or in a weight's gradient; reached through hooks and an attribute, not the model's code
-    measure_fault   the real fault's error (bf16 softmax state vs fp32), per layer and head, on a real batch
-    Probe           after each step, project the update of W_q/W_k off their top-k singular directions; the
-                    controls do the same to a fixed random subspace, to W_v's or the MLP's top-k directions, or
-                    remove the same energy from random other directions
-    clean_qk_grads  --qk-fix clean-grad: the gradient W_q, W_k would get without the fault; all else stays faulty
+    ErrorInjector   a per-head error of chosen size and sign-coherence at one site in the forward,
+                    the backward's delta (where the fault reaches dq, dk) or a weight's gradient
+    measure_fault   the real fault's error (bf16 softmax state vs fp32), per layer and head
+    Probe           project each step's W_q, W_k update off their top-k singular directions
+                    (controls: a fixed random subspace, W_v's or the MLP's top-k, equal energy)
+    clean_qk_grads  --qk-fix clean-grad: fault-free W_q, W_k gradients; all else stays faulty
 
-The paper's claim under test: wherever an error enters, if its per-head sign persists from step to step
-(temporal sign-coherence), it drives the same W_q/W_k spectral runaway.
+The paper's claim under test: wherever an error enters, if its per-head sign persists from step
+to step (temporal sign-coherence), it drives the same W_q/W_k spectral runaway.
 """
 import contextlib
 import math
@@ -22,7 +20,7 @@ from attention_kernel import attention
 from model import apply_rotary
 
 INJECT_SITES = ("none", "attn-out", "mlp-in", "mlp-out", "residual", "delta", "grad-wv", "grad-mlp")
-ACTIVATION_SITES = ("attn-out", "mlp-in", "mlp-out", "residual")   # forward: the error changes the model
+ACTIVATION_SITES = ("attn-out", "mlp-in", "mlp-out", "residual")   # forward: changes the model
 GRAD_SITES = ("grad-wv", "grad-mlp")
 PROBE_MODES = ("off", "qk-topk", "qk-fixed", "v-topk", "mlp-topk", "equal-energy")
 
@@ -42,18 +40,16 @@ def _unit_rms_groups(direction, n_groups):
 # The controlled error.
 
 class ErrorInjector:
-    """A controlled error at one site. Per head (activation sites: channel group h of C = n_head groups of
-    head_dim; gradient sites: the weight's rows of head h, or n_head row groups for MLP weights) a fixed random
-    direction d_h with unit rms, times a sign s_h that persists from one step to the next with probability
-    `coherence` (1: sign-coherent; 0.5: a fresh random sign each step; 0: flips every step), times `scale`
-    times the rms of the signal it is added to (so a setting means the same at every site and model size).
+    """A controlled error at one site. Per head h (activation sites: channel group h; gradient
+    sites: the weight's rows of head h, or the h-th of n_head row groups for MLP weights): a fixed
+    random unit-rms direction d_h, times a sign s_h that persists to the next step with probability
+    `coherence` (1: sign-coherent; 0.5: random each step; 0: flips every step), times `scale`,
+    times the rms of head h's part of the joined signal, so a setting means the same at any site.
 
-    Activation sites: the error is the same vector at every token (a bias, like the real fault's), computed
-    from the detached activation, so gradients flow through unchanged. "The signal" is head h's channel group
-    of this call's activation (all batch rows and tokens). Gradient sites: "the signal" is the row group of the
-    weight's gradient, measured after backward and before clipping; the error is added to that gradient.
-    delta: the backward's delta = rowsum(dO * O) sees O + e, e_h = s_h * scale_h * rms(O_h) * d_h, as a biased O
-    reaches the gradient in the kernel fault (only dq and dk change; the forward does not). attach(model) first.
+    Activation sites: the same vector at every token (a bias, like the real fault's), computed from
+    the detached activation so gradients flow through unchanged. Gradient sites: added after
+    backward, before clipping. delta: the backward's delta = rowsum(dO * O) sees O + s_h * scale_h
+    * rms(O_h) * d_h, like the kernel fault's biased O (only dq, dk change). attach(model) first.
     """
 
     def __init__(self, site, scale, coherence, n_layer, n_head, n_embd, layers=None, seed=0):
@@ -63,17 +59,17 @@ class ErrorInjector:
         self.n_head, self.head_dim = n_head, n_embd // n_head
         self.layers = list(range(n_layer)) if layers is None else [int(i) for i in layers]
         self.seed = seed
-        self.scales = torch.full((n_layer, n_head), float(scale))       # per (layer, head); matched() sets them
-        self.directions = {}                                              # layer -> tensor, made on first use
+        self.scales = torch.full((n_layer, n_head), float(scale))   # matched() sets them
+        self.directions = {}                                        # layer -> direction, lazily
         self.sign_rng = torch.Generator().manual_seed(seed)
         self.signs = torch.randint(0, 2, (n_layer, n_head), generator=self.sign_rng).float() * 2 - 1
         self.step = None
-        self._err_sq, self._sig_sq = 0.0, 0.0                            # since begin_step, for last_stats
+        self._err_sq, self._sig_sq = 0.0, 0.0                       # since begin_step (last_stats)
         self.enabled, self.handles, self.attentions = True, [], []
-        self._amplitudes = {}                                             # device -> this step's s * scale
+        self._amplitudes = {}                                       # device -> s * scale, this step
 
     def begin_step(self, step):
-        """Update the signs: each (layer, head) keeps its sign with probability `coherence`, else flips.
+        """New signs: each (layer, head) keeps its sign with probability `coherence`, else flips.
         The first call keeps the initial signs; a repeated call for the same step does nothing."""
         if self.step is not None and step != self.step:
             flip = torch.rand(self.signs.shape, generator=self.sign_rng) >= self.coherence
@@ -87,8 +83,8 @@ class ErrorInjector:
                 self._track(amp.pow(2).sum(), amp.numel())
 
     def direction(self, layer, shape, device):
-        """The fixed direction of a layer, unit rms in each of the n_head row groups of dim 0. Seeded by
-        (seed, layer), so it does not depend on call order; kept on the device of its first use."""
+        """A layer's fixed direction, unit rms in each of the n_head row groups of dim 0; seeded by
+        (seed, layer), so independent of call order; kept on the device of its first use."""
         if layer not in self.directions:
             rng = torch.Generator().manual_seed(self.seed * 1000 + layer + 1)
             self.directions[layer] = _unit_rms_groups(torch.randn(shape, generator=rng), self.n_head)
@@ -97,30 +93,30 @@ class ErrorInjector:
         return self.directions[layer]
 
     def amplitude(self, layer, device):
-        """s_h * scale_h per head, as a tensor: no Python floats, so torch.compile does not specialize on signs.
-        Copied to the device once per step (begin_step clears the copy), not once per layer."""
+        """s_h * scale_h per head, as a tensor (Python floats would make torch.compile specialize on
+        signs); copied to the device once per step (begin_step clears it), not once per layer."""
         key = str(device)
         if key not in self._amplitudes:
             self._amplitudes[key] = (self.signs * self.scales).to(device)
         return self._amplitudes[key][layer]
 
     def _track(self, error_sq, signal_sq):
-        # running totals for last_stats, kept as tensors so the forward pass never waits on the device
+        # running totals for last_stats, as tensors: the forward never waits on the device
         self._err_sq, self._sig_sq = self._err_sq + error_sq, self._sig_sq + signal_sq
 
     def __call__(self, x, site, layer):
         if not self.enabled or site != self.site or layer not in self.layers:
             return x
-        heads = x.detach().float().reshape(-1, self.n_head, self.head_dim)        # (B*T, H, head_dim)
-        signal_rms = heads.pow(2).mean(dim=(0, 2)).sqrt()                        # (H,)
+        heads = x.detach().float().reshape(-1, self.n_head, self.head_dim)     # (B*T, H, head_dim)
+        signal_rms = heads.pow(2).mean(dim=(0, 2)).sqrt()                     # (H,)
         d = self.direction(layer, (self.n_head, self.head_dim), x.device)
-        error = (self.amplitude(layer, x.device) * signal_rms)[:, None] * d     # (H, head_dim): same at every token
+        error = (self.amplitude(layer, x.device) * signal_rms)[:, None] * d   # (H, head_dim)
         self._track(error.pow(2).sum() * heads.shape[0], heads.pow(2).sum())
         return x + error.flatten().to(x.dtype)
 
     def attach(self, model):
-        """Reach the site: a hook on the module whose input or output the error joins, or (delta) the attention
-        modules' delta_error attribute, which begin_step sets. The model's own code has no branch for it."""
+        """Reach the site: a hook on the module whose input or output the error joins, or (delta)
+        the attention modules' delta_error, which begin_step sets; the model's code is untouched."""
         self.attentions = model.attentions
         hook = {"attn-out": lambda b, layer: b.attn.o_proj.register_forward_pre_hook(
                     lambda m, args: (self(args[0], "attn-out", layer),)),
@@ -140,7 +136,7 @@ class ErrorInjector:
         self.handles = []
 
     def _set_delta_errors(self):
-        """delta: head h's error in the O that the backward's delta sees, in units of rms(O_h) (see attention())."""
+        """delta: head h's error in the O that delta sees, in units of rms(O_h); see attention()."""
         for layer, attn in enumerate(self.attentions):
             on = self.enabled and layer in self.layers
             attn.delta_error = (self.amplitude(layer, attn.q_proj.weight.device)[:, None] * self.direction(
@@ -162,8 +158,8 @@ class ErrorInjector:
                     attn.delta_error = error
 
     def inject_grads(self, model):
-        """Gradient sites: call after backward, before clipping. Head h's rows of v_proj.weight.grad (grad-wv),
-        or the h-th of n_head row groups of mlp.up_proj.weight.grad (grad-mlp), get d_h * s_h * scale_h * rms."""
+        """Gradient sites, after backward and before clipping: head h's rows of v_proj's gradient
+        (grad-wv), or the h-th row group of up_proj's (grad-mlp), get d_h * s_h * scale_h * rms."""
         if self.site not in GRAD_SITES:
             return
         for layer in self.layers:
@@ -180,7 +176,7 @@ class ErrorInjector:
 
     @property
     def last_stats(self):
-        """For the log: measured error rms / signal rms since begin_step, and the signs of the injected layers."""
+        """For the log: measured error rms / signal rms since begin_step, and the injected signs."""
         ratio = math.sqrt(float(self._err_sq) / max(float(self._sig_sq), 1e-30))
         return {"inject_rms_ratio": ratio, "inject_signs": self.signs[self.layers].tolist()}
 
@@ -198,13 +194,12 @@ class ErrorInjector:
     def matched(cls, model, idx, site="attn-out", accum="bf16", coherence=1.0, layers=None, seed=0, fault=None):
         """An injector that reproduces the real fault's bias, movable to any site.
 
-        "Matched" means: per layer and head, the error's direction is the measured mean error of the faulty
-        attention output (measure_fault's bias_dir: O_faulty - O_fp32 averaged over batch and tokens) and its
-        size is that bias's rms relative to the rms of O_fp32 (bias_ratio), now taken relative to the new
-        site's signal. The zero-mean part of the real error (it averages out over tokens) is left out.
-        At grad-wv the direction is rank 1: the bias direction over the head's rows times a fixed random
-        unit-rms vector over the input columns. At grad-mlp the row groups are not head channels, so the
-        direction stays random and only the per-head sizes are matched.
+        Per layer and head, the direction is the mean error of the faulty attention output
+        (measure_fault's bias_dir) and the size that bias's rms over O_fp32's (bias_ratio), now
+        relative to the new site's signal; the zero-mean part of the real error is left out. At
+        grad-wv the direction is rank 1: the bias direction over the head's rows times a fixed
+        random unit-rms vector over the columns. At grad-mlp the row groups are not head channels:
+        the direction stays random, and only the per-head sizes are matched.
         """
         cfg = model.config
         fault = measure_fault(model, idx, accum) if fault is None else fault
@@ -225,14 +220,12 @@ class ErrorInjector:
 def measure_fault(model, idx, accum="bf16", dtype=torch.bfloat16):
     """The real fault's error, per layer and head, on a batch idx (B, T).
 
-    Each layer's attention is run twice on the same q, k, v (cast to `dtype`, as under bf16 autocast):
-    once with the faulty softmax state `accum` and once with fp32 state, so the difference is the state's
-    error alone. q, k, v are recomputed from the attention module's input, captured by a forward pre-hook
-    while the model runs (with its own settings; pause an attached injector first), the same way
-    CausalSelfAttention does.
-    Returns float32 tensors: error_ratio (L, H) = rms(O_faulty - O_fp32) / rms(O_fp32) over batch and
-    tokens; bias_dir (L, H, head_dim) = the mean of O_faulty - O_fp32 over batch and tokens; bias_ratio
-    (L, H) = rms(bias_dir) / rms(O_fp32).
+    Each layer's attention runs twice on the same q, k, v (cast to `dtype`, as under bf16 autocast):
+    with the faulty state `accum` and with fp32 state, so the difference is the state's error alone.
+    q, k, v are recomputed as CausalSelfAttention does, from the input a forward pre-hook captures
+    while the model runs (pause an attached injector first). Returns float32 tensors, over batch and
+    tokens: error_ratio (L, H) = rms(O_faulty - O_fp32) / rms(O_fp32); bias_dir (L, H, head_dim) =
+    mean(O_faulty - O_fp32); bias_ratio (L, H) = rms(bias_dir) / rms(O_fp32).
     """
     inputs = {}
     hooks = [attn.register_forward_pre_hook(lambda m, args: inputs.__setitem__(m.layer_idx, args[:2]))
@@ -250,7 +243,7 @@ def measure_fault(model, idx, accum="bf16", dtype=torch.bfloat16):
                    for p in (attn.q_proj, attn.k_proj, attn.v_proj))
         if rotary is not None:
             q, k = apply_rotary(q, *rotary), apply_rotary(k, *rotary)
-        impl = "auto" if attn.impl in ("sdpa", "reference") else attn.impl   # those two have no state to break
+        impl = "auto" if attn.impl in ("sdpa", "reference") else attn.impl   # no softmax state
         run = lambda mode: attention(q.to(dtype), k.to(dtype), v.to(dtype), accum=mode, qk_norm=attn.qk_norm,
                                      scale=attn.scale, softcap=attn.softcap, safemax_beta=attn.beta,
                                      impl=impl, block_n=attn.block_n, rounding=attn.rounding).float()
@@ -268,7 +261,7 @@ def measure_fault(model, idx, accum="bf16", dtype=torch.bfloat16):
 # The causal probe.
 
 def _orthonormal_complement(basis, generator):
-    """A random orthonormal basis (n, n - k) of the space orthogonal to the k columns of `basis` (n, k)."""
+    """A random orthonormal basis (n, n - k) of the complement of the columns of `basis` (n, k)."""
     n, k = basis.shape
     g = torch.randn(n, n - k, generator=generator).to(basis)
     g = g - basis @ (basis.T @ g)
@@ -276,23 +269,22 @@ def _orthonormal_complement(basis, generator):
 
 
 class Probe:
-    """After each optimizer step, project a weight's update off a rank-k subspace on both sides: the causal probe
-    (W_q, W_k off their own top-k singular directions) and controls that must still run away if it works.
+    """Project each step's update of a weight off a rank-k subspace on both sides: the causal probe
+    (W_q, W_k off their own top-k directions) and controls that must still run away if it works.
 
-    With W the weight before the step, dW = W_after - W the step's update (AdamW, weight decay and all), and U, V
-    orthonormal (n, k) bases on W's output and input sides:
-      qk-topk:       U, V = W_q's (W_k's) current top-k singular vectors (torch.linalg.svd: exact, and cheap at
-                     these sizes); dW' = (I - U U^T) dW (I - V V^T). The removed part dW - dW' is every component
-                     of dW that touches a top-k direction on either side; its Frobenius norm is e.
-      qk-fixed:      the same projection, with U, V a random subspace of the same rank drawn once per weight and
-                     kept for the whole run (unlike fresh random directions, it cannot average out).
-      v-topk, mlp-topk:  qk-topk's projection on W_v, or on the MLP's input matrix, instead: a non-QK weight.
-      equal-energy:  remove a part R of norm e from W_q, W_k that is orthogonal to U and V (their top-k) on both
-                     sides. Draw random orthonormal bases P of U's complement and Q of V's complement (fresh each
-                     step); dW's out-of-top-k part is then P C Q^T with C = P^T dW Q, a grid of rank-1
-                     coefficients. Take whole coefficients in a random order until their energy reaches e^2 (the
-                     last one in part): R = P (M * C) Q^T, M in [0, 1], ||R|| = e exactly; if C holds less than
-                     e, all of it goes and the log shows the shortfall.
+    With dW = W_after - W the step's update (AdamW, weight decay and all) and U, V orthonormal
+    (n, k) bases on W's output and input sides:
+      qk-topk:       U, V = W_q's (W_k's) current top-k singular vectors (exact SVD, cheap at these
+                     sizes); dW' = (I - U U^T) dW (I - V V^T). The removed part dW - dW', every
+                     component of dW that touches a top-k direction on either side, has norm e.
+      qk-fixed:      the same, with U, V a random rank-k subspace drawn once per weight and kept all
+                     run (fresh random directions would average out).
+      v-topk, mlp-topk:  qk-topk's projection on a non-QK weight: W_v, or the MLP's input matrix.
+      equal-energy:  remove from W_q, W_k a part R of norm e orthogonal to their top-k on both
+                     sides: with fresh random orthonormal bases P, Q of U's and V's complements,
+                     C = P^T dW Q holds dW's out-of-top-k part. Take whole entries of C in random
+                     order up to energy e^2 (the last in part): R = P (M * C) Q^T, M in [0, 1], so
+                     ||R|| = e; if C holds less, it all goes (the log shows the gap).
       off:           nothing.
     The optimizer's moments are left alone: only the applied update changes.
     """
@@ -306,7 +298,7 @@ class Probe:
         self.rng = torch.Generator().manual_seed(seed)
         self.saved = []   # per weight: (layer, name, weight, its value before the step, U, V)
         self.fixed = {}   # qk-fixed: weight index -> its (U, V), drawn once
-        self.fraction_min = 1.0   # smallest ||removed|| / ||target|| of any weight and step since reset_interval
+        self.fraction_min = 1.0   # min ||removed|| / ||target|| since reset_interval
 
     def _weights(self, model):
         names = {"v-topk": ("v",), "mlp-topk": ("mlp_in",)}.get(self.mode, ("q", "k"))
@@ -314,7 +306,7 @@ class Probe:
         return [(i, name, weights[name][i]) for i in range(len(model.blocks)) for name in names]
 
     def _fixed_basis(self, w, index):
-        """qk-fixed: the same random (U, V) for weight `index` at every step, from (seed, index) alone."""
+        """qk-fixed: the same random (U, V) for weight `index` at every step, from (seed, index)."""
         gen = torch.Generator().manual_seed(self.seed * 1000 + index)
         return tuple(torch.linalg.qr(torch.randn(n, self.k, generator=gen)).Q.to(w.device) for n in w.shape)
 
@@ -338,7 +330,7 @@ class Probe:
         coef = P.T @ dW @ Q
         c2 = coef.pow(2).flatten().double()
         order = torch.randperm(c2.numel(), generator=self.rng).to(c2.device)
-        before = c2[order].cumsum(0) - c2[order]                    # energy taken before each coefficient
+        before = c2[order].cumsum(0) - c2[order]                    # energy taken before each entry
         budget = (energy ** 2 - before).clamp_min(0)
         share = torch.where(c2[order] > 0, (budget / c2[order]).clamp(max=1).sqrt(), torch.zeros_like(budget))
         mask = torch.empty_like(share).scatter_(0, order, share).view_as(coef).to(coef)
@@ -346,10 +338,9 @@ class Probe:
 
     @torch.no_grad()
     def after_step(self, model):
-        """Apply the projection; return per-layer norms for the log: {q,k}_update (||dW||), {q,k}_removed (||R||)
-        and {q,k}_target (what qk-topk removes: equal to _removed unless the control fell short), and
-        removed_fraction_min: the smallest share of its target any weight's removal reached at any step since
-        reset_interval() (1 for every mode but an equal-energy control that fell short)."""
+        """Apply the projection; return per-layer norms for the log: {q,k}_update (||dW||), _removed
+        (||R||) and _target (qk-topk's removal: _removed unless the control fell short), and
+        removed_fraction_min, the smallest removed / target of any weight since reset_interval()."""
         norms = {}
         for i, name, w, w_before, U, V in self.saved if self.mode != "off" else []:
             dW = w.float() - w_before.float()
@@ -371,11 +362,11 @@ class Probe:
         return {**stats, "removed_fraction_min": self.fraction_min}
 
     def reset_interval(self):
-        """Start the next log interval's removed_fraction_min (train.py calls it after each log record)."""
+        """Start the next interval's removed_fraction_min (train.py calls it after each record)."""
         self.fraction_min = 1.0
 
     def state_dict(self):
-        return {"mode": self.mode, "k": self.k, "rng": self.rng.get_state(),   # qk-fixed's bases: from the seed
+        return {"mode": self.mode, "k": self.k, "rng": self.rng.get_state(),   # qk-fixed: seeded
                 "fraction_min": self.fraction_min}
 
     def load_state_dict(self, state):
@@ -385,12 +376,12 @@ class Probe:
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# The QK-only fix (--qk-fix clean-grad): W_q and W_k learn as if there were no fault; nothing else changes.
+# The QK-only fix (--qk-fix clean-grad): W_q and W_k learn as if there were no fault.
 
 @contextlib.contextmanager
 def fault_free(model, injector=None):
-    """The same model without the fault under study: fp32 softmax state and no injected error (the kernel's other
-    rounding points stay as the run has them)."""
+    """The model without the fault under study: fp32 softmax state, no injected error (the kernel's
+    other rounding points stay as the run has them)."""
     faulty_accums = [attn.accum for attn in model.attentions]
     for attn in model.attentions:
         attn.accum = "fp32"
@@ -403,7 +394,7 @@ def fault_free(model, injector=None):
 
 
 def clean_qk_grads(model, x, y, autocast, scale, injector=None):
-    """--qk-fix clean-grad: the gradient W_q and W_k would get from the fault-free model on this batch; no
+    """--qk-fix clean-grad: W_q's and W_k's gradient from the fault-free model on this batch; no
     other .grad is touched, so every other weight keeps its faulty gradient."""
     with fault_free(model, injector), autocast():
         _, loss, _ = model(x, y)

@@ -1,10 +1,9 @@
 """
-The configuration of a training run: every flag of train.py with its default and its allowed values, the named
+The configuration of a training run: train.py's flags with their defaults and allowed values, the
 presets, and the combinations refused before anything runs.
 
-A value comes from the command line if given there, else from the preset (--preset; auto picks demo on a CPU and
-assay on a GPU), else from the flag's default below. Every number is checked where it is parsed, so a bad value
-ends in one line naming the flag, before any work starts.
+A value comes from the command line, else from --preset (auto: demo on a CPU, assay on a GPU), else
+from the flag's default. Numbers are checked as parsed: a bad one fails in one line naming the flag.
 """
 import argparse
 import math
@@ -19,14 +18,13 @@ from guard import ACTIONS, DEFAULT_THRESHOLD, SCOPES, SIGNALS
 
 # Training defaults per preset; the model sizes are model.MODEL_SIZES[preset["size"]].
 PRESETS = {
-    # The demo: the cpu model at a learning rate high enough that its attention logits run away within
-    # a minute (README, "What you will see"); `auto` picks it on a CPU.
+    # demo (auto's pick on a CPU): the cpu model at an lr that makes its logits run away (README)
     "demo": dict(size="cpu", tokenizer="byte", batch_size=8, grad_accum=1, max_steps=300, lr=3e-2, min_lr=3e-2,
                  warmup_steps=20, schedule="constant", log_interval=10, eval_interval=100, eval_iters=4, ckpt_interval=100),
     "cpu": dict(size="cpu", tokenizer="byte", batch_size=8, grad_accum=1, max_steps=100, lr=3e-3, min_lr=3e-4,
                 warmup_steps=10, schedule="cosine", log_interval=10, eval_interval=50, eval_iters=4, ckpt_interval=50),
-    # The CPU lab of the claims sweeps (RESULTS.md): the cpu model at a healthy learning rate, held constant
-    # so that an injected error meets the same optimizer all run long; 300 steps (the pilot's, RESULTS.md).
+    # lab (the claims sweeps of RESULTS.md): the cpu model at a healthy lr, held constant so that
+    # an injected error meets the same optimizer all run long
     "lab": dict(size="cpu", tokenizer="byte", batch_size=8, grad_accum=1, max_steps=300, lr=3e-3, min_lr=3e-3,
                 warmup_steps=20, schedule="constant", log_interval=10, eval_interval=100, eval_iters=4,
                 ckpt_interval=100),
@@ -41,8 +39,7 @@ PRESETS = {
                         eval_iters=50, ckpt_interval=1000),
 }
 def padded_vocab(n):
-    """The model's vocabulary for a tokenizer of n tokens: padded to a multiple of 64 for faster matmuls (GPT-2's
-    50,257 -> 50,304, bytes' 257 -> 320); the padding rows are never targets."""
+    """n tokens padded to a multiple of 64 for faster matmuls; padding rows are never targets."""
     return 64 * math.ceil(n / 64)
 
 
@@ -54,10 +51,10 @@ PRESET_KEYS = {key for values in (*PRESETS.values(), *model_lib.MODEL_SIZES.valu
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Value types: each refuses what makes no sense with a message argparse prints as "argument --flag: ...".
+# Value types: each refuses nonsense with a message argparse prints as "argument --flag: ...".
 
 def number(kind=float, low=None, high=None, above=False, below=False):
-    """A parser of int or finite float values in [low, high] (above / below: the bound itself excluded)."""
+    """A parser of int or finite float values in [low, high] (above / below: bound excluded)."""
     def parse(text):
         try:
             x = kind(text)
@@ -103,8 +100,7 @@ def build_parser():
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
 
     def add(group, flag, default, help, **kw):
-        # Parsed with default None, so that what was typed is known (a resume keeps the saved values);
-        # the defaults are filled in afterwards, from the preset (PRESET_KEYS) or from here.
+        # default=None tells what was typed (a resume keeps the saved values); filled in later
         name = flag[2:].replace("-", "_")
         FLAG_DEFAULTS[name] = default
         if name in PRESET_KEYS:
@@ -114,16 +110,15 @@ def build_parser():
         group.add_argument(flag, default=None, help=help, **kw)
 
     g = p.add_argument_group("data")
-    add(g, "--dataset", "pycode", "dataset name (pycode: the Python sources of this interpreter, prepared "
-        "automatically; others: see prepare_data.py)")
-    add(g, "--tokenizer", None, "byte (one token per byte: the CPU presets) or gpt2 (GPT-2's BPE: the GPU "
-        "presets); picks data/<dataset>-byte or data/<dataset>. The model's vocabulary follows the data's meta.json",
-        choices=list(prepare_data.TOKENIZERS))
-    add(g, "--data-dir", "", "folder holding train.bin, val.bin, meta.json (empty: data/<dataset> for gpt2, "
-        "data/<dataset>-byte for byte, beside train.py); its meta.json names the tokenizer")
+    add(g, "--dataset", "pycode", "dataset name (pycode: this Python's own sources, prepared on "
+        "first use; others: see prepare_data.py)")
+    add(g, "--tokenizer", None, "byte (the CPU presets) or gpt2 (GPT-2's BPE: the GPU presets); "
+        "the vocabulary follows the data's meta.json", choices=list(prepare_data.TOKENIZERS))
+    add(g, "--data-dir", "", "folder of train.bin, val.bin and meta.json, which names the "
+        "tokenizer (empty: data/<dataset>, or data/<dataset>-byte for byte, beside train.py)")
 
     g = p.add_argument_group("model (sizes come from --preset unless given)")
-    add(g, "--preset", "auto", "model size and training defaults (auto: demo on a CPU, assay on a GPU)",
+    add(g, "--preset", "auto", "model and training defaults (auto: demo on a CPU, assay on a GPU)",
         choices=["auto", *PRESETS])
     add(g, "--arch", "gpt2", "gpt2: LayerNorm/GELU/learned positions; llama: RMSNorm/SwiGLU/rotary",
         choices=["gpt2", "llama"])
@@ -134,36 +129,35 @@ def build_parser():
     add(g, "--dropout", 0.0, "dropout probability", type=FRACTION)
 
     g = p.add_argument_group("attention numerics (attention_kernel.py; the README has the table)")
-    add(g, "--attn-impl", "auto", "auto: the Triton kernel on CUDA, its PyTorch twin on a CPU; sdpa: PyTorch "
-        "SDPA (fp32 only)", choices=["auto", "triton", "torch", "sdpa"])
-    add(g, "--accum", "fp32", "the streaming-softmax state (m, l, O): fp32 (the repair), bf16 (the fault), "
-        "bf16-safemax (the prior work's fix at the source)", choices=list(ACCUM_MODES))
-    add(g, "--round", "auto", "the kernel's other bf16 rounding points, comma-separated: logits (S out of a bf16 "
-        "matmul), pv (each block's P V rounded by itself), backward (the prior work's bf16 backward); none; or "
-        "auto: logits,pv for bf16 attention inputs, so that --accum changes the state alone", type=rounding_sources)
-    add(g, "--attn-dtype", "bf16", "q, k, v enter attention in bf16 (on a CPU they are rounded there, as bf16 "
-        "autocast makes them on a GPU), or native: in the dtype they were computed in", choices=["bf16", "native"])
+    add(g, "--attn-impl", "auto", "auto: the Triton kernel on CUDA, its PyTorch twin on a CPU; "
+        "sdpa: PyTorch SDPA (fp32 only)", choices=["auto", "triton", "torch", "sdpa"])
+    add(g, "--accum", "fp32", "the streaming-softmax state (m, l, O): fp32 (the repair), bf16 (the "
+        "fault), bf16-safemax (the prior work's fix at the source)", choices=list(ACCUM_MODES))
+    add(g, "--round", "auto", "the other bf16 rounding points, comma-separated: logits (S), pv "
+        "(each block's P V), backward (the prior work's bf16 backward); none; or auto: logits,pv "
+        "for bf16 inputs, so that --accum changes the state alone", type=rounding_sources)
+    add(g, "--attn-dtype", "bf16", "q, k, v enter attention in bf16 (as under a GPU's autocast), "
+        "or native: in the dtype they were computed in", choices=["bf16", "native"])
     add(g, "--block-n", 0, "key block of the streaming loop (0: the kernel's default)", type=SIZE)
     add(g, "--safemax-beta", 2.0, "bf16-safemax: shift repeated maxima by beta*max", type=number(low=1, above=True))
     add(g, "--qknorm", "off", "parameter-free QK-norm from step 0 (the always-on baseline)",
         choices=["off", "always"])
-    add(g, "--softcap", 0.0, "tanh soft-cap of attention logits from step 0 (0: off)", type=NONNEGATIVE)
-    add(g, "--attn-scale", 0.0, "logit scale (0: 1/sqrt(head_dim)); a fixed scale is common with QK-norm",
+    add(g, "--softcap", 0.0, "tanh soft-cap of the logits from step 0 (0: off)", type=NONNEGATIVE)
+    add(g, "--attn-scale", 0.0, "logit scale (0: 1/sqrt(head_dim)), often fixed with QK-norm",
         type=NONNEGATIVE)
 
     g = p.add_argument_group("monitor and QK-Guard (guard.py)")
-    add(g, "--guard", "off", "QK-Guard: dormant until the signal first crosses --guard-threshold, then "
-        "--guard-action stays on", choices=["on", "off"])
-    add(g, "--guard-signal", "max-logit", "watched signal per layer and head", choices=list(SIGNALS))
-    add(g, "--guard-threshold", 0.0, "trigger level in the signal's units (0: the signal's default, " + ", ".join(
-        f"{s} {v:g}" for s, v in DEFAULT_THRESHOLD.items()) + "; the README says where they come from)",
-        type=NONNEGATIVE)
-    add(g, "--guard-action", "qknorm", "qknorm (the paper's), qkclip (weight-side QK), or the non-QK controls "
-        "lr-drop, clip, softcap, fp32-accum", choices=list(ACTIONS))
+    add(g, "--guard", "off", "QK-Guard: dormant until the signal first crosses --guard-threshold, "
+        "then --guard-action stays on", choices=["on", "off"])
+    add(g, "--guard-signal", "max-logit", "the signal, per layer and head", choices=list(SIGNALS))
+    add(g, "--guard-threshold", 0.0, "trigger level (0: the signal's default, " + ", ".join(
+        f"{s} {v:g}" for s, v in DEFAULT_THRESHOLD.items()) + "; see the README)", type=NONNEGATIVE)
+    add(g, "--guard-action", "qknorm", "qknorm (the paper's), qkclip (weight-side QK), or the "
+        "non-QK controls lr-drop, clip, softcap, fp32-accum", choices=list(ACTIONS))
     add(g, "--guard-scope", "all", "act on every layer, or on crossed layers", choices=list(SCOPES))
     add(g, "--qkclip-tau", 100.0, "qkclip: cap on each head's max logit", type=POSITIVE)
-    add(g, "--lr-drop-factor", 0.1, "lr-drop: multiply the learning rate by this", type=number(low=0, high=1,
-                                                                                               above=True))
+    add(g, "--lr-drop-factor", 0.1, "lr-drop: multiply the lr by this", type=number(low=0, high=1,
+                                                                                    above=True))
     add(g, "--clip-tight", 0.1, "clip: gradient-norm clip after the trigger", type=POSITIVE)
     add(g, "--softcap-value", 50.0, "softcap action: the cap c (Gemma 2 uses 50)", type=POSITIVE)
     add(g, "--monitor-interval", 1, "monitor (sigmas, guard check) every N steps", type=COUNT)
@@ -171,26 +165,25 @@ def build_parser():
     add(g, "--collapse-margin", 1.0, "collapse: loss above its running min by this", type=POSITIVE)
     add(g, "--collapse-patience", 5, "... for this many logged steps in a row", type=COUNT)
     add(g, "--collapse-smoothing", 0.9, "EMA factor applied to logged losses first", type=FRACTION)
-    add(g, "--collapse-grace", 100, "steps after the guard's action starts in which a loss transient does not "
-        "count as a collapse (a non-finite loss always does)", type=SIZE)
+    add(g, "--collapse-grace", 100, "steps after the guard acts in which a loss transient is no "
+        "collapse (a non-finite loss always is)", type=SIZE)
     add(g, "--on-collapse", "stop", "what to do at a collapse", choices=["stop", "continue"])
 
     g = p.add_argument_group("the assay: a controlled error at any source, the QK-only fix, the causal probe "
                              "(assay.py)")
-    add(g, "--inject-site", "none", "where a controlled error enters: the forward's attn-out, mlp-in, mlp-out, "
-        "residual (the model changes), the backward's delta (where the kernel fault reaches the gradient: only "
-        "dq, dk change), or the gradient of W_v / W_up", choices=list(INJECT_SITES))
-    add(g, "--inject-scale", None, "error rms over the rms of the signal it joins, or 'matched' (size and per-head "
-        "direction of the bf16 fault's bias, measured on the first batch)", type=injection_scale)
-    add(g, "--inject-coherence", None, "probability that a head's error sign persists to the next step (1: "
-        "sign-coherent, the default; 0.5: a fresh random sign each step)", type=PROBABILITY)
+    add(g, "--inject-site", "none", "where the error enters: attn-out, mlp-in, mlp-out, residual "
+        "(the forward: the model changes), delta (the backward: only dq, dk change), grad-wv, "
+        "grad-mlp (W_v's, W_up's gradient)", choices=list(INJECT_SITES))
+    add(g, "--inject-scale", None, "error rms over the rms of the signal it joins, or 'matched' "
+        "(the bf16 fault's bias, per head, measured on the first batch)", type=injection_scale)
+    add(g, "--inject-coherence", None, "probability that a head's error sign persists to the next "
+        "step (1, the default: sign-coherent; 0.5: a random sign each step)", type=PROBABILITY)
     add(g, "--inject-layers", "all", "comma-separated layer indices, or all")
-    add(g, "--qk-fix", "off", "while the fault stays on, correct only the QK channel: clean-grad (W_q, W_k get "
-        "the fault-free gradient: backward sites) or qknorm (parameter-free QK-norm from step 0: forward sites)",
-        choices=list(QK_FIXES))
-    add(g, "--probe", "off", "after each step, project the W_q/W_k update off their top-k singular directions "
-        "(qk-topk); controls: a fixed random subspace of W_q/W_k (qk-fixed), W_v's or the MLP input's top-k "
-        "(v-topk, mlp-topk), the same energy elsewhere (equal-energy)", choices=list(PROBE_MODES))
+    add(g, "--qk-fix", "off", "QK-only fix, the fault left on: clean-grad (fault-free W_q, W_k "
+        "gradients; backward sites) or qknorm (from step 0; forward sites)", choices=list(QK_FIXES))
+    add(g, "--probe", "off", "project each step's W_q/W_k update off its top-k singular directions "
+        "(qk-topk); controls: a fixed random subspace (qk-fixed), W_v's or the MLP's top-k "
+        "(v-topk, mlp-topk), equal energy elsewhere (equal-energy)", choices=list(PROBE_MODES))
     add(g, "--probe-k", 3, "singular directions the probe removes", type=COUNT)
 
     g = p.add_argument_group("optimization (defaults come from --preset unless given)")
@@ -201,8 +194,8 @@ def build_parser():
     add(g, "--min-lr", None, "final learning rate of the cosine schedule", type=NONNEGATIVE)
     add(g, "--warmup-steps", None, "linear warmup steps", type=SIZE)
     add(g, "--schedule", None, "after warmup", choices=["cosine", "constant"])
-    add(g, "--decay-steps", 0, "the cosine reaches --min-lr here (0: --max-steps; kept on resume, so a longer "
-        "--max-steps does not bend the schedule)", type=SIZE)
+    add(g, "--decay-steps", 0, "the cosine reaches --min-lr here (0: --max-steps; kept on resume, "
+        "so a longer --max-steps does not bend the schedule)", type=SIZE)
     add(g, "--weight-decay", 0.0, "AdamW weight decay on matrices", type=NONNEGATIVE)
     add(g, "--beta1", 0.9, "AdamW beta1", type=FRACTION)
     add(g, "--beta2", 0.95, "AdamW beta2", type=FRACTION)
@@ -226,8 +219,7 @@ def build_parser():
 
 
 def parse_args(argv=None):
-    """(args with the flags' own defaults filled in, the flags typed on the command line, the parser). The preset's
-    values come later, in resolve(), once the device is known."""
+    """(args with the flags' defaults, the flags typed, the parser); resolve() adds the preset's."""
     parser = build_parser()
     typed = {k: v for k, v in vars(parser.parse_args(argv)).items() if v is not None}
     args = argparse.Namespace(**{**FLAG_DEFAULTS, **typed})
@@ -239,7 +231,7 @@ def parse_args(argv=None):
 
 
 def refusals(args, typed):
-    """(refused, why and what to do instead): settings that would silently do nothing or fail later."""
+    """(refused, why and what to do instead): settings that would do nothing or fail later."""
     guard_on, action = args.guard == "on", args.guard_action
     qk_normed = args.qknorm == "always" or args.qk_fix == "qknorm"
     site, scale, fix = args.inject_site, args.inject_scale, args.qk_fix
@@ -299,8 +291,7 @@ def resolve(args, device, parser):
 
 
 def model_config(args):
-    """The model's configuration, from the flags, in the forms the kernel takes (block_n 0 and --round auto:
-    None, the kernel's defaults)."""
+    """The GPTConfig of the flags; block_n 0 and --round auto become None, the kernel's defaults."""
     return model_lib.GPTConfig(
         vocab_size=args.vocab_size, arch=args.arch, n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd,
         block_size=args.block_size,
@@ -311,5 +302,5 @@ def model_config(args):
 
 
 def kernel_rounding(flag):
-    """--round as the kernel takes it: None (its default for the input dtype) or a tuple of sources."""
+    """--round for the kernel: None (its default for the input dtype) or a tuple of sources."""
     return None if flag == "auto" else () if flag == "none" else tuple(flag.split(","))

@@ -1,15 +1,13 @@
 """
-QK-Guard: watch the query-key channel, stay dormant, and at the first threshold crossing switch an action on.
+QK-Guard: watch the query-key channel, stay dormant, and switch an action on at the first crossing.
 
 Three parts, one screen each:
-  SpectralMonitor   the top singular value of every weight matrix per layer, and of W_q, W_k per head, by
-                    power iteration carried across steps (never a full SVD)
-  QKGuard           the dormant controller: signal -> first crossing -> an action latched on for the rest of
-                    the run (its state travels in the checkpoint)
+  SpectralMonitor   the top singular value of every weight matrix per layer, and of W_q, W_k per
+                    head, by power iteration carried across steps (never a full SVD)
+  QKGuard           the dormant controller: first crossing -> an action on for the rest of the run
   CollapseDetector  a non-finite loss, or a loss stuck above its running minimum by a margin
 
-The max attention logit costs nothing to watch: the kernel returns it as a by-product, and the model hands
-it back from forward() as an (n_layer, n_head) tensor.
+The max attention logit is free to watch: the kernel returns it, and forward() passes it on.
 """
 import math
 from typing import NamedTuple, Optional
@@ -19,9 +17,9 @@ import torch
 from model import WEIGHT_KINDS
 
 SIGNALS = ("max-logit", "sigma-product")
-# Each signal's default threshold, in its own units, set between healthy runs and runaways (SOURCES.md has
-# the H200 runs behind max-logit, MEASUREMENTS.md the CPU runs behind sigma-product). sigma-product is
-# sigma(W_q,h) * sigma(W_k,h), whose scale depends on the model: set it from a healthy run's log.
+# Default thresholds, between healthy runs and runaways: max-logit's from SOURCES.md's H200 runs,
+# sigma-product's from MEASUREMENTS.md's CPU runs; the latter scales with the model, so set it from
+# a healthy run's log.
 DEFAULT_THRESHOLD = {"max-logit": 200.0, "sigma-product": 50.0}
 # What each action does once triggered, and where train.py's loop applies it.
 ACTIONS = {
@@ -38,12 +36,12 @@ SCOPES = ("all", "crossed")
 
 
 class SpectralMonitor:
-    """sigma_max(W) ~= |W v| where v, the top right singular vector, is refined by `iters` power steps per call.
+    """sigma_max(W) ~= |W v|, v the top right singular vector refined by `iters` power steps.
 
-    The weights move slowly between optimizer steps, so the vector carried over from the last step is already
-    close, and a single iteration keeps it converged (the test checks 1% of the exact value after warm-up).
-    Each kind's matrices (one per layer, same shape) are stacked in fp32 for a few batched products.
-    The latest values live here: sigma {kind: (n_layer,)} and sigma_head (n_layer, 2, n_head), [:, 0] W_q.
+    The weights move little per step, so the v carried over stays close and one iteration keeps it
+    converged (test_training.py checks it against the exact value). Each kind's layers are stacked
+    in fp32 for batched products. Latest values: sigma {kind: (n_layer,)}, sigma_head (n_layer, 2,
+    n_head) with W_q at [:, 0].
     """
 
     def __init__(self, model, seed=0):
@@ -64,12 +62,11 @@ class SpectralMonitor:
 
     @torch.no_grad()
     def measure(self, model, iters=1, kinds=WEIGHT_KINDS):
-        """Refresh self.sigma (of `kinds`) and, with W_q and W_k, self.sigma_head; returns (sigma, sigma_head).
-        train.py measures W_q, W_k at every monitored step (the guard reads them) and the other kinds only for the
-        log: each call stacks a copy of the weights it measures."""
-        stacks = {kind: torch.stack(ws).float()                                      # (layer, out, in)
+        """Refresh self.sigma (of `kinds`) and, with W_q and W_k, self.sigma_head; returns both.
+        Each call copies the weights it measures, so train.py measures non-QK kinds at log steps."""
+        stacks = {kind: torch.stack(ws).float()                              # (layer, out, in)
                   for kind, ws in model.weight_matrices(kinds).items()}
-        if "q" in kinds:   # per head: head h owns output rows h*head_dim:(h+1)*head_dim of W_q and W_k
+        if "q" in kinds:   # head h owns rows h*head_dim:(h+1)*head_dim of W_q and W_k
             stacks["qk_head"] = torch.stack([stacks["q"], stacks["k"]], dim=1).unflatten(2, (self.n_head, -1))
         norms = {}
         for kind, w in stacks.items():
@@ -81,7 +78,7 @@ class SpectralMonitor:
         return self.sigma, self.sigma_head
 
     def record(self):
-        """The latest values as the log wants them: sigma_<kind> per layer, sigma_{q,k}_head per layer and head."""
+        """For the log: sigma_<kind> per layer, sigma_{q,k}_head per layer and head."""
         out = {f"sigma_{kind}": s.tolist() for kind, s in self.sigma.items()}
         out.update(sigma_q_head=self.sigma_head[:, 0].tolist(), sigma_k_head=self.sigma_head[:, 1].tolist())
         return out
@@ -98,24 +95,23 @@ class SpectralMonitor:
 
 
 class Pending(NamedTuple):
-    """A check queued by observe_deferred: the flag `crossed` travels to the host while the next steps run."""
+    """A check queued by observe_deferred; `crossed` reaches the host while the next steps run."""
     step: int
     values: torch.Tensor             # the watched signal, (n_layer, n_head)
-    crossed: torch.Tensor            # any value above the threshold: a bool, on the host once `copied` is done
-    copied: Optional[object]         # the CUDA event of that copy, or None where there is nothing to wait for
+    crossed: torch.Tensor            # any value over threshold: on the host once `copied` is done
+    copied: Optional[object]         # the CUDA event of that copy, or None: nothing to wait for
 
 
 class QKGuard:
-    """Dormant until the signal first crosses the threshold; then the action stays on for the rest of the run.
+    """Dormant until the signal first crosses the threshold; then the action stays on for the run.
 
     signal  "max-logit":     the max attention logit of each (layer, head) in this step's forward.
-            "sigma-product": sigma(W_q,h) * sigma(W_k,h) per head, the bound on the logit's bilinear form.
-    scope   "all":     the action covers every layer from the trigger on (one switch, one recompile).
+            "sigma-product": sigma(W_q,h) * sigma(W_k,h), the bound on the head's bilinear form.
+    scope   "all":     every layer from the trigger on (one switch, one recompile).
             "crossed": only layers whose signal crossed; a layer that crosses later joins then.
 
-    observe() checks at once, which reads one flag back to the host and so makes a GPU wait for the step to end.
-    observe_deferred(), what train.py uses, copies the flag in the background and acts on it at the next check:
-    the action starts one monitored step later, and the GPU never waits for the guard.
+    observe() checks at once, so a GPU must finish the step first. train.py's observe_deferred()
+    copies the flag in the background and acts one monitored step later: the GPU never waits.
     """
 
     def __init__(self, *, threshold, enabled=False, signal="max-logit", action="qknorm", scope="all",
@@ -125,7 +121,7 @@ class QKGuard:
             if value not in valid:
                 raise ValueError(f"unknown guard {name} {value!r}: choose one of {', '.join(valid)}")
         self.enabled, self.signal = enabled, signal
-        self.threshold = threshold   # in the signal's units (train.py's default: DEFAULT_THRESHOLD[signal])
+        self.threshold = threshold   # in the signal's units (train.py's default: DEFAULT_THRESHOLD)
         self.action, self.scope = action, scope
         self.tau, self.lr_factor, self.clip_norm, self.softcap = tau, lr_factor, clip_norm, softcap
         self.trigger = None      # {"step", "layer", "head", "value"} of the first crossing
@@ -146,25 +142,25 @@ class QKGuard:
         return self.enabled and not (self.triggered and self.scope == "all")
 
     def watched_values(self, max_logit, sigma_head):
-        """The signal of the layers the action does not cover yet (covered layers -inf: a signal the action does
-        not lower, like sigma-product under qknorm, must not count as a new crossing at every check)."""
+        """The signal of the layers the action does not cover yet; covered layers get -inf, or a
+        signal the action does not lower (sigma-product under qknorm) would cross at every check."""
         values = self.signal_values(max_logit, sigma_head).float().clone()
         values[self.layers] = -math.inf
         return values
 
     def observe(self, step, max_logit, sigma_head, model):
-        """Check the signal; on a (new) crossing switch the action on. Returns the trigger event or None."""
+        """Check the signal; on a (new) crossing switch the action on. Returns the event or None."""
         if not self.watching():
             return None
         values = self.watched_values(max_logit, sigma_head)
-        if not (values > self.threshold).any():      # a device->host read: the GPU must finish the step first
+        if not (values > self.threshold).any():      # a host read: the GPU must finish the step
             return None
         return self.switch_on(step, values, model)
 
     def observe_deferred(self, step, max_logit, sigma_head, model):
-        """observe() one monitored step late, without a host sync: act on the check queued last time (its flag
-        reached the host while this step ran), then queue this step's. An event names the step that crossed, and
-        in active_from the first update that the action changes: the one after `step`."""
+        """observe() one monitored step late, with no host sync: act on the check queued last time
+        (its flag reached the host while this step ran), then queue this step's. An event names the
+        step that crossed, and in active_from the first update the action changes (step + 1)."""
         event, pending, self.pending = None, self.pending, None
         if pending is not None and self._crossed(pending) and self.watching():
             event = self.switch_on(pending.step, pending.values, model)
@@ -175,7 +171,7 @@ class QKGuard:
             crossed, copied = (values > self.threshold).any(), None
             if crossed.is_cuda:
                 stream = torch.cuda.current_stream(crossed.device)
-                crossed = crossed.to("cpu", non_blocking=True)   # pinned by the caching host allocator
+                crossed = crossed.to("cpu", non_blocking=True)   # pinned (caching host allocator)
                 copied = torch.cuda.Event()
                 copied.record(stream)
             self.pending = Pending(step, values, crossed, copied)
@@ -183,7 +179,7 @@ class QKGuard:
 
     @staticmethod
     def _crossed(pending):
-        """A queued check's flag on the host. Waits for that copy only, long done: not for the work queued since."""
+        """A queued check's flag on the host; waits for that long-done copy, not for later work."""
         if pending.copied is not None:
             pending.copied.synchronize()
         return bool(pending.crossed)
@@ -193,7 +189,7 @@ class QKGuard:
         return self.pending.step if self.pending is not None and self._crossed(self.pending) else None
 
     def switch_on(self, step, values, model):
-        """The signal crossed at `step`: extend the action to the new layers it covers. Returns the event."""
+        """The signal crossed at `step`: extend the action to the new layers; returns the event."""
         crossed = values > self.threshold
         crossed_layers = crossed.any(dim=1).nonzero().flatten().tolist()
         n_layer = values.shape[0]
@@ -239,8 +235,8 @@ class QKGuard:
 
     @torch.no_grad()
     def after_optimizer_step(self, model, max_logit):
-        """qkclip, after the update (Kimi K2's QK-Clip): scale W_q and W_k rows of every covered head whose max
-        logit exceeds tau by sqrt(tau / S_max) each, so that head's logits shrink by tau / S_max."""
+        """qkclip after the update (Kimi K2's QK-Clip): scale the W_q, W_k rows of each covered head
+        with max logit S_max > tau by sqrt(tau / S_max), so its logits shrink by tau / S_max."""
         if not (self.triggered and self.action == "qkclip"):
             return 0
         clipped = 0
@@ -256,12 +252,12 @@ class QKGuard:
         return clipped
 
     def state_dict(self):
-        # a queued check travels too, so a resumed run acts on it at the same step as an uninterrupted one
+        # a queued check travels too, so a resumed run acts on it when an uninterrupted one would
         pending = None if self.pending is None else {"step": self.pending.step, "values": self.pending.values.cpu()}
         return {"trigger": self.trigger, "layers": list(self.layers), "pending": pending}
 
     def load_state_dict(self, state):
-        """The latched state back; apply_to_model() then switches the action on in the model again."""
+        """The latched state back; apply_to_model() then switches the action on in the model."""
         self.trigger, self.layers = state["trigger"], list(state["layers"])
         pending = state.get("pending")
         self.pending = None if pending is None else \
@@ -269,13 +265,12 @@ class QKGuard:
 
 
 class CollapseDetector:
-    """Collapse = a non-finite loss, or the smoothed loss above its running minimum + margin for `patience`
-    logged steps in a row. Smoothing (an EMA of the logged losses) keeps the noise of small batches from
-    counting; a spike that recovers is not a collapse. The recorded step is the first of the bad streak.
+    """Collapse: a non-finite loss, or the smoothed (EMA) loss above its running minimum + margin
+    for `patience` logged steps in a row; small-batch noise and a spike that recovers do not count.
+    collapsed_at is the first step of the bad streak.
 
-    The guard's own switch (QK-norm turning on cuts logits of hundreds to at most head_dim * scale in one step)
-    can shake the loss for a while: pause(until) keeps such a transient from counting, up to step `until`. A
-    loss that stays above the old minimum by the margin after that still counts."""
+    The guard's own switch (QK-norm cuts logits of hundreds in one step) can shake the loss for a
+    while: pause(until) ignores it up to step `until`; a loss still too high after that counts."""
 
     def __init__(self, margin=1.0, patience=5, smoothing=0.9):
         self.margin, self.patience, self.smoothing = margin, patience, smoothing

@@ -3,13 +3,12 @@ A GPT in one file, in two flavours chosen by config:
   arch="gpt2":  LayerNorm, GELU MLP, learned positions, tied embeddings (GPT-2 / nanoGPT).
   arch="llama": RMSNorm, rotary positions, SwiGLU MLP, tied embeddings (LLaMA style).
 
-Every attention layer goes through attention_kernel.attention(), whose state precision (`accum`) is the
-fault under study. W_q and W_k are separate nn.Linear layers, so the monitor and the guard reach them per
-layer and, by rows, per head: head h owns rows h*head_dim:(h+1)*head_dim.
+Every attention layer goes through attention_kernel.attention(), whose state precision (`accum`)
+is the fault under study. W_q and W_k are separate nn.Linear layers, so the monitor and the guard
+reach them per layer and, by rows, per head: head h owns rows h*head_dim:(h+1)*head_dim.
 
-The guard switches attention per layer through three plain attributes of CausalSelfAttention (qk_norm,
-softcap, accum): Python values, not tensors, so torch.compile recompiles once when the guard flips them and
-the dormant path carries no extra work.
+The guard switches attention per layer through plain Python attributes (qk_norm, softcap, accum),
+not tensors: torch.compile recompiles once when they flip, and the dormant path does no extra work.
 """
 import math
 from dataclasses import dataclass
@@ -31,29 +30,26 @@ class GPTConfig:
     vocab_size: int = 50304     # GPT-2's 50257 padded up to a multiple of 64 for faster matmuls
     dropout: float = 0.0
     # attention numerics (see attention_kernel.py)
-    attn_impl: str = "auto"     # "auto" (Triton on CUDA, the PyTorch twin on CPU), "triton", "torch", "sdpa"
+    attn_impl: str = "auto"     # "auto" (Triton on CUDA, twin on CPU), "triton", "torch", "sdpa"
     accum: str = "fp32"         # the streaming-softmax state: "fp32", "bf16", "bf16-safemax"
-    rounding: tuple | None = None   # the other bf16 rounding points, e.g. ("logits", "pv"); (): none;
-                                    # None: the kernel's default for the input dtype
-    attn_dtype: str = "bf16"    # q, k, v enter attention in bf16 (as under bf16 autocast), or "native"
+    rounding: tuple | None = None   # e.g. ("logits", "pv"); (): none; None: the kernel's default
+    attn_dtype: str = "bf16"    # q, k, v enter attention in bf16 (as under autocast) or "native"
     block_n: int | None = None  # key block of the streaming loop; None: the kernel's default
     safemax_beta: float = 2.0
-    qk_norm: bool = False       # parameter-free QK normalization from step 0 (the always-on baseline)
+    qk_norm: bool = False       # parameter-free QK-norm from step 0 (the always-on baseline)
     softcap: float = 0.0        # tanh soft-capping of attention logits; 0 = off
     attn_scale: float = 0.0     # logit scale; 0 = 1/sqrt(head_dim)
-    max_logit: bool = True      # return each layer's max attention logit (the guard's signal); off only
-                                # for speed baselines (with sdpa it costs an extra QK^T pass)
+    max_logit: bool = True      # return max logits, the guard's signal (sdpa: an extra QK^T pass)
 
 
 # The weight matrices the monitor watches, by kind: one per layer each (logged as sigma_<kind>).
 WEIGHT_KINDS = ("q", "k", "v", "o", "mlp_in", "mlp_out")
 QK_KINDS, NON_QK_KINDS = WEIGHT_KINDS[:2], WEIGHT_KINDS[2:]
 WEIGHT_OWNERS = {"q": "attn.q_proj", "k": "attn.k_proj", "v": "attn.v_proj", "o": "attn.o_proj",
-                 "mlp_in": "mlp.up_proj", "mlp_out": "mlp.down_proj"}   # each kind's nn.Linear in a Block
+                 "mlp_in": "mlp.up_proj", "mlp_out": "mlp.down_proj"}   # per kind, in a Block
 
 
-# Named sizes. "cpu" trains in minutes on two cores; "assay" is the minute-scale collapse model of
-# SOURCES.md (an H200); "gpt2" and "gpt2-medium" are the 124M and 350M models.
+# Named sizes: "cpu" for a CPU, "assay" for SOURCES.md's H200 collapse, GPT-2 124M and 350M.
 MODEL_SIZES = {
     "cpu":         dict(n_layer=4, n_head=4, n_embd=128, block_size=128),
     "assay":       dict(n_layer=6, n_head=6, n_embd=384, block_size=512),
@@ -114,7 +110,7 @@ class CausalSelfAttention(nn.Module):
         self.accum = config.accum
         self.qk_norm = config.qk_norm
         self.softcap = config.softcap
-        self.delta_error = None   # the assay's backward-side error site (assay.py sets it): see attention()
+        self.delta_error = None   # the assay's delta error, set by assay.py: see attention()
 
     def head_weights(self):
         """W_q and W_k viewed per head: two (n_head, head_dim, n_embd) views of the live weights."""
@@ -129,13 +125,13 @@ class CausalSelfAttention(nn.Module):
             cos, sin = rotary
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         computed_in = q.dtype
-        if self.attn_dtype is not None:   # a no-op under autocast; on a CPU in fp32, what a GPU's would be
+        if self.attn_dtype is not None:   # a no-op under autocast; on a CPU, what a GPU's would be
             q, k, v = q.to(self.attn_dtype), k.to(self.attn_dtype), v.to(self.attn_dtype)
         out = attention(q, k, v, accum=self.accum, qk_norm=self.qk_norm, return_max_logit=self.return_max_logit,
                         scale=self.scale, softcap=self.softcap, safemax_beta=self.beta, impl=self.impl,
                         block_n=self.block_n, rounding=self.rounding, delta_error=self.delta_error)
         y, max_logit = out if self.return_max_logit else (out, None)
-        y = y.transpose(1, 2).contiguous().view(B, T, C).to(computed_in)   # head h: channels h*hd:(h+1)*hd
+        y = y.transpose(1, 2).contiguous().view(B, T, C).to(computed_in)   # head h: h*hd:(h+1)*hd
         # max over the batch: the per-head signal the monitor and the guard watch
         return self.dropout(self.o_proj(y)), None if max_logit is None else max_logit.amax(dim=0)
 
@@ -144,7 +140,7 @@ class MLP(nn.Module):
     def __init__(self, config):
         super().__init__()
         self.swiglu = config.arch == "llama"
-        if self.swiglu:   # hidden width 8/3 * d (same parameter count as a 4d GELU MLP), rounded to 64
+        if self.swiglu:   # hidden 8/3 * d (a 4d GELU MLP's parameters), rounded to 64
             hidden = 64 * math.ceil(8 * config.n_embd / 3 / 64)
             self.gate_proj = nn.Linear(config.n_embd, hidden, bias=False)
         else:
@@ -205,7 +201,7 @@ class GPT(nn.Module):
         return [block.attn for block in self.blocks]
 
     def weight_matrices(self, kinds=WEIGHT_KINDS):
-        """{kind: that kind's weight matrix in every layer}. mlp_in is the up projection (SwiGLU's gate aside)."""
+        """{kind: its weight in every layer}; mlp_in is the up projection (SwiGLU's gate aside)."""
         return {kind: [block.get_submodule(WEIGHT_OWNERS[kind]).weight for block in self.blocks] for kind in kinds}
 
     def qk_weights(self):
@@ -217,8 +213,7 @@ class GPT(nn.Module):
         return n - (self.pos_emb.weight.numel() if self.pos_emb is not None else 0)
 
     def forward(self, idx, targets=None):
-        """Returns (logits, loss or None, max_logit) with max_logit of shape (n_layer, n_head), or None when
-        config.max_logit is off."""
+        """(logits, loss or None, max_logit: (n_layer, n_head), None if config.max_logit is off)."""
         B, T = idx.shape
         if T > self.config.block_size:
             raise ValueError(f"sequence of length {T} is longer than block_size {self.config.block_size}")
@@ -242,7 +237,7 @@ class GPT(nn.Module):
 
     @torch.no_grad()
     def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None):
-        """Continue each row of idx (B, T) by max_new_tokens sampled tokens; the context is cropped to block_size."""
+        """Sample max_new_tokens onto each row of idx (B, T), the context cropped to block_size."""
         for _ in range(max_new_tokens):
             logits = self(idx[:, -self.config.block_size:])[0][:, -1, :].float() / temperature
             if top_k is not None:
@@ -252,11 +247,11 @@ class GPT(nn.Module):
         return idx
 
     def configure_optimizer(self, lr, weight_decay, betas):
-        """AdamW with weight decay on matrices (linear weights, embeddings) only, not on norm gains."""
+        """AdamW with weight decay on matrices (linear weights, embeddings), not on norm gains."""
         params = [p for p in self.parameters() if p.requires_grad]
         groups = [
             {"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
             {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
         ]
-        # fused: one kernel on a GPU; on a CPU 3x the speed of the default per-tensor loop
+        # fused: one kernel for all tensors, faster than the default per-tensor loop on a CPU too
         return torch.optim.AdamW(groups, lr=lr, betas=betas, fused=True)

@@ -1,14 +1,14 @@
 """
-The run machinery that train.py needs and its reader can skip: processes (torchrun), the data on disk, the run
-directory (config.json, log.jsonl, ckpt.pt and, for an edited tree, source.diff), exact resume, and stopping.
+The run machinery that train.py needs and its reader can skip: processes, data on disk, the run
+directory (config.json, log.jsonl, ckpt.pt, source.diff), exact resume, and stopping.
 
   Dist          one process, or one per GPU (or CPU worker) under torchrun
   start_run     a new run refuses a folder holding another; --resume takes the saved run's own flags
-  save/load_checkpoint   atomic writes; loads with weights_only=True (a checkpoint cannot run code)
-  rng_state     every rank's RNG states, as tensors, so a resumed run draws the same dropout masks
+  save/load_checkpoint   atomic writes; weights_only=True loads (a checkpoint cannot run code)
+  rng_state     every rank's RNG states, so a resumed run draws the same dropout masks
   RunDir        the start record, checkpoints and the way back, for the loop
   RunLog        log.jsonl for programs, one console line for people
-  StopSignal    the first Ctrl-C (or SIGTERM) stops after the step with a checkpoint; the second at once
+  StopSignal    a first Ctrl-C (or SIGTERM) stops after the step with a checkpoint; a second at once
 """
 import argparse
 import json
@@ -27,7 +27,7 @@ import prepare_data
 from config import RESUMABLE_CHANGES
 
 CHECKPOINT_FORMAT = "qkguard-checkpoint-2"   # 2: tensors, numbers, strings, lists and dicts only
-# What a run saved before the byte tokenizer existed trained on: GPT-2's BPE, at its padded vocabulary.
+# Runs saved before the byte tokenizer existed trained on GPT-2's BPE, at its padded vocabulary.
 OLD_RUN_VOCABULARY = {"tokenizer": "gpt2", "vocab_size": 50304}
 
 
@@ -46,7 +46,7 @@ class Dist:
         self.master = self.rank == 0
 
     def all_reduce(self, tensor, op="avg"):
-        """Reduced over ranks (op: avg, sum or max), so every rank takes the same guard and collapse decisions."""
+        """Reduced over ranks (avg, sum or max), so that every rank makes the same decisions."""
         if self.world > 1:
             tensor = tensor.clone()
             ops = torch.distributed.ReduceOp
@@ -56,7 +56,7 @@ class Dist:
         return tensor
 
     def any(self, flag):
-        """True on every rank when it is true on one (a signal may reach the ranks at different steps)."""
+        """True on every rank when true on one (a signal may reach the ranks at different steps)."""
         if self.world == 1:
             return bool(flag)
         return bool(self.all_reduce(torch.tensor(float(bool(flag)), device=self.device), "max"))
@@ -71,10 +71,9 @@ class Dist:
 
 
 def tune_cpu_allocator():
-    """Keep freed memory in the process (glibc malloc) instead of returning it to the system after every op.
-    glibc serves blocks past its mmap threshold with fresh pages, so each large temporary costs page faults: the
-    PyTorch twin of the attention kernel ran 1.3x to 2x slower per layer for it on a CPU (MEASUREMENTS.md). The
-    allocator libraries that PyTorch's CPU guides recommend (jemalloc, tcmalloc) do the same by default."""
+    """Keep freed memory in the process (glibc malloc): past its mmap threshold glibc serves each
+    large temporary with fresh pages, whose faults slowed the attention twin (MEASUREMENTS.md).
+    jemalloc and tcmalloc, which PyTorch's CPU guides recommend, do this by default."""
     try:
         import ctypes
         libc = ctypes.CDLL("libc.so.6")
@@ -105,8 +104,7 @@ def device_name(flag, local_rank=0):
 
 
 def ensure_data(args, dist):
-    """Prepare the dataset on first use (one process per node; prepare_data locks the folder) when
-    prepare_data.py knows how to make it unaided."""
+    """Prepare the dataset on first use when prepare_data.py can make it (one process per node)."""
     if os.path.exists(os.path.join(args.data_dir, "meta.json")):
         return
     if args.dataset not in ("pycode", "shakespeare"):
@@ -120,10 +118,9 @@ def ensure_data(args, dist):
 
 
 def check_memory(args, device):
-    """A rough bound on a CPU run's memory, against what the machine has free: a clear error instead of a step
-    that swaps for hours. It counts the attention scores of one key block for every query row (the PyTorch twin
-    holds a few such tensors at once) and the activations the backward keeps, about 20 floats per token, layer
-    and width. A GPU fails fast with its own out-of-memory error, so only a CPU is checked."""
+    """A rough bound on a CPU run's memory against what is free: an error, not hours of swapping.
+    It counts one key block's attention scores per query row (the twin holds a few such tensors)
+    and the activations the backward keeps. A GPU fails fast with its own out-of-memory error."""
     if device.type != "cpu" or not hasattr(os, "sysconf"):
         return
     try:
@@ -143,7 +140,7 @@ def check_memory(args, device):
 # The run directory
 
 def versions(device):
-    """What config.json records to replay a run: software versions, the device, and the git commit."""
+    """What config.json records to replay a run: software versions, the device, the git commit."""
     import triton
     commit = git("rev-parse", "HEAD") or None
     return {"python": platform.python_version(), "torch": torch.__version__, "triton": triton.__version__,
@@ -162,9 +159,8 @@ def git(*cmd):
 
 
 def save_source(out_dir, run_versions):
-    """An edited tree cannot be replayed from its commit alone: keep `git diff` of the tracked files and the new
-    files as source.diff (apply it with `git apply source.diff` on that commit). Without git, keep a copy of
-    every .py file of the tree in source/."""
+    """An edited tree cannot be replayed from its commit: save `git diff` with the new files as
+    source.diff (`git apply` it on that commit); without git, copy every .py file to source/."""
     here = os.path.dirname(os.path.abspath(__file__))
     if run_versions["git_commit"] is None:
         os.makedirs(os.path.join(out_dir, "source"), exist_ok=True)
@@ -184,8 +180,8 @@ def save_source(out_dir, run_versions):
 
 
 def start_run(args, typed):
-    """New run: refuse a folder that holds another run. Resume: the saved flags, with only safe changes; a run
-    that never reached its first checkpoint starts over from step 0 with its own flags (from config.json)."""
+    """New run: refuse a folder that holds another. Resume: the saved flags, only safe changes; a
+    run without a checkpoint starts over from step 0 with its config.json flags."""
     if os.path.exists(args.out_dir) and not os.path.isdir(args.out_dir):
         raise SystemExit(f"error: --out-dir {args.out_dir} is a file: give a folder")
     paths = {name: os.path.join(args.out_dir, name) for name in ("config.json", "log.jsonl", "ckpt.pt")}
@@ -222,14 +218,14 @@ def start_run(args, typed):
 
 
 class RunDir:
-    """The run directory (--out-dir) as the loop sees it: the start record, checkpoints, and the way back."""
+    """The run directory (--out-dir) as the loop sees it: start record, checkpoints, way back."""
 
     def __init__(self, args, dist, data_hash):
         self.args, self.dist, self.data_hash = args, dist, data_hash
         self.ckpt = os.path.join(args.out_dir, "ckpt.pt")
 
     def start_log(self, params, step, resumed, changed):
-        """log.jsonl with its start (or resume) record; a new run's config.json and source.diff first."""
+        """log.jsonl with a start (or resume) record; a new run saves config.json, source.diff."""
         args, dist = self.args, self.dist
         if dist.master:
             os.makedirs(args.out_dir, exist_ok=True)
@@ -251,7 +247,7 @@ class RunDir:
         return log
 
     def save(self, step, parts, totals):
-        """ckpt.pt: everything needed to go on exactly; every rank takes part (the RNG states are gathered)."""
+        """ckpt.pt: all it takes to go on exactly; all ranks take part (RNG states are gathered)."""
         state = {"format": CHECKPOINT_FORMAT, "step": step, "args": vars(self.args),
                  **{name: part.state_dict() for name, part in parts.items() if part is not None},
                  **totals.state_dict(), "data_content_sha256": self.data_hash, "rng": rng_state(self.dist)}
@@ -282,8 +278,7 @@ def read_saved_args(path):
 
 
 def save_checkpoint(path, state):
-    """Write to a temporary file, fsync, keep the previous checkpoint as .prev, then rename into place: a crash
-    at any moment leaves a complete checkpoint on disk."""
+    """Temp file, fsync, old one to .prev, rename: a crash at any time leaves a whole checkpoint."""
     tmp = path + ".tmp"
     with open(tmp, "wb") as f:
         torch.save(state, f)
@@ -295,7 +290,7 @@ def save_checkpoint(path, state):
 
 
 def load_checkpoint(path):
-    """weights_only=True: tensors, numbers, strings, lists and dicts; a pickle that would run code is refused."""
+    """weights_only=True: tensors, numbers, strings, lists, dicts; a pickle running code fails."""
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # a truncated zip, a foreign pickle: many exception types
@@ -312,7 +307,7 @@ def load_checkpoint(path):
 
 
 class RunLog:
-    """log.jsonl for programs (one JSON object per line, flushed each time) and a console line for people."""
+    """log.jsonl for programs (one JSON object a line, flushed) and a console line for people."""
 
     def __init__(self, path, enabled):
         self.file = open(path, "a") if enabled else None
@@ -327,8 +322,7 @@ class RunLog:
 
 
 def rng_state(dist):
-    """Every rank's RNG states (dropout draws differ per rank), gathered for rank 0's checkpoint, as tensors and
-    numbers only."""
+    """Every rank's RNG states (dropout differs per rank), as tensors and numbers."""
     version, internal, gauss = random.getstate()
     kind, keys, pos, has_gauss, cached = np.random.get_state()
     state = {"python": [version, list(internal), gauss], "numpy": [kind, torch.from_numpy(keys.astype(np.int64)),
@@ -357,9 +351,8 @@ def set_rng_state(states, dist):
 
 
 class StopSignal:
-    """SIGINT / SIGTERM: the first asks the loop to stop after this step and save a checkpoint; from then on the
-    signals have their default action, so a second one ends the process at once, even inside a step that would
-    take hours. The last checkpoint on disk stays as it was (saves are atomic); `--resume` goes on from it."""
+    """SIGINT / SIGTERM: the first stops the loop after this step, with a checkpoint; a second
+    ends the process at once. Saves are atomic, so `--resume` goes on from the last one."""
 
     def __init__(self):
         self.signum = None

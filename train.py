@@ -5,9 +5,9 @@ Train a GPT and watch (or guard) the query-key channel.
     python train.py --accum bf16 --guard off         # ... and without it
     torchrun --nproc_per_node=8 train.py --preset gpt2 --accum bf16 --guard on
 
-Every choice is a flag (`python train.py --help`; config.py holds them, their defaults and the presets). A run
-directory (--out-dir) holds config.json, log.jsonl and ckpt.pt (runtime.py keeps them). The loop below marks
-where each of the guard's actions and the assay's errors takes effect.
+Every choice is a flag (`python train.py --help`; config.py defines them and the presets).
+runtime.py keeps the run directory (--out-dir: config.json, log.jsonl, ckpt.pt). The loop's
+numbered comments mark where the guard acts and where the assay's errors enter.
 """
 import contextlib
 import math
@@ -30,7 +30,7 @@ def main(argv=None):
     args, typed, parser = config.parse_args(argv)
     dist = runtime.Dist(args.device)
     args = config.resolve(args, dist.device, parser)
-    args, state, changed = runtime.start_run(args, typed)       # --resume: the saved run's own flags
+    args, state, changed = runtime.start_run(args, typed)       # --resume: the saved run's flags
     if args.grad_accum % dist.world:
         raise SystemExit(f"error: --grad-accum {args.grad_accum} must be a multiple of the {dist.world} processes")
     runtime.check_memory(args, dist.device)
@@ -47,7 +47,7 @@ def main(argv=None):
     args.tokenizer, args.vocab_size = vocabulary(args, typed, windows)
 
     def get_batch(split, step, index):
-        """Inputs and next-token targets of window `index` of `step`: they depend on (seed, step) alone."""
+        """Inputs and next-token targets of window `index` of `step`, set by (seed, step) alone."""
         window = torch.from_numpy(windows.get(split, step, index))
         if device.type == "cuda":
             window = window.pin_memory().to(device, non_blocking=True)
@@ -77,14 +77,14 @@ def main(argv=None):
         guard.apply_to_model(model)              # a latched action stays on
     saved_step = step                            # nothing to save before the first update
     eval_model = train_model = torch.compile(model) if args.compile else model
-    if dist.world > 1:   # evaluation skips DDP: a rank without an eval batch must owe it no collective
+    if dist.world > 1:   # eval skips DDP: a rank with no eval batch must owe no collective
         train_model = torch.nn.parallel.DistributedDataParallel(
             train_model, device_ids=[device.index] if device.type == "cuda" else None)
 
     log = run_dir.start_log(model.num_params(), step, resumed=state is not None, changed=changed)
 
     def evaluate():
-        """Mean validation loss over the same eval_iters batches every time, split over the ranks."""
+        """Mean validation loss over the same eval_iters batches each time, split over the ranks."""
         eval_model.eval()
         total = torch.zeros(2, device=device)
         with torch.no_grad():
@@ -99,8 +99,8 @@ def main(argv=None):
         return val_loss
 
     # -------------------------------------------------------------------------------- the loop
-    # "step" in a record counts the updates before it: a step record's loss and max logit come from the
-    # forward of update `step`; an eval at `step` sees the weights after `step` updates.
+    # A record's "step" counts the updates before it: a step record's loss and max logit come from
+    # update `step`'s forward; an eval at `step` sees the weights after `step` updates.
     stop, status, val_loss = runtime.StopSignal(), "completed", None
     totals.start_clock()
     try:
@@ -111,19 +111,19 @@ def main(argv=None):
             lr = lr_at(step, args) * guard.lr_scale()
             for group in optimizer.param_groups:
                 group["lr"] = lr
-            # (2) forward and backward over the micro-batches; an injected error enters inside the model
+            # (2) forward and backward over the micro-batches; an injected error enters in the model
             if injector is not None:
                 injector.begin_step(step)
             micro_steps, max_logit, loss, clean = args.grad_accum // dist.world, None, 0.0, None
             for micro in range(micro_steps):
                 x, y = get_batch("train", step, micro * dist.world + dist.rank)
-                sync = dist.world == 1 or micro == micro_steps - 1     # DDP all-reduces on the last one only
+                sync = dist.world == 1 or micro == micro_steps - 1     # DDP syncs the last one only
                 with autocast(), (contextlib.nullcontext() if sync else train_model.no_sync()):
                     _, micro_loss, micro_max_logit = train_model(x, y)
                 (micro_loss / micro_steps).backward()
                 loss += micro_loss.detach().float() / micro_steps
                 max_logit = running_max(max_logit, micro_max_logit)
-                if args.qk_fix == "clean-grad":    # (3) the QK-only fix: W_q, W_k learn from the fault-free model
+                if args.qk_fix == "clean-grad":    # (3) QK-only fix: W_q, W_k learn fault-free
                     grads = clean_qk_grads(model, x, y, autocast, 1.0 / micro_steps, injector)
                     clean = grads if clean is None else [a + b for a, b in zip(clean, grads)]
             if clean is not None:
@@ -141,9 +141,8 @@ def main(argv=None):
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             probe_stats = probe.after_step(model)
-            # (6) watch: W_q's and W_k's top singular values, then the guard's check of the max logit since the
-            # last monitored step. The check is deferred (guard.observe_deferred): a crossing acts from the
-            # update after the next monitored step, so the GPU never waits for the guard.
+            # (6) watch W_q's and W_k's top singular values and the max logit. The guard's check is
+            # deferred: a crossing acts one monitored step later, so the GPU never waits for it.
             if step % args.monitor_interval == 0:
                 monitor.measure(model, args.power_iters, kinds=QK_KINDS)
                 event = guard.observe_deferred(step, totals.take_monitor_max_logit(), monitor.sigma_head, model)
@@ -155,8 +154,8 @@ def main(argv=None):
 
             step += 1
             if step % args.log_interval == 0 or step == args.max_steps:
-                # the other weights: for the log only, so measured here, with the power iterations of every
-                # step since the last record (falling behind would understate a growing sigma)
+                # the other weights, for the log only, with the power iterations of every step
+                # since the last record (falling behind would understate a growing sigma)
                 monitor.measure(model, args.power_iters * args.log_interval, kinds=NON_QK_KINDS)
                 tokens_per_step = args.grad_accum * args.batch_size * args.block_size
                 interval = totals.take_interval(dist, tokens_per_step)
@@ -197,16 +196,15 @@ def main(argv=None):
 # The pieces the loop calls
 
 class Totals:
-    """The loop's running totals, on the device (no host sync until a record is written): the loss, step count
-    and max logit of the log interval, and the max logit since the last monitored step (the guard's check)."""
+    """Running totals, kept on the device so that only a log record syncs with the host."""
 
     def __init__(self):
-        self.loss_sum, self.steps, self.max_logit = 0.0, 0, None      # since the last log record
-        self.monitor_max_logit = None                                  # since the last monitored step
+        self.loss_sum, self.steps, self.max_logit = 0.0, 0, None   # since the last log record
+        self.monitor_max_logit = None                               # since the last monitored step
         self.start_clock()
 
     def start_clock(self):
-        """The interval's clock, for tokens_per_s: started before the first step and after each record."""
+        """The clock of tokens_per_s: started before the first step and after each record."""
         self.started = time.time()
 
     def add(self, loss, max_logit):
@@ -219,7 +217,7 @@ class Totals:
         return value
 
     def take_interval(self, dist, tokens_per_step):
-        """The interval's tokens per second, mean loss (over the ranks) and max logit; the sums start over."""
+        """The interval's tokens/s, mean loss (all ranks) and max logit; the sums start over."""
         elapsed = time.time() - self.started
         interval = {"loss": dist.all_reduce(torch.as_tensor(self.loss_sum / self.steps)).item(),
                     "tokens_per_s": tokens_per_step * self.steps / elapsed, "max_logit": self.max_logit.tolist()}
@@ -250,8 +248,7 @@ def lr_at(step, args):
 
 
 def log_record(step, lr, grad_norm, interval, *, monitor, guard, injector, probe_stats):
-    """The record of the steps since the last one: mean loss, max logit over the interval, latest sigmas.
-    Written after the update, so the last update's index is step - 1."""
+    """Mean loss, max logit and last sigmas since the last record, at the last update (step - 1)."""
     record = {"step": step - 1, "lr": lr, "loss": interval["loss"], "grad_norm": grad_norm.item(),
               "tokens_per_s": interval["tokens_per_s"], "max_logit": interval["max_logit"],
               **monitor.record(), "guard": "on" if guard.triggered else ("dormant" if guard.enabled else "off")}
@@ -299,7 +296,7 @@ def make_injector(args, model, get_batch, autocast):
     if args.inject_scale != "matched":
         injector = ErrorInjector(args.inject_site, args.inject_scale, coherence, args.n_layer, args.n_head,
                                  args.n_embd, layers=layers, seed=args.seed)
-    else:   # the bias of this run's faulty kernel (bf16 when the kernel itself is fp32), on the initial model
+    else:   # the bias of this run's faulty state (bf16 if --accum fp32), on the initial model
         with autocast():
             injector = ErrorInjector.matched(model, get_batch("train", 0, 0)[0], site=args.inject_site,
                                              accum="bf16" if args.accum == "fp32" else args.accum,
@@ -308,8 +305,8 @@ def make_injector(args, model, get_batch, autocast):
 
 
 def vocabulary(args, typed, windows):
-    """(tokenizer, model vocabulary) from the data's meta.json. Refused: data of another tokenizer than --tokenizer
-    names, or than the resumed run was trained on (its embedding would not fit)."""
+    """(tokenizer, model vocabulary) from the data's meta.json. Refused: data of another tokenizer
+    than --tokenizer names or the resumed run trained on (its embedding would not fit)."""
     vocab = config.padded_vocab(windows.vocab_size)
     holds = f"{args.data_dir} holds {windows.tokenizer} tokens (its meta.json)"
     if args.resume and (args.tokenizer, args.vocab_size) != (windows.tokenizer, vocab):
@@ -324,7 +321,7 @@ def vocabulary(args, typed, windows):
 
 
 def check_attention_settings(model, device, args, use_bf16):
-    """Fail before training, in the kernel's own words, on a setting it cannot run (a head dim, an impl)."""
+    """Fail before training, in the kernel's words, on a setting it cannot run (head dim, impl)."""
     attn = model.attentions[0]
     dtype = torch.bfloat16 if use_bf16 or attn.attn_dtype is not None else torch.float32   # what q, k, v will be
     probe = torch.zeros(1, 1, 1, attn.head_dim, device=device, dtype=dtype)
