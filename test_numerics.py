@@ -155,15 +155,9 @@ def test_block_n_is_honoured(seed):
 # The fault is emulated for real.
 
 def test_bf16_state_error_is_larger_at_T1024(seed):
-    # The state alone, everything else equal. Errors of (o, dq, dk, dv) with fp32 and bf16 state,
-    # 3 seeds, (1, 4, 1024, 64), bf16 inputs, the twin, block 128 (`-s -k T1024` prints the ratios):
-    #   rounding ()           fp32 2.0e-3 2.5e-3 2.4e-3 2.3e-3   bf16 4.0e-3 3.5e-3 3.5e-3 3.2e-3
-    #                         ratio 1.99..2.01 (o), 1.38..1.52 (gradients)
-    #   default (logits, pv)  fp32 3.8e-3 3.8e-3 3.9e-3 3.6e-3   bf16 4.9e-3 4.5e-3 4.5e-3 4.3e-3
-    #                         ratio 1.29..1.30 (o), 1.14..1.22: bf16 logits alone nearly double the
-    #                         standard kernel's error, so the state's share is smaller
-    #   + backward in bf16    gradients 1.3e-2 to 1.5e-2
-    # With fp32 inputs the contrast is stark (fp32 state ~3e-7).
+    # The state alone, everything else equal (`-s -k T1024` prints the ratios; the measured errors
+    # behind the bounds: MEASUREMENTS.md, "the tests' measured bases"). Default rounding: bf16 logits
+    # alone nearly double a standard kernel's error, so the state's share is smaller.
     q, k, v, do = (randn(1, 4, 1024, 64) for _ in range(4))
     ref = run(q, k, v, do, impl="reference")
     ratios = {}
@@ -603,10 +597,6 @@ def test_clear_errors(monkeypatch):
             attention(q, q, q, impl="triton")
 
 
-def test_the_poison_fixture_is_on():
-    assert torch.isnan(ak.new_buffer((3,), torch.float32, DEV)).all()
-
-
 # --------------------------------------------------------------------------------------------------
 # Is the bf16 state's error in dW_q persistent in direction from one training step to the next?
 #
@@ -615,8 +605,7 @@ def test_the_poison_fixture_is_on():
 # Here a tiny GPT trains with fp32 state; at each of 8 steps the same batch is backpropagated three
 # times, and per layer e_t = dW_q(bf16 state) - dW_q(fp32 state). Measured: cE = cos(e_t, e_{t+1})
 # and cM = cos(e_t, mean of e_0..e_{t-1}), against two nulls: (1) the random level,
-# E|cos| = sqrt(2/(pi*n)) = 0.012 for n = 64*64 (e from two unrelated models: 0.009..0.014); (2) the
-# fair one, c_t = dW_q(fp32 state, key block 32) - dW_q(fp32 state, key block 64), an unbiased
+# E|cos| = sqrt(2/(pi*n)) = 0.012 for n = 64*64; (2) the fair one, c_t = dW_q(fp32 state, key block 32) - dW_q(fp32 state, key block 64), an unbiased
 # rounding perturbation (summation order only; cosines are scale-free) whose cos(c_t, c_{t+1}) is
 # cC: errors sit in few directions, so even cC spreads far beyond 0.012. Positive control: the fp32
 # gradient's cos(g_t, g_{t+1}) (cG).
@@ -624,17 +613,13 @@ def test_the_poison_fixture_is_on():
 # Set-up: 2 layers, d=64, 2 heads, T=256, key block 64, batch 4; tokens from a fixed pool of 8
 # six-grams over 32 tokens with 10% noise (structure to learn); AdamW (0.9, 0.95), clip 1.0; a fresh
 # batch each step, or the same one. bf16 q, k, v and no other rounding source: e is the state's
-# error alone, c only fp32 summation order. Over 12 seeds (1000..1011), lr 1e-3, 2026-11-30:
-#   fresh batches: cE -0.022..+0.033 (mean +0.005)  cM -0.019..+0.020  cC -0.012..+0.009
-#                  cG +0.47..+0.57  |e|/|g| 2e-3
-#   same batch:    cE +0.008..+0.051 (mean +0.028)  cM +0.008..+0.043  cC -0.008..+0.018
-#                  cG +0.79..+0.85
-# Earlier runs and the conclusion are in MEASUREMENTS.md ("the bf16 state's error in dW_q"): at this
-# scale it is NOT persistent in direction; a weak persistent part shows on a repeated batch only.
-# cE or cM above 0.2 would be a finding: report it.
+# error alone, c only fp32 summation order. The measured ranges over seeds, and the conclusion, are in
+# MEASUREMENTS.md ("the bf16 state's error in dW_q"): at this scale it is NOT persistent in
+# direction; a weak persistent part shows on a repeated batch only. cE or cM above 0.2 would be a
+# finding: report it.
 #
-# Asserted per run, for one fresh seed, fresh and repeated batch (from init, lr 1e-3: ~30 s on two
-# contended cores), with margin over every measurement here and in MEASUREMENTS.md:
+# Asserted per run, for one fresh seed, fresh and repeated batch (from init, lr 1e-3), with margin
+# over every measurement in MEASUREMENTS.md:
 #   - the fault is active: 3e-4 < |e|/|g| < 3e-2;
 #   - no strong persistence: cE < 0.2 and cM < 0.2 (measured max 0.103 and 0.079); |cC| < 0.1;
 #   - persistence would show: cG > 0.3 (measured min 0.46) and cG - cE > 0.25 (measured min 0.41).
