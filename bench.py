@@ -82,7 +82,7 @@ def parse_args(argv=None):
     args.compile = cuda if args.compile is None else args.compile
     args.size = dict(n_layer=2, n_head=2, n_embd=64, block_size=64) if args.smoke else MODEL_SIZES["gpt2"]
     # our kernel: Triton on CUDA (or in the interpreter if asked for), else its PyTorch twin
-    args.impl = "triton" if cuda or os.environ.get("TRITON_INTERPRET") == "1" else "torch"
+    args.impl = "triton" if cuda or ak.INTERPRET else "torch"
     return args
 
 
@@ -166,16 +166,16 @@ def train_flops_per_token(model, T):
     return 6 * model.num_params() + 12 * c.n_layer * c.n_embd * T
 
 
-def build(args, attn_impl, max_logit, size=None, batch_size=None, **numerics):
+def build(args, attn_impl, max_logit, **numerics):
     torch.manual_seed(0)
     numerics = {"accum": "fp32", "rounding": (), **numerics}
-    config = GPTConfig(**(size or args.size), attn_impl=attn_impl, max_logit=max_logit, **numerics)
+    config = GPTConfig(**args.size, attn_impl=attn_impl, max_logit=max_logit, **numerics)
     model = GPT(config).to(args.device)
     cuda = args.device.type == "cuda"
     optimizer = model.configure_optimizer(lr=6e-4, weight_decay=0.1, betas=(0.9, 0.95))
     compiled = torch.compile(model) if args.compile else model
     autocast = (lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if cuda else contextlib.nullcontext
-    tokens = torch.randint(config.vocab_size, (batch_size or args.batch_size, config.block_size + 1),
+    tokens = torch.randint(config.vocab_size, (args.batch_size, config.block_size + 1),
                            device=args.device)
     x, y = tokens[:, :-1], tokens[:, 1:]
     monitor, guard = SpectralMonitor(model), QKGuard(enabled=True, threshold=DEFAULT_THRESHOLD["max-logit"])

@@ -203,6 +203,12 @@ class Claim:
         return [d for d in DOSES if any(self.runs.get(inject_arm(site, d, c, f)[0])
                                         for c in COHERENCES for f in (False, True))]
 
+    def val_gaps(self, arm, ref):
+        """Per seed where both runs finished with a val loss: arm's final val loss minus ref's."""
+        pairs = [(self.runs.get(arm, {}).get(s), self.runs.get(ref, {}).get(s)) for s in self.seeds]
+        return [a.final_val - b.final_val for a, b in pairs if a is not None and b is not None
+                and a.finished and b.finished and None not in (a.final_val, b.final_val)]
+
     def unfinished(self, arm):
         return sum(not (self.runs[arm].get(s) and self.runs[arm][s].finished) for s in self.seeds)
 
@@ -316,10 +322,7 @@ def injection_claim(c, site):
                                  lambda s, d: inject_arm(s, d, 1.0, True)[0], through_qk, fix_failed,
                                  "error: ran away through QK beyond no-error / fix: failed", ref=NO_ERROR)
     for dose in c.doses_run(site):
-        fix = c.runs[inject_arm(site, dose, 1.0, True)[0]]
-        gaps = [fix[s].final_val - c.runs[NO_ERROR][s].final_val for s in c.seeds
-                if s in fix and s in c.runs[NO_ERROR] and fix[s].finished and c.runs[NO_ERROR][s].finished
-                and None not in (fix[s].final_val, c.runs[NO_ERROR][s].final_val)]
+        gaps = c.val_gaps(inject_arm(site, dose, 1.0, True)[0], NO_ERROR)
         if gaps:
             lines.append(f"{site} {dose:g}: QK-only fix's val loss - no-error's, median {statistics.median(gaps):+.3f}"
                          f" (max {max(gaps):+.3f}; FIX_TOL {FIX_TOL})")
@@ -349,7 +352,6 @@ def coherence_claim(c, site):
     claim wants the coherent one smaller (sign test). Both curves are in the dose table."""
     coherent, random = potencies(c, site, 1.0, True), potencies(c, site, 0.5, False)
     k, j, p = sign_test([(a < b, b < a) for a, b in zip(coherent, random)])
-    c.alpha = min(c.alpha, ALPHA)
     show = lambda d: "none" if d == math.inf else f"{d:g}"
     ratios = [b / a for a, b in zip(coherent, random) if a < math.inf]
     top = max(c.doses_run(site), default=math.nan)
@@ -387,9 +389,7 @@ def probe_holds(c, source):
             lines.append(c.count(control, "ran away", ran_away, True)[0] + " (a control, reported, not judged)")
     costs = []
     for arm in (topk, equal, f"{source}-probe-fixed", f"{source}-probe-v-topk", f"{source}-probe-mlp-topk"):
-        diffs = [c.runs[arm][s].final_val - c.runs[NO_ERROR][s].final_val for s in c.seeds
-                 if all(s in c.runs.get(a, {}) and c.runs[a][s].finished and c.runs[a][s].final_val is not None
-                        for a in (arm, NO_ERROR))]
+        diffs = c.val_gaps(arm, NO_ERROR)
         costs.append(f"{arm} {statistics.median(diffs):+.3f}" if diffs else f"{arm} n/a")
     return holds, lines + [f"loss cost, median final val loss - {NO_ERROR}'s: " + ", ".join(costs)]
 
@@ -431,9 +431,7 @@ def non_qk_actions_fail(c, source):
                      + " (the source's own fix, for comparison, not judged)")
     gaps = []
     for arm in (f"{source}-guard-lr-drop", f"{source}-guard-clip", f"{source}-guard-softcap", qkclip):
-        diffs = [c.runs[arm][s].final_val - c.runs[qknorm][s].final_val for s in c.seeds
-                 if all(s in c.runs.get(a, {}) and c.runs[a][s].finished and c.runs[a][s].final_val is not None
-                        for a in (arm, qknorm))]
+        diffs = c.val_gaps(arm, qknorm)
         gaps.append(f"{arm} {statistics.median(diffs):+.3f}" if diffs else f"{arm} n/a")
     triggers = [f"{s} {num(c.runs[qknorm][s].trigger)}" for s in c.seeds if s in c.runs[qknorm]]
     return holds, lines + [f"val loss - {qknorm}'s, median: " + ", ".join(gaps),
@@ -671,6 +669,7 @@ def pilot_rows(pilot_groups):
 
 
 def build(groups, root, markdown, plots=(), markdown_dir=".", pilots=()):
+    """The report as text (markdown False) or Markdown (markdown: the file's path as given)."""
     known = list(dict.fromkeys(n for _, experiments in CLAIMS.values() for n in experiments))
     order = [n for n in known if n in groups] + sorted(set(groups) - set(known))
     title = (lambda level, text: "#" * level + " " + text) if markdown else (lambda level, text: f"== {text} ==")
@@ -678,7 +677,7 @@ def build(groups, root, markdown, plots=(), markdown_dir=".", pilots=()):
     if markdown:
         parts += [title(1, "The paper's claims, judged on this project's own runs"),
                   f"Written by `python report.py {root}"
-                  + "".join(f" --pilot {p}" for p, _ in pilots) + " --markdown RESULTS.md`, from the runs' logs. "
+                  + "".join(f" --pilot {p}" for p, _ in pilots) + f" --markdown {markdown}`, from the runs' logs. "
                   + scale(groups)]
         cut = cut_arms(groups)
         idle = [s for s in SOURCES if not any(groups.get(a) for a in {**probe_arms(s), **action_arms(s)}
@@ -930,7 +929,7 @@ def main(argv=None):
     if args.markdown:
         os.makedirs(markdown_dir, exist_ok=True)
         with open(args.markdown, "w") as f:
-            f.write(build(groups, args.root, markdown=True, plots=plots, markdown_dir=markdown_dir, pilots=pilots))
+            f.write(build(groups, args.root, markdown=args.markdown, plots=plots, markdown_dir=markdown_dir, pilots=pilots))
         print(f"markdown: {args.markdown}")
     return 0
 

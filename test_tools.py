@@ -654,6 +654,7 @@ def test_markdown_has_tables_hardware_and_commands(tmp_path):
     assert "machine NVIDIA H200 (torch 2.11.0+cu130, triton ?)" in text and "8 seeds (seed1 to seed8)" in text
     assert "Not run (cut from the sweep" in text and "bf16-guard" in text.split("Not run (cut")[1].split("\n")[0]
     assert "## Commands\n\n```bash\npython train.py --seed 1 --out-dir " in text
+    assert f"Written by `python report.py {tmp_path / 'runs'} --markdown {md}`" in text   # what was typed
     assert f"python train.py --seed 2 --out-dir {tmp_path / 'runs' / 'bf16' / 'seed2'}" in text
     if importlib.util.find_spec("matplotlib"):  # the plots, linked relative to the Markdown file
         assert "![claim1](plots/claim1.png)" in text and (tmp_path / "plots" / "claim1.png").exists()
