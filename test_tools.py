@@ -355,6 +355,8 @@ def rule3(site, dose=3.0, k=7, **changes):
     param(lambda s: rule3(s, **{sweep.NO_ERROR: arm(0, OK, {1: UNFINISHED})}), "not reproduced",
           id="the no-error run unfinished in one of those seeds"),
     param(lambda s: rule3(s, **{sweep.NO_ERROR: []}), "not reproduced", id="no no-error runs"),
+    param(lambda s: rule3(s, k=6, **{sweep.NO_ERROR: arm(0, OK) + [OK] * 4}), "reproduced",
+          id="the no-error arm's extra seeds (runs of claims 1, 2v) are not the rule's"),
     param(lambda s: rule3(s, **{inject(s, 30.0, fix=True): arm(8, RUNAWAY)}), "reproduced",
           id="the fix runs away at another dose"),
     param(lambda s: rule3(s, k=4, **{inject(s, 30.0): arm(0, OK, dict.fromkeys(range(5, 9), QK_RUNAWAY))}),
