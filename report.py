@@ -186,6 +186,7 @@ class Claim:
     def __init__(self, groups, arms, refs=()):
         """refs: arms the rule compares with, whose other seeds are not the rule's (see verdicts)."""
         self.runs = {a: {r.seed: r for r in groups.get(a, [])} for a in {*groups, *arms}}
+        self.arms = set(arms)
         self.seeds = sorted({s for a in arms if a not in refs for s in self.runs[a]}, key=lambda s: (len(s), s))
         self.alpha = ALPHA      # the strictest threshold the rule's tests used, for "inconclusive"
 
@@ -200,9 +201,10 @@ class Claim:
         return out
 
     def doses_run(self, site):
-        """The doses of the grid with any run at this site (a sweep may run part of it)."""
-        return [d for d in DOSES if any(self.runs.get(inject_arm(site, d, c, f)[0])
-                                        for c in COHERENCES for f in (False, True))]
+        """The doses of the grid at which this rule's arms at this site have runs (a sweep may run
+        part of it; another rule's arms at other doses do not count)."""
+        arms_at = lambda d: [inject_arm(site, d, c, f)[0] for c in COHERENCES for f in (False, True)]
+        return [d for d in DOSES if any(self.runs[a] for a in arms_at(d) if a in self.arms)]
 
     def val_gaps(self, arm, ref):
         """Per seed where both runs finished with a val loss: arm's final val loss minus ref's."""

@@ -381,6 +381,15 @@ def test_rule_3_judges_the_doses_that_were_run(tmp_path, doses, runaways, expect
     assert judge(tmp_path, "3", {**arms, **NOERR} if arms else {"bf16": arm(0, OK)}) == expected
 
 
+def test_a_rules_doses_are_those_its_own_arms_ran(tmp_path):
+    # claim 4's random-sign arm at dose 0.3 is not a dose of claim 3, whose arms ran at 3 and 30 only
+    arms = {inject("mlp-out", d, 1.0, f): arm(6 if d == 3.0 and not f else 0, QK_RUNAWAY if not f else OK)
+            for d in (3.0, 30.0) for f in (False, True)}
+    groups = write_arms(tmp_path, {**arms, **NOERR, inject("mlp-out", 0.3, 0.5): arm(0, OK)})
+    assert "mlp-out: doses run 3, 30\n" in report.build(groups, str(tmp_path), markdown=False)
+
+
+
 def test_rule_3_uses_the_bonferroni_threshold_and_lists_the_fix_gaps(tmp_path):
     assert report.ALPHA / len(sweep.DOSES) == pytest.approx(0.05 / 3)
     text = rows(tmp_path, {**rule3("mlp-out"), inject("mlp-out", 30.0): arm(5, QK_RUNAWAY),
