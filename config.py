@@ -273,9 +273,14 @@ def refusals(args, typed):
     ]
 
 
+def auto_preset(device_type):
+    """--preset auto: demo on a CPU, assay on a GPU."""
+    return "demo" if device_type == "cpu" else "assay"
+
+
 def resolve(args, device, parser):
     """Fill what the command line left to the preset, then check what needs the sizes."""
-    args.preset = args.preset if args.preset != "auto" else ("demo" if device.type == "cpu" else "assay")
+    args.preset = args.preset if args.preset != "auto" else auto_preset(device.type)
     for key, value in {**PRESETS[args.preset], **model_lib.MODEL_SIZES[PRESETS[args.preset]["size"]]}.items():
         if key != "size" and getattr(args, key) is None:
             setattr(args, key, value)

@@ -657,12 +657,15 @@ def scale(groups):
             f"{started[-1] if started else '?'}.")
 
 
+def sources_run(groups):
+    """The runaway sources on which claims 5 or 6 have a run (of an arm other than no-error)."""
+    return [s for s in SOURCES if any(groups.get(a) for a in {**probe_arms(s), **action_arms(s)} if a != NO_ERROR)]
+
+
 def cut_arms(groups):
     """The arms of the claims judged here that have no run at all: what the sweep left out."""
-    ran_sources = [s for s in SOURCES if any(groups.get(a) for a in probe_arms(s) if a != NO_ERROR)
-                   or any(groups.get(a) for a in action_arms(s))]
     full = {n for number, (_, arms) in CLAIMS.items() if number not in (5, 6) for n in arms}
-    full |= {n for s in ran_sources for n in {**probe_arms(s), **action_arms(s)}}
+    full |= {n for s in sources_run(groups) for n in {**probe_arms(s), **action_arms(s)}}
     return sorted(n for n in full if not groups.get(n))
 
 
@@ -685,8 +688,7 @@ def build(groups, root, markdown, plots=(), markdown_dir=".", pilots=()):
                   + "".join(f" --pilot {p}" for p, _ in pilots) + f" --markdown {markdown}`, from the runs' logs. "
                   + scale(groups)]
         cut = cut_arms(groups)
-        idle = [s for s in SOURCES if not any(groups.get(a) for a in {**probe_arms(s), **action_arms(s)}
-                                              if a != NO_ERROR)]
+        idle = [s for s in SOURCES if s not in sources_run(groups)]
         if cut or idle:
             parts.append(f"Not run (cut from the sweep; a rule that needs them says \"not run\", or counts them "
                          f"against its claim): {', '.join(cut) or 'nothing of the claims judged'}"

@@ -218,7 +218,7 @@ def prepare_data_once(extra):
     dataset, preset = flag_value(extra, "--dataset", "pycode"), flag_value(extra, "--preset", "auto")
     if preset == "auto":
         on_gpu = torch.cuda.is_available() and not flag_value(extra, "--device", "auto").startswith("cpu")
-        preset = "assay" if on_gpu else "demo"
+        preset = config.auto_preset("cuda" if on_gpu else "cpu")
     tokenizer = flag_value(extra, "--tokenizer", config.PRESETS.get(preset, {}).get("tokenizer", "gpt2"))
     out = prepare_data.default_out_dir(dataset, tokenizer)
     if dataset in ("pycode", "shakespeare") and not os.path.exists(os.path.join(out, "meta.json")):
