@@ -15,7 +15,6 @@ if not torch.cuda.is_available():
 import pytest
 
 import attention_kernel as ak
-import bench
 from attention_kernel import ACCUM_MODES, ROUNDING_SOURCES, attention
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -156,7 +155,7 @@ def test_block_n_is_honoured(seed):
 
 def test_bf16_state_error_is_larger_at_T1024(seed):
     # The state alone, everything else equal (`-s -k T1024` prints the ratios; the measured errors
-    # behind the bounds: MEASUREMENTS.md, "the tests' measured bases"). Default rounding: bf16 logits
+    # behind the bounds: lab/MEASUREMENTS.md, "the tests' measured bases"). Default rounding: bf16 logits
     # alone nearly double a standard kernel's error, so the state's share is smaller.
     q, k, v, do = (randn(1, 4, 1024, 64) for _ in range(4))
     ref = run(q, k, v, do, impl="reference")
@@ -252,7 +251,7 @@ def prior_work_bf16(q, k, v, do, n, safemax=False):
     above the diagonal are skipped: they add nothing in theirs (whose safe-max also shifts a
     negative running max to 0 there, a quirk this test avoids with positive maxima).
     mm() is a bf16 matmul as tensor cores do it: exact products summed in fp32, rounded once. The
-    CPU's own bf16 matmul sums in another order and moves elements (MEASUREMENTS.md, "the twin and
+    CPU's own bf16 matmul sums in another order and moves elements (lab/MEASUREMENTS.md, "the twin and
     the Triton kernel equal the prior work's bf16 algorithm")."""
     mm = lambda a, b: (a.float() @ b.float()).to(BF16)
     B, H, T, D = q.shape
@@ -295,7 +294,7 @@ def prior_work_bf16(q, k, v, do, n, safemax=False):
 def test_every_rounding_point_is_the_prior_works(impl, accum, seed):
     # With every source on, both implementations give the transcription's o, dq, dk, dv bit for bit.
     # Without the separate rounding of P V (O = r(r(alpha O) + P V), the old fused form) 12 to 18%
-    # of o moves, so losing it fails the test (MEASUREMENTS.md, as for prior_work_bf16).
+    # of o moves, so losing it fails the test (lab/MEASUREMENTS.md, as for prior_work_bf16).
     need_triton(impl)
     q, k, v, do = (randn(1, 2, 192, 64) for _ in range(4))
     if accum == "bf16-safemax":
@@ -314,7 +313,7 @@ def test_every_rounding_point_is_the_prior_works(impl, accum, seed):
 def test_safemax_is_finite_and_accurate_up_to_huge_tied_maxima(impl, seed):
     # The prior work's shift beta*max leaves tied entries at exp(-(beta-1)*max), and its clamp of
     # the block sum at 1e-10 wrecks l from a tied max of about 23 on. Capped, the error stays at the
-    # bf16 state's (MEASUREMENTS.md, "which rounding source carries the fault's bias").
+    # bf16 state's (lab/MEASUREMENTS.md, "which rounding source carries the fault's bias").
     need_triton(impl)
     for top in (50.0, 100.0, 1000.0, 1e30):
         g = torch.Generator(device=DEV).manual_seed(seed % 2**31)
@@ -402,7 +401,7 @@ def test_fault_character_table(seed):
     # Generic inputs: no source is biased.
     assert all(abs(b) < 0.05 for a in SOURCE_ARMS for b in bias["generic", a]), msg
     for fam, sign in (("tied+", 1), ("tied-", -1)):
-        # Tied maxima, values of one sign (measured ratios: MEASUREMENTS.md, "which rounding source
+        # Tied maxima, values of one sign (measured ratios: lab/MEASUREMENTS.md, "which rounding source
         # carries the fault's bias"). The state's error follows the values' sign in every seed:
         # where a row's max repeats, P holds exact 1s, the block sum lands on the bf16 grid and the
         # other keys' small remainder is rounded away every time, so l comes out low and o high.
@@ -515,52 +514,6 @@ def test_strided_inputs_need_no_copies_and_change_nothing(impl, seed):
                 f"seed {seed}: {accum}: the layout changed a result"
 
 
-def test_kernels_compile_for_an_h100_without_spills():
-    # Triton compiles for a GPU without one: every kernel a GPU runs at head_dim 64 (GPT-2's), for
-    # bf16 and fp32 inputs, must compile for sm_90, spill no registers and fit the 227 KB of shared
-    # memory. Slow: real compiles (32 s here without a Triton cache).
-    import json
-    import subprocess
-    import sys
-    code = ("import json, torch, bench; print(json.dumps([row for dtype in (torch.bfloat16, torch.float32) for row "
-            "in bench.compile_for_gpu([(64, *m) for m in bench.RESOURCE_MODES], dtype=dtype)]))")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                         cwd=os.path.dirname(os.path.abspath(__file__)))
-    assert out.returncode == 0, out.stderr[-3000:]
-    rows = json.loads(out.stdout.strip().splitlines()[-1])
-    assert {(r["kernel"], r["dtype"]) for r in rows} == {(kernel, dtype) for dtype in ("bfloat16", "float32")
-                                                         for kernel in ("attn_fwd", "attn_bwd_dkdv", "attn_bwd_dq")}
-    for r in rows:
-        assert r["spill_bytes"] == 0 and r["shared_kb"] <= 227, r
-
-
-def test_every_tuning_candidate_gives_the_defaults_results(seed):
-    # `bench.py --only tune` times other launch configurations on a GPU; any may become a default,
-    # so each must compute the same: bit for bit in the bf16-state forward (its key block is fixed;
-    # the rest leaves a row's arithmetic alone), up to summation order elsewhere. Uneven blocks
-    # (32 x 128, 128 x 32) take the backward's diagonal and tail loops through their other cases.
-    need_triton("triton")
-    rows = bench.tune(shapes=[(1, 2, 150, 32)], timer=lambda fn: 0.0)
-    assert {(r["kernel"], r["accum"]) for r in rows} == {("fwd", "fp32"), ("dkdv", "fp32"), ("dq", "fp32"),
-                                                         ("fwd", "bf16")}
-    for r in rows:
-        assert "error" not in r, f"seed {seed}: {r}"
-        tol = 0.0 if (r["kernel"], r["accum"]) == ("fwd", "bf16") else 2e-3
-        assert r["rel_diff"] <= tol, f"seed {seed}: {r}"
-
-
-def test_the_tuner_catches_a_candidate_that_leaves_outputs_unwritten(monkeypatch):
-    need_triton("triton")
-    default = ak.bwd_configs(32, BF16)[1]
-    real = ak.launch_dq
-    monkeypatch.setattr(ak, "launch_dq", lambda config, *a: real(config, *a) if config == default else None)
-    rows = bench.tune(shapes=[(1, 2, 40, 32)], timer=lambda fn: 0.0,
-                   candidates=lambda kernel, accum, D: [(128, 32, 4, 2)] if kernel == "dq" else [])
-    broken = [r for r in rows if r["kernel"] == "dq" and not r["default"]]
-    assert len(broken) == 1 and "unwritten" in broken[0].get("error", ""), broken
-
-
 def test_clear_errors(monkeypatch):
     q = torch.randn(1, 2, 8, 64, device=DEV)
     with pytest.raises(ValueError, match="fp32.*bf16.*bf16-safemax"):
@@ -614,12 +567,12 @@ def test_clear_errors(monkeypatch):
 # six-grams over 32 tokens with 10% noise (structure to learn); AdamW (0.9, 0.95), clip 1.0; a fresh
 # batch each step, or the same one. bf16 q, k, v and no other rounding source: e is the state's
 # error alone, c only fp32 summation order. The measured ranges over seeds, and the conclusion, are in
-# MEASUREMENTS.md ("the bf16 state's error in dW_q"): at this scale it is NOT persistent in
+# lab/MEASUREMENTS.md ("the bf16 state's error in dW_q"): at this scale it is NOT persistent in
 # direction; a weak persistent part shows on a repeated batch only. cE or cM above 0.2 would be a
 # finding: report it.
 #
 # Asserted per run, for one fresh seed, fresh and repeated batch (from init, lr 1e-3), with margin
-# over every measurement in MEASUREMENTS.md:
+# over every measurement in lab/MEASUREMENTS.md:
 #   - the fault is active: 3e-4 < |e|/|g| < 3e-2;
 #   - no strong persistence: cE < 0.2 and cM < 0.2 (measured max 0.103 and 0.079); |cC| < 0.1;
 #   - persistence would show: cG > 0.3 (measured min 0.46) and cG - cE > 0.25 (measured min 0.41).

@@ -1,11 +1,11 @@
 """
 Read a sweep's runs and say, claim by claim, whether the paper's claims reproduced, and how sure that is.
 
-    python report.py runs/claims                          # tables on the console, PNG plots into runs/claims
-    python report.py runs/claims --markdown RESULTS.md    # also Markdown: tables, date, hardware, commands, and the
-                                                          # plots (into plots/ beside it, so the links survive a commit)
-    python report.py runs/claims --plots figures/         # the plots elsewhere (they need matplotlib)
-    python report.py --runs runs/A runs/B --png fig.png   # loss, max logit, sigma(W_q) of a few runs, one figure
+    python -m lab.report runs/claims                   # tables on the console, PNG plots into runs/claims
+    python -m lab.report runs/claims --markdown R.md   # also Markdown: tables, date, hardware, commands, and
+                                                       # the plots (into plots/ beside it, or --plots DIR)
+    python -m lab.report runs/claims --plots figures/  # the plots elsewhere (they need matplotlib)
+    python -m lab.report --runs runs/A runs/B --png fig.png   # loss, max logit, sigma(W_q) of a few runs
 
 Reads every <root>/<experiment>/seed<k>/ that train.py wrote (log.jsonl, config.json; see sweep.py). Arms are
 compared seed by seed (sweep.py gives every arm the same seeds). A run that did not finish, or a seed missing from
@@ -19,7 +19,7 @@ import os
 import shlex
 import statistics
 
-from sweep import (CLAIM3_SITE, CLAIM4_SITES, CLAIMS, COHERENCES, DONE, DOSES, NO_ERROR, SITES, SOURCES,
+from lab.sweep import (CLAIM3_SITE, CLAIM4_SITES, CLAIMS, COHERENCES, DONE, DOSES, NO_ERROR, SITES, SOURCES,
                    action_arms, inject_arm, probe_arms, read_log)
 
 # --------------------------------------------------------------------------------------------------
@@ -676,16 +676,18 @@ def pilot_rows(pilot_groups):
             for r in runs]
 
 
-def build(groups, root, markdown, plots=(), markdown_dir=".", pilots=()):
-    """The report as text (markdown False) or Markdown (markdown: the file's path as given)."""
+def build(groups, root, markdown, plots=(), markdown_dir=".", pilots=(), plots_flag=None):
+    """The report as text (markdown False) or Markdown (markdown: the file's path as given; plots_flag:
+    the --plots given, for the command that rewrites it)."""
     known = list(dict.fromkeys(n for _, experiments in CLAIMS.values() for n in experiments))
     order = [n for n in known if n in groups] + sorted(set(groups) - set(known))
     title = (lambda level, text: "#" * level + " " + text) if markdown else (lambda level, text: f"== {text} ==")
     parts = []
     if markdown:
         parts += [title(1, "The paper's claims, judged on this project's own runs"),
-                  f"Written by `python report.py {root}"
-                  + "".join(f" --pilot {p}" for p, _ in pilots) + f" --markdown {markdown}`, from the runs' logs. "
+                  f"Written by `python -m lab.report {root}"
+                  + "".join(f" --pilot {p}" for p, _ in pilots) + f" --markdown {markdown}"
+                  + (f" --plots {plots_flag}" if plots_flag else "") + "`, from the runs' logs. "
                   + scale(groups)]
         cut = cut_arms(groups)
         idle = [s for s in SOURCES if s not in sources_run(groups)]
@@ -744,7 +746,7 @@ def _pyplot():
         import matplotlib.pyplot as plt
         return plt
     except ImportError:
-        print("plots skipped: matplotlib is not installed (pip install matplotlib, then run report.py again)")
+        print("plots skipped: matplotlib is not installed (pip install matplotlib, then run lab.report again)")
         return None
 
 
@@ -937,7 +939,7 @@ def main(argv=None):
         os.makedirs(markdown_dir, exist_ok=True)
         with open(args.markdown, "w") as f:
             f.write(build(groups, args.root, markdown=args.markdown, plots=plots, markdown_dir=markdown_dir,
-                          pilots=pilots))
+                          pilots=pilots, plots_flag=args.plots))
         print(f"markdown: {args.markdown}")
     return 0
 

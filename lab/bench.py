@@ -1,18 +1,19 @@
-"""Speed against the issue's targets: the attention kernel, then a GPT-2 124M training step.
+"""Speed against the project's targets (targets() lists them): the attention kernel, then a GPT-2 124M
+training step.
 
-    python bench.py                        # CUDA: attention table, training-step table, targets
-    python bench.py --json out/bench.json  # the same, and the tables as JSON
-    python bench.py --smoke                # CI: tiny sizes, any device (CPU: no attention table)
-    python bench.py --only attention       # CUDA: the attention table alone
-    python bench.py --only tune            # CUDA: other launch configurations of our kernels, timed
-    python bench.py --only resources       # any machine: our kernels' registers and spills on sm_90
-    python bench.py --only resources --dtype fp32   # the same for fp32 inputs
-    python bench.py --only check           # any machine: every mode's errors against float64
-    python bench.py --only cpu-step        # CPU: cpu-model step, byte vs GPT-2 vocab, twin vs SDPA
+    python -m lab.bench                        # CUDA: attention table, training-step table, targets
+    python -m lab.bench --json out/bench.json  # the same, and the tables as JSON
+    python -m lab.bench --smoke                # CI: tiny sizes, any device (CPU: no attention table)
+    python -m lab.bench --only attention       # CUDA: the attention table alone
+    python -m lab.bench --only tune            # CUDA: other launch configurations of our kernels, timed
+    python -m lab.bench --only resources       # any machine: our kernels' registers and spills on sm_90
+    python -m lab.bench --only resources --dtype fp32   # the same for fp32 inputs
+    python -m lab.bench --only check           # any machine: every mode's errors against float64
+    python -m lab.bench --only cpu-step        # CPU: cpu-model step, byte vs GPT-2 vocab, twin vs SDPA
 
-Training step = train.py's Trainer step: forward and backward under bf16 autocast, clip_grad_norm_
-to 1.0, fused AdamW, zero_grad; with the monitor on, also SpectralMonitor.measure and a dormant
-QKGuard.observe (deferred: its one flag reaches the host in the background, as in train.py). Three
+Training step = the step of train.py's loop: forward and backward under bf16 autocast,
+clip_grad_norm_ to 1.0, fused AdamW, zero_grad; with the monitor on, also SpectralMonitor.measure
+and a dormant QKGuard.observe_deferred (its one flag reaches the host in the background). Three
 configurations, all under torch.compile:
   sdpa            attn_impl="sdpa", no max-logit by-product, no monitor: the nanoGPT-style baseline
   triton+monitor  attn_impl="triton", accum="fp32", no rounding (a standard flash kernel like SDPA),
@@ -189,7 +190,7 @@ def build(args, attn_impl, max_logit, **numerics):
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        if watch:                  # Trainer.watch with --monitor-interval 1
+        if watch:                  # train.py's place (6) with --monitor-interval 1
             _, sigma_head = monitor.measure(model, kinds=QK_KINDS)   # other kinds: at log steps
             guard.observe_deferred(count[0], max_logit.float(), sigma_head, model)
             guard.after_optimizer_step(model, max_logit.float())
@@ -524,7 +525,7 @@ def main(argv=None):
         return 0
     start, errors = time.time(), []
     name = torch.cuda.get_device_name() if args.device.type == "cuda" else "cpu"
-    print(f"bench.py on {name}: torch {torch.__version__}" + (" (smoke run: tiny sizes)" if args.smoke else ""))
+    print(f"lab.bench on {name}: torch {torch.__version__}" + (" (smoke run: tiny sizes)" if args.smoke else ""))
     table, att = {}, None
     if args.device.type != "cuda":
         print("\nattention table: skipped (it times the Triton kernels on a CUDA GPU; none here)")

@@ -1,6 +1,6 @@
 """Tests of sweep.py (launching the claims) and report.py (reading them back and judging them).
 
-Run: python -m pytest -q test_tools.py   (CPU; the rules take seconds, end-to-end and bench longer)
+Run: python -m pytest -q lab/test_tools.py   (CPU; the rules take seconds, end-to-end and bench longer)
 
 Every rule of report.RULES is tested on synthetic runs over sweep.SEEDS seeds: a case that must
 pass it, and cases that each remove one of its conditions and must fail it.
@@ -16,11 +16,10 @@ import sys
 import pytest
 from pytest import param
 
-import report
-import sweep
+from lab import report, sweep
 from model import NON_QK_KINDS, WEIGHT_KINDS
 
-ROOT = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))   # the repository root
 N = sweep.SEEDS                    # 8: every arm runs seeds 1..N
 R = report.RUNAWAY_LOGIT
 TOL = report.LOSS_TOL
@@ -180,7 +179,7 @@ def test_qk_specific(tmp_path, growth, specific):
 
 def test_the_other_kinds_are_read_from_the_log():
     # a real run's log: its other kinds are the model's, and its per-head sigma_q_head is not one
-    path = os.path.join(ROOT, "results", "lab", "assay", "seed1")
+    path = os.path.join(ROOT, "lab", "results", "lab", "assay", "seed1")
     assert any("sigma_q_head" in r for r in sweep.read_log(path))
     assert report.Run(path).other_kinds == sorted(NON_QK_KINDS)
 
@@ -665,7 +664,8 @@ def test_markdown_has_tables_hardware_and_commands(tmp_path):
     assert "machine NVIDIA H200 (torch 2.11.0+cu130, triton ?)" in text and "8 seeds (seed1 to seed8)" in text
     assert "Not run (cut from the sweep" in text and "bf16-guard" in text.split("Not run (cut")[1].split("\n")[0]
     assert "## Commands\n\n```bash\npython train.py --seed 1 --out-dir " in text
-    assert f"Written by `python report.py {tmp_path / 'runs'} --markdown {md}`" in text   # what was typed
+    assert (f"Written by `python -m lab.report {tmp_path / 'runs'} --markdown {md} --plots {tmp_path / 'plots'}`"
+            in text)   # what was typed
     assert f"python train.py --seed 2 --out-dir {tmp_path / 'runs' / 'bf16' / 'seed2'}" in text
     if importlib.util.find_spec("matplotlib"):  # the plots, linked relative to the Markdown file
         assert "![claim1](plots/claim1.png)" in text and (tmp_path / "plots" / "claim1.png").exists()
@@ -692,7 +692,7 @@ def test_plots_or_a_clear_skip(tmp_path, monkeypatch, capsys):
 # report.py as a command
 
 def report_cmd(*args):
-    return subprocess.run([sys.executable, os.path.join(ROOT, "report.py"), *map(str, args)], capture_output=True,
+    return subprocess.run([sys.executable, "-m", "lab.report", *map(str, args)], capture_output=True,
                           text=True, timeout=120, cwd=ROOT)
 
 
@@ -731,7 +731,7 @@ def test_report_survives_nothing(tmp_path, capsys):
 # sweep.py
 
 def sweep_cmd(*args, timeout=60):
-    return subprocess.run([sys.executable, os.path.join(ROOT, "sweep.py"), *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "lab.sweep", *args], capture_output=True, text=True,
                           timeout=timeout, cwd=ROOT)
 
 
@@ -928,54 +928,8 @@ def test_every_arm_of_every_claim_runs_end_to_end_and_is_judged(tmp_path, data_d
     assert all(verdict == "inconclusive" for _, verdict, _ in rows), rows     # one seed: judged, not decided
 
 
-# --------------------------------------------------------------------------------------------------
-# bench.py
-
-def test_bench_smoke(tmp_path):
-    """bench.py --smoke runs the benchmark's code paths at a tiny size on the CPU (even with a GPU,
-    to stay quick): the three training configurations, the monitor cost, the targets, the JSON."""
-    out_json = tmp_path / "bench.json"
-    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
-    out = subprocess.run([sys.executable, os.path.join(ROOT, "bench.py"), "--smoke", "--json", str(out_json)],
-                         capture_output=True, text=True, timeout=120, cwd=ROOT, env=env)
-    assert out.returncode == 0, out.stdout + out.stderr
-    lines = out.stdout.splitlines()
-    assert any(line.startswith("attention table: skipped") for line in lines)
-    for config in ("sdpa", "triton+monitor", "triton"):
-        assert any(line.split()[:1] == [config] and len(line.split()) == 5 for line in lines), config
-    assert "monitor cost (on - off) / off: " in out.stdout
-    summary = lines[lines.index(next(line for line in lines if line.startswith("targets"))):]
-    for target in ("attn fp32/cudnn fwd+bwd (16, 12, 1024, 64)", "attn bf16-safemax/fp32, worst of 3 shapes",
-                   "train tokens/s, triton+monitor / sdpa", "monitor cost, (on - off) / off"):
-        assert any(line.startswith(target) for line in summary), target
-
-    result = json.loads(out_json.read_text())
-    assert result["smoke"] is True and result["errors"] == []
-    assert set(result["train"]) == {"sdpa", "triton+monitor", "triton"}
-    for row in result["train"].values():
-        assert row["ms_per_step"] > 0 and row["tokens_per_s"] > 0 and row["steps"] == 2
-    assert isinstance(result["monitor_cost"], float)
-    assert len(result["targets"]) == 7
-    assert all(set(t) == {"target", "measured", "goal", "met"} for t in result["targets"])
-    assert [t["met"] for t in result["targets"][:5]] == [None] * 5  # no attention table on the CPU
-
-
-@pytest.mark.parametrize("x, at_most_met, at_least_met", [(0.99, True, False), (1.0, True, True),
-                                                          (1.01, False, True)])
-def test_bench_targets_verdicts_at_their_limits(x, at_most_met, at_least_met):
-    # x times each limit (at most: fp32 attention / cuDNN or flash 1.0, bf16 modes / fp32 1.25,
-    # monitor cost 1%; at least: tokens/s over SDPA's 1.0): met on the right side and at the limit
-    import bench
-    att = {s: {"fp32/cudnn": x, "fp32/flash": x, "bf16/fp32": 1.25 * x * w, "bf16-safemax/fp32": 1.25 * x * w}
-           for s, w in zip(bench.SHAPES, (0.5, 1.0, 0.8))}  # the worst shape is the second
-    s0, s1, s2 = bench.SHAPES
-    att[s0]["fp32/flash"] = att[s1]["fp32/cudnn"] = att[s2]["fp32/cudnn"] = 2.0 - x   # not this shape's target
-    row = lambda tokens_per_s: {"ms_per_step": 16384 / tokens_per_s * 1e3, "tokens_per_s": tokens_per_s,
-                                "steps": 50, "mfu": None, "peak_mem_gib": None}
-    train = {"sdpa": row(1e5), "triton+monitor": row(1e5 * x), "triton": row(1.1e5)}
-    rows = bench.targets(att, train, 0.01 * x)
-    assert [r["met"] for r in rows] == [at_most_met] * 5 + [at_least_met, at_most_met]
-    assert [r["measured"] for r in rows] == pytest.approx([x, x, x, 1.25 * x, 1.25 * x, x, 0.01 * x])
-    att[s2]["bf16/fp32"] = None                             # a shape not measured: no worst
-    rows = bench.targets(att, train, None)                  # and no monitor cost
-    assert rows[3]["met"] is None and rows[3]["measured"] is None and rows[6]["met"] is None
+def test_the_lab_scripts_numeric_flags_refuse_nonsense_in_one_line():
+    """0, -1, nan and inf through the numeric flags of lab.sweep and lab.bench, as a user runs them."""
+    from test_training import assert_numeric_flags_refuse_nonsense
+    assert_numeric_flags_refuse_nonsense([("-m lab.sweep", ["--dry-run", "--claims", "1"], ["--seeds", "--parallel"]),
+                                          ("-m lab.bench", ["--smoke"], ["--steps", "--warmup", "--batch-size"])], ROOT)

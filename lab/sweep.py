@@ -1,17 +1,17 @@
 """
 Launch the paper's claims as a batch of train.py runs, side by side on one GPU (or CPU).
 
-    python sweep.py                                   # every claim, 8 seeds, into runs/claims/<experiment>/seed<k>/
-    python sweep.py --claims 1,2 --seeds 4            # some claims
-    python sweep.py --claims 1 --dry-run              # print the commands only
-    python sweep.py --claims 1 -- --max-steps 50 --n-layer 2 --device cpu   # extra flags go to every run
-    python sweep.py --resume                          # also continue runs that were interrupted or crashed
+    python -m lab.sweep                                   # every claim, 8 seeds: runs/claims/<experiment>/seed<k>/
+    python -m lab.sweep --claims 1,2 --seeds 4            # some claims
+    python -m lab.sweep --claims 1 --dry-run              # print the commands only
+    python -m lab.sweep --claims 1 -- --max-steps 50 --n-layer 2 --device cpu   # extra flags go to every run
+    python -m lab.sweep --resume                          # also continue runs that were interrupted or crashed
 
 Every arm of every claim runs the same seeds (seed k passes --seed k: the same initial weights and batch order),
 so report.py compares arms seed by seed. Each run is one train.py subprocess with its stdout.log / stderr.log in
 its own folder; at most --parallel run at once. A run whose log already ends with a completed or collapsed "end"
 record is skipped, so launching the same sweep again only runs what is left. Read the results with
-`python report.py runs/claims`.
+`python -m lab.report runs/claims`.
 """
 import argparse
 import gzip
@@ -23,7 +23,7 @@ import subprocess
 import sys
 import time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))   # the reference: train.py, prepare_data.py
 
 # Seeds per arm. report.py compares two arms by an exact sign test over the seeds where they
 # differ: p < 0.05 needs 5 such seeds all one way (1/32), the dose grid's Bonferroni 0.05 / 3
@@ -178,7 +178,7 @@ def run_state(out_dir):
 def plan(names_flags, seeds, out_root, extra, resume):
     """The runs to launch, seed-major (each experiment's seed 1 before any seed 2, so a sweep cut
     short still covers them all), and the ones skipped with the reason."""
-    train = os.path.relpath(os.path.join(HERE, "train.py"))
+    train = os.path.relpath(os.path.join(ROOT, "train.py"))
     todo, skipped = [], []
     for seed in range(1, seeds + 1):
         for name, flags in names_flags.items():
@@ -223,7 +223,7 @@ def prepare_data_once(extra):
     out = prepare_data.default_out_dir(dataset, tokenizer)
     if dataset in ("pycode", "shakespeare") and not os.path.exists(os.path.join(out, "meta.json")):
         print(f"preparing {out} ({tokenizer} tokens) once before the runs start", flush=True)
-        subprocess.run([sys.executable, os.path.join(HERE, "prepare_data.py"), "--dataset", dataset,
+        subprocess.run([sys.executable, os.path.join(ROOT, "prepare_data.py"), "--dataset", dataset,
                         "--tokenizer", tokenizer, "--out-dir", out], check=True)
 
 
@@ -335,7 +335,7 @@ def main(argv=None):
             print(shlex.join(cmd))
         return 0
     if not todo:
-        print(f"nothing to run; read the results with: python report.py {args.out_root}")
+        print(f"nothing to run; read the results with: python -m lab.report {args.out_root}")
         return 0
     parallel = args.parallel or default_parallel(extra)
     prepare_data_once(extra)
@@ -355,7 +355,7 @@ def main(argv=None):
         return 1
     unfinished = sum(why.startswith("unfinished") for _, why in skipped)
     print(f"all {len(todo)} runs ended" + (f" ({unfinished} unfinished ones skipped: see above)" if unfinished else "")
-          + f"; read them with: python report.py {args.out_root}")
+          + f"; read them with: python -m lab.report {args.out_root}")
     return 0
 
 

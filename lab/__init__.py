@@ -1,0 +1,9 @@
+"""The lab: what reproduces and measures the paper's claims, beside the reference at the root.
+
+    python -m lab.sweep ...     # the claims' runs (train.py subprocesses)
+    python -m lab.report ...    # their verdicts, RESULTS.md and the plots
+    python -m lab.bench ...     # speed and kernel tuning
+
+It imports the reference (model.py, attention_kernel.py, ...) from the repository root, where these
+commands run; the reference never imports the lab, so `rm -r lab` leaves it whole.
+"""
