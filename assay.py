@@ -16,8 +16,6 @@ import math
 
 import torch
 
-from attention_kernel import attention
-from model import apply_rotary
 
 INJECT_SITES = ("none", "attn-out", "mlp-in", "mlp-out", "residual", "delta", "grad-wv", "grad-mlp")
 ACTIVATION_SITES = ("attn-out", "mlp-in", "mlp-out", "residual")   # forward: changes the model
@@ -191,6 +189,23 @@ class ErrorInjector:
         self.directions = {int(k): v.clone() for k, v in state["directions"].items()}
 
     @classmethod
+    def from_args(cls, args, model, first_batch, autocast):
+        """train.py's injector, from its flags (--inject-*), attached to the model. With --inject-scale
+        matched, the size and direction are the bias of this run's faulty state (bf16 if --accum fp32)
+        on the initial model and first_batch() (B, T)."""
+        layers = None if args.inject_layers == "all" else [int(i) for i in args.inject_layers.split(",")]
+        coherence = 1.0 if args.inject_coherence is None else args.inject_coherence
+        if args.inject_scale != "matched":
+            injector = cls(args.inject_site, args.inject_scale, coherence, n_layer=args.n_layer, n_head=args.n_head,
+                           n_embd=args.n_embd, layers=layers, seed=args.seed)
+        else:
+            with autocast():
+                injector = cls.matched(model, first_batch(), site=args.inject_site,
+                                       accum="bf16" if args.accum == "fp32" else args.accum,
+                                       coherence=coherence, layers=layers, seed=args.seed)
+        return injector.attach(model)
+
+    @classmethod
     def matched(cls, model, idx, site="attn-out", accum="bf16", coherence=1.0, layers=None, seed=0, fault=None):
         """An injector that reproduces the real fault's bias, movable to any site.
 
@@ -203,7 +218,8 @@ class ErrorInjector:
         """
         cfg = model.config
         fault = measure_fault(model, idx, accum) if fault is None else fault
-        inj = cls(site, 1.0, coherence, cfg.n_layer, cfg.n_head, cfg.n_embd, layers, seed)
+        inj = cls(site, 1.0, coherence, n_layer=cfg.n_layer, n_head=cfg.n_head, n_embd=cfg.n_embd, layers=layers,
+                  seed=seed)
         inj.scales = fault["bias_ratio"].clone()
         inj.signs = torch.ones_like(inj.signs)      # start with the measured sign, not its negation
         for layer in inj.layers:
@@ -238,15 +254,10 @@ def measure_fault(model, idx, accum="bf16", dtype=torch.bfloat16):
     stats = {"error_ratio": [], "bias_ratio": [], "bias_dir": []}
     for attn in model.attentions:
         x, rotary = inputs[attn.layer_idx]
-        B, T, C = x.shape
-        q, k, v = (p(x.float()).view(B, T, attn.n_head, attn.head_dim).transpose(1, 2)
-                   for p in (attn.q_proj, attn.k_proj, attn.v_proj))
-        if rotary is not None:
-            q, k = apply_rotary(q, *rotary), apply_rotary(k, *rotary)
+        q, k, v = (t.to(dtype) for t in attn.project(x.float(), rotary))
         impl = "auto" if attn.impl in ("sdpa", "reference") else attn.impl   # no softmax state
-        run = lambda mode: attention(q.to(dtype), k.to(dtype), v.to(dtype), accum=mode, qk_norm=attn.qk_norm,
-                                     scale=attn.scale, softcap=attn.softcap, safemax_beta=attn.beta,
-                                     impl=impl, block_n=attn.block_n, rounding=attn.rounding).float()
+        run = lambda mode: attn.attend(q, k, v, accum=mode, impl=impl, return_max_logit=False,
+                                       delta_error=None).float()
         o_ref = run("fp32")
         err = run(accum) - o_ref                                     # (B, H, T, D)
         ref_rms = o_ref.pow(2).mean(dim=(0, 2, 3)).sqrt()           # (H,)

@@ -3,19 +3,31 @@
 The streaming softmax folds each key block into a running max m, a running sum l and an output
 accumulator O. Qiu & Yao (arXiv 2510.04212, github.com/ucker/why-low-precision-training-fails) keep
 all of it in bf16 and their training collapses; fp32 state repairs it. Each of their rounding points
-is a switch here, r(x) meaning "round to bf16 (nearest even)":
+is a switch here, r(x) meaning "round to bf16 (nearest even)". This table is the one full account
+(README.md and config.py's --round help point here). The state and pv are rounded once per key block,
+so block_n is part of the fault (BF16_STATE_BLOCK_N where unset):
 
-  source    rounded to bf16 when on                                  switched by
-  logits    S = r(r(q k^T) * scale), as out of a bf16 matmul         rounding=("logits", ...)
-  state     m; alpha = r(exp(r(m_old - m))); P = r(exp(r(S - m)));   accum="bf16" or "bf16-safemax"
-            l = r(r(alpha l) + max(r(rowsum P), 1e-10)); O = r(r(alpha O) + PV); o = r(O / l)
-  pv        each block's PV = r(P @ V) alone, before it joins O      rounding=("pv", ...)
-  backward  lse, P, dP, delta, dS; dq, dk, dv sums per 64-row block  rounding=("backward", ...)
+  source    rounded to bf16 when on                                        switched by
+  logits    S = r(r(q k^T) * scale), as out of a bf16 matmul; softcap c:   rounding=("logits", ...)
+            S = r(c tanh(S / c))
+  state     m = r(max(m_old, block row max, or its safe-max shift));       accum="bf16" or
+            alpha = r(exp(r(m_old - m))); P = r(exp(r(S - m)));            "bf16-safemax"
+            l = r(r(alpha l) + max(r(rowsum P), 1e-10)); O = r(r(alpha O) + PV); then o = r(O / l)
+  pv        each key block's PV = r(P @ V) by itself, before it joins O:   rounding=("pv", ...)
+            O = r(r(alpha O) + r(P V)) (O = alpha O + r(P V) in fp32 state)
+  backward  lse = r(r(log l) + m); P = r(exp(r(S - lse))); dP = r(dO V^T);  rounding=("backward", ...)
+            delta = r(rowsum(r(dO * O))); dS = r(r(P * scale) * r(dP - delta)) [softcap:
+            r(dS (1 - tanh^2))]; dq, dk, dv summed as r(sum + r(tile's product)) once per
+            BF16_BWD_BLOCK x BF16_BWD_BLOCK (64 x 64) tile. bf16 inputs only
 
 accum="fp32" keeps the state in fp32 (the repair), "bf16" rounds it (the fault); "bf16-safemax" adds
 the prior work's fix at the source: where a block's row max repeats (within 1e-3), shift by beta*max
-so no P is 1. rounding=None: "logits" and "pv" for bf16 inputs (the prior work's kernel around its
-state, so "fp32" and "bf16" differ only in it), else none; rounding=() is a standard flash kernel.
+so no P is 1 (capped at SAFEMAX_MAX_SHIFT = 16 above the max, or the tied entries underflow).
+rounding=None: "logits" and "pv" for bf16 inputs (the prior work's kernel around its state, so "fp32"
+and "bf16" differ only in it), else none; rounding=() is a standard flash kernel; adding "backward"
+gives the prior work's bf16 backward (off by default: the forward's error is the subject). With every
+source on, forward and backward agree bit for bit with a bf16 transcription of the prior work's
+algorithm (test_numerics.py). train.py's --accum is accum; its --round auto is None, none is ().
 
 Two implementations of one algorithm with the same rounding points, behind torch.library custom ops
 (a model calling attention() compiles with fullgraph=True):
@@ -23,8 +35,8 @@ Two implementations of one algorithm with the same rounding points, behind torch
   - Triton kernels: the same, fast (CUDA, or CPU tensors with TRITON_INTERPRET=1 set before import).
 "sdpa" (PyTorch's fused kernels) and "reference" (float64, materialized) are for comparison.
 
-    python bench.py --only check     # errors against the float64 reference on this device
-    (speed: bench.py also times, tunes and compiles these kernels for a GPU)
+    python -m lab.bench --only check  # errors against the float64 reference on this device
+    (speed: lab/bench.py also times, tunes and compiles these kernels for a GPU)
 """
 import functools
 import math
@@ -65,16 +77,17 @@ INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 # The PyTorch twin: the algorithm vectorized over queries, looping over key blocks. Matmuls run in
 # fp32 on upcast operands (exact products, as the tensor cores' fp32 accumulation).
 
-def _r(x):
+def _round(x):
     """r(x): round fp32 to bf16 (nearest even) and back."""
     return x.to(torch.bfloat16).float()
 
 
-def _keep(x):
+def _no_round(x):
+    """A rounding point switched off."""
     return x
 
 
-def _as(x, dtype):
+def _round_to(x, dtype):
     """Round fp32 to the input dtype and back: the matmul operand the kernel feeds."""
     return x.to(dtype).float()
 
@@ -86,21 +99,27 @@ def _tanh(x):
 
 def _logits_torch(qk, scale, softcap, round_logits):
     """S = r(r(q k^T) * scale) [softcap: r(c tanh(S / c))], r if rounded; -> (S, tanh or None)."""
-    r = _r if round_logits else _keep
-    s, t = r(r(qk) * scale), None
+    round_s = _round if round_logits else _no_round
+    s, t = round_s(round_s(qk) * scale), None
     if softcap > 0:
         t = _tanh(s / softcap)
-        s = r(softcap * t)
+        s = round_s(softcap * t)
     return s, t
 
 
-def _safemax_shift_torch(s, rm, beta):
-    """Where row max rm repeats (within SAFEMAX_TIE), shift by beta*rm (rm > 0) or to 0 (rm < 0),
-    at most SAFEMAX_MAX_SHIFT above rm, so no p is exactly 1: exact in real arithmetic (softmax is
-    shift-invariant). No shift where the bf16 m cannot hold it within the cap (|rm| past 2**12)."""
-    tied = ((s >= (rm - SAFEMAX_TIE)[..., None]).sum(-1) > 1) & (rm > float("-inf"))
-    shift = rm + torch.where(rm > 0, (beta - 1) * rm, -rm).clamp(max=SAFEMAX_MAX_SHIFT)
-    return torch.where(tied & (_r(shift) <= rm + SAFEMAX_MAX_SHIFT), shift, rm)
+def _safemax_shift_torch(s, block_max, beta):
+    """Where the row's block max repeats (within SAFEMAX_TIE), shift by beta*block_max (> 0) or to 0
+    (< 0), at most SAFEMAX_MAX_SHIFT above it, so no p is exactly 1: exact in real arithmetic (softmax
+    is shift-invariant). No shift where the bf16 m cannot hold it within the cap (|max| past 2**12)."""
+    tied = ((s >= (block_max - SAFEMAX_TIE)[..., None]).sum(-1) > 1) & (block_max > float("-inf"))
+    shift = block_max + torch.where(block_max > 0, (beta - 1) * block_max, -block_max).clamp(max=SAFEMAX_MAX_SHIFT)
+    return torch.where(tied & (_round(shift) <= block_max + SAFEMAX_MAX_SHIFT), shift, block_max)
+
+
+def _causal_seen(row0, row1, key0, key1, device):
+    """The causal mask, bool (rows, keys): True where query row i sees key j (j <= i). The twin, the
+    reference and the sdpa max logit all use it; the kernels have their own (_causal_hide)."""
+    return torch.arange(key0, key1, device=device)[None, :] <= torch.arange(row0, row1, device=device)[:, None]
 
 
 def _causal_mask(rows, keys, device):
@@ -110,22 +129,22 @@ def _causal_mask(rows, keys, device):
 
 @functools.lru_cache(maxsize=64)   # the same few blocks each layer and step; callers only read them
 def _causal_mask_of(row0, row1, key0, key1, device):
-    seen = (torch.arange(key0, key1, device=device)[None, :] <= torch.arange(row0, row1, device=device)[:, None])
+    seen = _causal_seen(row0, row1, key0, key1, device)
     return seen.float().log(), seen.float()   # log(1) = 0, log(0) = -inf
 
 
-def _exp_seen(x, seen, r=_keep):
-    """r(exp(x)) where the row sees the key, else 0: exp of a logit masked to -inf, but no exp(-inf)
-    (slow on a CPU, as are other underflows: MEASUREMENTS.md, 2026-12-01, the CPU lab)."""
-    return r(torch.exp(x * seen)) * seen
+def _exp_seen(x, seen, round_p=_no_round):
+    """round_p(exp(x)) where the row sees the key, else 0: exp of a logit masked to -inf, but no
+    exp(-inf) (slow on a CPU, as are other underflows: lab/MEASUREMENTS.md, 2026-12-01, the CPU lab)."""
+    return round_p(torch.exp(x * seen)) * seen
 
 
 def _fwd_torch(q, k, v, scale, softcap, accum, rounding, beta, block_n):
     """Returns o (input dtype), lse and the row max logit (B, H, T) fp32."""
     B, H, T, D = q.shape
     state_bf16 = accum != "fp32"
-    rs = _r if state_bf16 else _keep                  # the state's rounding points
-    rpv = _r if "pv" in rounding else _keep           # the block product's own rounding
+    round_state = _round if state_bf16 else _no_round   # the state's rounding points
+    round_pv = _round if "pv" in rounding else _no_round   # the block product's own rounding
     exact_p = state_bf16 and v.dtype == torch.bfloat16  # P holds bf16 values: no cast before P V
     qf, kf, vf = q.float(), k.float(), v.float()
     m = torch.full((B, H, T), float("-inf"), device=q.device)   # running max (or safe-max shift)
@@ -137,20 +156,20 @@ def _fwd_torch(q, k, v, scale, softcap, accum, rounding, beta, block_n):
         hidden, seen = _causal_mask(rows, keys, q.device)
         s, _ = _logits_torch(qf[:, :, rows] @ kf[:, :, keys].mT, scale, softcap, "logits" in rounding)
         s_seen = s + hidden                                          # -inf past the row's last key
-        rm = s_seen.amax(-1)
-        top[..., rows] = torch.maximum(top[..., rows], rm)
-        shift = _safemax_shift_torch(s_seen, rm, beta) if accum == "bf16-safemax" else rm
+        block_max = s_seen.amax(-1)
+        top[..., rows] = torch.maximum(top[..., rows], block_max)
+        shift = _safemax_shift_torch(s_seen, block_max, beta) if accum == "bf16-safemax" else block_max
         m_old = m[..., rows]
-        m_new = rs(torch.maximum(m_old, shift))
-        alpha = rs(torch.exp(rs(m_old - m_new)))
-        p = _exp_seen(rs(s - m_new[..., None]), seen, rs)   # bf16 state: P = 1 at a repeated max
-        block_sum = _r(p.sum(-1)).clamp_min(1e-10) if state_bf16 else p.sum(-1)
-        l[..., rows] = rs(rs(alpha * l[..., rows]) + block_sum)
-        pv = rpv((p if exact_p else _as(p, v.dtype)) @ vf[:, :, keys])
-        acc[..., rows, :] = rs(rs(acc[..., rows, :] * alpha[..., None]) + pv)
+        m_new = round_state(torch.maximum(m_old, shift))
+        alpha = round_state(torch.exp(round_state(m_old - m_new)))
+        p = _exp_seen(round_state(s - m_new[..., None]), seen, round_state)   # bf16 state: P = 1 at a repeated max
+        block_sum = _round(p.sum(-1)).clamp_min(1e-10) if state_bf16 else p.sum(-1)
+        l[..., rows] = round_state(round_state(alpha * l[..., rows]) + block_sum)
+        pv = round_pv((p if exact_p else _round_to(p, v.dtype)) @ vf[:, :, keys])
+        acc[..., rows, :] = round_state(round_state(acc[..., rows, :] * alpha[..., None]) + pv)
         m[..., rows] = m_new
-    lse = _r(_r(torch.log(l)) + m) if "backward" in rounding else m + torch.log(l)
-    return rs(acc / l[..., None]).to(q.dtype), lse, top
+    lse = _round(_round(torch.log(l)) + m) if "backward" in rounding else m + torch.log(l)
+    return round_state(acc / l[..., None]).to(q.dtype), lse, top
 
 
 def _bwd_torch(do, q, k, v, o, lse, scale, softcap, rounding, block_n):
@@ -160,46 +179,47 @@ def _bwd_torch(do, q, k, v, o, lse, scale, softcap, rounding, block_n):
     gradient here). P and dS are cast to the input dtype for the matmuls."""
     if "backward" in rounding:
         return _bwd_torch_bf16(do, q, k, v, o, lse, scale, softcap, rounding)
-    T, dt = q.shape[2], q.dtype
+    T, dtype = q.shape[2], q.dtype
     qf, kf, vf, dof = q.float(), k.float(), v.float(), do.float()
     delta = (dof * o.float()).sum(-1)
     dq = torch.zeros(qf.shape, device=q.device)
-    dk, dv = new_buffer(q.shape, dt, q.device), new_buffer(q.shape, dt, q.device)   # set per block
+    dk, dv = new_buffer(q.shape, dtype, q.device), new_buffer(q.shape, dtype, q.device)   # set per block
     for j in range(0, T, block_n):
         keys, rows = slice(j, min(j + block_n, T)), slice(j, T)
         s, t = _logits_torch(qf[:, :, rows] @ kf[:, :, keys].mT, scale, softcap, "logits" in rounding)
         p = _exp_seen(s - lse[..., rows, None], _causal_mask(rows, keys, q.device)[1])
-        dv[:, :, keys] = (_as(p, dt).mT @ dof[:, :, rows]).to(dt)
+        dv[:, :, keys] = (_round_to(p, dtype).mT @ dof[:, :, rows]).to(dtype)
         ds = p * (dof[:, :, rows] @ vf[:, :, keys].mT - delta[..., rows, None])
         if softcap > 0:
             ds = ds * (1.0 - t * t)
-        ds = _as(ds, dt)
-        dk[:, :, keys] = (ds.mT @ qf[:, :, rows] * scale).to(dt)
+        ds = _round_to(ds, dtype)
+        dk[:, :, keys] = (ds.mT @ qf[:, :, rows] * scale).to(dtype)
         dq[:, :, rows] += ds @ kf[:, :, keys]
-    return (dq * scale).to(dt), dk, dv
+    return (dq * scale).to(dtype), dk, dv
 
 
 def _bwd_torch_bf16(do, q, k, v, o, lse, scale, softcap, rounding):
     """The prior work's bf16 backward: every tensor rounded as it is made (lse came rounded), the
     scale inside dS, and dq, dk, dv summed in bf16 one BF16_BWD_BLOCK tile at a time: dq over key
     blocks in order, dk and dv over query blocks in order (as the Triton kernels loop)."""
-    T, dt, n = q.shape[2], q.dtype, BF16_BWD_BLOCK
+    T, dtype, block = q.shape[2], q.dtype, BF16_BWD_BLOCK
     qf, kf, vf, dof = q.float(), k.float(), v.float(), do.float()
-    delta = _r(_r(dof * o.float()).sum(-1))
+    delta = _round(_round(dof * o.float()).sum(-1))
     dq, dk, dv = (torch.zeros(qf.shape, device=q.device) for _ in range(3))
-    for j in range(0, T, n):
-        keys = slice(j, min(j + n, T))
-        for i in range(j, T, n):                     # the query blocks that see key block j
-            rows = slice(i, min(i + n, T))
+    for j in range(0, T, block):
+        keys = slice(j, min(j + block, T))
+        for i in range(j, T, block):                 # the query blocks that see key block j
+            rows = slice(i, min(i + block, T))
             s, t = _logits_torch(qf[:, :, rows] @ kf[:, :, keys].mT, scale, softcap, "logits" in rounding)
-            p = _exp_seen(_r(s - lse[..., rows, None]), _causal_mask(rows, keys, q.device)[1], _r)
-            dv[:, :, keys] = _r(dv[:, :, keys] + _r(p.mT @ dof[:, :, rows]))
-            ds = _r(_r(p * scale) * _r(_r(dof[:, :, rows] @ vf[:, :, keys].mT) - delta[..., rows, None]))
+            p = _exp_seen(_round(s - lse[..., rows, None]), _causal_mask(rows, keys, q.device)[1], _round)
+            dv[:, :, keys] = _round(dv[:, :, keys] + _round(p.mT @ dof[:, :, rows]))
+            dp = _round(dof[:, :, rows] @ vf[:, :, keys].mT)
+            ds = _round(_round(p * scale) * _round(dp - delta[..., rows, None]))
             if softcap > 0:
-                ds = _r(ds * (1.0 - t * t))
-            dq[:, :, rows] = _r(dq[:, :, rows] + _r(ds @ kf[:, :, keys]))
-            dk[:, :, keys] = _r(dk[:, :, keys] + _r(ds.mT @ qf[:, :, rows]))
-    return dq.to(dt), dk.to(dt), dv.to(dt)
+                ds = _round(ds * (1.0 - t * t))
+            dq[:, :, rows] = _round(dq[:, :, rows] + _round(ds @ kf[:, :, keys]))
+            dk[:, :, keys] = _round(dk[:, :, keys] + _round(ds.mT @ qf[:, :, rows]))
+    return dq.to(dtype), dk.to(dtype), dv.to(dtype)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -257,6 +277,12 @@ def _load_block(ptrs, in_range, MASK: tl.constexpr):
 
 
 @triton.jit
+def _causal_hide(s, keys, rows):
+    # _causal_seen's in-kernel form (a kernel cannot call torch): -inf where a key is past the row.
+    return tl.where(keys <= rows, s, float("-inf"))
+
+
+@triton.jit
 def _dot(a, b, acc, DOT_FP32: tl.constexpr, IEEE: tl.constexpr):
     # acc + a @ b, accumulated in fp32. DOT_FP32: the interpreter's tl.dot is wrong on bf16/fp16
     # operands (triton issue 11584); their products are exact in fp32, so upcasting loses nothing.
@@ -294,11 +320,11 @@ def _logits(qk, scale, softcap, ROUND_LOGITS: tl.constexpr, SOFTCAP: tl.constexp
 
 
 @triton.jit
-def _safemax_shift(s, rm, beta):
-    # As _safemax_shift_torch. rm = -inf (a row that sees none of these keys) keeps the no-op shift.
-    tied = (tl.sum((s >= (rm - _TIE)[:, None]).to(tl.int32), 1) > 1) & (rm > float("-inf"))
-    shift = rm + tl.minimum(tl.where(rm > 0, (beta - 1.0) * rm, -rm), _MAX_SHIFT)
-    return tl.where(tied & (_round_bf16(shift) <= rm + _MAX_SHIFT), shift, rm)
+def _safemax_shift(s, block_max, beta):
+    # As _safemax_shift_torch. block_max = -inf (a row that sees none of these keys) keeps the no-op.
+    tied = (tl.sum((s >= (block_max - _TIE)[:, None]).to(tl.int32), 1) > 1) & (block_max > float("-inf"))
+    shift = block_max + tl.minimum(tl.where(block_max > 0, (beta - 1.0) * block_max, -block_max), _MAX_SHIFT)
+    return tl.where(tied & (_round_bf16(shift) <= block_max + _MAX_SHIFT), shift, block_max)
 
 
 @triton.jit
@@ -314,20 +340,20 @@ def _fwd_block(q, K, V, start_n, offs_m, m_i, l_i, acc, top, stride_t, scale, so
     s, t = _logits(_mm(q, kT, DOT_FP32=DOT_FP32, IEEE=IEEE), scale, softcap, ROUND_LOGITS=ROUND_LOGITS,
                    SOFTCAP=SOFTCAP)
     if CAUSAL_MASK:   # for a valid row this also hides keys past T (key <= row < T)
-        s = tl.where(offs_n[None, :] <= offs_m[:, None], s, float("-inf"))
+        s = _causal_hide(s, offs_n[None, :], offs_m[:, None])
 
-    rm = tl.max(s, 1)
-    top = tl.maximum(top, rm)   # the true max logit (never the shift)
-    shift = rm
+    block_max = tl.max(s, 1)
+    top = tl.maximum(top, block_max)   # the true max logit (never the shift)
+    shift = block_max
     if SAFEMAX:
-        shift = _safemax_shift(s, rm, beta)
+        shift = _safemax_shift(s, block_max, beta)
     m_new = _r_if(tl.maximum(m_i, shift), ON=BF16_STATE)
     alpha = _r_if(tl.exp(_r_if(m_i - m_new, ON=BF16_STATE)), ON=BF16_STATE)   # rescales l and acc
     p = _r_if(tl.exp(_r_if(s - m_new[:, None], ON=BF16_STATE)), ON=BF16_STATE)
     block_sum = tl.sum(p, 1)
     if BF16_STATE:   # clamped where the row sees the block (elsewhere the step must stay a no-op)
         block_sum = _round_bf16(block_sum)
-        block_sum = tl.where(rm > float("-inf"), tl.maximum(block_sum, 1e-10), block_sum)
+        block_sum = tl.where(block_max > float("-inf"), tl.maximum(block_sum, 1e-10), block_sum)
     l_i = _r_if(_r_if(l_i * alpha, ON=BF16_STATE) + block_sum, ON=BF16_STATE)
     if BF16_STATE or ROUND_PV:
         pv = _mm(_cast(p, V), v, DOT_FP32=DOT_FP32, IEEE=IEEE)
@@ -440,7 +466,7 @@ def _dkdv_block(k, v, dk, dv, Q, DO, LSE, DELTA, start_m, offs_n, stride_t, scal
     sT, tT = _logits(_mm(k, qT, DOT_FP32=DOT_FP32, IEEE=IEEE), scale, softcap, ROUND_LOGITS=ROUND_LOGITS,
                      SOFTCAP=SOFTCAP)
     if CAUSAL_MASK:
-        sT = tl.where(offs_n[:, None] <= offs_m[None, :], sT, float("-inf"))
+        sT = _causal_hide(sT, offs_n[:, None], offs_m[None, :])
     pT = _r_if(tl.exp(_r_if(sT - lse[None, :], ON=BWD_BF16)), ON=BWD_BF16)
     dv = _add_tile(dv, _cast(pT, DO), do, DOT_FP32=DOT_FP32, IEEE=IEEE, BWD_BF16=BWD_BF16)
     dpT = _r_if(_mm(v, tl.trans(do), DOT_FP32=DOT_FP32, IEEE=IEEE), ON=BWD_BF16)
@@ -501,7 +527,7 @@ def _dq_block(q, do, lse, delta, dq, K, V, start_n, offs_m, stride_t, scale, sof
     s, t = _logits(_mm(q, kT, DOT_FP32=DOT_FP32, IEEE=IEEE), scale, softcap, ROUND_LOGITS=ROUND_LOGITS,
                    SOFTCAP=SOFTCAP)
     if CAUSAL_MASK:
-        s = tl.where(offs_n[None, :] <= offs_m[:, None], s, float("-inf"))
+        s = _causal_hide(s, offs_n[None, :], offs_m[:, None])
     p = _r_if(tl.exp(_r_if(s - lse[:, None], ON=BWD_BF16)), ON=BWD_BF16)
     dp = _r_if(_mm(do, vT, DOT_FP32=DOT_FP32, IEEE=IEEE), ON=BWD_BF16)
     ds = _ds(p, dp, delta[:, None], t, scale, SOFTCAP=SOFTCAP, BWD_BF16=BWD_BF16)
@@ -546,7 +572,7 @@ def attn_bwd_dq(Q, K, V, DO, LSE, DELTA, DQ, stride_b, stride_h, stride_t, H, T,
 
 # --------------------------------------------------------------------------------------------------
 # Launch configurations (BLOCK_M, BLOCK_N, num_warps, num_stages) for an H100/H200, chosen from
-# sm_90 compiles to avoid register spills (MEASUREMENTS.md). `python bench.py --only resources`
+# sm_90 compiles to avoid register spills (lab/MEASUREMENTS.md). `python -m lab.bench --only resources`
 # prints registers, spills and shared memory; `--only tune` times other configurations on a GPU.
 
 def fwd_config(D, dtype, block_n, accum, rounding):
@@ -556,7 +582,7 @@ def fwd_config(D, dtype, block_n, accum, rounding):
         block_n = BF16_STATE_BLOCK_N if rounded else (32 if es == 4 else 64)
     if es == 4:
         # fp32 inputs: IEEE dots on the FMA units, operands in registers; larger tiles spill tens of
-        # KB per thread (`python bench.py --only resources --dtype fp32`).
+        # KB per thread (`python -m lab.bench --only resources --dtype fp32`).
         if rounded:      # a second tile (the separate P V), shared by 16 warps
             return 32 if D <= 64 else 16, block_n, 16 if block_n >= 128 else 8, 1
         block_m = 16 if D > 64 else max(16, min(64, 2048 // block_n))
@@ -759,7 +785,7 @@ def _attn_reference(q, k, v, scale, softcap):
     s = q.double() @ k.double().mT * scale
     if softcap > 0:
         s = softcap * torch.tanh(s / softcap)
-    s = s.masked_fill(~torch.ones(T, T, dtype=torch.bool, device=q.device).tril(), float("-inf"))
+    s = s.masked_fill(~_causal_seen(0, T, 0, T, q.device), float("-inf"))
     return torch.softmax(s, dim=-1) @ v.double(), s.detach().amax(dim=(-2, -1)).float()
 
 
@@ -771,8 +797,8 @@ def _max_logit_chunked(q, k, scale, chunk=256):
         j = min(i + chunk, T)
         with _no_autocast(q):
             s = q[:, :, i:j].float() @ k[:, :, :j].float().mT * scale
-        causal = torch.arange(j, device=q.device)[None, :] <= torch.arange(i, j, device=q.device)[:, None]
-        best = torch.maximum(best, s.masked_fill(~causal, float("-inf")).amax(dim=(-2, -1)))
+        s = s.masked_fill(~_causal_seen(i, j, 0, j, q.device), float("-inf"))
+        best = torch.maximum(best, s.amax(dim=(-2, -1)))
     return best
 
 

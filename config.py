@@ -6,6 +6,7 @@ A value comes from the command line, else from --preset (auto: demo on a CPU, as
 from the flag's default. Numbers are checked as parsed: a bad one fails in one line naming the flag.
 """
 import argparse
+import dataclasses
 import math
 import os
 import time
@@ -90,19 +91,17 @@ def rounding_sources(text):
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# The flags. default=None in FLAG_DEFAULTS means "from the preset".
-
-FLAG_DEFAULTS = {}
-
+# The flags. The parser keeps each flag's default in p.flag_defaults, where None means "from the preset".
 
 def build_parser():
     p = argparse.ArgumentParser(prog="train.py", description=__doc__.split("\n\n")[0].strip(),
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.flag_defaults = {}
 
     def add(group, flag, default, help, **kw):
-        # default=None tells what was typed (a resume keeps the saved values); filled in later
+        # argparse's default stays None, which tells what was typed (a resume keeps the saved values)
         name = flag[2:].replace("-", "_")
-        FLAG_DEFAULTS[name] = default
+        p.flag_defaults[name] = default
         if name in PRESET_KEYS:
             help += " (default: from --preset)"
         elif default not in (None, False):
@@ -133,9 +132,9 @@ def build_parser():
         "sdpa: PyTorch SDPA (fp32 only)", choices=["auto", "triton", "torch", "sdpa"])
     add(g, "--accum", "fp32", "the streaming-softmax state (m, l, O): fp32 (the repair), bf16 (the "
         "fault), bf16-safemax (the prior work's fix at the source)", choices=list(ACCUM_MODES))
-    add(g, "--round", "auto", "the other bf16 rounding points, comma-separated: logits (S), pv "
-        "(each block's P V), backward (the prior work's bf16 backward); none; or auto: logits,pv "
-        "for bf16 inputs, so that --accum changes the state alone", type=rounding_sources)
+    add(g, "--round", "auto", "the other bf16 rounding points, comma-separated: logits, pv, backward "
+        "(what each rounds: attention_kernel.py's docstring); none; or auto: logits,pv for bf16 "
+        "inputs, so that --accum changes the state alone", type=rounding_sources)
     add(g, "--attn-dtype", "bf16", "q, k, v enter attention in bf16 (as under a GPU's autocast), "
         "or native: in the dtype they were computed in", choices=["bf16", "native"])
     add(g, "--block-n", 0, "key block of the streaming loop (0: the kernel's default)", type=SIZE)
@@ -222,8 +221,7 @@ def parse_args(argv=None):
     """(args with the flags' defaults, the flags typed, the parser); resolve() adds the preset's."""
     parser = build_parser()
     typed = {k: v for k, v in vars(parser.parse_args(argv)).items() if v is not None}
-    args = argparse.Namespace(**{**FLAG_DEFAULTS, **typed})
-    args.guard_threshold = args.guard_threshold or DEFAULT_THRESHOLD[args.guard_signal]
+    args = argparse.Namespace(**{**parser.flag_defaults, **typed})
     for refused, message in refusals(args, typed):
         if refused:
             parser.error(message)
@@ -258,7 +256,7 @@ def refusals(args, typed):
          "--guard-action qknorm has nothing to switch when --qknorm always or --qk-fix qknorm is set"),
         (guard_on and action == "fp32-accum" and args.accum == "fp32",
          "--guard-action fp32-accum has nothing to switch when --accum is already fp32"),
-        (guard_on and args.guard_signal == "max-logit" and (qk_normed or 0 < args.softcap <= args.guard_threshold),
+        (guard_on and args.guard_signal == "max-logit" and (qk_normed or 0 < args.softcap <= guard_threshold(args)),
          "--guard-signal max-logit can never cross --guard-threshold when QK-norm or a smaller --softcap bounds "
          "the logits: use --guard-signal sigma-product"),
         (args.guard_scope == "crossed" and action in ("lr-drop", "clip"),
@@ -271,6 +269,11 @@ def refusals(args, typed):
         (args.attn_impl == "sdpa" and ("block_n" in typed or "safemax_beta" in typed),
          "--block-n and --safemax-beta belong to the streaming-softmax kernel, not to --attn-impl sdpa"),
     ]
+
+
+def guard_threshold(args):
+    """--guard-threshold, where 0 means the signal's default (guard.DEFAULT_THRESHOLD)."""
+    return args.guard_threshold or DEFAULT_THRESHOLD[args.guard_signal]
 
 
 def auto_preset(device_type):
@@ -286,6 +289,7 @@ def resolve(args, device, parser):
             setattr(args, key, value)
     args.data_dir = args.data_dir or prepare_data.default_out_dir(args.dataset, args.tokenizer)
     args.decay_steps = args.decay_steps or args.max_steps
+    args.guard_threshold = guard_threshold(args)
     args.out_dir = args.out_dir or os.path.join("runs", f"{time.strftime('%Y%m%d-%H%M%S')}-{args.accum}-guard-"
                                                         f"{args.guard}")
     if args.inject_layers != "all" and max(map(int, args.inject_layers.split(","))) >= args.n_layer:
@@ -296,14 +300,14 @@ def resolve(args, device, parser):
 
 
 def model_config(args):
-    """The GPTConfig of the flags; block_n 0 and --round auto become None, the kernel's defaults."""
-    return model_lib.GPTConfig(
-        vocab_size=args.vocab_size, arch=args.arch, n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd,
-        block_size=args.block_size,
-        dropout=args.dropout, attn_impl=args.attn_impl, accum=args.accum, block_n=args.block_n or None,
-        safemax_beta=args.safemax_beta, qk_norm=args.qknorm == "always" or args.qk_fix == "qknorm",
-        softcap=args.softcap, attn_scale=args.attn_scale, attn_dtype=args.attn_dtype,
-        rounding=kernel_rounding(args.round))
+    """The GPTConfig of the flags. A field takes the flag of its own name, so a new model option is
+    a flag and a field (README, "Fork it"); the rest are translated here: block_n 0 and --round auto
+    become None (the kernel's defaults), --qknorm always and --qk-fix qknorm become qk_norm."""
+    fields = [f.name for f in dataclasses.fields(model_lib.GPTConfig)]
+    same_name = {name: getattr(args, name) for name in fields if hasattr(args, name)}
+    return model_lib.GPTConfig(**{**same_name, "block_n": args.block_n or None,
+                                  "rounding": kernel_rounding(args.round),
+                                  "qk_norm": args.qknorm == "always" or args.qk_fix == "qknorm"})
 
 
 def kernel_rounding(flag):

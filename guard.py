@@ -18,7 +18,7 @@ from model import WEIGHT_KINDS
 
 SIGNALS = ("max-logit", "sigma-product")
 # Default thresholds, between healthy runs and runaways: max-logit's from SOURCES.md's H200 runs,
-# sigma-product's from MEASUREMENTS.md's CPU runs; the latter scales with the model, so set it from
+# sigma-product's from lab/MEASUREMENTS.md's CPU runs; the latter scales with the model, so set it from
 # a healthy run's log.
 DEFAULT_THRESHOLD = {"max-logit": 200.0, "sigma-product": 50.0}
 # What each action does once triggered, and where train.py's loop applies it.
@@ -110,8 +110,8 @@ class QKGuard:
     scope   "all":     every layer from the trigger on (one switch, one recompile).
             "crossed": only layers whose signal crossed; a layer that crosses later joins then.
 
-    observe() checks at once, so a GPU must finish the step first. train.py's observe_deferred()
-    copies the flag in the background and acts one monitored step later: the GPU never waits.
+    observe_deferred() checks one monitored step late: the crossing flag reaches the host in the
+    background while the next step runs, so the GPU never waits for it.
     """
 
     def __init__(self, *, threshold, enabled=False, signal="max-logit", action="qknorm", scope="all",
@@ -127,6 +127,14 @@ class QKGuard:
         self.trigger = None      # {"step", "layer", "head", "value"} of the first crossing
         self.layers = []         # layers the action covers, sorted
         self.pending = None      # observe_deferred's queued check: a Pending
+
+    @classmethod
+    def from_args(cls, args):
+        """The guard train.py's flags (--guard*, and each action's own) describe; sample.py rebuilds a
+        run's from its saved flags."""
+        return cls(enabled=args.guard == "on", signal=args.guard_signal, threshold=args.guard_threshold,
+                   action=args.guard_action, scope=args.guard_scope, tau=args.qkclip_tau,
+                   lr_factor=args.lr_drop_factor, clip_norm=args.clip_tight, softcap=args.softcap_value)
 
     @property
     def triggered(self):
@@ -148,17 +156,8 @@ class QKGuard:
         values[self.layers] = -math.inf
         return values
 
-    def observe(self, step, max_logit, sigma_head, model):
-        """Check the signal; on a (new) crossing switch the action on. Returns the event or None."""
-        if not self.watching():
-            return None
-        values = self.watched_values(max_logit, sigma_head)
-        if not (values > self.threshold).any():      # a host read: the GPU must finish the step
-            return None
-        return self.switch_on(step, values, model)
-
     def observe_deferred(self, step, max_logit, sigma_head, model):
-        """observe() one monitored step late, with no host sync: act on the check queued last time
+        """Check the signal one monitored step late, with no host sync: act on the check queued last time
         (its flag reached the host while this step ran), then queue this step's. An event names the
         step that crossed, and in active_from the first update the action changes (step + 1)."""
         event, pending, self.pending = None, self.pending, None

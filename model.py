@@ -117,19 +117,31 @@ class CausalSelfAttention(nn.Module):
         shape = (self.n_head, self.head_dim, -1)
         return self.q_proj.weight.view(shape), self.k_proj.weight.view(shape)
 
-    def forward(self, x, rotary=None):
+    def project(self, x, rotary=None):
+        """q, k, v of x (B, T, C), each (B, n_head, T, head_dim), rotary applied to q and k."""
         B, T, C = x.shape
         q, k, v = (proj(x).view(B, T, self.n_head, self.head_dim).transpose(1, 2)
                    for proj in (self.q_proj, self.k_proj, self.v_proj))
         if rotary is not None:
             cos, sin = rotary
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        return q, k, v
+
+    def attend(self, q, k, v, **changes):
+        """attention() with this layer's settings (the guard's switches included); `changes`
+        overrides some, as the assay's fault-free pass and train.py's settings check do."""
+        settings = dict(accum=self.accum, qk_norm=self.qk_norm, return_max_logit=self.return_max_logit,
+                        scale=self.scale, softcap=self.softcap, safemax_beta=self.beta, impl=self.impl,
+                        block_n=self.block_n, rounding=self.rounding, delta_error=self.delta_error)
+        return attention(q, k, v, **{**settings, **changes})
+
+    def forward(self, x, rotary=None):
+        B, T, C = x.shape
+        q, k, v = self.project(x, rotary)
         computed_in = q.dtype
         if self.attn_dtype is not None:   # a no-op under autocast; on a CPU, what a GPU's would be
             q, k, v = q.to(self.attn_dtype), k.to(self.attn_dtype), v.to(self.attn_dtype)
-        out = attention(q, k, v, accum=self.accum, qk_norm=self.qk_norm, return_max_logit=self.return_max_logit,
-                        scale=self.scale, softcap=self.softcap, safemax_beta=self.beta, impl=self.impl,
-                        block_n=self.block_n, rounding=self.rounding, delta_error=self.delta_error)
+        out = self.attend(q, k, v)
         y, max_logit = out if self.return_max_logit else (out, None)
         y = y.transpose(1, 2).contiguous().view(B, T, C).to(computed_in)   # head h: h*hd:(h+1)*hd
         # max over the batch: the per-head signal the monitor and the guard watch

@@ -54,8 +54,7 @@ def load_run(path, device):
     run = argparse.Namespace(**{**runtime.OLD_RUN_VOCABULARY, **state["args"]})
     model = model_lib.GPT(config.model_config(run)).to(device)
     model.load_state_dict(state["model"])
-    guard = QKGuard(signal=run.guard_signal, threshold=run.guard_threshold, action=run.guard_action,
-                    softcap=run.softcap_value)
+    guard = QKGuard.from_args(run)
     guard.load_state_dict(state["guard"])
     guard.apply_to_model(model)   # a fired guard's attention-side action stays on
     return run, state, model.eval(), guard

@@ -4,6 +4,7 @@ Run: python -m pytest -q test_training.py   (CPU; a few minutes on two cores)
 """
 import contextlib
 import importlib.util
+import shutil
 import json
 import os
 import signal
@@ -127,18 +128,27 @@ def test_power_iteration_sigma_within_one_percent():
     assert record["sigma_mlp_out"] == sigma["mlp_out"].tolist() and len(record["sigma_q_head"][0]) == attn.n_head
 
 
+def observe(guard, step, max_logit, sigma_head, model):
+    """The guard's check at once, without observe_deferred's one-step deferral (the host reads the
+    flag): the event of a new crossing, or None."""
+    if not guard.watching():
+        return None
+    values = guard.watched_values(max_logit, sigma_head)
+    return guard.switch_on(step, values, model) if (values > guard.threshold).any() else None
+
+
 def test_guard_state_machine_dormant_triggered_latched_resumed():
     model = tiny_model()
     guard = QKGuard(enabled=True, threshold=10.0, action="qknorm", scope="all")
     sig = torch.ones(2, 2, 2)
-    assert guard.observe(5, torch.full((2, 2), 9.9), sig, model) is None
+    assert observe(guard, 5, torch.full((2, 2), 9.9), sig, model) is None
     assert not guard.triggered and not any(a.qk_norm for a in model.attentions)
     logits = torch.tensor([[1.0, 2.0], [3.0, 12.5]])
-    event = guard.observe(6, logits, sig, model)
+    event = observe(guard, 6, logits, sig, model)
     assert event["event"] == "guard_trigger"
     assert (event["step"], event["layer"], event["head"], event["value"]) == (6, 1, 1, 12.5)
     assert guard.triggered and all(a.qk_norm for a in model.attentions)
-    assert guard.observe(7, torch.zeros(2, 2), sig, model) is None and guard.triggered, "must stay latched"
+    assert observe(guard, 7, torch.zeros(2, 2), sig, model) is None and guard.triggered, "must stay latched"
     fresh_model, fresh_guard = tiny_model(), QKGuard(enabled=True, threshold=10.0)
     fresh_guard.load_state_dict(guard.state_dict())
     fresh_guard.apply_to_model(fresh_model)
@@ -149,10 +159,10 @@ def test_guard_scope_crossed_acts_only_on_crossed_layers():
     model = tiny_model(n_layer=3)
     guard = QKGuard(enabled=True, threshold=10.0, scope="crossed")
     sig = torch.ones(3, 2, 2)
-    guard.observe(0, torch.tensor([[0.0, 0.0], [11.0, 0.0], [0.0, 0.0]]), sig, model)
+    observe(guard, 0, torch.tensor([[0.0, 0.0], [11.0, 0.0], [0.0, 0.0]]), sig, model)
     assert [a.qk_norm for a in model.attentions] == [False, True, False]
     # layer 1 (covered) is higher still, but the extension reports the newly crossed layer 2
-    event = guard.observe(1, torch.tensor([[0.0, 0.0], [50.0, 0.0], [0.0, 20.0]]), sig, model)
+    event = observe(guard, 1, torch.tensor([[0.0, 0.0], [50.0, 0.0], [0.0, 20.0]]), sig, model)
     assert event["event"] == "guard_extend" and event["layers"] == [2]
     assert (event["layer"], event["head"], event["value"]) == (2, 1, 20.0)
     assert [a.qk_norm for a in model.attentions] == [False, True, True]
@@ -164,7 +174,7 @@ def test_guard_sigma_product_signal():
     guard = QKGuard(enabled=True, signal="sigma-product", threshold=10.0)
     sigma_head = torch.ones(2, 2, 2)
     sigma_head[0, 0, 1], sigma_head[0, 1, 1] = 4.0, 3.0  # sigma product 12 at layer 0, head 1
-    event = guard.observe(3, torch.full((2, 2), 1e6), sigma_head, model)
+    event = observe(guard, 3, torch.full((2, 2), 1e6), sigma_head, model)
     assert (event["layer"], event["head"], event["value"]) == (0, 1, 12.0)
 
 
@@ -185,7 +195,7 @@ def test_each_action_switches_only_its_own_knob(action):
     guard = QKGuard(enabled=True, threshold=1.0, action=action)
     assert guard.lr_scale() == 1.0 and guard.grad_clip(1.0) == 1.0
     weights = {k: v.clone() for k, v in model.state_dict().items()}
-    guard.observe(0, torch.full((2, 2), 5.0), torch.ones(2, 2, 2), model)
+    observe(guard, 0, torch.full((2, 2), 5.0), torch.ones(2, 2, 2), model)
     expected = (action == "qknorm", 50.0 if action == "softcap" else 0.0, "fp32" if action == "fp32-accum" else "bf16")
     assert _attention_state(model) == [expected] * 2
     assert guard.lr_scale() == (0.1 if action == "lr-drop" else 1.0)
@@ -235,8 +245,8 @@ def test_qknorm_bounds_every_logit_by_scale_times_head_dim():
     _inflate_qk(model)
     idx = torch.randint(0, 128, (2, 16))
     assert model(idx)[2].max() > 16 ** 0.5 * 1.5, "the inflated model should exceed the QK-norm bound"
-    QKGuard(enabled=True, threshold=1.0, action="qknorm").observe(0, torch.full((2, 2), 5.0), torch.ones(2, 2, 2),
-                                                                  model)
+    observe(QKGuard(enabled=True, threshold=1.0, action="qknorm"), 0, torch.full((2, 2), 5.0), torch.ones(2, 2, 2),
+            model)
     head_dim, scale = 16, 16 ** -0.5
     assert model(idx)[2].abs().max() <= scale * head_dim * (1 + 1e-5)
 
@@ -252,7 +262,7 @@ def test_qkclip_caps_the_offending_heads_and_nothing_else():
     over = max_logit > tau
     assert over.any() and not over.all()
     guard = QKGuard(enabled=True, threshold=1.0, action="qkclip", tau=tau)
-    guard.observe(0, max_logit, torch.ones(1, 2, 4), model)
+    observe(guard, 0, max_logit, torch.ones(1, 2, 4), model)
     before = {k: v.clone() for k, v in model.state_dict().items()}
     assert guard.after_optimizer_step(model, max_logit) == int(over.sum())
     after_logit = model(idx)[2]
@@ -293,7 +303,7 @@ def test_the_guard_switching_on_recompiles_once_under_compile():
     guard = QKGuard(enabled=True, threshold=10.0, action="qknorm", scope="all")
     for step in range(6):
         if step == 3:
-            assert guard.observe(step, torch.full((2, 2), 50.0), torch.ones(2, 2, 2), model) is not None
+            assert observe(guard, step, torch.full((2, 2), 50.0), torch.ones(2, 2, 2), model) is not None
         compiled(idx[:, :-1], idx[:, 1:])[1].backward()
     assert len(graphs) == 2, f"{len(graphs)} compilations: one before the trigger and one after, no more"
 
@@ -962,3 +972,42 @@ def test_sample_loads_a_fired_guard_with_its_action_on(tmp_path, data_dir):
     assert guard.triggered and state["guard"]["layers"] == list(range(len(model.attentions)))
     assert all(attn.qk_norm for attn in model.attentions), "the latched QK-norm is on in the sampled model"
     assert not model.training
+
+
+# --------------------------------------------------------------------------------------------------
+# Fork it: a model option is a flag, a field and the line where it acts (README)
+
+def fork_example():
+    """The README's "Fork it" example: (file, the line it goes after or replaces, the new line)."""
+    readme = open(os.path.join(ROOT, "README.md")).read()
+    block = readme.split("## Fork it", 1)[1].split("```python\n", 1)[1].split("```", 1)[0]
+    lines = [line.strip() for line in block.splitlines() if line.strip() and not line.startswith("#")]
+    flag, field, acts = lines
+    return [("config.py", 'add(g, "--attn-scale",', flag, "before"),
+            ("model.py", "    attn_scale: float = 0.0", field, "after"),
+            ("model.py", "        self.scale = config.attn_scale or None", acts, "replace")]
+
+
+def test_the_readme_fork_example_adds_a_working_option(tmp_path, data_dir):
+    # The three lines of the README, written into a copy of the reference, give a flag that
+    # trains, is recorded in config.json, and acts: a temperature of 2 halves the first step's
+    # max logit (the same initial weights and batch).
+    for name in os.listdir(ROOT):
+        if name.endswith(".py"):
+            shutil.copy(os.path.join(ROOT, name), tmp_path / name)
+    for name, anchor, line, where in fork_example():
+        text = (tmp_path / name).read_text()
+        at = next(l for l in text.splitlines() if l.lstrip().startswith(anchor.strip()))
+        indent = at[:len(at) - len(at.lstrip())]
+        new = {"before": f"{indent}{line}\n{at}", "after": f"{at}\n{indent}{line}", "replace": f"{indent}{line}"}
+        (tmp_path / name).write_text(text.replace(at, new[where], 1))
+    first = {}
+    for t in ("1", "2"):
+        out = tmp_path / f"run-t{t}"
+        result = subprocess.run([sys.executable, str(tmp_path / "train.py"), "--data-dir", data_dir, "--out-dir",
+                                 str(out), *TINY, "--max-steps", "1", "--attn-temperature", t],
+                                capture_output=True, text=True, timeout=300, cwd=tmp_path)
+        assert result.returncode == 0, result.stderr
+        assert json.load(open(out / "config.json"))["args"]["attn_temperature"] == float(t)
+        first[t] = max(max(row) for row in next(r for r in read_log(out) if "loss" in r)["max_logit"])
+    assert first["2"] == pytest.approx(first["1"] / 2, rel=0.02)

@@ -12,6 +12,7 @@ numbered comments mark where the guard acts and where the assay's errors enter.
 import contextlib
 import math
 import time
+from typing import NamedTuple
 
 import torch
 
@@ -42,16 +43,8 @@ def main(argv=None):
 
     # -------------------------------------------------------------------------------- data
     runtime.ensure_data(args, dist)
-    windows = prepare_data.TokenWindows(args.data_dir, args.block_size, args.batch_size, args.seed, args.dataset,
-                                        args.tokenizer)
-    args.tokenizer, args.vocab_size = vocabulary(args, typed, windows)
-
-    def get_batch(split, step, index):
-        """Inputs and next-token targets of window `index` of `step`, set by (seed, step) alone."""
-        window = torch.from_numpy(windows.get(split, step, index))
-        if device.type == "cuda":
-            window = window.pin_memory().to(device, non_blocking=True)
-        return window[:, :-1].contiguous(), window[:, 1:].contiguous()
+    batches = Batches(args, device)
+    args.tokenizer, args.vocab_size = vocabulary(args, typed, batches.windows)
 
     # -------------------------------------------------------------------------------- model, optimizer, watchers
     torch.manual_seed(args.seed)                 # the same initial weights on every rank
@@ -60,15 +53,14 @@ def main(argv=None):
     torch.manual_seed(args.seed + dist.rank)     # dropout masks differ per rank
     optimizer = model.configure_optimizer(args.lr, args.weight_decay, (args.beta1, args.beta2))
     monitor = SpectralMonitor(model, seed=args.seed)
-    guard = QKGuard(enabled=args.guard == "on", signal=args.guard_signal, threshold=args.guard_threshold,
-                    action=args.guard_action, scope=args.guard_scope, tau=args.qkclip_tau,
-                    lr_factor=args.lr_drop_factor, clip_norm=args.clip_tight, softcap=args.softcap_value)
+    guard = QKGuard.from_args(args)
     detector = CollapseDetector(args.collapse_margin, args.collapse_patience, args.collapse_smoothing)
     probe = Probe(args.probe, k=args.probe_k, seed=args.seed)
-    injector = make_injector(args, model, get_batch, autocast) if args.inject_site != "none" else None
+    injector = None if args.inject_site == "none" else \
+        ErrorInjector.from_args(args, model, lambda: batches.get("train", 0, 0)[0], autocast)
     parts = dict(model=model, optimizer=optimizer, monitor=monitor, detector=detector, probe=probe,
                  injector=injector, guard=guard)
-    run_dir, totals = runtime.RunDir(args, dist, windows.content_hash), Totals()
+    run_dir, totals = runtime.RunDir(args, dist, batches.windows.content_hash), Totals()
     step = 0
     if state is None:
         monitor.measure(model, iters=30)         # converged before step 0
@@ -80,23 +72,8 @@ def main(argv=None):
     if dist.world > 1:   # eval skips DDP: a rank with no eval batch must owe no collective
         train_model = torch.nn.parallel.DistributedDataParallel(
             train_model, device_ids=[device.index] if device.type == "cuda" else None)
-
     log = run_dir.start_log(model.num_params(), step, resumed=state is not None, changed=changed)
-
-    def evaluate():
-        """Mean validation loss over the same eval_iters batches each time, split over the ranks."""
-        eval_model.eval()
-        total = torch.zeros(2, device=device)
-        with torch.no_grad():
-            for i in range(dist.rank, args.eval_iters, dist.world):
-                with autocast():
-                    loss = eval_model(*get_batch("val", 0, i))[1]
-                total += torch.stack([loss.float(), torch.ones((), device=device)])
-        eval_model.train()
-        total = dist.all_reduce(total, "sum")
-        val_loss = (total[0] / total[1]).item()
-        log.write({"event": "eval", "step": step, "val_loss": val_loss}, f"step {step:6d} | val loss {val_loss:.4f}")
-        return val_loss
+    evaluate = lambda: validation_loss(eval_model, batches, step, args, dist, autocast, log)
 
     # -------------------------------------------------------------------------------- the loop
     # A record's "step" counts the updates before it: a step record's loss and max logit come from
@@ -111,28 +88,9 @@ def main(argv=None):
             lr = lr_at(step, args) * guard.lr_scale()
             for group in optimizer.param_groups:
                 group["lr"] = lr
-            # (2) forward and backward over the micro-batches; an injected error enters in the model
-            if injector is not None:
-                injector.begin_step(step)
-            micro_steps, max_logit, loss, clean = args.grad_accum // dist.world, None, 0.0, None
-            for micro in range(micro_steps):
-                x, y = get_batch("train", step, micro * dist.world + dist.rank)
-                sync = dist.world == 1 or micro == micro_steps - 1     # DDP syncs the last one only
-                with autocast(), (contextlib.nullcontext() if sync else train_model.no_sync()):
-                    _, micro_loss, micro_max_logit = train_model(x, y)
-                (micro_loss / micro_steps).backward()
-                loss += micro_loss.detach().float() / micro_steps
-                max_logit = running_max(max_logit, micro_max_logit)
-                if args.qk_fix == "clean-grad":    # (3) QK-only fix: W_q, W_k learn fault-free
-                    grads = clean_qk_grads(model, x, y, autocast, 1.0 / micro_steps, injector)
-                    clean = grads if clean is None else [a + b for a, b in zip(clean, grads)]
-            if clean is not None:
-                for weight, grad in zip(model.qk_weights(), clean):
-                    weight.grad = dist.all_reduce(grad)
-            if injector is not None:               # (3) an error in a weight's gradient
-                injector.inject_grads(model)
-            max_logit = dist.all_reduce(max_logit.float(), "max")
-            totals.add(loss, max_logit)
+            # (2) forward and backward; an injected error enters in the model, (3) and in the gradients
+            out = forward_backward(train_model, model, batches, step, args, dist, autocast, injector)
+            totals.add(out.loss, out.max_logit)
             # (4) clip; the clip action tightens it
             clip = guard.grad_clip(args.grad_clip)
             grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip if clip > 0 else math.inf)
@@ -150,20 +108,12 @@ def main(argv=None):
                     detector.pause(event["active_from"] + args.collapse_grace)   # the switch is not a collapse
                     log.write(event, trigger_line(event, guard))
             # (7) act after the update: QK-Clip scales the offending heads' W_q, W_k
-            guard.after_optimizer_step(model, max_logit)
+            guard.after_optimizer_step(model, out.max_logit)
 
             step += 1
             if step % args.log_interval == 0 or step == args.max_steps:
-                # the other weights, for the log only, with the power iterations of every step
-                # since the last record (falling behind would understate a growing sigma)
-                monitor.measure(model, args.power_iters * args.log_interval, kinds=NON_QK_KINDS)
-                tokens_per_step = args.grad_accum * args.batch_size * args.block_size
-                interval = totals.take_interval(dist, tokens_per_step)
-                record = log_record(step, lr, grad_norm, interval, monitor=monitor, guard=guard,
-                                    injector=injector, probe_stats=probe_stats)
-                log.write(record, console_line(record))
-                totals.start_clock()
-                probe.reset_interval()
+                record = log_interval(step, lr, grad_norm, probe_stats, model, args, dist, log, totals,
+                                      monitor=monitor, guard=guard, injector=injector, probe=probe)
                 if detector.update(record["step"], record["loss"]):
                     log.write({"event": "collapse", "step": detector.collapsed_at, "loss": record["loss"]},
                               f"step {record['step']:6d} | COLLAPSE detected (first bad step {detector.collapsed_at})")
@@ -194,6 +144,84 @@ def main(argv=None):
 
 # ----------------------------------------------------------------------------------------------------------------
 # The pieces the loop calls
+
+class Batches:
+    """The token windows of train.bin and val.bin, as (inputs, next-token targets) on the device."""
+
+    def __init__(self, args, device):
+        self.windows = prepare_data.TokenWindows(args.data_dir, args.block_size, args.batch_size, args.seed,
+                                                 args.dataset, args.tokenizer)
+        self.device = device
+
+    def get(self, split, step, index):
+        """Window `index` of `step`, set by (seed, step) alone."""
+        window = torch.from_numpy(self.windows.get(split, step, index))
+        if self.device.type == "cuda":
+            window = window.pin_memory().to(self.device, non_blocking=True)
+        return window[:, :-1].contiguous(), window[:, 1:].contiguous()
+
+
+class StepOut(NamedTuple):
+    """What one step's forward and backward leave besides the gradients, on the device."""
+    loss: torch.Tensor           # the mean loss over the micro-batches (this rank's)
+    max_logit: torch.Tensor      # (n_layer, n_head), the max over micro-batches and ranks
+
+
+def forward_backward(train_model, model, batches, step, args, dist, autocast, injector):
+    """The gradients of one step, summed over its micro-batches (DDP syncs the last one only)."""
+    if injector is not None:
+        injector.begin_step(step)
+    micro_steps, loss, max_logit, clean = args.grad_accum // dist.world, 0.0, None, None
+    for micro in range(micro_steps):
+        x, y = batches.get("train", step, micro * dist.world + dist.rank)
+        sync = dist.world == 1 or micro == micro_steps - 1
+        with autocast(), (contextlib.nullcontext() if sync else train_model.no_sync()):
+            _, micro_loss, micro_max_logit = train_model(x, y)
+        (micro_loss / micro_steps).backward()
+        loss += micro_loss.detach().float() / micro_steps
+        max_logit = running_max(max_logit, micro_max_logit)
+        if args.qk_fix == "clean-grad":    # (3) QK-only fix: W_q, W_k learn fault-free
+            grads = clean_qk_grads(model, x, y, autocast, 1.0 / micro_steps, injector)
+            clean = grads if clean is None else [a + b for a, b in zip(clean, grads)]
+    if clean is not None:
+        for weight, grad in zip(model.qk_weights(), clean):
+            weight.grad = dist.all_reduce(grad)
+    if injector is not None:               # (3) an error in a weight's gradient
+        injector.inject_grads(model)
+    return StepOut(loss, dist.all_reduce(max_logit.float(), "max"))
+
+
+def validation_loss(eval_model, batches, step, args, dist, autocast, log):
+    """Mean validation loss over the same eval_iters batches each time, split over the ranks; logged."""
+    eval_model.eval()
+    total = torch.zeros(2, device=dist.device)
+    with torch.no_grad():
+        for i in range(dist.rank, args.eval_iters, dist.world):
+            with autocast():
+                loss = eval_model(*batches.get("val", 0, i))[1]
+            total += torch.stack([loss.float(), torch.ones((), device=dist.device)])
+    eval_model.train()
+    total = dist.all_reduce(total, "sum")
+    val_loss = (total[0] / total[1]).item()
+    log.write({"event": "eval", "step": step, "val_loss": val_loss}, f"step {step:6d} | val loss {val_loss:.4f}")
+    return val_loss
+
+
+def log_interval(step, lr, grad_norm, probe_stats, model, args, dist, log, totals, *, monitor, guard, injector,
+                 probe):
+    """Write the record of the interval that ends at `step` (loss, logits and sigmas since the last
+    record) and start the next interval; returns the record."""
+    # the other weights, for the log only, with the power iterations of every step since the last
+    # record (falling behind would understate a growing sigma)
+    monitor.measure(model, args.power_iters * args.log_interval, kinds=NON_QK_KINDS)
+    interval = totals.take_interval(dist, args.grad_accum * args.batch_size * args.block_size)
+    record = log_record(step, lr, grad_norm, interval, monitor=monitor, guard=guard, injector=injector,
+                        probe_stats=probe_stats)
+    log.write(record, console_line(record))
+    totals.start_clock()
+    probe.reset_interval()
+    return record
+
 
 class Totals:
     """Running totals, kept on the device so that only a log record syncs with the host."""
@@ -290,20 +318,6 @@ def end_line(end, guard, out_dir):
     return "; ".join(what) + f". Log and checkpoint in {out_dir}"
 
 
-def make_injector(args, model, get_batch, autocast):
-    layers = None if args.inject_layers == "all" else [int(i) for i in args.inject_layers.split(",")]
-    coherence = 1.0 if args.inject_coherence is None else args.inject_coherence
-    if args.inject_scale != "matched":
-        injector = ErrorInjector(args.inject_site, args.inject_scale, coherence, args.n_layer, args.n_head,
-                                 args.n_embd, layers=layers, seed=args.seed)
-    else:   # the bias of this run's faulty state (bf16 if --accum fp32), on the initial model
-        with autocast():
-            injector = ErrorInjector.matched(model, get_batch("train", 0, 0)[0], site=args.inject_site,
-                                             accum="bf16" if args.accum == "fp32" else args.accum,
-                                             coherence=coherence, layers=layers, seed=args.seed)
-    return injector.attach(model)
-
-
 def vocabulary(args, typed, windows):
     """(tokenizer, model vocabulary) from the data's meta.json. Refused: data of another tokenizer
     than --tokenizer names or the resumed run trained on (its embedding would not fit)."""
@@ -327,8 +341,7 @@ def check_attention_settings(model, device, args, use_bf16):
     probe = torch.zeros(1, 1, 1, attn.head_dim, device=device, dtype=dtype)
     softcap = args.softcap_value if args.guard == "on" and args.guard_action == "softcap" else attn.softcap
     try:
-        model_lib.attention(probe, probe, probe, accum=attn.accum, impl=attn.impl, softcap=softcap,
-                            safemax_beta=attn.beta, block_n=attn.block_n, rounding=attn.rounding)
+        attn.attend(probe, probe, probe, softcap=softcap, return_max_logit=False)
     except ValueError as e:
         raise SystemExit(f"error: the attention settings cannot run: {e}")
 
