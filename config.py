@@ -296,6 +296,9 @@ def resolve(args, device, parser):
         parser.error(f"--inject-layers {args.inject_layers}: the model has layers 0..{args.n_layer - 1}")
     if args.n_embd % args.n_head:
         parser.error(f"--n-embd {args.n_embd} is not a multiple of --n-head {args.n_head}")
+    if args.probe != "off" and args.probe_k >= args.n_embd:   # every probed matrix has n_embd columns
+        parser.error(f"--probe-k {args.probe_k} would remove every direction of the {args.n_embd}-wide weights "
+                     f"(the whole update, freezing them): give a k below --n-embd {args.n_embd}")
     return args
 
 

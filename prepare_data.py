@@ -1,7 +1,7 @@
 """
 Tokenize a dataset into nanoGPT-style train.bin / val.bin (flat uint16 tokens) plus meta.json.
 
-    python prepare_data.py                        # pycode: this Python's own .py files, GPT-2 BPE
+    python prepare_data.py                        # pycode: the installed torch's .py files, GPT-2 BPE
     python prepare_data.py --tokenizer byte       # the same files, one token per byte (a CPU's lab)
     python prepare_data.py --dataset text --input notes/ book.txt
     python prepare_data.py --dataset shakespeare  # downloads 1 MB
@@ -9,7 +9,7 @@ Tokenize a dataset into nanoGPT-style train.bin / val.bin (flat uint16 tokens) p
 
 Tokenizers (--tokenizer): gpt2, GPT-2's BPE (50,257 tokens, the paper's setting; data/<dataset>),
 and byte, one token per byte plus end-of-text (257 tokens; data/<dataset>-byte). Bytes make a CPU
-lab fast: at GPT-2's vocabulary the output layer is most of a small model's step (MEASUREMENTS.md).
+lab fast: at GPT-2's vocabulary the output layer is most of a small model's step (lab/MEASUREMENTS.md).
 meta.json names the tokenizer and its vocabulary; train.py sizes the model from it. Read a split as
 nanoGPT does: np.memmap("data/pycode/train.bin", dtype=np.uint16, mode="r"). Every document (a
 source file; each of shakespeare's two parts) ends with the end-of-text token.
@@ -19,12 +19,12 @@ and renamed into place, meta.json last. Re-runs on unchanged inputs do no work; 
 import argparse
 import contextlib
 import hashlib
+import importlib.util
 import itertools
 import json
 import os
 import platform
 import sys
-import sysconfig
 import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
@@ -46,12 +46,18 @@ DATASETS = ("pycode", "text", "owt", "shakespeare")
 VAL_FRACTION = {"pycode": 0.01, "text": 0.01, "owt": 0.0005, "shakespeare": 0.1}
 TEXT_GLOB = "**/*.txt"      # what an --input folder contributes; files named directly always count
 TOKENIZERS = ("gpt2", "byte")
+VOCAB_SIZES = {"gpt2": 50257, "byte": 257}   # each tokenizer's n_vocab (GPT-2's without downloading it)
 GPT2_ENCODING = "r50k_base" # GPT-2's BPE; get_encoding("gpt2") needs two more files: fails offline
 SPLITS = ("train", "val")
+REPLACING = "meta.json.replacing"   # the old meta.json while a rebuild swaps the .bin files
 CHUNK_BYTES = 8 << 20       # text per encode batch, whose token lists take ~10x its size in memory
 PROGRESS_SECONDS = 2.0
 SHAKESPEARE_URL = "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"
 OWT_NAME = "openwebtext"
+# The offline default dataset: the .py files of the torch the README pins, with the content hash
+# (of every file's sha256, split and path) that `python prepare_data.py` gives for it.
+PYCODE_IDENTITY = {"torch": "2.13.0",
+                   "content_sha256": "61ed56792b68543464c21ced9ba8f3a104a47a1e4b810b2a3724321bb45de900"}
 FORMAT = 2                  # bump on an output change, voiding old fingerprints (2: tokenizers)
 REPO_DIR = os.path.dirname(os.path.abspath(__file__))
 # -----------------------------------------------------------------------------
@@ -75,8 +81,12 @@ class ByteTokenizer:
     def encode(self, text):
         return list(text.encode())
 
+    def decode_bytes(self, tokens):
+        """The bytes back exactly (end-of-text and padding tokens dropped)."""
+        return bytes(t for t in tokens if t < 256)
+
     def decode(self, tokens):
-        return bytes(t for t in tokens if t < 256).decode("utf-8", errors="replace")
+        return self.decode_bytes(tokens).decode("utf-8", errors="replace")
 
 
 class GPT2Tokenizer:
@@ -121,20 +131,35 @@ def split_of(rel_path, val_fraction):
 
 
 def pycode_files():
-    """(path, rel) of every .py file of this Python's stdlib and site-packages, sorted by path;
-    a root listed twice (purelib is often platlib) is walked once."""
-    paths = sysconfig.get_paths()
-    stdlib = paths["stdlib"]
-    roots = {os.path.realpath(p): p for p in (paths["platlib"], paths["purelib"], stdlib)}
+    """(path, rel) of every .py file of the installed torch package, rel from its site-packages
+    (torch/nn/...), sorted by path. Only torch's: the README pins its version, so every machine set
+    up as the README says trains on the same files (the stdlib and other packages vary from
+    machine to machine); meta.json records the version, and prepare() checks PYCODE_IDENTITY."""
+    spec = importlib.util.find_spec("torch")     # found, not imported: no second of import time
+    if spec is None or not spec.submodule_search_locations:
+        raise DataError(f"--dataset pycode is the .py files of torch, which is not installed: `pip install "
+                        f"torch=={PYCODE_IDENTITY['torch']}` (README), or choose another --dataset")
+    package = os.path.realpath(list(spec.submodule_search_locations)[0])
+    root = os.path.dirname(package)
     found = []
-    for root in roots.values():
-        for dirpath, dirnames, filenames in os.walk(root):
-            # the stdlib's site-packages is another environment's, or purelib (walked on its own)
-            dirnames[:] = [d for d in dirnames if d != "__pycache__"
-                           and not (root == stdlib and d in ("site-packages", "dist-packages"))]
-            found += [(os.path.join(dirpath, n), os.path.relpath(os.path.join(dirpath, n), root))
-                      for n in filenames if n.endswith(".py")]
+    for dirpath, dirnames, filenames in os.walk(package):
+        dirnames[:] = [d for d in dirnames if d != "__pycache__"]
+        found += [(os.path.join(dirpath, n), os.path.relpath(os.path.join(dirpath, n), root))
+                  for n in filenames if n.endswith(".py")]
     return sorted(found)
+
+
+def check_pycode_identity(meta):
+    """One line when a pycode build is not the one the README's numbers came from, and why."""
+    torch_version, expected = meta.get("versions", {}).get("torch"), PYCODE_IDENTITY
+    if (torch_version or "").split("+")[0] != expected["torch"]:      # 2.13.0+cpu: the local build tag aside
+        return (f"note: pycode is torch {torch_version}'s .py files, not torch {expected['torch']}'s (README): "
+                f"runs train on other data than the README's and lab/results' (its content hash is recorded)")
+    if meta.get("content_sha256") != expected["content_sha256"]:
+        return (f"note: pycode from torch {torch_version} has content hash {meta.get('content_sha256')}, not the "
+                f"README's {expected['content_sha256']} (another build of torch {torch_version}?): numbers will "
+                f"differ")
+    return None
 
 
 def text_files(inputs, pattern=TEXT_GLOB):
@@ -170,10 +195,10 @@ def fingerprint(dataset, options, sources):
     return h.hexdigest()[:32]
 
 
-def read_meta(out_dir):
+def read_meta(out_dir, name="meta.json"):
     """meta.json of a complete dataset, or None."""
     try:
-        with open(os.path.join(out_dir, "meta.json")) as f:
+        with open(os.path.join(out_dir, name)) as f:
             return json.load(f)
     except (OSError, ValueError):
         return None
@@ -303,11 +328,15 @@ def _publish(out_dir, tmp, meta):
         f.write(_dump_meta(meta))
         f.flush()
         os.fsync(f.fileno())
+    # the old meta.json steps aside under REPLACING: a crash now leaves no meta.json, and the folder
+    # still says it is this script's (check_not_other_data lets the next build repair it)
     with contextlib.suppress(FileNotFoundError):
-        os.remove(os.path.join(out_dir, "meta.json"))
+        os.replace(os.path.join(out_dir, "meta.json"), os.path.join(out_dir, REPLACING))
     for split in SPLITS:
         os.replace(tmp[split], os.path.join(out_dir, f"{split}.bin"))
     os.replace(tmp["meta"], os.path.join(out_dir, "meta.json"))
+    with contextlib.suppress(FileNotFoundError):
+        os.remove(os.path.join(out_dir, REPLACING))
     with contextlib.suppress(OSError):  # make the renames durable; Windows cannot open a folder
         fd = os.open(out_dir, os.O_RDONLY)
         os.fsync(fd)
@@ -351,9 +380,28 @@ def prepare(dataset="pycode", out_dir=None, inputs=None, val_fraction=None, work
         raise DataError(f"--input is only used with --dataset text, not {dataset}")
     workers = max(1, workers or os.cpu_count() or 1)
     out_dir = out_dir or default_out_dir(dataset, tokenizer)
+    if os.path.exists(out_dir) and not os.path.isdir(out_dir):
+        raise DataError(f"--out-dir {out_dir} is a file: give a folder (new, or one this script wrote)")
+    check_not_other_data(out_dir, dataset, force)
     os.makedirs(out_dir, exist_ok=True)
     with _lock(out_dir):
         return _build(dataset, out_dir, inputs, val_fraction, workers, force, glob, tokenizer)
+
+
+def check_not_other_data(out_dir, dataset, force=False):
+    """A folder that holds data this build would not remake is left alone: train.bin or val.bin
+    without a meta.json (nobody knows what they hold), or another dataset (--force replaces it). The
+    same dataset is rebuilt when its sources, options or tokenizer change, as its meta.json says."""
+    held = [n for n in (*(f"{s}.bin" for s in SPLITS), "meta.json") if os.path.exists(os.path.join(out_dir, n))]
+    meta = read_meta(out_dir) or read_meta(out_dir, REPLACING)   # REPLACING: a build of ours crashed
+    if held and meta is None:
+        raise DataError(f"{out_dir} holds {', '.join(held)} but no readable meta.json, so what it holds is unknown "
+                        f"and it is left alone: move those files away (or rebuild them where they came from, "
+                        f"e.g. `python prepare_data.py --dataset text --input YOUR_FILES --out-dir {out_dir}`), "
+                        f"or give another --out-dir")
+    if meta is not None and meta.get("dataset") != dataset and not force:
+        raise DataError(f"{out_dir} holds the {meta.get('dataset')} dataset, not {dataset}: give another --out-dir "
+                        f"(or --force to replace it)")
 
 
 def _build(dataset, out_dir, inputs, val_fraction, workers, force, glob, tokenizer):
@@ -407,7 +455,8 @@ def _build(dataset, out_dir, inputs, val_fraction, workers, force, glob, tokeniz
             "content_sha256": content.hexdigest(),  # of the sources' "<sha256> <split> <rel>" lines
             "created": datetime.now(timezone.utc).isoformat(timespec="seconds"), "seconds": round(seconds, 2),
             "versions": {"format": FORMAT, "python": platform.python_version(), "numpy": np.__version__,
-                         "tiktoken": version("tiktoken")},
+                         "tiktoken": version("tiktoken"),
+                         **({"torch": version("torch")} if dataset == "pycode" else {})},
             "skipped": skipped, "sources": records,
         }
         _publish(out_dir, tmp, meta)
@@ -421,6 +470,8 @@ def _build(dataset, out_dir, inputs, val_fraction, workers, force, glob, tokeniz
     for split in SPLITS:
         if not ndocs[split]:
             print(f"warning: the {split} split is empty; use more files or another --val-fraction", file=sys.stderr)
+    if dataset == "pycode" and check_pycode_identity(meta):
+        print(check_pycode_identity(meta), file=sys.stderr)
     return out_dir
 
 
@@ -447,10 +498,12 @@ class TokenWindows:
         # what the model is sized for; older datasets name GPT-2's BPE r50k_base
         self.tokenizer = "gpt2" if meta.get("tokenizer") == GPT2_ENCODING else meta.get("tokenizer")
         self.vocab_size = meta.get("vocab_size")
-        if self.tokenizer not in TOKENIZERS or not isinstance(self.vocab_size, int) or \
-                not 1 <= self.vocab_size <= np.iinfo(np.uint16).max + 1:   # uint16 tokens
+        if self.tokenizer not in TOKENIZERS or not isinstance(self.vocab_size, int):
             raise SystemExit(f"error: {meta_path} names no known tokenizer and vocabulary (tokenizer "
                              f"{meta.get('tokenizer')!r}, vocab_size {self.vocab_size!r}): {redo}")
+        if self.vocab_size != VOCAB_SIZES[self.tokenizer]:   # the model's size and every lookup follow it
+            raise SystemExit(f"error: {meta_path} gives vocab_size {self.vocab_size}, but the {self.tokenizer} "
+                             f"tokenizer has {VOCAB_SIZES[self.tokenizer]} tokens: {redo}")
         self.data = {}
         for split in ("train", "val"):
             path = os.path.join(data_dir, f"{split}.bin")
@@ -464,7 +517,15 @@ class TokenWindows:
             if size // 2 <= block_size + 1:
                 raise SystemExit(f"error: {path} holds {size // 2} tokens, too few for --block-size {block_size}")
             self.data[split] = np.memmap(path, dtype=np.uint16, mode="r")
+            largest = int(self.data[split].max())   # ~0.1 s per 100M tokens
+            if largest >= self.vocab_size:
+                raise SystemExit(f"error: {path} holds token {largest}, outside the {self.tokenizer} vocabulary of "
+                                 f"{self.vocab_size} that {meta_path} gives: the file is not of this dataset; {redo}")
         self.block_size, self.batch_size, self.seed = block_size, batch_size, seed
+        # what a run records of the data it trained on (config.json, log.jsonl's start record)
+        self.identity = {"dataset": meta.get("dataset"), "tokenizer": self.tokenizer,
+                         "content_sha256": self.content_hash, "train_tokens": len(self.data["train"]),
+                         "val_tokens": len(self.data["val"]), "torch": meta.get("versions", {}).get("torch")}
 
     def get(self, split, step, index):
         """Window `index` of step `step` (val: eval batch `index`, the same at every eval), int64
@@ -485,7 +546,7 @@ def _workers(text):
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dataset", choices=DATASETS, default="pycode",
-                        help="pycode (default): this Python's stdlib and site-packages .py files; "
+                        help="pycode (default): the .py files of the installed torch (the README pins it); "
                              "text: --input files; owt: OpenWebText; shakespeare: tiny Shakespeare")
     parser.add_argument("--tokenizer", choices=TOKENIZERS, default="gpt2",
                         help="gpt2 (default): GPT-2's BPE, 50,257 tokens, the paper's setting; "

@@ -72,7 +72,7 @@ class Dist:
 
 def tune_cpu_allocator():
     """Keep freed memory in the process (glibc malloc): past its mmap threshold glibc serves each
-    large temporary with fresh pages, whose faults slowed the attention twin (MEASUREMENTS.md).
+    large temporary with fresh pages, whose faults slowed the attention twin (lab/MEASUREMENTS.md).
     jemalloc and tcmalloc, which PyTorch's CPU guides recommend, do this by default."""
     try:
         import ctypes
@@ -104,16 +104,28 @@ def device_name(flag, local_rank=0):
 
 
 def ensure_data(args, dist):
-    """Prepare the dataset on first use when prepare_data.py can make it (one process per node)."""
+    """Prepare the dataset on first use when prepare_data.py can make it (one process per node),
+    into a folder that is new or empty: one that holds anything else is never written over."""
     if os.path.exists(os.path.join(args.data_dir, "meta.json")):
         return
+    how = (f"`python prepare_data.py --dataset {args.dataset} --tokenizer {args.tokenizer} --out-dir "
+           f"{args.data_dir}`")
+    held = sorted(os.listdir(args.data_dir)) if os.path.isdir(args.data_dir) else []
+    if held and prepare_data.REPLACING not in held:   # REPLACING: our own build crashed; prepare repairs it
+        shown = ", ".join(held[:4]) + (", ..." if len(held) > 4 else "")
+        raise SystemExit(f"error: {args.data_dir} has no meta.json but holds {shown}: it is left alone. Rebuild it "
+                         f"with prepare_data.py and the dataset it holds (e.g. `python prepare_data.py --dataset "
+                         f"text --input YOUR_FILES --tokenizer {args.tokenizer} --out-dir {args.data_dir}`), or "
+                         f"give another --data-dir")
     if args.dataset not in ("pycode", "shakespeare"):
-        raise SystemExit(f"error: no prepared data in {args.data_dir} (meta.json missing): run `python "
-                         f"prepare_data.py --dataset {args.dataset} --tokenizer {args.tokenizer} --out-dir "
-                         f"{args.data_dir} ...` first")
+        raise SystemExit(f"error: no prepared data in {args.data_dir} (meta.json missing): run {how[:-1]} ...` "
+                         f"first")
     if dist.local_rank == 0:
         print(f"no data in {args.data_dir}: preparing the {args.dataset} dataset, {args.tokenizer} tokens (once)")
-        prepare_data.prepare(dataset=args.dataset, out_dir=args.data_dir, tokenizer=args.tokenizer)
+        try:
+            prepare_data.prepare(dataset=args.dataset, out_dir=args.data_dir, tokenizer=args.tokenizer)
+        except prepare_data.DataError as e:
+            raise SystemExit(f"error: {e.code}")
     dist.barrier()
 
 
@@ -184,16 +196,17 @@ def start_run(args, typed):
     run without a checkpoint starts over from step 0 with its config.json flags."""
     if os.path.exists(args.out_dir) and not os.path.isdir(args.out_dir):
         raise SystemExit(f"error: --out-dir {args.out_dir} is a file: give a folder")
-    paths = {name: os.path.join(args.out_dir, name) for name in ("config.json", "log.jsonl", "ckpt.pt")}
+    paths = {name: os.path.join(args.out_dir, name) for name in ("config.json", "log.jsonl", *CHECKPOINTS)}
     held = [p for p in paths.values() if os.path.exists(p)]
+    checkpoints = [paths[name] for name in CHECKPOINTS if os.path.exists(paths[name])]
     if not args.resume:
         if held:
-            how = "" if os.path.exists(paths["ckpt.pt"]) else " (it saved no checkpoint: it starts over at step 0)"
+            how = "" if checkpoints else " (it saved no checkpoint: it starts over at step 0)"
             raise SystemExit(f"error: {args.out_dir} already holds a run ({', '.join(held)}): continue it with "
                              f"--resume{how}, or choose another --out-dir")
         return args, None, {}
-    if os.path.exists(paths["ckpt.pt"]):
-        state = load_checkpoint(paths["ckpt.pt"])
+    if checkpoints:
+        state = newest_checkpoint(paths["ckpt.pt"])
         saved = state["args"]
     elif os.path.exists(paths["config.json"]):
         state = None
@@ -220,8 +233,10 @@ def start_run(args, typed):
 class RunDir:
     """The run directory (--out-dir) as the loop sees it: start record, checkpoints, way back."""
 
-    def __init__(self, args, dist, data_hash):
-        self.args, self.dist, self.data_hash = args, dist, data_hash
+    def __init__(self, args, dist, data):
+        """data: prepare_data.TokenWindows.identity, the dataset the run trains on."""
+        self.args, self.dist, self.data = args, dist, data
+        self.data_hash = data["content_sha256"]
         self.ckpt = os.path.join(args.out_dir, "ckpt.pt")
 
     def start_log(self, params, step, resumed, changed):
@@ -233,14 +248,15 @@ class RunDir:
         config_json = os.path.join(args.out_dir, "config.json")
         if dist.master and not resumed and not os.path.exists(config_json):
             with open(config_json, "w") as f:
-                json.dump({"args": vars(args), "versions": run_versions, "command": sys.argv,
+                json.dump({"args": vars(args), "versions": run_versions, "command": sys.argv, "data": self.data,
                            "world_size": dist.world, "params": params,
                            "started": time.strftime("%Y-%m-%d %H:%M:%S %Z")}, f, indent=2)
             save_source(args.out_dir, run_versions)
         verb = "resuming" if args.resume else "starting"
         over = " (it had saved no checkpoint: starting over)" if args.resume and not resumed else ""
         log.write({"event": "resume" if args.resume else "start", "step": step, "from_checkpoint": resumed,
-                   "versions": run_versions, "world_size": dist.world, "command": sys.argv, "changed": changed},
+                   "versions": run_versions, "world_size": dist.world, "command": sys.argv, "changed": changed,
+                   "data": self.data},
                   f"{verb} {args.out_dir} at step {step}{over}: {args.preset} preset, {args.arch} "
                   f"{args.n_layer}x{args.n_embd}, {params / 1e6:.2f}M params, {args.tokenizer} tokens, accum "
                   f"{args.accum}, guard {args.guard}, on {dist.device} x{dist.world}")
@@ -289,6 +305,28 @@ def save_checkpoint(path, state):
     os.replace(tmp, path)
 
 
+# A checkpoint and what save_checkpoint leaves beside it: a crash between its two renames leaves a
+# whole ckpt.pt.tmp (the newest) and ckpt.pt.prev, and no ckpt.pt.
+CHECKPOINTS = ("ckpt.pt", "ckpt.pt.tmp", "ckpt.pt.prev")
+
+
+def newest_checkpoint(path):
+    """The checkpoint to resume from: ckpt.pt; without it, the newest whole one that a crash inside
+    save_checkpoint left (ckpt.pt.tmp, then ckpt.pt.prev). None loads: refuse, never start over."""
+    if os.path.exists(path):
+        return load_checkpoint(path)
+    found = [path + suffix for suffix in (".tmp", ".prev") if os.path.exists(path + suffix)]
+    for candidate in found:
+        try:
+            state = load_checkpoint(candidate)
+        except SystemExit:
+            continue
+        print(f"{path} is missing (a crash while saving?): resuming from {candidate}", file=sys.stderr)
+        return state
+    raise SystemExit(f"error: {path} is missing and {' and '.join(found)} cannot be read (truncated?): the run "
+                     f"cannot resume; start a new run in another --out-dir")
+
+
 def load_checkpoint(path):
     """weights_only=True: tensors, numbers, strings, lists, dicts; a pickle running code fails."""
     try:
@@ -297,8 +335,9 @@ def load_checkpoint(path):
         prev = path + ".prev"
         hint = f"; the previous checkpoint is {prev}: move it to {path} to resume from there" \
             if os.path.exists(prev) else ""
-        raise SystemExit(f"error: cannot read checkpoint {path} ({type(e).__name__}: {str(e).splitlines()[0][:200]}):"
-                         f" it is truncated, from an older train.py, or not a checkpoint{hint}")
+        why = (str(e).splitlines() or ["empty file" if os.path.getsize(path) == 0 else "no message"])[0][:200]
+        raise SystemExit(f"error: cannot read checkpoint {path} ({type(e).__name__}: {why}): it is truncated, from "
+                         f"an older train.py, or not a checkpoint{hint}")
     if not isinstance(state, dict) or state.get("format") != CHECKPOINT_FORMAT:
         old = isinstance(state, dict) and str(state.get("format", "")).startswith("qkguard-checkpoint")
         what = "an older checkpoint format" if old else "not a checkpoint written by this train.py"

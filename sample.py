@@ -23,7 +23,8 @@ from guard import QKGuard
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("run_dir", help="a run directory that holds ckpt.pt")
-    p.add_argument("--prompt", default="\n", help="text to continue (default: a newline)")
+    p.add_argument("--prompt", default="\n", help="text to continue (default: a newline; empty: from the "
+                   "end-of-text token, as at the start of a document)")
     p.add_argument("--num-samples", type=config.COUNT, default=3)
     p.add_argument("--max-new-tokens", type=config.COUNT, default=200)
     p.add_argument("--temperature", type=config.POSITIVE, default=0.8)
@@ -37,7 +38,8 @@ def main(argv=None):
     device = torch.device(runtime.device_name(args.device))
     run, state, model, guard = load_run(path, device)
     enc = prepare_data.get_tokenizer(run.tokenizer)
-    idx = torch.tensor([enc.encode(args.prompt)] * args.num_samples, device=device)
+    # an empty prompt starts at a document boundary, the end-of-text token, as every file ends with
+    idx = torch.tensor([enc.encode(args.prompt) or [enc.eot_token]] * args.num_samples, device=device)
     torch.manual_seed(args.seed)
     with torch.autocast(device.type, dtype=torch.bfloat16) if device.type == "cuda" else contextlib.nullcontext():
         out = model.generate(idx, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k)

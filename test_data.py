@@ -154,11 +154,57 @@ def test_pycode_discovery():
     assert paths == sorted(paths) and len(set(paths)) == len(paths)
     assert all(p.endswith(".py") and "__pycache__" not in p for p in paths)
     rels = {rel for _, rel in files}
-    assert "os.py" in rels and not any(os.path.isabs(r) for r in rels)
-    assert any(r.startswith("numpy" + os.sep) for r in rels)  # site-packages, relative to its root
-    assert not any("site-packages" in r for r in rels)
+    assert os.path.join("torch", "__init__.py") in rels and not any(os.path.isabs(r) for r in rels)
+    assert all(r.startswith("torch" + os.sep) for r in rels)   # only torch's files: the same on every machine
     val = sum(prep.split_of(r, 0.01) == "val" for r in rels)
     assert 0 < val < 0.03 * len(rels)
+
+
+def test_pycode_is_the_same_wherever_the_readme_was_followed(tmp_path, capsys):
+    # the pinned torch's files give the committed content hash: the README's and the lab's runs
+    # can be rerun elsewhere on the same data (and a run records the hash it trained on)
+    from importlib.metadata import version
+    if version("torch").split("+")[0] != prep.PYCODE_IDENTITY["torch"]:
+        pytest.skip(f"torch {version('torch')} is installed, not the README's {prep.PYCODE_IDENTITY['torch']}")
+    out = prep.prepare("pycode", out_dir=str(tmp_path / "pycode"), tokenizer="byte", workers=1)
+    meta = prep.read_meta(out)
+    assert meta["content_sha256"] == prep.PYCODE_IDENTITY["content_sha256"]
+    assert meta["versions"]["torch"] == version("torch") and prep.check_pycode_identity(meta) is None
+    assert "note: pycode" not in capsys.readouterr().err
+    assert "not torch 2.13.0's" in prep.check_pycode_identity({**meta, "versions": {"torch": "2.11.0"}})
+    assert "content hash x" in prep.check_pycode_identity({**meta, "content_sha256": "x"})
+
+
+def test_the_byte_tokenizer_gives_every_byte_value_back():
+    enc = prep.ByteTokenizer()
+    every = bytes(range(256))
+    assert enc.decode_bytes([*every, enc.eot_token]) == every          # end-of-text dropped, all else kept
+    text = "".join(map(chr, range(1, 0x800))) + "漢字✓\U0001F600"       # 1- to 4-byte UTF-8
+    assert enc.encode(text) == list(text.encode()) and enc.decode(enc.encode(text)) == text
+    assert all(0 <= t < 256 for t in enc.encode(text))
+
+
+def test_a_folder_holding_other_data_is_never_written_over(tmp_path):
+    # bins without meta.json: nobody knows what they hold; another dataset: only with --force
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "train.bin").write_bytes(b"\1\0" * 10)
+    with pytest.raises(SystemExit, match="no readable meta.json.*left alone"):
+        prep.prepare("text", out_dir=str(mine), inputs=[str(tmp_path)], val_fraction=0.3, force=True)
+    assert (mine / "train.bin").read_bytes() == b"\1\0" * 10 and sorted(os.listdir(mine)) == ["train.bin"]
+    out = build(tmp_path)
+    before = {n: (tmp_path / "out" / n).read_bytes() for n in os.listdir(out)}
+    with pytest.raises(SystemExit, match="holds the text dataset, not pycode"):
+        prep.prepare("pycode", out_dir=out, tokenizer="byte")
+    assert {n: (tmp_path / "out" / n).read_bytes() for n in os.listdir(out)} == before
+
+
+def test_an_out_dir_that_is_a_file_ends_in_one_line(tmp_path):
+    (tmp_path / "file").write_text("mine")
+    r = subprocess.run([sys.executable, prep.__file__, "--dataset", "text", "--input", str(tmp_path),
+                        "--out-dir", str(tmp_path / "file")], capture_output=True, text=True)
+    assert r.returncode != 0 and "is a file: give a folder" in r.stderr and "Traceback" not in r.stderr
+    assert (tmp_path / "file").read_text() == "mine"
 
 
 def test_rerun_does_no_work(tmp_path, capsys, monkeypatch):

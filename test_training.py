@@ -553,7 +553,7 @@ def test_damaged_data_gives_a_clear_error(tmp_path, data_dir):
     json.dump(meta, open(bad / "meta.json", "w"))
     result = train(tmp_path / "run2", str(bad), "--max-steps", "2")
     assert result.returncode != 0 and "vocab_size 100000" in result.stderr
-    meta["vocab_size"] = 50257
+    meta["vocab_size"] = 257                         # the byte tokenizer's again
     json.dump(meta, open(bad / "meta.json", "w"))
     os.remove(bad / "train.bin")
     result = train(tmp_path / "run3", str(bad), "--max-steps", "2")
@@ -1011,3 +1011,117 @@ def test_the_readme_fork_example_adds_a_working_option(tmp_path, data_dir):
         assert json.load(open(out / "config.json"))["args"]["attn_temperature"] == float(t)
         first[t] = max(max(row) for row in next(r for r in read_log(out) if "loss" in r)["max_logit"])
     assert first["2"] == pytest.approx(first["1"] / 2, rel=0.02)
+
+
+
+# --------------------------------------------------------------------------------------------------
+# Nothing lost, nothing misjudged: bad inputs end in one line and leave every byte of data alone
+
+def test_a_data_dir_without_meta_json_is_never_written_over(tmp_path, data_dir):
+    # a folder with the user's train.bin and val.bin but no meta.json: train.py used to prepare
+    # pycode into it, replacing train.bin
+    user = tmp_path / "mine"
+    user.mkdir()
+    for split in ("train", "val"):
+        shutil.copy(os.path.join(data_dir, f"{split}.bin"), user / f"{split}.bin")
+    before = _files(user)
+    result = train(tmp_path / "run", str(user), "--max-steps", "2")
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode != 0 and "Traceback" not in result.stderr and len(lines) == 1, result.stderr
+    assert "no meta.json" in lines[0] and "left alone" in lines[0] and "--dataset pycode" not in lines[0]
+    assert _files(user) == before and not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("left", [("ckpt.pt.tmp", "ckpt.pt.prev"), ("ckpt.pt.prev",)])
+def test_a_crash_between_the_checkpoints_renames_resumes_from_the_newest_whole_one(tmp_path, data_dir, left):
+    # save_checkpoint: temp file, then ckpt.pt -> .prev, then .tmp -> ckpt.pt. A crash between the
+    # two renames leaves .tmp (the newest) and .prev: resume from the newest whole one; never start over
+    out = tmp_path / "run"
+    assert train(out, data_dir, "--max-steps", "4", "--ckpt-interval", "2").returncode == 0
+    newest, older = torch.load(out / "ckpt.pt", weights_only=True), torch.load(out / "ckpt.pt.prev", weights_only=True)
+    assert (newest["step"], older["step"]) == (4, 2)
+    if "ckpt.pt.tmp" in left:
+        os.replace(out / "ckpt.pt", out / "ckpt.pt.tmp")
+    else:
+        os.remove(out / "ckpt.pt")
+    result = train(out, data_dir, "--max-steps", "6", "--resume")
+    assert result.returncode == 0, result.stderr
+    resume = next(r for r in read_log(out) if r.get("event") == "resume")
+    assert resume["from_checkpoint"] is True and resume["step"] == (4 if "ckpt.pt.tmp" in left else 2)
+    assert "starting over" not in result.stdout and "resuming from" in result.stderr
+
+
+def test_unreadable_checkpoints_with_no_ckpt_pt_are_refused_not_started_over(tmp_path, data_dir):
+    out = tmp_path / "run"
+    assert train(out, data_dir, "--max-steps", "4", "--ckpt-interval", "2").returncode == 0
+    os.remove(out / "ckpt.pt")
+    (out / "ckpt.pt.prev").write_bytes(b"")
+    before = _files(out)
+    result = train(out, data_dir, "--max-steps", "6", "--resume")
+    assert result.returncode != 0 and "cannot resume" in result.stderr and "Traceback" not in result.stderr
+    assert _files(out) == before
+
+
+def test_an_empty_checkpoint_ends_in_one_line_in_train_and_sample(tmp_path, data_dir):
+    out = tmp_path / "run"
+    assert train(out, data_dir, "--max-steps", "2").returncode == 0
+    (out / "ckpt.pt").write_bytes(b"")
+    for cmd in (["train.py", "--data-dir", data_dir, "--out-dir", str(out), *TINY, "--max-steps", "4", "--resume"],
+                ["sample.py", str(out)]):
+        result = subprocess.run([sys.executable, os.path.join(ROOT, cmd[0]), *cmd[1:]], capture_output=True,
+                                text=True, timeout=120, cwd=ROOT)
+        lines = result.stderr.strip().splitlines()
+        assert result.returncode != 0 and "Traceback" not in result.stderr and len(lines) == 1, result.stderr
+        assert "cannot read checkpoint" in lines[0] and "empty file" in lines[0]
+
+
+@pytest.mark.parametrize("vocab_size, message", [(100, "vocab_size 100"), (60000, "vocab_size 60000"),
+                                                 (50, "vocab_size 50"), (257.5, "names no known tokenizer")])
+def test_a_vocabulary_that_does_not_fit_the_tokens_is_refused_before_training(tmp_path, data_dir, vocab_size,
+                                                                               message):
+    bad = tmp_path / "data"
+    shutil.copytree(data_dir, bad)
+    meta = json.load(open(bad / "meta.json"))
+    meta["vocab_size"] = vocab_size
+    json.dump(meta, open(bad / "meta.json", "w"))
+    result = train(tmp_path / "run", str(bad), "--max-steps", "5")
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode != 0 and "Traceback" not in result.stderr and message in lines[-1], result.stderr
+    assert not (tmp_path / "run" / "log.jsonl").exists(), "refused before training"
+
+
+def test_a_token_outside_the_vocabulary_is_refused_before_training(tmp_path, data_dir):
+    import numpy as np
+    bad = tmp_path / "data"
+    shutil.copytree(data_dir, bad)
+    tokens = np.fromfile(bad / "val.bin", dtype=np.uint16)
+    tokens[-1] = 300                                 # beyond the byte tokenizer's 257
+    tokens.tofile(bad / "val.bin")
+    result = train(tmp_path / "run", str(bad), "--max-steps", "2")
+    assert result.returncode != 0 and "holds token 300" in result.stderr and "val.bin" in result.stderr
+
+
+@pytest.mark.parametrize("probe", ["qk-topk", "qk-fixed", "equal-energy", "v-topk", "mlp-topk"])
+def test_a_probe_k_as_large_as_the_matrix_is_refused(tmp_path, data_dir, probe):
+    result = train(tmp_path / "run", data_dir, "--probe", probe, "--probe-k", "32", "--max-steps", "2")
+    assert result.returncode != 0 and "--probe-k 32" in result.stderr and "Traceback" not in result.stderr
+    assert train(tmp_path / "ok", data_dir, "--probe", probe, "--probe-k", "31", "--max-steps", "1").returncode == 0
+
+
+def test_sample_with_an_empty_prompt_starts_at_end_of_text(tmp_path, data_dir):
+    out = tmp_path / "run"
+    assert train(out, data_dir, "--max-steps", "2").returncode == 0
+    result = subprocess.run([sys.executable, os.path.join(ROOT, "sample.py"), str(out), "--prompt", "",
+                             "--num-samples", "1", "--max-new-tokens", "5"], capture_output=True, text=True,
+                            timeout=120, cwd=ROOT)
+    assert result.returncode == 0 and "sample 1 of" in result.stdout, result.stderr
+
+
+def test_a_run_records_the_data_it_trained_on(tmp_path, data_dir):
+    out = tmp_path / "run"
+    assert train(out, data_dir, "--max-steps", "2").returncode == 0
+    meta = json.load(open(os.path.join(data_dir, "meta.json")))
+    data = json.load(open(out / "config.json"))["data"]
+    assert data["content_sha256"] == meta["content_sha256"] and data["tokenizer"] == "byte"
+    assert (data["train_tokens"], data["val_tokens"]) == (meta["tokens"]["train"], meta["tokens"]["val"])
+    assert next(r for r in read_log(out) if r.get("event") == "start")["data"] == data

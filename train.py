@@ -60,7 +60,7 @@ def main(argv=None):
         ErrorInjector.from_args(args, model, lambda: batches.get("train", 0, 0)[0], autocast)
     parts = dict(model=model, optimizer=optimizer, monitor=monitor, detector=detector, probe=probe,
                  injector=injector, guard=guard)
-    run_dir, totals = runtime.RunDir(args, dist, batches.windows.content_hash), Totals()
+    run_dir, totals = runtime.RunDir(args, dist, batches.windows.identity), Totals()
     step = 0
     if state is None:
         monitor.measure(model, iters=30)         # converged before step 0

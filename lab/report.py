@@ -9,7 +9,9 @@ Read a sweep's runs and say, claim by claim, whether the paper's claims reproduc
 
 Reads every <root>/<experiment>/seed<k>/ that train.py wrote (log.jsonl, config.json; see sweep.py). Arms are
 compared seed by seed (sweep.py gives every arm the same seeds). A run that did not finish, or a seed missing from
-an arm that another arm of the claim ran, counts against the claim: it is scored the way that hurts the claim.
+an arm that another arm of the claim ran, counts against the claim: it is scored the way that hurts the claim; so
+does a run whose log or config.json cannot be read (a warning names it). The runs a rule compares must share the
+data and every flag but their arms' own (the preset, the learning rate, ...): a mix is refused, not judged.
 """
 import argparse
 import glob
@@ -18,9 +20,10 @@ import math
 import os
 import shlex
 import statistics
+import sys
 
 from lab.sweep import (CLAIM3_SITE, CLAIM4_SITES, CLAIMS, COHERENCES, DONE, DOSES, NO_ERROR, SITES, SOURCES,
-                   action_arms, inject_arm, probe_arms, read_log)
+                       Unreadable, action_arms, experiments, inject_arm, probe_arms, read_log)
 
 # --------------------------------------------------------------------------------------------------
 # The verdict rules' constants.
@@ -33,6 +36,24 @@ SIGMA_RATIO = 2.0        # "through the QK channel": sigma(W_q or W_k) grew SIGM
 LOGIT_RATIO = 10.0       # "beyond the no-error run": max logit >= LOGIT_RATIO x that run's
 FIX_TOL = 0.1            # nat: a QK-only fix ends at most FIX_TOL above the no-error run's val loss
 CONTROL_ENERGY = 0.95    # the equal-energy control counts if it removed this share every step
+# config.json's flags in which the runs a rule compares may differ: where a run ran and how it logged,
+# not what it trained. config.RESUMABLE_CHANGES (a resume may change them) but max_steps, which arms
+# must share, and the seed; written out, as config.py imports torch (a test keeps them in step)
+RUN_SPECIFIC = {"seed", "out_dir", "resume", "device", "compile", "on_collapse", "log_interval", "eval_interval",
+                "eval_iters", "ckpt_interval"}
+
+
+def own_flags():
+    """arm -> the config.json keys its own flags in sweep.py's table set (--inject-site: inject_site):
+    the only flags but RUN_SPECIFIC in which a rule's arms may differ."""
+    table = experiments(list(CLAIMS))
+    for source in SOURCES:   # claims 5 and 6 on every runaway source, not only bf16
+        table.update(experiments([5, 6], source=source))
+    return {name: {flag[2:].split("=")[0].replace("-", "_") for flag in flags if flag.startswith("--")}
+            for name, flags in table.items()}
+
+
+OWN_FLAGS = own_flags()
 
 
 # --------------------------------------------------------------------------------------------------
@@ -78,21 +99,35 @@ def finite_max(values):
     return max(values) if values else None
 
 
+def read_config(path):
+    """A run folder's config.json ({} if there is none); Unreadable, naming it, if it is not a JSON object."""
+    config = os.path.join(path, "config.json")
+    if not os.path.exists(config):
+        return {}
+    try:
+        with open(config) as f:
+            out = json.load(f)
+    except (OSError, ValueError) as e:   # UnicodeDecodeError and JSONDecodeError are ValueErrors
+        raise Unreadable(f"{config}: {e}") from e
+    if not isinstance(out, dict):
+        raise Unreadable(f"{config}: not a JSON object")
+    return out
+
+
 class Run:
     """One run folder, summarized: what the tables and the rules read."""
 
     def __init__(self, path):
         self.path, self.group, self.seed = path, os.path.basename(os.path.dirname(path)), os.path.basename(path)
         try:
-            with open(os.path.join(path, "config.json")) as f:
-                self.config = json.load(f)
-        except (OSError, ValueError):
-            self.config = {}
-        records = read_log(path)
+            self.config, records, unreadable = read_config(path), read_log(path), False
+        except Unreadable as e:   # skipped, so unfinished: it counts against its claim as a missing run does
+            self.config, records, unreadable = {}, [], True
+            print(f"warning: {e}: skipped as unreadable (counted as an unfinished run)", file=sys.stderr)
         events = [r for r in records if "event" in r]
         steps = [r for r in records if "event" not in r and "loss" in r]
         end = events[-1] if events and events[-1]["event"] == "end" else {}
-        self.status = end.get("status") or ("in progress" if records else "empty log")
+        self.status = "unreadable" if unreadable else end.get("status") or ("in progress" if records else "empty log")
         self.finished = self.status in DONE
         self.steps, self.loss = [r["step"] for r in steps], [r["loss"] for r in steps]
         nan_if_none = lambda v: math.nan if v is None else v
@@ -526,11 +561,41 @@ def expanded_rules(groups):
     return out
 
 
+def mixed(groups, arms):
+    """Why the runs of a rule's arms may not be judged together, or None: they trained on different
+    data (config.json's data.content_sha256; runs without it are "unrecorded", alike only to each
+    other), or differ in a flag that neither an arm's own definition sets nor is RUN_SPECIFIC (the
+    preset, the learning rate). A run without config.json tells nothing; a flag only some runs record
+    (older runs lack newer flags) is compared among those."""
+    runs = [r for a in dict.fromkeys(arms) for r in groups.get(a, []) if r.config.get("args")]
+
+    def spread(value):   # "value (arms), value (arms)" where the runs' values are not all one, else ""
+        seen = {}
+        for r in runs:
+            v = value(r)
+            if v is not None and r.group not in seen.setdefault(v, []):
+                seen[v].append(r.group)
+        return ", ".join(f"{v} ({', '.join(names)})" for v, names in seen.items()) if len(seen) > 1 else ""
+    data = spread(lambda r: ((r.config.get("data") or {}).get("content_sha256") or "unrecorded")[:12])
+    if data:
+        return f"trained on different data, content_sha256 {data}"
+
+    def flag(run, key):   # its value, or None where it may differ or is not recorded
+        args = run.config["args"]
+        if key not in args or key in OWN_FLAGS.get(run.group, ()) or key == "data_dir" and run.config.get("data"):
+            return None      # data_dir: a recorded hash says which data, wherever its folder was
+        return json.dumps(args[key])
+    keys = [k for k in dict.fromkeys(k for r in runs for k in r.config["args"]) if k not in RUN_SPECIFIC]
+    flags = [f"{k} {values}" for k in keys for values in [spread(lambda r, k=k: flag(r, k))] if values]
+    return f"differ in flags that its arms do not set, {'; '.join(flags)}" if flags else None
+
+
 def verdicts(groups):
     """One row per rule: [claim, verdict, what was measured]. "not run" if an arm has no run folder
     (a dose grid: if none of its arms has one); else judged, missing or unfinished runs counted
-    against it, and "inconclusive" if it fails with too few seeds for any sign test to pass."""
-    rows = []
+    against it, and "inconclusive" if judged on too few seeds for any sign test to pass. Refuses
+    (SystemExit) if a rule's runs differ in more than its arms' own flags (see mixed)."""
+    rows, refused = [], []
     for label, claim, arm_list, rule in expanded_rules(groups):
         arms = arm_list(groups) if callable(arm_list) else arm_list
         title = {"2v": "QK-Guard stays dormant on healthy training, at no cost",
@@ -546,20 +611,30 @@ def verdicts(groups):
             rows.append([label, "not run", f"{title}\nno runs of {', '.join(missing[:3])}"
                                            f"{f' and {len(missing) - 3} more arms' if len(missing) > 3 else ''}"])
             continue
+        why = mixed(groups, arms)
+        if why:
+            refused.append((label, why))
+            continue
         # fp32 is a judged arm of claims 1 and 2v; elsewhere it is the paired no-error reference, and
         # its seeds beyond the rule's own arms (runs of claims 1 and 2v) are not the rule's seeds
         c = Claim(groups, arms, refs=() if claim in ("1", "2v") else (NO_ERROR,))
         holds, lines = rule(c)
         verdict = "reproduced" if holds else "not reproduced"
-        if not holds and binom_tail(len(c.seeds), len(c.seeds)) >= c.alpha:
+        if binom_tail(len(c.seeds), len(c.seeds)) >= c.alpha:
             # no sign test over so few seeds can reach the rule's threshold (Bonferroni-corrected
-            # for a dose grid): a failure says nothing against the claim
+            # for a dose grid): a failure says nothing against the claim, nor a pass for it (a rule
+            # without a sign test, as 2v's, can pass on any few seeds)
             verdict = "inconclusive"
             enough = next(n for n in range(1, 64) if binom_tail(n, n) < c.alpha)
             lines.append(f"{len(c.seeds)} seeds: even all of them one way give p = "
                          f"{binom_tail(len(c.seeds), len(c.seeds)):.3g} >= {c.alpha:.3g}, this rule's threshold; "
                          f"run at least {enough} (sweep.py --seeds)")
         rows.append([label, verdict, "\n".join([title] + lines)])
+    if refused:
+        (label, why), more = refused[0], ", ".join(label for label, _ in refused[1:])
+        raise SystemExit(f"error: rule {label}'s runs {why}" + (f" (and rule{'s' * (',' in more)} {more} too)"
+                                                                if more else "")
+                         + ": put each kind in a folder of its own and report them apart")
     return rows
 
 
@@ -915,7 +990,8 @@ def main(argv=None):
                    help="--runs: the legend's words, one per run (default: from each run's config)")
     args = p.parse_args(argv)
     if args.runs:
-        missing = [d for d in args.runs if not os.path.exists(os.path.join(d, "log.jsonl"))]
+        missing = [d for d in args.runs if not any(os.path.exists(os.path.join(d, name))
+                                                   for name in ("log.jsonl", "log.jsonl.gz"))]
         if missing:
             p.error(f"no log.jsonl in {', '.join(missing)}: give run folders that train.py wrote")
         if args.labels and len(args.labels) != len(args.runs):
@@ -926,6 +1002,21 @@ def main(argv=None):
         return 0
     if args.root is None or not os.path.isdir(args.root):
         p.error(f"{args.root} is not a folder: give the sweep's --out-root (or --runs DIR ...)")
+    for d in args.pilot:
+        if not os.path.isdir(d):
+            p.error(f"--pilot {d} is not a folder: give a pilot's runs, <DIR>/<experiment>/seed<k>/")
+    if args.markdown:   # before the work: appending, so an existing file is kept as it is
+        try:
+            existed = os.path.exists(args.markdown)
+            os.makedirs(os.path.dirname(os.path.abspath(args.markdown)), exist_ok=True)
+            open(args.markdown, "a").close()
+            if not existed:
+                os.remove(args.markdown)
+        except OSError as e:
+            # makedirs says "File exists" of a file where a folder of the path should be
+            why = "not a folder" if isinstance(e, (FileExistsError, NotADirectoryError)) else e.strerror or str(e)
+            where = f": {e.filename}" if e.filename else ""
+            p.error(f"--markdown {args.markdown}: cannot write it ({why}{where}): give a writable path")
     groups = load_runs(args.root)
     if not groups:
         print(f"no runs under {args.root} (expected <experiment>/seed<k>/log.jsonl)")

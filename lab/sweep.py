@@ -22,6 +22,7 @@ import signal
 import subprocess
 import sys
 import time
+import zlib
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))   # the reference: train.py, prepare_data.py
 
@@ -136,23 +137,32 @@ def experiments(claims, only=None, source="bf16"):
     return chosen
 
 
+class Unreadable(Exception):
+    """A run's file that cannot be read at all (a truncated or non-gzip log.jsonl.gz, a config.json
+    that is not JSON); the message names the file."""
+
+
 def read_log(out_dir):
     """The records of a run's log.jsonl, or of log.jsonl.gz (as results/ keeps them); [] if neither.
-    A line cut short (still being written, or killed) is skipped."""
+    A line cut short (still being written, or killed) is skipped; a file that cannot be read raises
+    Unreadable (a gzip cut short has lost its end, so none of it is trusted)."""
     records, path = [], os.path.join(out_dir, "log.jsonl")
     opener = (open, path) if os.path.exists(path) else (gzip.open, path + ".gz") if os.path.exists(path + ".gz") \
         else None
     if opener:
-        with opener[0](opener[1], "rt") as f:
-            for line in f:
-                try:
-                    record = json.loads(line)
-                except ValueError:
-                    continue
-                if record.get("event") == "resume":   # drop what the resumed run logs again
-                    records = [r for r in records if not replayed(r, record["step"])
-                               and (record.get("from_checkpoint", True) or r.get("event") == "start")]
-                records.append(record)
+        try:
+            with opener[0](opener[1], "rt") as f:
+                for line in f:
+                    try:
+                        record = json.loads(line)
+                    except ValueError:
+                        continue
+                    if record.get("event") == "resume":   # drop what the resumed run logs again
+                        records = [r for r in records if not replayed(r, record["step"])
+                                   and (record.get("from_checkpoint", True) or r.get("event") == "start")]
+                    records.append(record)
+        except (OSError, EOFError, zlib.error, UnicodeDecodeError) as e:   # BadGzipFile is an OSError
+            raise Unreadable(f"{opener[1]}: {e or type(e).__name__}") from e
     return records
 
 
@@ -169,7 +179,10 @@ def run_state(out_dir):
     if not any(os.path.exists(os.path.join(out_dir, f)) for f in ("config.json", "log.jsonl", "log.jsonl.gz",
                                                                    "ckpt.pt")):
         return "new"
-    records = read_log(out_dir)
+    try:
+        records = read_log(out_dir)
+    except Unreadable as e:
+        return f"unreadable log {e}"
     if not records:
         return "empty log"
     return records[-1].get("status", "unknown") if records[-1].get("event") == "end" else "no end record"
@@ -189,6 +202,8 @@ def plan(names_flags, seeds, out_root, extra, resume):
                 skipped.append((out_dir, state))
             elif state == "new":
                 todo.append((out_dir, cmd))
+            elif state.startswith("unreadable"):   # what it ran is unknown: not resumed onto
+                skipped.append((out_dir, f"unfinished ({state}): delete {out_dir} to run it again"))
             elif not resume:
                 skipped.append((out_dir, f"unfinished ({state}): pass --resume to continue it, or delete it"))
             else:   # train.py --resume continues from the checkpoint, or starts over without one
@@ -238,7 +253,10 @@ def default_parallel(extra):
 
 def outcome(out_dir, returncode):
     """(ok, text) for the progress line, from the run's exit code and its log's end record."""
-    last = (read_log(out_dir) or [{}])[-1]
+    try:
+        last = (read_log(out_dir) or [{}])[-1]
+    except Unreadable as e:
+        return False, f"ERROR: unreadable log {e}; see {os.path.join(out_dir, 'stderr.log')}"
     if returncode != 0 or last.get("event") != "end" or last.get("status") == "error":
         why = last.get("error") or f"exit code {returncode}"
         return False, f"ERROR: {why}; see {os.path.join(out_dir, 'stderr.log')}"

@@ -30,7 +30,7 @@ KINDS = WEIGHT_KINDS
 # Synthetic run folders, written the way train.py writes them
 
 def write_run(root, arm, seed, steps=20, collapse=None, trigger=None, logit=10.0, growth=None, loss=3.0, val=None,
-              end="completed", probe_share=None, args=None):
+              end="completed", probe_share=None, args=None, data=None):
     """A run of `arm` logging every step: 2 layers of 2 heads, sigma of every weight kind per layer.
 
     logit: the max attention logit of each step; logit and loss: a number or a function of the step.
@@ -39,12 +39,16 @@ def write_run(root, arm, seed, steps=20, collapse=None, trigger=None, logit=10.0
     collapse: the loss is 8 from that step on; a collapse event, and the run stops 2 steps later.
     trigger: a guard_trigger event at that step. val: the final val loss (2.9, or 8 if collapsed).
     end: the end record's status; None leaves the run in progress (no end record), "" an empty log.
-    probe_share: the equal-energy probe's smallest removed share, logged at every step."""
+    probe_share: the equal-energy probe's smallest removed share, logged at every step.
+    data: the content hash in config.json's record of the data (None: no record, as older runs)."""
     path = os.path.join(str(root), arm, f"seed{seed}")
     os.makedirs(path)
     with open(os.path.join(path, "config.json"), "w") as f:
+        record = {"dataset": "pycode", "tokenizer": "byte", "content_sha256": data, "train_tokens": 900,
+                  "val_tokens": 100}
         json.dump({"args": {"seed": seed, **(args or {})}, "command": ["train.py", "--seed", str(seed), "--out-dir", path],
-                   "versions": {"gpu": "NVIDIA H200", "device": "cuda:0", "torch": "2.11.0+cu130"}}, f)
+                   "versions": {"gpu": "NVIDIA H200", "device": "cuda:0", "torch": "2.11.0+cu130"},
+                   **({"data": record} if data else {})}, f)
     growth = {**dict.fromkeys(KINDS, 1.0), **(growth or {})}
     last = steps - 1 if collapse is None else collapse + 2
     val = (2.9 if collapse is None else 8.0) if val is None else val
@@ -575,6 +579,17 @@ def test_too_few_seeds_give_inconclusive_not_a_refutation(tmp_path):
         "not reproduced"
 
 
+@pytest.mark.parametrize("n, expected", [(2, "inconclusive"), (4, "inconclusive"), (5, "reproduced"),
+                                         (8, "reproduced")])
+def test_a_rule_that_passes_on_too_few_seeds_is_inconclusive(tmp_path, n, expected):
+    # rule 2v has no sign test of its own and passes on any seeds; on fewer than 5 (p = 1/32) the
+    # report's sign tests cannot reach ALPHA, so a pass says as little as a failure would
+    row = rows(tmp_path, {"fp32": [OK] * n, "fp32-guard": [OK] * n})["2v"]
+    assert row[1] == expected
+    assert (f"{n} seeds: even all of them one way give p = {report.binom_tail(n, n):.3g} >= 0.05, this rule's "
+            f"threshold; run at least 5" in row[2]) == (expected == "inconclusive")
+
+
 # --------------------------------------------------------------------------------------------------
 # Rule 7: rules 1 and 2 on the llama arms
 
@@ -609,6 +624,101 @@ def test_every_rule_passes_on_its_own_runs_together(tmp_path):
     verdicts = {rule: row[1] for rule, row in rows(tmp_path, arms).items()}
     assert verdicts == dict.fromkeys(["1", "2", "2v", "3", "3 (grad-mlp)", "3 (grad-wv)", "3+", "4", "5", "6", "7"],
                                      "reproduced")
+
+
+# --------------------------------------------------------------------------------------------------
+# Runs a rule may not judge together: other flags than its arms' own, other data
+
+def healthy_2v(fp32_kw, guard_kw):
+    """Rule 2v's arms, healthy (it reproduces), each arm's runs with the given write_run keywords."""
+    return {"fp32": [fp32_kw] * N, "fp32-guard": [guard_kw] * N}
+
+
+def refusal(root, arms):
+    """The line verdicts refuses the runs with, or None if it judges them (then rule 2v must pass)."""
+    groups = write_arms(root, arms)
+    try:
+        verdict = {row[0]: row[1] for row in report.verdicts(groups)}["2v"]
+    except SystemExit as e:
+        return str(e)
+    assert verdict == "reproduced"
+    return None
+
+
+ADVICE = ": put each kind in a folder of its own and report them apart"
+
+
+@pytest.mark.parametrize("fp32, guard, differ", [
+    param({"preset": "lab", "lr": 0.003}, {"preset": "demo", "lr": 0.03},
+          'preset "lab" (fp32), "demo" (fp32-guard); lr 0.003 (fp32), 0.03 (fp32-guard)',
+          id="the lab's preset and lr against the demo's (2v blamed the guard for the gap)"),
+    param({"max_steps": 300}, {"max_steps": 3}, "max_steps 300 (fp32), 3 (fp32-guard)",
+          id="max_steps, which a resume may change, arms must share"),
+    param({"guard_threshold": 200.0}, {"guard_threshold": 0.01}, "guard_threshold 200.0 (fp32), 0.01 (fp32-guard)",
+          id="a flag only one arm acts on is still not the arm's own"),
+    param({"device": "cpu", "eval_iters": 4, "log_interval": 10, "out_dir": "a", "compile": False},
+          {"device": "cuda", "eval_iters": 8, "log_interval": 1, "out_dir": "b", "compile": True}, None,
+          id="run-specific flags may differ"),
+    param({}, {"collapse_grace": 50}, None, id="a flag only some runs record is compared among those"),
+])
+def test_a_rule_refuses_runs_that_differ_in_more_than_their_arms_flags(tmp_path, fp32, guard, differ):
+    arms = healthy_2v({"args": {"guard": "off", **fp32}}, {"args": {"guard": "on", **guard}})
+    expected = f"error: rule 2v's runs differ in flags that its arms do not set, {differ}{ADVICE}" if differ else None
+    assert refusal(tmp_path, arms) == expected
+
+
+H1, H2 = "1" * 64, "2" * 64
+
+
+@pytest.mark.parametrize("fp32, guard, differ", [
+    param(H1, H2, "content_sha256 111111111111 (fp32), 222222222222 (fp32-guard)", id="two datasets"),
+    param(H1, None, "content_sha256 111111111111 (fp32), unrecorded (fp32-guard)", id="recorded and unrecorded"),
+    param(H1, H1, None, id="the same data from two folders"),
+    param(None, None, 'differ in flags that its arms do not set, data_dir "/a/pycode-byte" (fp32), "/b/pycode-byte" '
+          '(fp32-guard)', id="unrecorded: only the folder tells"),
+])
+def test_a_rule_refuses_runs_trained_on_different_data(tmp_path, fp32, guard, differ):
+    arms = healthy_2v({"data": fp32, "args": {"guard": "off", "data_dir": "/a/pycode-byte"}},
+                      {"data": guard, "args": {"guard": "on", "data_dir": "/b/pycode-byte"}})
+    line = refusal(tmp_path, arms)
+    if differ is None:
+        assert line is None
+    else:
+        words = differ if differ.startswith("differ") else f"trained on different data, {differ}"
+        assert line == f"error: rule 2v's runs {words}{ADVICE}"
+
+
+def test_a_refusal_is_one_line_and_names_every_mixed_rule(tmp_path):
+    arms = {**RULE1, **RULE2V}
+    arms["fp32"] = [{"args": {"preset": "demo"}}] * N     # fp32 is an arm of rules 1 and 2v
+    arms["bf16"] = arms["bf16-safemax"] = arms["fp32-guard"] = [{"args": {"preset": "lab"}}] * N
+    write_arms(tmp_path / "runs", arms)
+    out = report_cmd(tmp_path / "runs", "--markdown", tmp_path / "R.md")
+    assert out.returncode != 0 and "Traceback" not in out.stderr and out.stdout == ""
+    assert out.stderr.splitlines() == ['error: rule 1\'s runs differ in flags that its arms do not set, preset "lab" '
+                                       '(bf16, bf16-safemax), "demo" (fp32) (and rule 2v too)' + ADVICE]
+    assert not (tmp_path / "R.md").exists()
+
+
+def test_the_flags_a_rules_arms_may_differ_in():
+    import config
+    # a resume may change these (config.py's list); max_steps, though, the arms must share
+    assert report.RUN_SPECIFIC == (config.RESUMABLE_CHANGES - {"max_steps"}) | {"seed"}
+    flags = set(config.build_parser().flag_defaults)   # train.py's flags as config.json names them
+    assert all(report.OWN_FLAGS[name] <= flags for name in report.OWN_FLAGS)
+    assert report.OWN_FLAGS["fp32-guard"] == {"accum", "guard"}
+    assert report.OWN_FLAGS["lr-guard-clip"] == {"accum", "lr", "min_lr", "warmup_steps", "schedule", "guard",
+                                                 "guard_action"}
+    assert set(report.OWN_FLAGS) >= {n for s in sweep.SOURCES for n in sweep.experiments([5, 6], source=s)}
+    out = subprocess.run([sys.executable, "-c", "import sys, lab.report; print('torch' in sys.modules)"],
+                         capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert out.stdout == "False\n", "report.py reads the runs without torch"
+
+
+def test_the_committed_runs_are_judged_not_refused():
+    # their configs predate the data record: all "unrecorded", judged together as before
+    groups = report.load_runs(os.path.join(ROOT, "lab", "results", "lab"))
+    assert len(report.verdicts(groups)) == 11 and not any("data" in r.config for rs in groups.values() for r in rs)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -725,6 +835,88 @@ def test_report_survives_nothing(tmp_path, capsys):
     assert "empty log" in out and out.count("not run") == 11
     out = report_cmd(tmp_path / "nowhere")
     assert out.returncode != 0 and "Traceback" not in out.stderr and "is not a folder" in out.stderr
+
+
+def gzip_log(path):
+    """A run folder's log.jsonl as results/ keeps it: log.jsonl.gz, the plain one removed."""
+    import gzip
+    import shutil
+    with open(path / "log.jsonl", "rb") as f, gzip.open(path / "log.jsonl.gz", "wb") as g:
+        shutil.copyfileobj(f, g)
+    os.remove(path / "log.jsonl")
+    return path / "log.jsonl.gz"
+
+
+def test_report_runs_reads_a_gzipped_log_and_refuses_a_missing_pilot(tmp_path):
+    write_arms(tmp_path / "runs", RULE2)
+    gzip_log(tmp_path / "runs" / "bf16" / "seed1")
+    out = report_cmd("--runs", tmp_path / "runs" / "bf16" / "seed1", tmp_path / "runs" / "bf16-guard" / "seed1",
+                     "--png", tmp_path / "fig.png")
+    assert out.returncode == 0 and "Traceback" not in out.stderr, out.stderr
+    if importlib.util.find_spec("matplotlib"):
+        assert (tmp_path / "fig.png").stat().st_size > 1000
+    out = report_cmd(tmp_path / "runs", "--pilot", tmp_path / "nowhere", "--markdown", tmp_path / "R.md")
+    assert out.returncode != 0 and "Traceback" not in out.stderr and out.stdout == ""
+    assert out.stderr.strip().splitlines()[-1] == (f"report.py: error: --pilot {tmp_path / 'nowhere'} is not a "
+                                                   "folder: give a pilot's runs, <DIR>/<experiment>/seed<k>/")
+    assert not (tmp_path / "R.md").exists()
+
+
+def spoil(path, how):
+    """Spoil a run folder as a cut copy or a crash might; returns the file spoiled."""
+    if how == "config not JSON":
+        (path / "config.json").write_text('{"args": {"seed": 1')
+        return path / "config.json"
+    log = gzip_log(path)
+    data = log.read_bytes()
+    log.write_bytes(data[:len(data) // 2] if how == "gzip cut short" else b"a plain text log, not gzip")
+    return log
+
+
+@pytest.mark.parametrize("how", ["gzip cut short", "not gzip", "config not JSON"])
+def test_an_unreadable_run_is_named_and_counted_against_its_claim(tmp_path, capsys, how):
+    root = tmp_path / "runs"
+    write_arms(root, {**RULE1, "bf16": arm(5, COLLAPSE)})   # 5 of 8: p = 1/32, at the margin
+    bad = spoil(root / "bf16" / "seed1", how)
+    groups = report.load_runs(str(root))
+    warning = capsys.readouterr().err.splitlines()
+    assert len(warning) == 1 and warning[0].startswith(f"warning: {bad}: ") and "unreadable" in warning[0]
+    run = groups["bf16"][0]
+    assert run.status == "unreadable" and not run.finished and run.seed == "seed1"
+    assert report.verdicts(groups)[0][:2] == ["1", "not reproduced"]   # seed 1 counted against: 4 of 8
+    out = report_cmd(root, "--markdown", tmp_path / "R.md")
+    assert out.returncode == 0 and "Traceback" not in out.stderr, out.stderr
+    assert [line for line in out.stderr.splitlines() if line.startswith("warning")] == warning
+    assert "| seed1 | unreadable |" in (tmp_path / "R.md").read_text()
+    if how != "config not JSON":   # sweep.py reads the log, not the config
+        state = sweep.run_state(str(bad.parent))
+        assert state.startswith(f"unreadable log {bad}: ")
+        assert sweep.outcome(str(bad.parent), 0) == (False, f"ERROR: {state}; see {bad.parent / 'stderr.log'}")
+        out = sweep_cmd("--dry-run", "--claims", "1", "--only", "bf16", "--seeds", "2", "--out-root", str(root),
+                        "--resume")
+        assert out.returncode == 0 and "Traceback" not in out.stderr, out.stderr
+        assert out.stdout.splitlines() == [f"skip {bad.parent}: unfinished ({state}): delete {bad.parent} to run it "
+                                           "again", f"skip {root / 'bf16' / 'seed2'}: collapsed"]
+
+
+def test_report_refuses_an_unwritable_markdown_path_before_the_work(tmp_path):
+    write_arms(tmp_path / "runs", RULE1)
+    (tmp_path / "a-file").write_text("")
+    for path, why in [(tmp_path / "a-file" / "R.md", f"not a folder: {tmp_path / 'a-file'}"),
+                      (tmp_path / "a-file" / "sub" / "R.md", f"not a folder: {tmp_path / 'a-file' / 'sub'}"),
+                      (tmp_path, f"Is a directory: {tmp_path}")]:
+        out = report_cmd(tmp_path / "runs", "--markdown", path)
+        assert out.returncode != 0 and "Traceback" not in out.stderr and out.stdout == "", path   # no work done
+        assert out.stderr.strip().splitlines()[-1] == (f"report.py: error: --markdown {path}: cannot write it "
+                                                       f"({why}): give a writable path")
+    # the check truncates nothing: a report refused later leaves the old file as it was
+    old = tmp_path / "old.md"
+    old.write_text("the last report\n")
+    write_arms(tmp_path / "mixed", {"bf16": arm(N, {"args": {"lr": 0.1}}), "fp32": arm(N, {"args": {"lr": 0.2}}),
+                                    "bf16-safemax": arm(0, OK)})
+    out = report_cmd(tmp_path / "mixed", "--markdown", old)
+    assert out.returncode != 0 and out.stderr.startswith("error: rule 1's runs differ in flags")
+    assert old.read_text() == "the last report\n"
 
 
 # --------------------------------------------------------------------------------------------------
