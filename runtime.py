@@ -157,6 +157,8 @@ def versions(device):
     commit = git("rev-parse", "HEAD") or None
     return {"python": platform.python_version(), "torch": torch.__version__, "triton": triton.__version__,
             "numpy": np.__version__, "device": str(device),
+            # a CPU's sums follow its thread count: at the demo's lr, 1 and 2 threads end apart
+            "torch_threads": torch.get_num_threads(),
             "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
             "host": platform.node(), "git_commit": commit,
             "git_dirty": bool(git("status", "--porcelain")) if commit else None}

@@ -1125,3 +1125,5 @@ def test_a_run_records_the_data_it_trained_on(tmp_path, data_dir):
     assert data["content_sha256"] == meta["content_sha256"] and data["tokenizer"] == "byte"
     assert (data["train_tokens"], data["val_tokens"]) == (meta["tokens"]["train"], meta["tokens"]["val"])
     assert next(r for r in read_log(out) if r.get("event") == "start")["data"] == data
+    # and the CPU thread count, which a CPU run's sums (so its numbers) follow
+    assert json.load(open(out / "config.json"))["versions"]["torch_threads"] == torch.get_num_threads()
