@@ -6,6 +6,8 @@ Read a sweep's runs and say, claim by claim, whether the paper's claims reproduc
                                                        # the plots (into plots/ beside it, or --plots DIR)
     python -m lab.report runs/claims --plots figures/  # the plots elsewhere (they need matplotlib)
     python -m lab.report --runs runs/A runs/B --png fig.png   # loss, max logit, sigma(W_q) of a few runs
+    python -m lab.report runs/claims --lr-study runs/lr --markdown R.md   # and the learning-rate study
+                                                       # (lab.sweep --lrs): claims 1, 2, 7 as a CPU-scale proxy
 
 Reads every <root>/<experiment>/seed<k>/ that train.py wrote (log.jsonl, config.json; see sweep.py). Arms are
 compared seed by seed (sweep.py gives every arm the same seeds). A run that did not finish, or a seed missing from
@@ -22,8 +24,9 @@ import shlex
 import statistics
 import sys
 
-from lab.sweep import (CLAIM3_SITE, CLAIM4_SITES, CLAIMS, COHERENCES, DONE, DOSES, NO_ERROR, SITES, SOURCES,
-                       Unreadable, action_arms, experiments, inject_arm, probe_arms, read_log)
+from lab.sweep import (CLAIM3_SITE, CLAIM4_SITES, CLAIMS, COHERENCES, DONE, DOSES, LR_STUDY_ARMS, NO_ERROR, SITES,
+                       SOURCES, Unreadable, action_arms, experiments, inject_arm, lr_name, probe_arms, read_log,
+                       split_lr)
 
 # --------------------------------------------------------------------------------------------------
 # The verdict rules' constants.
@@ -34,6 +37,7 @@ RUNAWAY_LOGIT = 1000.0   # a runaway's max logit, between healthy and runaway pe
 SIGMA_RATIO = 2.0        # "through the QK channel": sigma(W_q or W_k) grew SIGMA_RATIO times as
                          # much as any other weight matrix's, and as the no-error run's
 LOGIT_RATIO = 10.0       # "beyond the no-error run": max logit >= LOGIT_RATIO x that run's
+GUARD_THRESHOLD = 200.0  # the guard's default max-logit threshold (guard.py; a test keeps them in step)
 FIX_TOL = 0.1            # nat: a QK-only fix ends at most FIX_TOL above the no-error run's val loss
 CONTROL_ENERGY = 0.95    # the equal-energy control counts if it removed this share every step
 # config.json's flags in which the runs a rule compares may differ: where a run ran and how it logged,
@@ -54,6 +58,15 @@ def own_flags():
 
 
 OWN_FLAGS = own_flags()
+
+
+def arm_flags(name):
+    """The config.json keys an arm's own flags set; an lr-study arm's (sweep.lr_name: bf16-lr0.03) are its
+    base arm's and lr, min_lr (sweep.at_lrs)."""
+    base, lr = split_lr(name)
+    if name in OWN_FLAGS or lr is None or base not in OWN_FLAGS:
+        return OWN_FLAGS.get(name, set())
+    return OWN_FLAGS[base] | {"lr", "min_lr"}
 
 
 # --------------------------------------------------------------------------------------------------
@@ -157,8 +170,13 @@ class Run:
         shares = [r["probe"]["removed_fraction_min"] for r in steps if "removed_fraction_min" in r.get("probe", {})]
         self.removed_fraction = min(shares) if shares else None
         self.grace_excess = self._grace_excess()
-        evals = [r["val_loss"] for r in events if r["event"] == "eval"]
-        self.final_val = evals[-1] if evals else end.get("val_loss")
+        self.evals = [(r["step"], r["val_loss"]) for r in events if r["event"] == "eval"]
+        # the end record's val loss (the model's at its end), else the last eval's
+        self.final_val = end["val_loss"] if end.get("val_loss") is not None else \
+            self.evals[-1][1] if self.evals else None
+        # the lr study's: the loss at init (the eval before the first update), and a loss that is not finite
+        self.init_val = next((v for s, v in self.evals if s == 0), None)
+        self.nonfinite = any(v is not None and not math.isfinite(v) for v in [*self.loss, self.final_val])
 
     def _grace_excess(self):
         """A guarded run's worst smoothed loss in the collapse detector's grace window (the steps
@@ -188,6 +206,23 @@ class Run:
 
     def logit_after(self, step):
         return finite_max([v for s, v in zip(self.steps, self.logit) if s > step]) or 0.0
+
+    def first_past(self, bar, inclusive=False):
+        """The first logged step whose max logit passed bar (> bar; >= if inclusive), or None."""
+        return next((s for s, v in zip(self.steps, self.logit) if v > bar or inclusive and v >= bar), None)
+
+    def guard_threshold(self):
+        return self.config.get("args", {}).get("guard_threshold") or GUARD_THRESHOLD
+
+    def runaway_from(self):
+        """The earliest update at which its runaway (lr_ran_away) may have begun: the first update of the
+        logged interval where it first showed, as a record sums the updates since the one before; None if
+        it did not run away."""
+        for i, (step, loss, logit) in enumerate(zip(self.steps, self.loss, self.logit)):
+            if logit >= RUNAWAY_LOGIT or loss is None or not math.isfinite(loss) or \
+                    self.collapse_step is not None and step >= self.collapse_step:
+                return self.steps[i - 1] + 1 if i else 0
+        return self.collapse_step if self.collapsed else 0 if self.nonfinite else None
 
 
 def load_runs(root):
@@ -240,6 +275,10 @@ class Claim:
         part of it; another rule's arms at other doses do not count)."""
         arms_at = lambda d: [inject_arm(site, d, c, f)[0] for c in COHERENCES for f in (False, True)]
         return [d for d in DOSES if any(self.runs[a] for a in arms_at(d) if a in self.arms)]
+
+    def lrs_run(self):
+        """The learning rates at which this rule's lr-study arms (sweep.lr_name) have runs."""
+        return sorted({lr for a in self.arms if self.runs[a] for lr in [split_lr(a)[1]] if lr is not None})
 
     def val_gaps(self, arm, ref):
         """Per seed where both runs finished with a val loss: arm's final val loss minus ref's."""
@@ -582,7 +621,7 @@ def mixed(groups, arms):
 
     def flag(run, key):   # its value, or None where it may differ or is not recorded
         args = run.config["args"]
-        if key not in args or key in OWN_FLAGS.get(run.group, ()) or key == "data_dir" and run.config.get("data"):
+        if key not in args or key in arm_flags(run.group) or key == "data_dir" and run.config.get("data"):
             return None      # data_dir: a recorded hash says which data, wherever its folder was
         return json.dumps(args[key])
     keys = [k for k in dict.fromkeys(k for r in runs for k in r.config["args"]) if k not in RUN_SPECIFIC]
@@ -617,25 +656,275 @@ def verdicts(groups):
             continue
         # fp32 is a judged arm of claims 1 and 2v; elsewhere it is the paired no-error reference, and
         # its seeds beyond the rule's own arms (runs of claims 1 and 2v) are not the rule's seeds
-        c = Claim(groups, arms, refs=() if claim in ("1", "2v") else (NO_ERROR,))
-        holds, lines = rule(c)
-        verdict = "reproduced" if holds else "not reproduced"
-        if binom_tail(len(c.seeds), len(c.seeds)) >= c.alpha:
-            # no sign test over so few seeds can reach the rule's threshold (Bonferroni-corrected
-            # for a dose grid): a failure says nothing against the claim, nor a pass for it (a rule
-            # without a sign test, as 2v's, can pass on any few seeds)
-            verdict = "inconclusive"
-            enough = next(n for n in range(1, 64) if binom_tail(n, n) < c.alpha)
-            lines.append(f"{len(c.seeds)} seeds: even all of them one way give p = "
-                         f"{binom_tail(len(c.seeds), len(c.seeds)):.3g} >= {c.alpha:.3g}, this rule's threshold; "
-                         f"run at least {enough} (sweep.py --seeds)")
+        verdict, lines = judge_rule(groups, arms, rule, refs=() if claim in ("1", "2v") else (NO_ERROR,))
         rows.append([label, verdict, "\n".join([title] + lines)])
+    refuse(refused)
+    return rows
+
+
+def judge_rule(groups, arms, rule, refs):
+    """(verdict, lines) of one rule on its arms' runs: "inconclusive" where too few seeds were run for
+    any of its sign tests to reach its threshold."""
+    c = Claim(groups, arms, refs=refs)
+    holds, lines = rule(c)
+    verdict = "reproduced" if holds else "not reproduced"
+    if binom_tail(len(c.seeds), len(c.seeds)) >= c.alpha:
+        # no sign test over so few seeds can reach the rule's threshold (Bonferroni-corrected
+        # for a dose grid): a failure says nothing against the claim, nor a pass for it (a rule
+        # without a sign test, as 2v's, can pass on any few seeds)
+        verdict = "inconclusive"
+        enough = next(n for n in range(1, 64) if binom_tail(n, n) < c.alpha)
+        lines.append(f"{len(c.seeds)} seeds: even all of them one way give p = "
+                     f"{binom_tail(len(c.seeds), len(c.seeds)):.3g} >= {c.alpha:.3g}, this rule's threshold; "
+                     f"run at least {enough} (sweep.py --seeds)")
+    return verdict, lines
+
+
+def refuse(refused):
+    """Stop (SystemExit, one line) if any rule's runs were mixed: [(label, why)]."""
     if refused:
         (label, why), more = refused[0], ", ".join(label for label, _ in refused[1:])
         raise SystemExit(f"error: rule {label}'s runs {why}" + (f" (and rule{'s' * (',' in more)} {more} too)"
                                                                 if more else "")
                          + ": put each kind in a folder of its own and report them apart")
+
+
+# --------------------------------------------------------------------------------------------------
+# The learning-rate study (lab.sweep --lrs): claims 1, 2 and 7 as a CPU-scale proxy, after Wortsman et
+# al. 2023. The arms of sweep.LR_STUDY_ARMS at each lr, in folders <arm>-lr<lr> (sweep.lr_name). Here the
+# runaway's source is the learning rate and the bf16 state's fault rides along. A rule compares its arms at
+# the same lr; across lrs only where its words say so.
+
+LLAMA = "llama-"                   # a llama arm: "llama-" and the gpt2 arm's name (sweep.CLAIMS[7])
+ARCHS = {"gpt2": "", "llama": LLAMA}
+LR_WORDS = {"fp32": "fp32 state", "bf16": "bf16 state", "bf16-safemax": "bf16 state, safemax fix",
+            "bf16-guard": "bf16 state, QK-Guard", "bf16-qknorm-always": "bf16 state, QK-norm always",
+            "fp32-guard": "fp32 state, QK-Guard"}
+PROXY = ("A proxy, not the claims themselves: claims 1, 2 and 7 at CPU scale as a learning-rate sensitivity "
+         "study, in the style of Wortsman et al. 2023 (\"Small-scale proxies for large-scale Transformer training "
+         "instabilities\"). Here the runaway's source is the learning rate; the bf16 state's fault rides along.")
+
+
+def lr_ran_away(run):
+    """The study's runaway: ran_away's (a collapse, or a max logit past RUNAWAY_LOGIT), or a loss not finite."""
+    return ran_away(run) or run.nonfinite
+
+
+def done(run):
+    return run is not None and run.finished
+
+
+def end_val(run):
+    """Its final val loss; infinite where missing or not finite (a diverged run ended worst)."""
+    return run.final_val if run.final_val is not None and math.isfinite(run.final_val) else math.inf
+
+
+def worse(run, ref):
+    """Ended worse than ref, its seed's run of another arm: a final val loss more than LOSS_TOL above
+    ref's, or it ran away where ref did not."""
+    return end_val(run) > end_val(ref) + LOSS_TOL or lr_ran_away(run) and not lr_ran_away(ref)
+
+
+def worse_test(c, arm, ref, alpha, claim_wants):
+    """Is arm worse than ref, seed by seed (one-sided sign test at alpha)? claim_wants: that it is. A seed
+    with either run missing or unfinished is scored the way that hurts the claim."""
+    both = [(c.runs[arm].get(s), c.runs[ref].get(s)) for s in c.seeds]
+    pairs = [(worse(a, b), worse(b, a)) if done(a) and done(b) else (not claim_wants, claim_wants) for a, b in both]
+    left = sum(not (done(a) and done(b)) for a, b in both)
+    k, j, p = sign_test(pairs)
+    c.alpha = min(c.alpha, alpha)
+    holds = p < alpha
+    return holds, [f"sign test, {arm} worse than {ref}: {k} seeds one way, {j} the other, p = {p:.3g} (threshold "
+                   f"{alpha:.3g}) -> {'holds' if holds else 'fails'}" + ("" if claim_wants else " (the claim wants "
+                   "it to fail)") + (f" ({left} seeds with a run unfinished or missing, counted against)" if left
+                                     else "")]
+
+
+def lr_fault_claim(c, prefix=""):
+    """1p: at some lr of the grid bf16 state ends worse than fp32 state (worse, seed by seed, a sign test at
+    ALPHA / the lrs run), and at no lr does bf16-safemax by the same test. Says so where the two states give
+    the same curve (within LOSS_TOL, the same runaways, at every lr and seed)."""
+    fp32, bf16, safemax = (prefix + a for a in ("fp32", "bf16", "bf16-safemax"))
+    lrs = c.lrs_run()
+    alpha = ALPHA / len(lrs)
+    found, fixed, same = False, True, True
+    lines = [f"lrs run: {', '.join(f'{lr:g}' for lr in lrs)} (Bonferroni: threshold ALPHA / {len(lrs)})"]
+    for lr in lrs:
+        ok, more = worse_test(c, lr_name(bf16, lr), lr_name(fp32, lr), alpha, True)
+        bad, most = worse_test(c, lr_name(safemax, lr), lr_name(fp32, lr), alpha, False)
+        found, fixed, lines = found or ok, fixed and not bad, lines + more + most
+        for s in c.seeds:
+            a, b = c.runs[lr_name(bf16, lr)].get(s), c.runs[lr_name(fp32, lr)].get(s)
+            same = same and done(a) and done(b) and lr_ran_away(a) == lr_ran_away(b) and (
+                end_val(a) == end_val(b) or abs(end_val(a) - end_val(b)) <= LOSS_TOL)
+    for lr in lrs:
+        finished = lambda arm: [r for r in c.runs[lr_name(arm, lr)].values() if done(r)]
+        lines.append(f"lr {lr:g}: " + ", ".join(
+            f"{arm} median final val {num(median(map(end_val, finished(arm))), '.3f')}, ran away "
+            f"{sum(map(lr_ran_away, finished(arm)))}/{len(finished(arm))} finished" for arm in (fp32, bf16, safemax)))
+    if same and lrs:
+        lines.append("not reproduced at this scale: bf16 and fp32 state give the same curve" + (
+            f" on {prefix[:-1]}" if prefix else "") + " (final val loss within LOSS_TOL, the same runaways, at "
+            "every lr in every seed)")
+    return found and fixed, lines
+
+
+def same_losses(run, ref):
+    """Every logged loss (train and val) the same, bit for bit, at the same steps."""
+    logged = lambda r: json.dumps([r.steps, r.loss, r.evals])   # JSON floats round-trip exactly; NaN too
+    return logged(run) == logged(ref)
+
+
+def lr_guard_claim(c, prefix=""):
+    """2p: at every lr where bf16 runs away in a majority of seeds, bf16-guard runs away in none, ends within
+    LOSS_TOL of bf16-qknorm-always in every seed, and its action starts no later than the first update of the
+    logged interval in which the same seed's bf16 run first ran away; at every lr where fp32 and bf16 stay
+    healthy in every seed, bf16-guard and fp32-guard fire in no seed and log the unguarded run's losses bit for
+    bit. Both kinds of lr must be in the grid. A missing or unfinished run puts its lr under both tests, which
+    it then fails."""
+    bf16, fp32, guard, always, fp32_guard = (prefix + a for a in ("bf16", "fp32", "bf16-guard", "bf16-qknorm-always",
+                                                                  "fp32-guard"))
+    n, holds, lines, kinds = len(c.seeds), True, [], set()
+    for lr in c.lrs_run():
+        at = lambda arm: [c.runs[lr_name(arm, lr)].get(s) for s in c.seeds]
+        away = lambda arm: sum(not done(r) or lr_ran_away(r) for r in at(arm))   # unfinished: as ran away
+        runaway = 2 * away(bf16) > n
+        # healthy: the unguarded runs' logits stayed under the guard's threshold, so a guard that fires
+        # there fires on healthy training. Between that and a runaway (past the threshold, short of
+        # RUNAWAY_LOGIT within the horizon: still growing) the guard ought to fire, and nothing is judged.
+        healthy = not any(done(r) and (lr_ran_away(r) or (r.max_logit or 0.0) > r.guard_threshold())
+                          for r in at(bf16) + at(fp32))   # unfinished: as healthy, then fails the test
+        if runaway:
+            kinds.add("runaway")
+            gaps = [abs(end_val(g) - end_val(a)) if done(g) and done(a) and math.isfinite(end_val(g) - end_val(a))
+                    else math.inf for g, a in zip(at(guard), at(always))]
+            gap = max(gaps, default=math.inf)
+            leads, late = [], 0
+            for seed, b, g in zip(c.seeds, at(bf16), at(guard)):
+                if done(b) and not lr_ran_away(b):
+                    continue   # nothing to prevent in this seed
+                lead = b.runaway_from() - g.acting_from if done(b) and done(g) and g.acting_from is not None \
+                    else None
+                leads.append(f"{seed} {'none' if lead is None else lead}")
+                late += lead is None or lead < 0
+            ok = not away(guard) and gap <= LOSS_TOL and not late
+            holds = holds and ok
+            lines += [f"at lr {lr:g}: {bf16} ran away in {away(bf16)}/{n} seeds, so the guard must prevent it: "
+                      f"{guard} ran away in {away(guard)}/{n}, largest |final val - {always}'s| {gap:.3f} nat "
+                      f"(LOSS_TOL {LOSS_TOL}), acted too late in {late} -> {'holds' if ok else 'fails'}",
+                      f"lr {lr:g}: steps from {guard}'s action to the first update of the logged interval where "
+                      f"{bf16} first ran away, by seed: {', '.join(leads) or 'none ran away'}"]
+        if healthy:
+            kinds.add("healthy")
+            fired = {g: sum(not done(r) or r.trigger is not None for r in at(g)) for g in (guard, fp32_guard)}
+            same = {g: sum(done(r) and done(h) and same_losses(r, h) for r, h in zip(at(g), at(plain)))
+                    for g, plain in ((guard, bf16), (fp32_guard, fp32))}
+            ok = not any(fired.values()) and all(k == n for k in same.values())
+            holds = holds and ok
+            lines.append(f"at lr {lr:g}: {fp32} and {bf16} healthy in every seed, so the guard must stay dormant: "
+                         f"fired in {fired[guard]}/{n} ({guard}), {fired[fp32_guard]}/{n} ({fp32_guard}); logged "
+                         f"losses bit for bit the unguarded run's in {same[guard]}/{n} ({guard} vs {bf16}), "
+                         f"{same[fp32_guard]}/{n} ({fp32_guard} vs {fp32}) (unfinished counted against) -> "
+                         f"{'holds' if ok else 'fails'}")
+        if not runaway and not healthy:
+            fired = sum(done(r) and r.trigger is not None for r in at(guard))
+            gaps = [end_val(g) - end_val(b) for g, b in zip(at(guard), at(bf16)) if done(g) and done(b)]
+            lines.append(f"at lr {lr:g}: neither ({bf16} ran away in {away(bf16)}/{n} seeds, {fp32} in "
+                         f"{away(fp32)}/{n}; their max logits passed the guard's threshold short of a runaway): not "
+                         f"judged; {guard} fired in {fired}/{n} and ended {num(median(gaps), '+.3f')} nat from "
+                         f"{bf16} (median final val loss difference)")
+    for kind, words in (("runaway", f"{bf16} ran away in a majority of seeds: nothing for the guard to prevent"),
+                        ("healthy", f"{fp32} and {bf16} were healthy in every seed: no dormancy to check")):
+        if kind not in kinds:
+            holds = False
+            lines.append(f"at lr none: no lr of the grid where {words} -> fails")
+    return holds, lines
+
+
+def part(name, result):
+    """One part of a joined rule, its lines under a heading line."""
+    ok, lines = result
+    return ok, [f"part {name}: {'holds' if ok else 'fails'}"] + lines
+
+
+LR_RULES = [
+    ("1p", "claim 1 as a proxy: at some lr of the grid bf16 state ends worse than fp32 state, seed by seed (a final "
+           "val loss more than LOSS_TOL above fp32's, or a runaway where fp32 ran none), by a sign test at p < ALPHA "
+           "/ the lrs run (Bonferroni), and bf16-safemax is worse than fp32 by that test at no lr",
+     ("fp32", "bf16", "bf16-safemax"), lr_fault_claim),
+    ("2p", "claim 2 as a proxy: at every lr where bf16 runs away (a majority of seeds), bf16-guard runs away in no "
+           "seed, ends within LOSS_TOL of bf16-qknorm-always's final val loss in every seed, and acts (its "
+           "active_from) no later than the first update of the logged interval where the same seed's bf16 run "
+           "first ran away; at every lr where fp32 and bf16 stay healthy in every seed (their max logit under the "
+           "guard's threshold), bf16-guard and fp32-guard fire in no seed and log the losses of bf16 and fp32 bit "
+           "for bit; the grid must hold both kinds of lr",
+     ("bf16", "bf16-guard", "bf16-qknorm-always", "fp32", "fp32-guard"), lr_guard_claim),
+    ("7p", "claim 7 as a proxy: 1p and 2p both hold on llama (the llama- arms)",
+     tuple(LLAMA + a for a in LR_STUDY_ARMS),
+     lambda c: joined(part("1p on llama", lr_fault_claim(c, LLAMA)), part("2p on llama", lr_guard_claim(c, LLAMA)))),
+]
+LR_TITLES = {"1p": "claim 1 as a proxy: bf16 state ends worse than fp32 state at some learning rate, the safemax "
+                   "fix at none",
+             "2p": "claim 2 as a proxy: QK-Guard prevents the learning rate's runaway within LOSS_TOL of always-on "
+                   "QK-norm, and where training is healthy stays dormant bit for bit",
+             "7p": "claim 7 as a proxy: 1p and 2p on llama"}
+
+
+def lr_cells(groups):
+    """{(base arm, lr): group name} of the study's folders that are <arm>-lr<lr> of a study arm."""
+    bases = {prefix + a for prefix in ARCHS.values() for a in LR_STUDY_ARMS}
+    return {(base, lr): name for name in groups for base, lr in [split_lr(name)]
+            if base in bases and lr is not None and lr_name(base, lr) == name}
+
+
+def lr_verdicts(groups):
+    """One row per rule of LR_RULES, as verdicts gives: "not run" if an arm ran at no lr; else judged at
+    the lrs any of its arms ran. Refuses (SystemExit) a mix of flags other than the arms' own (mixed)."""
+    rows, refused, cells = [], [], lr_cells(groups)
+    for label, _, bases, rule in LR_RULES:
+        lrs = sorted({lr for (base, lr), name in cells.items() if base in bases and groups[name]})
+        missing = [b for b in bases if not any(groups.get(lr_name(b, lr)) for lr in lrs)]
+        if missing:
+            rows.append([label, "not run", f"{LR_TITLES[label]}\nno runs of {', '.join(missing[:3])}"
+                                           f"{f' and {len(missing) - 3} more arms' if len(missing) > 3 else ''} "
+                                           f"at any learning rate"])
+            continue
+        arms = [lr_name(b, lr) for lr in lrs for b in bases]
+        why = mixed(groups, arms)
+        if why:
+            refused.append((label, why))
+            continue
+        verdict, lines = judge_rule(groups, arms, rule, refs=())
+        rows.append([label, verdict, "\n".join([LR_TITLES[label]] + lines)])
+    refuse(refused)
     return rows
+
+
+def lr_sensitivity(groups, prefix=""):
+    """Per arm of one architecture (prefix: ARCHS), with runs: (its LR sensitivity by seed, the smallest lr at
+    which it ran away in a majority of seeds or None). A seed's LR sensitivity (Wortsman et al. 2023): the
+    mean over the lr grid of min(final val loss, val loss at init), less the best final val loss of any arm at
+    any lr of that seed's sweep. A seed whose run at some lr is missing, unfinished or lacks either loss is
+    left out of that arm (n counts the seeds in)."""
+    cells = {key: {r.seed: r for r in groups[name]} for key, name in lr_cells(groups).items()
+             if key[0] in {prefix + a for a in LR_STUDY_ARMS} and groups[name]}
+    lrs = sorted({lr for _, lr in cells})
+    seeds = sorted({s for runs in cells.values() for s in runs}, key=lambda s: (len(s), s))
+    out = {}
+    for arm in (prefix + a for a in LR_STUDY_ARMS):
+        if not any((arm, lr) in cells for lr in lrs):
+            continue
+        by_seed = []
+        for seed in seeds:
+            best = min((end_val(r) for runs in cells.values() for s, r in runs.items() if s == seed and done(r)),
+                       default=math.inf)
+            runs = [cells.get((arm, lr), {}).get(seed) for lr in lrs]
+            if math.isfinite(best) and all(done(r) and r.init_val is not None for r in runs):
+                by_seed.append(statistics.mean(min(end_val(r), r.init_val) for r in runs) - best)
+        starts = next((lr for lr in lrs if 2 * sum(done(r) and lr_ran_away(r) for r in cells.get((arm, lr), {})
+                                                   .values()) > len(seeds)), None)
+        out[arm] = (by_seed, starts)
+    return out
 
 
 # --------------------------------------------------------------------------------------------------
@@ -718,18 +1007,52 @@ def scale(groups):
         return "Scale: unknown (no config.json)."
     values = lambda key: sorted({str(c["args"].get(key)) for c in configs})
     joined = lambda key: "/".join(values(key))
-    versions = [c.get("versions", {}) for c in configs]
-    hardware = sorted({f"{v.get('gpu') or v.get('device', '?')} (torch {v.get('torch', '?')}, triton "
-                       f"{v.get('triton', '?')})" for v in versions})
-    started = sorted(c["started"] for c in configs if c.get("started"))
     seeds = sorted({r.seed for rs in groups.values() for r in rs}, key=lambda s: (len(s), s))
     return (f"Scale: preset {joined('preset')}: {joined('arch')} model, {joined('n_layer')} layers of width "
             f"{joined('n_embd')} ({joined('n_head')} heads), context {joined('block_size')}, batch "
             f"{joined('batch_size')} x {joined('grad_accum')}, {joined('max_steps')} steps at lr {joined('lr')} "
             f"({joined('schedule')} after {joined('warmup_steps')} warmup steps); data {joined('dataset')} in "
             f"{joined('tokenizer')} tokens; {len(seeds)} seeds ({seeds[0]} to {seeds[-1]}), {len(configs)} runs; "
-            f"machine {', '.join(hardware)}; runs started {started[0] if started else '?'} to "
-            f"{started[-1] if started else '?'}.")
+            f"{machines(configs)}.")
+
+
+def machines(configs):
+    """Where and when runs ran, from their config.json: "machine cpu (torch ...); runs started ... to ..."."""
+    hardware = sorted({f"{v.get('gpu') or v.get('device', '?')} (torch {v.get('torch', '?')}, triton "
+                       f"{v.get('triton', '?')})" for v in (c.get("versions", {}) for c in configs)})
+    started = sorted(c["started"] for c in configs if c.get("started"))
+    return (f"machine {', '.join(hardware)}; runs started {started[0] if started else '?'} to "
+            f"{started[-1] if started else '?'}")
+
+
+def lr_arch(name):
+    """The architecture of an lr-study arm, from its name."""
+    return next(arch for arch, prefix in reversed(ARCHS.items()) if name.startswith(prefix))
+
+
+def lr_scale(groups):
+    """The lr study's scale in one paragraph, from its runs' config.json: preset, each architecture's sizes,
+    steps, learning rates, seeds and the data's identity (config.json's data record)."""
+    configs = [r.config for rs in groups.values() for r in rs if r.config.get("args")]
+    if not configs:
+        return "Scale: unknown (no config.json)."
+    joined = lambda key, among=configs: "/".join(sorted({str(c["args"].get(key)) for c in among}))
+    archs = []
+    for arch in sorted({str(c["args"].get("arch")) for c in configs}):
+        among = [c for c in configs if str(c["args"].get("arch")) == arch]
+        archs.append(f"{arch} ({joined('n_layer', among)} layers of width {joined('n_embd', among)}, "
+                     f"{joined('n_head', among)} heads, {len(among)} runs)")
+    data = sorted({f"{d.get('dataset')} in {d.get('tokenizer')} tokens, content_sha256 {d.get('content_sha256')}, "
+                   f"{d.get('train_tokens')} train and {d.get('val_tokens')} val tokens" if d else
+                   "unrecorded (runs older than config.json's data record)"
+                   for d in (c.get("data") or {} for c in configs)})
+    lrs = sorted({lr for _, lr in lr_cells(groups)})
+    seeds = sorted({r.seed for rs in groups.values() for r in rs}, key=lambda s: (len(s), s))
+    return (f"Scale: preset {joined('preset')}; models {', '.join(archs)}; context {joined('block_size')}, batch "
+            f"{joined('batch_size')} x {joined('grad_accum')}, {joined('max_steps')} steps per run "
+            f"({joined('schedule')} schedule after {joined('warmup_steps')} warmup steps); learning rates "
+            f"{', '.join(f'{lr:g}' for lr in lrs) or 'none'} (each run's lr and min_lr); {len(seeds)} seeds "
+            f"({seeds[0]} to {seeds[-1]}), {len(configs)} runs; data {'; '.join(data)}; {machines(configs)}.")
 
 
 def sources_run(groups):
@@ -751,9 +1074,77 @@ def pilot_rows(pilot_groups):
             for r in runs]
 
 
-def build(groups, root, markdown, plots=(), markdown_dir=".", pilots=(), plots_flag=None):
+def lr_order(groups):
+    """The study's cells in table order: architecture, arm (as LR_STUDY_ARMS), lr: [(base, lr, name)]."""
+    rank = {prefix + a: (i, j) for i, prefix in enumerate(ARCHS.values()) for j, a in enumerate(LR_STUDY_ARMS)}
+    return sorted(((base, lr, name) for (base, lr), name in lr_cells(groups).items()),
+                  key=lambda cell: (rank[cell[0]], cell[1]))
+
+
+def lr_section(path, groups, rows, markdown, title, plots=(), markdown_dir="."):
+    """The lr study's part of the report: its scale, verdicts and rules, per architecture the LR sensitivity
+    and final val loss tables and the figure, its runs and (in Markdown) their commands."""
+    parts = [title(2, f"Learning-rate study ({path}): claims 1, 2 and 7 as a proxy at CPU scale"),
+             f"{PROXY} {lr_scale(groups)}"]
+    cells = lr_order(groups)
+    others = sorted(set(groups) - {name for _, _, name in cells})
+    if others:
+        parts.append(f"Not of the study (no <arm>-lr<lr> of {', '.join(LR_STUDY_ARMS)} or their llama- arms), "
+                     f"skipped: {', '.join(others)}.")
+    parts += [render(["claim", "verdict", "arms: counts; tests, by learning rate"], rows, markdown),
+              f"Rules (ALPHA={ALPHA}, LOSS_TOL={LOSS_TOL}, RUNAWAY_LOGIT={RUNAWAY_LOGIT:g}; a run ran away if it "
+              f"collapsed, its max logit reached RUNAWAY_LOGIT at a logged step, or a loss was not finite; arms are "
+              f"compared seed by seed at the same learning rate; an unfinished or missing run counts against the "
+              f"claim):", "\n".join(f"{label}. {words}." for label, words, _, _ in LR_RULES)]
+    figures = {os.path.splitext(os.path.basename(p))[0]: p for p in plots}
+    for arch, prefix in ARCHS.items():
+        sensitivity = lr_sensitivity(groups, prefix)
+        if not sensitivity:
+            continue
+        lrs = sorted({lr for base, lr, _ in cells if lr_arch(base) == arch})
+        table = []
+        for arm, (by_seed, starts) in sensitivity.items():
+            spread = (f"{statistics.median(by_seed):.3f} [{min(by_seed):.3f}, {max(by_seed):.3f}]" if by_seed
+                      else "-")
+            table.append([arm, spread, str(len(by_seed)), "none in the grid" if starts is None else f"{starts:g}"])
+        finals = []
+        for arm in sensitivity:
+            row = [arm]
+            for lr in lrs:
+                runs = [r for r in groups.get(lr_name(arm, lr), []) if done(r)]
+                row.append(f"{num(median(map(end_val, runs)), '.3f')} ({sum(map(lr_ran_away, runs))}/{len(runs)})"
+                           if runs else "-")
+            finals.append(row)
+        parts += [title(3, f"{arch}: LR sensitivity, and where each arm starts to run away"),
+                  "LR sensitivity (Wortsman et al. 2023), per seed: the mean over the learning rates of min(final val "
+                  "loss, val loss at init), less the best final val loss of any arm at any learning rate of that "
+                  "seed's sweep (nat per token); a seed with a run missing, unfinished or without either loss is "
+                  "left out of its arm. Runs away from: the smallest learning rate at which the arm ran away in a "
+                  "majority of seeds.",
+                  render(["arm", "LR sensitivity: median over seeds [min, max]", "n", "runs away from lr"], table,
+                         markdown),
+                  f"{arch}: final val loss by learning rate, median over the finished runs (ran away / finished):",
+                  render(["arm"] + [f"lr {lr:g}" for lr in lrs], finals, markdown)]
+        if markdown and f"lr-{arch}" in figures:
+            parts.append(f"![lr-{arch}]({os.path.relpath(figures[f'lr-{arch}'], markdown_dir)})")
+    header = ["arm", "lr", "seed", "status", "val at init", "final val", "max logit", "ran away", "guard trigger",
+              "first past guard threshold", f"first past {RUNAWAY_LOGIT:g}"]
+    table = [[base, f"{lr:g}", r.seed, r.status, num(r.init_val, ".4f"), num(r.final_val, ".4f"),
+              num(r.max_logit, ".4g"), ("yes" if lr_ran_away(r) else "no") if r.finished else "-", num(r.trigger),
+              num(r.first_past(r.guard_threshold())), num(r.first_past(RUNAWAY_LOGIT, inclusive=True))]
+             for base, lr, name in cells for r in groups[name]]
+    parts += [title(3, "Runs of the learning-rate study"), render(header, table, markdown)]
+    if markdown:
+        commands = [shlex.join(["python", *r.config["command"]]) for _, _, name in cells for r in groups[name]
+                    if r.config.get("command")]
+        parts += [title(3, "Commands of the learning-rate study"), "```bash\n" + "\n".join(commands) + "\n```"]
+    return parts
+
+
+def build(groups, root, markdown, plots=(), markdown_dir=".", pilots=(), plots_flag=None, study=None,
+          study_plots=()):
     """The report as text (markdown False) or Markdown (markdown: the file's path as given; plots_flag:
-    the --plots given, for the command that rewrites it)."""
+    the --plots given, for the command that rewrites it); study: (its folder, its groups), the lr study's."""
     known = list(dict.fromkeys(n for _, experiments in CLAIMS.values() for n in experiments))
     order = [n for n in known if n in groups] + sorted(set(groups) - set(known))
     title = (lambda level, text: "#" * level + " " + text) if markdown else (lambda level, text: f"== {text} ==")
@@ -761,7 +1152,8 @@ def build(groups, root, markdown, plots=(), markdown_dir=".", pilots=(), plots_f
     if markdown:
         parts += [title(1, "The paper's claims, judged on this project's own runs"),
                   f"Written by `python -m lab.report {root}"
-                  + "".join(f" --pilot {p}" for p, _ in pilots) + f" --markdown {markdown}"
+                  + "".join(f" --pilot {p}" for p, _ in pilots) + (f" --lr-study {study[0]}" if study else "")
+                  + f" --markdown {markdown}"
                   + (f" --plots {plots_flag}" if plots_flag else "") + "`, from the runs' logs. "
                   + scale(groups)]
         cut = cut_arms(groups)
@@ -772,13 +1164,15 @@ def build(groups, root, markdown, plots=(), markdown_dir=".", pilots=(), plots_f
                          + (f"; claims 5 and 6 on the source{'s' if len(idle) > 1 else ''} {', '.join(idle)}"
                             if idle else "") + ".")
     rows = verdicts(groups)
-    judged = [r for r in rows if r[1] != "not run"]
+    lr_rows = lr_verdicts(study[1]) if study else []
+    judged = [r for r in rows + lr_rows if r[1] != "not run"]
     if judged:
         parts += [title(2, "Verdicts at a glance"), "\n".join(
             f"- **{label}: {verdict.upper() if verdict == 'not reproduced' else verdict}**"
             + (f" ({text.splitlines()[0]})" if text else "") + ": "
             + "; ".join(line.replace("sign test, ", "") for line in text.splitlines()
-                        if line.startswith("sign test") or "claim wants none" in line)
+                        if line.startswith(("sign test", "at lr ", "part ", "not reproduced at this scale"))
+                        or "claim wants none" in line)
             for label, verdict, text in judged)]
     parts += [title(2, "Claims"), render(["claim", "verdict", "arms: n, counts [exact 95% interval]; tests"],
                                          rows, markdown),
@@ -791,6 +1185,8 @@ def build(groups, root, markdown, plots=(), markdown_dir=".", pilots=(), plots_f
         parts += [title(2, "Dose-response (claims 3 and 4): runs that ran away beyond the no-error run of their "
                            "seed / finished pairs"),
                   render(["site", "coherence"] + [f"dose {d:g}" for d in DOSES], dose_table(groups), markdown)]
+    if study:
+        parts += lr_section(*study, lr_rows, markdown, title, study_plots, markdown_dir)
     parts.append(title(2, "Runs"))
     for name in order:
         parts += [title(3, name), "Medians: " + group_line(name, groups[name]),
@@ -814,14 +1210,15 @@ def build(groups, root, markdown, plots=(), markdown_dir=".", pilots=(), plots_f
 # Plots: loss, max logit, sigma(W_q) and the most-grown other weight against step (a trigger is a
 # vertical line, a collapse an x), and survival curves (the fraction of seeds not yet collapsed)
 
-def _pyplot():
+def _pyplot(quiet=False):
     try:
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
         return plt
     except ImportError:
-        print("plots skipped: matplotlib is not installed (pip install matplotlib, then run lab.report again)")
+        if not quiet:   # quiet: said once already
+            print("plots skipped: matplotlib is not installed (pip install matplotlib, then run lab.report again)")
         return None
 
 
@@ -948,6 +1345,52 @@ def plot_claims(groups, out_dir):
     return saved
 
 
+def plot_lr_study(groups, out_dir, quiet=False):
+    """The lr study, one figure per architecture (lr-gpt2.png, lr-llama.png), as Wortsman et al. 2023's
+    Figure 1: final val loss and max attention logit against the learning rate, per arm the median over its
+    finished runs and their min-max range shaded; the guard's threshold and RUNAWAY_LOGIT marked."""
+    plt = _pyplot(quiet)
+    if plt is None:
+        return []
+    os.makedirs(out_dir, exist_ok=True)
+    saved, cells = [], lr_order(groups)
+    for arch, prefix in ARCHS.items():
+        mine = [(base, lr, [r for r in groups[name] if done(r)]) for base, lr, name in cells if lr_arch(base) == arch]
+        if not any(runs for _, _, runs in mine):
+            continue
+        fig, axes = plt.subplots(2, 1, sharex=True, figsize=(7, 8))
+        arms = [a for a in LR_STUDY_ARMS if any(base == prefix + a and runs for base, _, runs in mine)]
+        for i, arm in enumerate(arms):
+            at = [(lr, runs) for base, lr, runs in mine if base == prefix + arm and runs]
+            for ax, value in zip(axes, (lambda r: r.final_val, lambda r: r.max_logit)):
+                points = [(lr, [v for v in map(value, runs) if v is not None and math.isfinite(v) and v > 0])
+                          for lr, runs in at]
+                points = [(lr, vs) for lr, vs in points if vs]   # a diverged run's nan or inf is not drawn
+                if points:
+                    xs = [lr for lr, _ in points]
+                    ax.plot(xs, [statistics.median(vs) for _, vs in points], "o-", color=f"C{i}", lw=1.5,
+                            label=LR_WORDS[arm] if ax is axes[0] else None)   # one legend of the arms
+                    ax.fill_between(xs, [min(vs) for _, vs in points], [max(vs) for _, vs in points],
+                                    color=f"C{i}", alpha=0.15, lw=0)
+        guarded = [r.guard_threshold() for base, _, runs in mine if base.endswith("-guard") for r in runs]
+        threshold = statistics.median(guarded) if guarded else GUARD_THRESHOLD
+        axes[1].axhline(threshold, color="k", ls=":", lw=1, label=f"QK-Guard's threshold ({threshold:g})")
+        axes[1].axhline(RUNAWAY_LOGIT, color="k", ls="--", lw=1, label=f"RUNAWAY_LOGIT ({RUNAWAY_LOGIT:g}): ran away")
+        axes[0].set(xscale="log", ylabel="final val loss (nat per token)")
+        axes[1].set(xscale="log", yscale="log", ylabel="max attention logit (over all logged steps)",
+                    xlabel="learning rate")
+        for ax in axes:
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize=7)
+        seeds = {r.seed for _, _, runs in mine for r in runs}
+        axes[0].set_title(f"{arch}, a CPU-scale proxy: each line the median over {len(seeds)} seeds of one arm "
+                          f"(shaded: their min to max)", fontsize=9)
+        saved.append(os.path.join(out_dir, f"lr-{arch}.png"))
+        fig.savefig(saved[-1], dpi=110, bbox_inches="tight")
+        plt.close(fig)
+    return saved
+
+
 def describe(run):
     """A run in words for a legend, from its config.json ("bf16 state, guard off", "bf16 state,
     QK-Guard (qknorm)"); the folder name where there is no config."""
@@ -984,6 +1427,8 @@ def main(argv=None):
                    help="the plots' folder (default: plots/ beside --markdown, else the root)")
     p.add_argument("--pilot", action="append", default=[], metavar="DIR",
                    help="a pilot's runs, <DIR>/<experiment>/seed<k>/, tabled apart (repeatable)")
+    p.add_argument("--lr-study", metavar="DIR", help="the learning-rate study's runs (lab.sweep --lrs), "
+                   "<DIR>/<arm>-lr<lr>/seed<k>/: claims 1, 2 and 7 as a CPU-scale proxy, in a section of their own")
     p.add_argument("--runs", nargs="+", metavar="DIR", help="plot these run folders instead")
     p.add_argument("--png", default="runs.png", help="--runs: the figure's file (default runs.png)")
     p.add_argument("--labels", nargs="+", metavar="TEXT",
@@ -1005,6 +1450,8 @@ def main(argv=None):
     for d in args.pilot:
         if not os.path.isdir(d):
             p.error(f"--pilot {d} is not a folder: give a pilot's runs, <DIR>/<experiment>/seed<k>/")
+    if args.lr_study is not None and not os.path.isdir(args.lr_study):
+        p.error(f"--lr-study {args.lr_study} is not a folder: give the study's runs, <DIR>/<arm>-lr<lr>/seed<k>/")
     if args.markdown:   # before the work: appending, so an existing file is kept as it is
         try:
             existed = os.path.exists(args.markdown)
@@ -1021,16 +1468,19 @@ def main(argv=None):
     if not groups:
         print(f"no runs under {args.root} (expected <experiment>/seed<k>/log.jsonl)")
     pilots = [(d, load_runs(d)) for d in args.pilot]
-    print(build(groups, args.root, markdown=False, pilots=pilots))
+    study = (args.lr_study, load_runs(args.lr_study)) if args.lr_study is not None else None
+    print(build(groups, args.root, markdown=False, pilots=pilots, study=study))
     markdown_dir = os.path.dirname(os.path.abspath(args.markdown)) if args.markdown else None
-    plots = plot_claims(groups, args.plots or (os.path.join(markdown_dir, "plots") if args.markdown else args.root))
-    for path in plots:
+    plots_dir = args.plots or (os.path.join(markdown_dir, "plots") if args.markdown else args.root)
+    plots = plot_claims(groups, plots_dir)
+    study_plots = plot_lr_study(study[1], plots_dir, quiet=True) if study else []
+    for path in plots + study_plots:
         print(f"plot: {path}")
     if args.markdown:
         os.makedirs(markdown_dir, exist_ok=True)
         with open(args.markdown, "w") as f:
             f.write(build(groups, args.root, markdown=args.markdown, plots=plots, markdown_dir=markdown_dir,
-                          pilots=pilots, plots_flag=args.plots))
+                          pilots=pilots, plots_flag=args.plots, study=study, study_plots=study_plots))
         print(f"markdown: {args.markdown}")
     return 0
 

@@ -119,8 +119,15 @@ CLAIMS = {
         "llama-bf16-guard": "--arch llama --accum bf16 --guard on",
         "llama-bf16-qknorm-always": "--arch llama --accum bf16 --qknorm always",
         "llama-fp32-guard": "--arch llama --accum fp32 --guard on",
+        "llama-bf16-safemax": "--arch llama --accum bf16-safemax",
     }),
 }
+# The learning-rate study (claims 1, 2 and 7 at CPU scale, Wortsman et al. 2023's proxy): the arms
+# below at each learning rate of LRS, with a constant schedule (the lab preset's), on both
+# architectures. The grid comes from a pilot (RESULTS.md, "Pilot"): from a healthy lr to ones where
+# the unguarded runs run away, half-decades.
+LRS = (1e-3, 3e-3, 1e-2, 3e-2, 1e-1)
+LR_STUDY_ARMS = ("fp32", "bf16", "bf16-safemax", "bf16-guard", "bf16-qknorm-always", "fp32-guard")
 DONE = ("completed", "collapsed")    # end statuses that mean "nothing left to run"
 STOP_WAIT_S = 300                    # after Ctrl-C, how long children get to save their checkpoint
 
@@ -135,6 +142,27 @@ def experiments(claims, only=None, source="bf16"):
             if only is None or name in only:
                 chosen[name] = shlex.split(flags)
     return chosen
+
+
+def lr_name(arm, lr):
+    """The folder of `arm` at learning rate lr: <arm>-lr<lr>, e.g. bf16-guard-lr0.03."""
+    return f"{arm}-lr{lr:g}"
+
+
+def split_lr(name):
+    """(arm, lr) of an lr_name, or (name, None) for an arm at its preset's lr."""
+    arm, sep, lr = name.rpartition("-lr")
+    try:
+        return (arm, float(lr)) if sep and arm else (name, None)
+    except ValueError:
+        return name, None
+
+
+def at_lrs(names_flags, lrs):
+    """Each arm at each learning rate, the lr one more axis of the arm: --lr and --min-lr (the
+    floor of a cosine schedule; a constant one never reaches it) set to it, after the arm's flags."""
+    return {lr_name(name, lr): [*flags, "--lr", f"{lr:g}", "--min-lr", f"{lr:g}"]
+            for name, flags in names_flags.items() for lr in lrs}
 
 
 class Unreadable(Exception):
@@ -330,6 +358,8 @@ def main(argv=None):
     p.add_argument("--source", default="bf16", choices=list(SOURCES),
                    help="the runaway claims 5 and 6 act on: bf16 (the natural fault, GPU), assay (an "
                         "injected coherent error, the CPU lab), lr (the demo's learning-rate runaway)")
+    p.add_argument("--lrs", default=None, help="each arm at each of these learning rates, comma-separated "
+                   f"(the lr study: {','.join(f'{lr:g}' for lr in LRS)}); folders <arm>-lr<lr>")
     p.add_argument("--parallel", type=int, default=None, help="runs at once (default 8 on CUDA, else 1)")
     p.add_argument("--out-root", default="runs/claims", help="into <out-root>/<experiment>/seed<k>/")
     p.add_argument("--resume", action="store_true", help="continue unfinished runs too")
@@ -344,6 +374,14 @@ def main(argv=None):
     names_flags = experiments(claims, only, args.source)
     if only is not None and only - set(names_flags):
         p.error(f"--only: {', '.join(sorted(only - set(names_flags)))} not in claims {args.claims}")
+    if args.lrs is not None:
+        try:
+            lrs = [float(x) for x in args.lrs.split(",")]
+        except ValueError:
+            lrs = []
+        if not lrs or not all(0 < lr < float("inf") for lr in lrs):
+            p.error(f"--lrs {args.lrs!r}: give learning rates above 0, comma-separated, e.g. 1e-3,3e-3")
+        names_flags = at_lrs(names_flags, lrs)
 
     todo, skipped = plan(names_flags, args.seeds, args.out_root, extra, args.resume)
     for out_dir, why in skipped:

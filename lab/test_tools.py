@@ -30,7 +30,7 @@ KINDS = WEIGHT_KINDS
 # Synthetic run folders, written the way train.py writes them
 
 def write_run(root, arm, seed, steps=20, collapse=None, trigger=None, logit=10.0, growth=None, loss=3.0, val=None,
-              end="completed", probe_share=None, args=None, data=None):
+              end="completed", probe_share=None, args=None, data=None, init=10.0):
     """A run of `arm` logging every step: 2 layers of 2 heads, sigma of every weight kind per layer.
 
     logit: the max attention logit of each step; logit and loss: a number or a function of the step.
@@ -40,7 +40,8 @@ def write_run(root, arm, seed, steps=20, collapse=None, trigger=None, logit=10.0
     trigger: a guard_trigger event at that step. val: the final val loss (2.9, or 8 if collapsed).
     end: the end record's status; None leaves the run in progress (no end record), "" an empty log.
     probe_share: the equal-energy probe's smallest removed share, logged at every step.
-    data: the content hash in config.json's record of the data (None: no record, as older runs)."""
+    data: the content hash in config.json's record of the data (None: no record, as older runs).
+    init: the val loss of the eval at step 0, before the first update."""
     path = os.path.join(str(root), arm, f"seed{seed}")
     os.makedirs(path)
     with open(os.path.join(path, "config.json"), "w") as f:
@@ -52,7 +53,7 @@ def write_run(root, arm, seed, steps=20, collapse=None, trigger=None, logit=10.0
     growth = {**dict.fromkeys(KINDS, 1.0), **(growth or {})}
     last = steps - 1 if collapse is None else collapse + 2
     val = (2.9 if collapse is None else 8.0) if val is None else val
-    records = [{"event": "start", "step": 0}, {"event": "eval", "step": 0, "val_loss": 10.0}]
+    records = [{"event": "start", "step": 0}, {"event": "eval", "step": 0, "val_loss": init}]
     for step in range(last + 1):
         top = logit(step) if callable(logit) else logit
         if step == trigger:
@@ -627,6 +628,328 @@ def test_every_rule_passes_on_its_own_runs_together(tmp_path):
 
 
 # --------------------------------------------------------------------------------------------------
+# The learning-rate study (report --lr-study): rules 1p, 2p and 7p on synthetic runs of every arm of
+# sweep.LR_STUDY_ARMS at every lr of sweep.LRS, in <arm>-lr<lr>/ folders whose config.json records the
+# lr as sweep.at_lrs sets it (lr and min_lr differ across lrs: the arms' own flags, not a mix)
+
+TOP = sweep.LRS[-1]                     # the passing case's bf16 runs away at the grid's top lr
+AWAY = {"logit": lambda step: 2 * R if step >= 10 else 10.0, "val": 4.0}   # from step 10; ends 1.1 nat worse
+
+
+def lr_study(cells=None, prefix=""):
+    """The study's arms (with prefix, "llama-" for llama) at every lr, healthy, but: bf16 runs away at TOP in
+    seeds 1-7, where bf16-guard triggers at step 5 in every seed (it passes 1p and 2p); cells: {(arm without
+    prefix, lr): runs} changes some."""
+    arms = {(a, lr): arm(0, OK) for a in sweep.LR_STUDY_ARMS for lr in sweep.LRS}
+    arms.update({("bf16", TOP): arm(7, AWAY), ("bf16-guard", TOP): arm(8, TRIG), **(cells or {})})
+    with_lr = lambda kw, lr: None if kw is None else {**kw, "args": {"lr": lr, "min_lr": lr, **kw.get("args", {})}}
+    return {sweep.lr_name(prefix + a, lr): [with_lr(kw, lr) for kw in runs] for (a, lr), runs in arms.items()}
+
+
+def lr_rows(root, arms):
+    """rule -> [rule, verdict, text] of the lr study's rules, judged on the arms written under root."""
+    return {row[0]: row for row in report.lr_verdicts(write_arms(root, arms))}
+
+
+def lr_judge(root, rule, arms):
+    return lr_rows(root, arms)[rule][1]
+
+
+def test_run_reads_the_lr_studys_numbers(tmp_path):
+    climb = lambda step: 2 * R if step >= 12 else 300.0 if step >= 6 else 10.0
+    groups = write_arms(tmp_path, {"bf16-lr0.1": [{"logit": climb, "init": 5.5}, {"loss": lambda s: (
+        float("nan") if s == 7 else 3.0)}, {"collapse": 10}, OK]})
+    climbed, nan, collapsed, healthy = groups["bf16-lr0.1"]
+    assert climbed.init_val == 5.5 and climbed.final_val == 2.9 and climbed.max_logit == 2 * R
+    assert climbed.first_past(report.GUARD_THRESHOLD) == 6 and climbed.first_past(R, inclusive=True) == 12
+    assert climbed.first_past(2 * R) is None and climbed.first_past(2 * R, inclusive=True) == 12
+    assert report.lr_ran_away(climbed) and climbed.runaway_from() == 12 and not climbed.nonfinite
+    assert nan.nonfinite and report.lr_ran_away(nan) and not report.ran_away(nan) and nan.runaway_from() == 7
+    assert report.lr_ran_away(collapsed) and collapsed.runaway_from() == 10
+    assert not report.lr_ran_away(healthy) and healthy.runaway_from() is None and healthy.init_val == 10.0
+    assert climbed.guard_threshold() == report.GUARD_THRESHOLD
+    # a record sums the updates since the one before: a runaway first logged at step 29 may have begun at 20
+    path = tmp_path / "fp32-lr0.1" / "seed1"
+    os.makedirs(path)
+    lines = [{"event": "start", "step": 0}, {"event": "eval", "step": 0, "val_loss": 5.0},
+             *({"step": s, "loss": 3.0, "max_logit": [[2 * R if s == 29 else 10.0]]} for s in (9, 19, 29)),
+             {"event": "eval", "step": 30, "val_loss": 3.5}, {"event": "end", "status": "completed", "step": 30,
+                                                              "val_loss": 3.25}]
+    (path / "log.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+    run = report.Run(str(path))
+    assert run.runaway_from() == 20 and run.first_past(R, inclusive=True) == 29
+    assert run.final_val == 3.25, "the end record's val loss first"
+    (path / "log.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines[:-1]))
+    assert report.Run(str(path)).final_val == 3.5 and report.Run(str(path)).init_val == 5.0
+
+
+def test_the_guard_threshold_is_the_guards_default():
+    import guard
+    assert report.GUARD_THRESHOLD == guard.DEFAULT_THRESHOLD["max-logit"]
+
+
+def test_an_lr_arms_own_flags_are_its_base_arms_and_the_lr():
+    assert report.arm_flags("bf16-guard-lr0.03") == {"accum", "guard", "lr", "min_lr"}
+    assert report.arm_flags("llama-fp32-lr0.001") == {"arch", "accum", "lr", "min_lr"}
+    assert report.arm_flags("lr-guard-lr-drop") == report.OWN_FLAGS["lr-guard-lr-drop"]   # a source arm, as before
+    assert report.arm_flags("nobody-lr0.1") == set() and report.arm_flags("bf16") == {"accum"}
+
+
+# Rule 1p: at some lr bf16 is worse than fp32 (val + LOSS_TOL, or a runaway fp32 did not have) by a sign
+# test at ALPHA / 5 lrs = 0.01 (7 of 8 seeds: 1/128 holds, 6 of 8: 1/64 does not); bf16-safemax at no lr
+
+@pytest.mark.parametrize("cells, expected", [
+    param({}, "reproduced", id="bf16 ran away at the top lr in 7 of 8"),
+    param({("bf16", TOP): arm(6, AWAY)}, "not reproduced", id="6 of 8: p = 1/64 > ALPHA / 5 lrs"),
+    param({("bf16", TOP): arm(0, OK)}, "not reproduced", id="the same curve"),
+    param({("bf16", TOP): arm(7, {"val": 2.9 + TOL + 0.01})}, "reproduced", id="val LOSS_TOL+0.01 worse, no runaway"),
+    param({("bf16", TOP): arm(7, {"val": 2.9 + TOL - 0.01})}, "not reproduced", id="val LOSS_TOL-0.01 worse"),
+    param({("bf16", 1e-3): arm(7, AWAY), ("bf16", TOP): arm(0, OK)}, "reproduced", id="at another lr"),
+    param({("bf16", 1e-3): arm(4, AWAY), ("bf16", TOP): arm(3, AWAY, rest=OK)}, "not reproduced",
+          id="4 seeds at one lr, 3 at another"),
+    param({("fp32", TOP): arm(7, AWAY)}, "not reproduced", id="fp32 runs away as bf16 does"),
+    param({("fp32", TOP): arm(0, OK, {1: UNFINISHED})}, "not reproduced", id="fp32 unfinished in one of its seeds"),
+    param({("fp32", TOP): arm(0, OK, {1: None})}, "not reproduced", id="fp32 seed missing in one of its seeds"),
+    param({("bf16", TOP): arm(7, AWAY, {1: {**AWAY, "end": None}})}, "not reproduced",
+          id="bf16 in progress in one seed"),
+    param({("bf16-safemax", TOP): arm(7, AWAY)}, "not reproduced", id="safemax worse at the top lr too"),
+    param({("bf16-safemax", 1e-2): arm(7, {"val": 3.5})}, "not reproduced", id="safemax worse at another lr"),
+    param({("bf16-safemax", TOP): arm(6, AWAY)}, "reproduced", id="safemax worse in 6 of 8: its test fails"),
+    param({("bf16-safemax", TOP): arm(0, OK, dict.fromkeys(range(1, 8), UNFINISHED))}, "not reproduced",
+          id="safemax unfinished in 7 seeds counts as worse"),
+    param({**{("bf16-safemax", lr): [] for lr in sweep.LRS}}, "not run", id="no safemax runs at any lr"),
+])
+def test_rule_1p(tmp_path, cells, expected):
+    assert lr_judge(tmp_path, "1p", lr_study(cells)) == expected
+
+
+def test_rule_1p_text_bonferroni_and_the_same_curve(tmp_path):
+    text = lr_rows(tmp_path, lr_study())["1p"][2]
+    assert "lrs run: 0.001, 0.003, 0.01, 0.03, 0.1 (Bonferroni: threshold ALPHA / 5)" in text
+    assert ("sign test, bf16-lr0.1 worse than fp32-lr0.1: 7 seeds one way, 0 the other, p = 0.00781 (threshold "
+            "0.01) -> holds") in text
+    assert ("sign test, bf16-safemax-lr0.1 worse than fp32-lr0.1: 0 seeds one way, 0 the other, p = 1 (threshold "
+            "0.01) -> fails (the claim wants it to fail)") in text
+    assert "lr 0.1: fp32 median final val 2.900, ran away 0/8 finished, bf16 median final val 4.000, ran away 7/8" \
+        in text
+    assert "same curve" not in text
+    # two lrs: 6 of 8 (p = 1/64) passes ALPHA / 2
+    two = {name: runs for name, runs in lr_study({("bf16", TOP): arm(6, AWAY)}).items()
+           if sweep.split_lr(name)[1] in (1e-3, TOP)}
+    assert lr_judge(tmp_path / "two", "1p", two) == "reproduced"
+    row = lr_rows(tmp_path / "same", lr_study({("bf16", TOP): arm(0, OK)}))["1p"]
+    assert row[1] == "not reproduced"
+    assert "not reproduced at this scale: bf16 and fp32 state give the same curve" in row[2]
+    fp32_unfinished = lr_study({("bf16", TOP): arm(0, OK), ("fp32", 1e-3): arm(0, OK, {2: UNFINISHED})})
+    text = lr_rows(tmp_path / "unknown", fp32_unfinished)["1p"][2]
+    assert "same curve" not in text and "(1 seeds with a run unfinished or missing, counted against)" in text
+
+
+def test_rule_1p_on_too_few_seeds_is_inconclusive(tmp_path):
+    # 6 seeds all one way: p = 1/64 >= ALPHA / 5; 7 can reach it
+    six = {name: runs[:6] for name, runs in lr_study({("bf16", TOP): arm(6, AWAY)}).items()}
+    row = lr_rows(tmp_path, six)["1p"]
+    assert row[1] == "inconclusive" and "6 seeds: even all of them one way give p = 0.0156 >= 0.01" in row[2]
+    assert "run at least 7" in row[2]
+
+
+# Rule 2p: where bf16 runs away in a majority of seeds (TOP), bf16-guard does not, ends within LOSS_TOL of
+# bf16-qknorm-always and acts before bf16's runaway (step 10; the trigger at 5 acts from 6); where fp32 and
+# bf16 are healthy (the other lrs) bf16-guard and fp32-guard never fire and log the unguarded losses exactly
+
+@pytest.mark.parametrize("cells, expected", [
+    param({}, "reproduced", id="prevented at the top lr, dormant at the others"),
+    param({("bf16-guard", TOP): arm(8, TRIG, {1: {**TRIG, "logit": lambda s: 2 * R if s >= 10 else 10.0}})},
+          "not reproduced", id="the guard runs away in one seed"),
+    param({("bf16-guard", TOP): arm(8, TRIG, {1: {**TRIG, "loss": lambda s: float("nan") if s == 15 else 3.0}})},
+          "not reproduced", id="the guard's loss not finite in one seed"),
+    param({("bf16-guard", TOP): arm(8, TRIG, {3: {**TRIG, "val": 2.9 + TOL + 0.01}})}, "not reproduced",
+          id="val LOSS_TOL+0.01 above always-on QK-norm in one seed"),
+    param({("bf16-guard", TOP): arm(8, {**TRIG, "val": 2.9 - TOL + 0.01})}, "reproduced",
+          id="val LOSS_TOL-0.01 below it in every seed"),
+    param({("bf16-guard", TOP): arm(8, TRIG, {2: {"trigger": 10}})}, "not reproduced",
+          id="triggers at the runaway step"),
+    param({("bf16-guard", TOP): arm(8, TRIG, {2: {"trigger": 9}})}, "reproduced",
+          id="triggers the step before: acts at the runaway's update"),
+    param({("bf16-guard", TOP): arm(8, TRIG, {2: OK})}, "not reproduced", id="never triggers where bf16 ran away"),
+    param({("bf16-guard", TOP): arm(8, TRIG, {8: OK})}, "reproduced", id="no trigger where bf16 did not run away"),
+    param({("bf16-guard", TOP): arm(8, TRIG, {8: UNFINISHED})}, "not reproduced", id="the guard unfinished"),
+    param({("bf16-qknorm-always", TOP): arm(0, OK, {8: None})}, "not reproduced", id="reference seed missing"),
+    param({("bf16", TOP): arm(7, AWAY, {1: {**AWAY, "end": None}})}, "not reproduced",
+          id="bf16 unfinished where it must be prevented"),
+    param({("bf16", TOP): arm(4, AWAY), ("bf16-guard", TOP): arm(4, TRIG)}, "not reproduced",
+          id="bf16 runs away in half the seeds at most: nothing to prevent"),
+    param({("bf16", TOP): arm(5, AWAY)}, "reproduced", id="a majority, 5 of 8"),
+    param({("fp32", lr): arm(0, OK, {1: AWAY}) for lr in sweep.LRS[:-1]}, "not reproduced",
+          id="fp32 runs away somewhere at every other lr: no healthy lr"),
+    param({("bf16-guard", 1e-3): arm(0, OK, {4: TRIG})}, "not reproduced", id="bf16-guard fires at a healthy lr"),
+    # logits past the guard's threshold, short of RUNAWAY_LOGIT (growing within the horizon): the guard
+    # fires, as it should, and this lr is reported, not judged as healthy
+    param({("fp32", 1e-2): arm(0, {"logit": 300.0}), ("bf16", 1e-2): arm(0, {"logit": 300.0}),
+           ("bf16-guard", 1e-2): arm(0, TRIG), ("fp32-guard", 1e-2): arm(0, TRIG)}, "reproduced",
+          id="the guard fires where the logits grew past its threshold short of a runaway: not judged"),
+    param({("fp32-guard", 3e-2): arm(0, OK, {4: TRIG})}, "not reproduced", id="fp32-guard fires at a healthy lr"),
+    param({("fp32-guard", TOP): arm(0, OK, {4: TRIG})}, "reproduced", id="fp32-guard fires where bf16 ran away"),
+    param({("fp32-guard", 1e-3): arm(0, OK, {4: {"loss": lambda s: 3.0 + 1e-12 * (s == 3)}})}, "not reproduced",
+          id="a dormant loss 1e-12 off the unguarded run's"),
+    param({("bf16-guard", 1e-2): arm(0, OK, {4: {"val": 2.9 + 1e-9}})}, "not reproduced",
+          id="a dormant val loss 1e-9 off"),
+    param({("bf16-guard", 1e-2): arm(0, OK, {4: UNFINISHED})}, "not reproduced", id="dormant run unfinished"),
+    param({("fp32", 1e-2): arm(0, OK, {4: None})}, "not reproduced", id="the unguarded seed missing"),
+    param({("bf16-qknorm-always", lr): [] for lr in sweep.LRS}, "not run", id="no reference runs"),
+])
+def test_rule_2p(tmp_path, cells, expected):
+    assert lr_judge(tmp_path, "2p", lr_study(cells)) == expected
+
+
+def test_rule_2p_text_per_lr(tmp_path):
+    cells = {("bf16-guard", TOP): arm(8, TRIG, {2: {"trigger": 12}}), ("bf16", 1e-2): arm(2, AWAY)}
+    text = lr_rows(tmp_path, lr_study(cells))["2p"][2]
+    assert ("at lr 0.1: bf16 ran away in 7/8 seeds, so the guard must prevent it: bf16-guard ran away in 0/8, "
+            "largest |final val - bf16-qknorm-always's| 0.000 nat (LOSS_TOL 0.03), acted too late in 1 -> fails"
+            ) in text
+    assert ("lr 0.1: steps from bf16-guard's action to the first update of the logged interval where bf16 first ran "
+            "away, by seed: seed1 4, seed2 -3, seed3 4") in text
+    assert ("at lr 0.001: fp32 and bf16 healthy in every seed, so the guard must stay dormant: fired in 0/8 "
+            "(bf16-guard), 0/8 (fp32-guard); logged losses bit for bit the unguarded run's in 8/8 (bf16-guard vs "
+            "bf16), 8/8 (fp32-guard vs fp32) (unfinished counted against) -> holds") in text
+    assert ("at lr 0.01: neither (bf16 ran away in 2/8 seeds, fp32 in 0/8; their max logits passed the guard's "
+            "threshold short of a runaway): not judged; bf16-guard fired in ") in text
+    text = lr_rows(tmp_path / "b", lr_study({("bf16", TOP): arm(0, OK)}))["2p"][2]
+    assert ("at lr none: no lr of the grid where bf16 ran away in a majority of seeds: nothing for the guard to "
+            "prevent -> fails") in text
+
+
+def test_rule_2p_on_too_few_seeds_is_inconclusive(tmp_path):
+    four = {name: runs[:4] for name, runs in lr_study({("bf16", TOP): arm(4, AWAY)}).items()}
+    row = lr_rows(tmp_path, four)["2p"]
+    assert row[1] == "inconclusive" and "4 seeds: even all of them one way give p = 0.0625 >= 0.05" in row[2]
+
+
+# Rule 7p: 1p and 2p on the llama- arms
+
+@pytest.mark.parametrize("cells, expected", [
+    param({}, "reproduced", id="as 1p and 2p"),
+    param({("bf16-safemax", TOP): arm(7, AWAY)}, "not reproduced", id="1p fails: safemax as bad"),
+    param({("bf16", TOP): arm(0, OK)}, "not reproduced", id="1p and 2p fail: the same curve"),
+    param({("bf16-guard", TOP): arm(8, TRIG, {2: {"trigger": 11}})}, "not reproduced", id="2p fails: late"),
+    param({("fp32-guard", 1e-3): arm(0, OK, {4: TRIG})}, "not reproduced", id="2p fails: fires on healthy llama"),
+    param({("bf16-safemax", lr): [] for lr in sweep.LRS}, "not run", id="no llama-bf16-safemax runs"),
+])
+def test_rule_7p(tmp_path, cells, expected):
+    assert lr_judge(tmp_path, "7p", lr_study(cells, prefix="llama-")) == expected
+
+
+def test_rule_7p_shows_each_parts_lines_and_reads_only_llama(tmp_path):
+    arms = {**lr_study(prefix="llama-"), **lr_study({("bf16", TOP): arm(0, OK)})}   # gpt2: the same curve
+    table = lr_rows(tmp_path, arms)
+    assert table["7p"][1] == "reproduced" and table["1p"][1] == table["2p"][1] == "not reproduced"
+    text = table["7p"][2]
+    assert "part 1p on llama: holds" in text and "part 2p on llama: holds" in text
+    assert "sign test, llama-bf16-lr0.1 worse than llama-fp32-lr0.1: 7 seeds one way" in text
+    assert "at lr 0.1: llama-bf16 ran away in 7/8 seeds" in text and "fp32-lr" not in text.replace("llama-fp32", "")
+    text = lr_rows(tmp_path / "b", lr_study({("bf16", TOP): arm(0, OK)}, prefix="llama-"))["7p"][2]
+    assert "part 1p on llama: fails" in text and "give the same curve on llama" in text
+
+
+def test_the_lr_study_refuses_a_mix_and_a_missing_folder(tmp_path):
+    arms = lr_study()
+    for name in arms:
+        if name.startswith("bf16-guard-"):   # bf16-guard run on another preset
+            arms[name] = [{**kw, "args": {**kw["args"], "preset": "demo"}} for kw in arms[name]]
+        else:
+            arms[name] = [{**kw, "args": {**kw["args"], "preset": "lab"}} for kw in arms[name]]
+    write_arms(tmp_path / "study", arms)
+    write_arms(tmp_path / "root", RULE1)
+    out = report_cmd(tmp_path / "root", "--lr-study", tmp_path / "study", "--markdown", tmp_path / "R.md")
+    assert out.returncode != 0 and "Traceback" not in out.stderr and out.stdout == ""
+    assert out.stderr.splitlines() == ['error: rule 2p\'s runs differ in flags that its arms do not set, preset '
+                                       '"lab" (bf16-lr0.001, bf16-qknorm-always-lr0.001, fp32-lr0.001, '
+                                       'fp32-guard-lr0.001, bf16-lr0.003, bf16-qknorm-always-lr0.003, fp32-lr0.003, '
+                                       'fp32-guard-lr0.003, bf16-lr0.01, bf16-qknorm-always-lr0.01, fp32-lr0.01, '
+                                       'fp32-guard-lr0.01, bf16-lr0.03, bf16-qknorm-always-lr0.03, fp32-lr0.03, '
+                                       'fp32-guard-lr0.03, bf16-lr0.1, bf16-qknorm-always-lr0.1, fp32-lr0.1, '
+                                       'fp32-guard-lr0.1), "demo" (bf16-guard-lr0.001, bf16-guard-lr0.003, '
+                                       'bf16-guard-lr0.01, bf16-guard-lr0.03, bf16-guard-lr0.1)' + ADVICE]
+    assert not (tmp_path / "R.md").exists()
+    out = report_cmd(tmp_path / "root", "--lr-study", tmp_path / "nowhere")
+    assert out.returncode != 0 and "Traceback" not in out.stderr
+    assert out.stderr.strip().splitlines()[-1] == (f"report.py: error: --lr-study {tmp_path / 'nowhere'} is not a "
+                                                   "folder: give the study's runs, <DIR>/<arm>-lr<lr>/seed<k>/")
+
+
+def test_lr_sensitivity_by_hand(tmp_path):
+    # seed 1: best 3.0 (fp32 at 1e-3); fp32 (3.0 + 4.0) / 2 - 3 = 0.5; bf16 (3.5 + min(12, init 10)) / 2 - 3 = 3.75
+    # seed 2: best 3.0 (bf16 at 1e-3); fp32 (3.2 + 4.0) / 2 - 3 = 0.6; bf16 (3.0 + min(9, init 8)) / 2 - 3 = 2.5
+    # seed 3: best 2.8 (bf16 at 1e-3); fp32 (3.0 + 4.0) / 2 - 2.8 = 0.7; bf16 unfinished at 0.1: left out
+    groups = write_arms(tmp_path, {"fp32-lr0.001": [{"val": 3.0}, {"val": 3.2}, {"val": 3.0}],
+                                   "fp32-lr0.1": [{"val": 4.0}] * 3,
+                                   "bf16-lr0.001": [{"val": 3.5}, {"val": 3.0}, {"val": 2.8}],
+                                   "bf16-lr0.1": [{**COLLAPSE, "val": 12.0}, {**RUNAWAY, "val": 9.0, "init": 8.0},
+                                                  UNFINISHED]})
+    out = report.lr_sensitivity(groups)
+    assert list(out) == ["fp32", "bf16"]
+    assert out["fp32"][0] == pytest.approx([0.5, 0.6, 0.7]) and out["fp32"][1] is None
+    assert out["bf16"][0] == pytest.approx([3.75, 2.5]) and out["bf16"][1] == 0.1   # ran away in 2 of 3 seeds
+    assert report.lr_sensitivity(groups, "llama-") == {}
+    text = report.build({}, "r", markdown=False, study=("s", groups))
+    assert re.search(r"^fp32 +0\.600 \[0\.500, 0\.700\] +3 +none in the grid$", text, re.M), text
+    assert re.search(r"^bf16 +3\.125 \[2\.500, 3\.750\] +2 +0\.1$", text, re.M)
+
+
+def test_lr_study_figures_or_a_clear_skip(tmp_path, monkeypatch, capsys):
+    groups = write_arms(tmp_path, {**lr_study(), **lr_study(prefix="llama-")})
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # as if it were not installed
+    assert report.plot_lr_study(groups, str(tmp_path / "p")) == []
+    assert "plots skipped" in capsys.readouterr().out
+    monkeypatch.undo()
+    pytest.importorskip("matplotlib")
+    saved = report.plot_lr_study(groups, str(tmp_path / "p"))
+    assert saved == [str(tmp_path / "p" / "lr-gpt2.png"), str(tmp_path / "p" / "lr-llama.png")]
+    assert all(os.path.getsize(p) > 1000 for p in saved)
+
+
+def test_markdown_with_the_lr_study(tmp_path):
+    write_arms(tmp_path / "runs", RULE1)
+    study = {name: [{**kw, "data": H1, "args": {**kw["args"], "preset": "lab", "arch": "gpt2", "n_layer": 4,
+                                                "n_embd": 128, "n_head": 4, "max_steps": 20}} for kw in runs]
+             for name, runs in lr_study().items()}
+    write_arms(tmp_path / "study", study)
+    md, plots = tmp_path / "RESULTS.md", tmp_path / "plots"
+    assert report.main([str(tmp_path / "runs"), "--lr-study", str(tmp_path / "study"), "--markdown", str(md),
+                        "--plots", str(plots)]) == 0
+    text = md.read_text()
+    assert (f"Written by `python -m lab.report {tmp_path / 'runs'} --lr-study {tmp_path / 'study'} --markdown {md} "
+            f"--plots {plots}`") in text
+    section = text.split(f"## Learning-rate study ({tmp_path / 'study'}): claims 1, 2 and 7 as a proxy at CPU "
+                         "scale\n\n")[1]
+    assert section.startswith(report.PROXY + " Scale: preset lab; models gpt2 (4 layers of width 128, 4 heads, "
+                              "240 runs); ")
+    assert ("20 steps per run" in section and "learning rates 0.001, 0.003, 0.01, 0.03, 0.1 (each run's lr and "
+            "min_lr); 8 seeds (seed1 to seed8), 240 runs; data pycode in byte tokens, content_sha256 " + H1 +
+            ", 900 train and 100 val tokens") in section
+    for rule in ("1p", "2p"):
+        assert f"| {rule} | reproduced |" in section and f"- **{rule}: reproduced** (claim " in text
+    assert "| 7p | not run |" in section and "- **7p" not in text
+    assert "- **1p: reproduced** (claim 1 as a proxy: " in text and "bf16-lr0.1 worse than fp32-lr0.1: 7 seeds" in text
+    assert "at lr 0.001: fp32 and bf16 healthy in every seed" in text.split("## Claims")[0]   # at a glance
+    assert "### gpt2: LR sensitivity, and where each arm starts to run away" in section
+    assert "| bf16 | 0.220 [0.000, 0.220] | 8 | 0.1 |" in section   # (2.9 * 4 + 4.0) / 5 - 2.9 = 0.22
+    assert "| fp32 | 0.000 [0.000, 0.000] | 8 | none in the grid |" in section
+    assert "| bf16 | 2.900 (0/8) | 2.900 (0/8) | 2.900 (0/8) | 2.900 (0/8) | 4.000 (7/8) |" in section
+    assert "| bf16-guard | 0.1 | seed1 | completed | 10.0000 | 2.9000 | 10 | no | 5 | - | - |" in section
+    assert "| bf16 | 0.1 | seed1 | completed | 10.0000 | 4.0000 | 2000 | yes | - | 10 | 10 |" in section
+    assert "### Commands of the learning-rate study\n\n```bash\npython train.py --seed 1 --out-dir " in section
+    assert "1p. claim 1 as a proxy: at some lr of the grid" in section and "llama" not in section.split("###")[1]
+    if importlib.util.find_spec("matplotlib"):
+        assert "![lr-gpt2](plots/lr-gpt2.png)" in section and (plots / "lr-gpt2.png").exists()
+        assert not (plots / "lr-llama.png").exists()
+    # without the study: no section, and the command as before
+    assert report.main([str(tmp_path / "runs"), "--markdown", str(md), "--plots", str(plots)]) == 0
+    assert "Learning-rate study" not in md.read_text() and "--lr-study" not in md.read_text()
+
+
+# --------------------------------------------------------------------------------------------------
 # Runs a rule may not judge together: other flags than its arms' own, other data
 
 def healthy_2v(fp32_kw, guard_kw):
@@ -998,6 +1321,16 @@ def test_sweep_runs_every_arm_the_rules_read():
     assert "assay-guard-fp32-accum" not in sweep.experiments([6], source="assay"), "fp32 state: nothing to switch"
 
 
+def test_sweep_launches_every_arm_the_lr_rules_read():
+    """The lr study's arms are claims 1, 2 and 7's (sweep.LR_STUDY_ARMS, on gpt2 and llama)."""
+    launched = sweep.experiments([1, 2, 7])
+    for label, _, arms, _ in report.LR_RULES:
+        assert set(arms) <= set(launched) and label in report.LR_TITLES, label
+    assert {a for _, _, arms, _ in report.LR_RULES for a in arms} == {
+        prefix + a for prefix in report.ARCHS.values() for a in sweep.LR_STUDY_ARMS}
+    assert set(report.LR_WORDS) == set(sweep.LR_STUDY_ARMS)
+
+
 def test_experiment_table_is_valid_train_flags():
     """Every experiment's flags parse in train.py (so no run of the GPU session dies on a typo)."""
     import train
@@ -1091,6 +1424,33 @@ def test_sweep_and_report_end_to_end(tmp_path, data_dir):
     # one seed: judged (all its arms ran) and inconclusive (no sign test on 1 seed reaches p < 0.05)
     assert re.search(r"^1 +inconclusive ", rep.stdout, re.M), rep.stdout
     assert "| 1 | inconclusive |" in (tmp_path / "R.md").read_text()
+
+
+def test_lr_study_sweep_and_report_end_to_end(tmp_path, data_dir):
+    """lab.sweep --lrs at a tiny size, then lab.report --lr-study reads what train.py logged."""
+    study, root = str(tmp_path / "study"), tmp_path / "runs"
+    write_arms(root, RULE1)
+    out = sweep_cmd("--claims", "1,2", "--only", "fp32,bf16", "--lrs", "1e-3,1e-1", "--seeds", "1", "--parallel", "2",
+                    "--out-root", study, "--", "--max-steps", "4", "--n-layer", "1", "--n-head", "2", "--n-embd", "32",
+                    "--block-size", "32", "--batch-size", "2", "--attn-impl", "torch", "--device", "cpu",
+                    "--eval-iters", "1", "--log-interval", "1", "--data-dir", data_dir, timeout=300)
+    assert out.returncode == 0 and out.stdout.count("[end ") == 4 and "ERROR" not in out.stdout, out.stdout + out.stderr
+    groups = report.load_runs(study)
+    assert sorted(groups) == ["bf16-lr0.001", "bf16-lr0.1", "fp32-lr0.001", "fp32-lr0.1"]
+    for name, runs in groups.items():
+        run = runs[0]
+        assert run.finished and run.init_val is not None and run.final_val is not None and run.max_logit > 0, name
+        assert run.config["args"]["lr"] == run.config["args"]["min_lr"] == sweep.split_lr(name)[1]
+    rep = report_cmd(root, "--lr-study", study, "--markdown", tmp_path / "R.md", "--plots", tmp_path / "plots")
+    assert rep.returncode == 0 and "Traceback" not in rep.stderr, rep.stderr
+    assert f"== Learning-rate study ({study}): claims 1, 2 and 7 as a proxy at CPU scale ==" in rep.stdout
+    assert re.search(r"^1p +not run +claim 1 as a proxy", rep.stdout, re.M)   # no bf16-safemax runs
+    text = (tmp_path / "R.md").read_text()
+    assert f"--lr-study {study} --markdown" in text and "learning rates 0.001, 0.1 (each run's lr and min_lr)" in text
+    assert re.search(r"^\| bf16 \| 0\.1 \| seed1 \| completed \| \d", text, re.M)
+    assert "| 2p | not run |" in text and "### gpt2: LR sensitivity" in text
+    if importlib.util.find_spec("matplotlib"):
+        assert (tmp_path / "plots" / "lr-gpt2.png").stat().st_size > 1000 and "![lr-gpt2](plots/lr-gpt2.png)" in text
 
 
 def test_every_arm_of_every_claim_runs_end_to_end_and_is_judged(tmp_path, data_dir):
