@@ -161,6 +161,8 @@ class Run:
         self.trigger = first("guard_trigger")
         if self.trigger is None:
             self.trigger = (end.get("guard_trigger") or {}).get("step")
+        self.trigger_value = next((r.get("value") for r in events if r["event"] == "guard_trigger"),
+                                  (end.get("guard_trigger") or {}).get("value"))
         # the first update the action changed (the check is deferred: later than the crossing)
         self.acting_from = next((r.get("active_from", r["step"]) for r in events if r["event"] == "guard_trigger"),
                                 self.trigger)
@@ -777,10 +779,10 @@ def same_losses(run, ref):
 
 def lr_guard_claim(c, prefix=""):
     """2p: at every lr where bf16 runs away in a majority of seeds, bf16-guard runs away in none, ends within
-    LOSS_TOL of bf16-qknorm-always in every seed, and its action starts no later than the first update of the
-    logged interval in which the same seed's bf16 run first ran away; at every lr where fp32 and bf16 stay
-    healthy in every seed, bf16-guard and fp32-guard fire in no seed and log the unguarded run's losses bit for
-    bit. Both kinds of lr must be in the grid. A missing or unfinished run puts its lr under both tests, which
+    LOSS_TOL of bf16-qknorm-always in every seed, and its trigger (read below RUNAWAY_LOGIT) comes no later than
+    the logged step where the same seed's bf16 run first showed its runaway; at every lr where fp32 and bf16
+    stay healthy in every seed (max logit under the guard's threshold), bf16-guard and fp32-guard fire in no
+    seed and log the unguarded run's losses bit for bit; lrs in between are reported, not judged. Both kinds of lr must be in the grid. A missing or unfinished run puts its lr under both tests, which
     it then fails."""
     bf16, fp32, guard, always, fp32_guard = (prefix + a for a in ("bf16", "fp32", "bf16-guard", "bf16-qknorm-always",
                                                                   "fp32-guard"))
@@ -803,17 +805,20 @@ def lr_guard_claim(c, prefix=""):
             for seed, b, g in zip(c.seeds, at(bf16), at(guard)):
                 if done(b) and not lr_ran_away(b):
                     continue   # nothing to prevent in this seed
-                lead = b.runaway_from() - g.acting_from if done(b) and done(g) and g.acting_from is not None \
-                    else None
+                # Until the guard acts, the guarded run is the unguarded one, and it checks every step:
+                # its first crossing, read below RUNAWAY_LOGIT, precedes the runaway, provided it comes
+                # no later than the unguarded run's first logged runaway (a record ends its interval)
+                seen = (b.first_past(RUNAWAY_LOGIT, inclusive=True) or b.runaway_from()) if done(b) else None
+                lead = seen - g.trigger if done(g) and g.trigger is not None and seen is not None else None
                 leads.append(f"{seed} {'none' if lead is None else lead}")
-                late += lead is None or lead < 0
+                late += lead is None or lead < 0 or (g.trigger_value or 0.0) >= RUNAWAY_LOGIT
             ok = not away(guard) and gap <= LOSS_TOL and not late
             holds = holds and ok
             lines += [f"at lr {lr:g}: {bf16} ran away in {away(bf16)}/{n} seeds, so the guard must prevent it: "
                       f"{guard} ran away in {away(guard)}/{n}, largest |final val - {always}'s| {gap:.3f} nat "
                       f"(LOSS_TOL {LOSS_TOL}), acted too late in {late} -> {'holds' if ok else 'fails'}",
-                      f"lr {lr:g}: steps from {guard}'s action to the first update of the logged interval where "
-                      f"{bf16} first ran away, by seed: {', '.join(leads) or 'none ran away'}"]
+                      f"lr {lr:g}: steps from {guard}'s trigger to the logged step where {bf16} first showed its "
+                      f"runaway, by seed: {', '.join(leads) or 'none ran away'}"]
         if healthy:
             kinds.add("healthy")
             fired = {g: sum(not done(r) or r.trigger is not None for r in at(g)) for g in (guard, fp32_guard)}
@@ -853,9 +858,9 @@ LR_RULES = [
            "/ the lrs run (Bonferroni), and bf16-safemax is worse than fp32 by that test at no lr",
      ("fp32", "bf16", "bf16-safemax"), lr_fault_claim),
     ("2p", "claim 2 as a proxy: at every lr where bf16 runs away (a majority of seeds), bf16-guard runs away in no "
-           "seed, ends within LOSS_TOL of bf16-qknorm-always's final val loss in every seed, and acts (its "
-           "active_from) no later than the first update of the logged interval where the same seed's bf16 run "
-           "first ran away; at every lr where fp32 and bf16 stay healthy in every seed (their max logit under the "
+           "seed, ends within LOSS_TOL of bf16-qknorm-always's final val loss in every seed, and its trigger (read "
+           "below RUNAWAY_LOGIT) comes no later than the logged step where the same seed's bf16 run first showed its "
+           "runaway; at every lr where fp32 and bf16 stay healthy in every seed (their max logit under the "
            "guard's threshold), bf16-guard and fp32-guard fire in no seed and log the losses of bf16 and fp32 bit "
            "for bit; the grid must hold both kinds of lr",
      ("bf16", "bf16-guard", "bf16-qknorm-always", "fp32", "fp32-guard"), lr_guard_claim),

@@ -767,10 +767,12 @@ def test_rule_1p_on_too_few_seeds_is_inconclusive(tmp_path):
           id="val LOSS_TOL+0.01 above always-on QK-norm in one seed"),
     param({("bf16-guard", TOP): arm(8, {**TRIG, "val": 2.9 - TOL + 0.01})}, "reproduced",
           id="val LOSS_TOL-0.01 below it in every seed"),
-    param({("bf16-guard", TOP): arm(8, TRIG, {2: {"trigger": 10}})}, "not reproduced",
-          id="triggers at the runaway step"),
+    param({("bf16-guard", TOP): arm(8, TRIG, {2: {"trigger": 10, "logit": AWAY["logit"]}})}, "not reproduced",
+          id="triggers at the runaway step, reading a runaway's logit"),
+    param({("bf16-guard", TOP): arm(8, TRIG, {2: {"trigger": 11}})}, "not reproduced",
+          id="triggers after the runaway showed"),
     param({("bf16-guard", TOP): arm(8, TRIG, {2: {"trigger": 9}})}, "reproduced",
-          id="triggers the step before: acts at the runaway's update"),
+          id="triggers the step before the runaway"),
     param({("bf16-guard", TOP): arm(8, TRIG, {2: OK})}, "not reproduced", id="never triggers where bf16 ran away"),
     param({("bf16-guard", TOP): arm(8, TRIG, {8: OK})}, "reproduced", id="no trigger where bf16 did not run away"),
     param({("bf16-guard", TOP): arm(8, TRIG, {8: UNFINISHED})}, "not reproduced", id="the guard unfinished"),
@@ -802,14 +804,41 @@ def test_rule_2p(tmp_path, cells, expected):
     assert lr_judge(tmp_path, "2p", lr_study(cells)) == expected
 
 
+def test_rule_2p_judges_the_trigger_against_a_coarse_log_by_its_value(tmp_path):
+    # bf16 logged every 10 steps shows its runaway first in the record of step 19 (updates 10..19); the
+    # guard, which checks every step, crossed at step 12 reading 300, so bf16 was still short of a runaway
+    # there (the two runs are one until the guard acts): it came first. The first 2p, which wanted the
+    # action (step 14) no later than the interval's first update (10), failed this run.
+    climb = lambda step: 2 * R if step >= 15 else 300.0 if step >= 12 else 10.0
+    cells = {("bf16", TOP): arm(7, {**AWAY, "logit": climb}),
+             ("bf16-guard", TOP): arm(8, {"trigger": 12, "logit": lambda s: 300.0 if s == 12 else 10.0})}
+    arms = lr_study(cells)
+    write_arms(tmp_path, arms)
+    for seed in range(1, 8):   # keep every 10th step record, each with its interval's max logit
+        path = tmp_path / sweep.lr_name("bf16", TOP) / f"seed{seed}" / "log.jsonl"
+        records, kept, top = [json.loads(line) for line in path.read_text().splitlines()], [], 0.0
+        for r in records:
+            if "event" in r:
+                kept.append(r)
+                continue
+            top = max(top, r["max_logit"][1][0])
+            if r["step"] % 10 == 9:
+                kept.append({**r, "max_logit": [[1.0, 2.0], [top, 3.0]]})
+                top = 0.0
+        path.write_text("".join(json.dumps(r) + "\n" for r in kept))
+    row = {r[0]: r for r in report.lr_verdicts(report.load_runs(str(tmp_path)))}["2p"]
+    assert row[1] == "reproduced", row[2]
+    assert "seed1 7, seed2 7" in row[2]   # the trigger at 12, the runaway first shown at 19
+
+
 def test_rule_2p_text_per_lr(tmp_path):
     cells = {("bf16-guard", TOP): arm(8, TRIG, {2: {"trigger": 12}}), ("bf16", 1e-2): arm(2, AWAY)}
     text = lr_rows(tmp_path, lr_study(cells))["2p"][2]
     assert ("at lr 0.1: bf16 ran away in 7/8 seeds, so the guard must prevent it: bf16-guard ran away in 0/8, "
             "largest |final val - bf16-qknorm-always's| 0.000 nat (LOSS_TOL 0.03), acted too late in 1 -> fails"
             ) in text
-    assert ("lr 0.1: steps from bf16-guard's action to the first update of the logged interval where bf16 first ran "
-            "away, by seed: seed1 4, seed2 -3, seed3 4") in text
+    assert ("lr 0.1: steps from bf16-guard's trigger to the logged step where bf16 first showed its runaway, by "
+            "seed: seed1 5, seed2 -2, seed3 5") in text
     assert ("at lr 0.001: fp32 and bf16 healthy in every seed, so the guard must stay dormant: fired in 0/8 "
             "(bf16-guard), 0/8 (fp32-guard); logged losses bit for bit the unguarded run's in 8/8 (bf16-guard vs "
             "bf16), 8/8 (fp32-guard vs fp32) (unfinished counted against) -> holds") in text
