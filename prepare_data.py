@@ -470,8 +470,9 @@ def _build(dataset, out_dir, inputs, val_fraction, workers, force, glob, tokeniz
     for split in SPLITS:
         if not ndocs[split]:
             print(f"warning: the {split} split is empty; use more files or another --val-fraction", file=sys.stderr)
-    if dataset == "pycode" and check_pycode_identity(meta):
-        print(check_pycode_identity(meta), file=sys.stderr)
+    note = check_pycode_identity(meta) if dataset == "pycode" else None
+    if note:
+        print(note, file=sys.stderr)
     return out_dir
 
 

@@ -926,14 +926,19 @@ def test_lr_sensitivity_by_hand(tmp_path):
     assert re.search(r"^bf16 +3\.125 \[2\.500, 3\.750\] +2 +0\.1$", text, re.M)
 
 
-def test_lr_study_figures_or_a_clear_skip(tmp_path, monkeypatch, capsys):
-    groups = write_arms(tmp_path, {**lr_study(), **lr_study(prefix="llama-")})
+def plots_or_a_clear_skip(plot, groups, folder, monkeypatch, capsys):
+    """plot(groups, folder) without matplotlib: nothing, and a line that says so; with it: its files."""
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # as if it were not installed
-    assert report.plot_lr_study(groups, str(tmp_path / "p")) == []
+    assert plot(groups, folder) == []
     assert "plots skipped" in capsys.readouterr().out
     monkeypatch.undo()
     pytest.importorskip("matplotlib")
-    saved = report.plot_lr_study(groups, str(tmp_path / "p"))
+    return plot(groups, folder)
+
+
+def test_lr_study_figures_or_a_clear_skip(tmp_path, monkeypatch, capsys):
+    groups = write_arms(tmp_path, {**lr_study(), **lr_study(prefix="llama-")})
+    saved = plots_or_a_clear_skip(report.plot_lr_study, groups, str(tmp_path / "p"), monkeypatch, capsys)
     assert saved == [str(tmp_path / "p" / "lr-gpt2.png"), str(tmp_path / "p" / "lr-llama.png")]
     assert all(os.path.getsize(p) > 1000 for p in saved)
 
@@ -1139,12 +1144,7 @@ def test_markdown_has_tables_hardware_and_commands(tmp_path):
 
 def test_plots_or_a_clear_skip(tmp_path, monkeypatch, capsys):
     groups = write_arms(tmp_path, {**RULE1, "bf16-guard": [TRIG], inject("delta", 3.0): [RUNAWAY, OK]})
-    monkeypatch.setitem(sys.modules, "matplotlib", None)  # as if it were not installed
-    assert report.plot_claims(groups, str(tmp_path / "p")) == []
-    assert "plots skipped" in capsys.readouterr().out
-    monkeypatch.undo()
-    pytest.importorskip("matplotlib")
-    saved = report.plot_claims(groups, str(tmp_path / "p"))
+    saved = plots_or_a_clear_skip(report.plot_claims, groups, str(tmp_path / "p"), monkeypatch, capsys)
     # the judged rules' plots (claim 2 has no reference arm: not drawn), dose-response curves
     assert saved == [str(tmp_path / "p" / name) for name in ("claim1.png", "dose_response.png")]
     assert all(os.path.getsize(p) > 1000 for p in saved)
