@@ -1,0 +1,477 @@
+"""
+QK-Guard for anyone's model: guard.py's dormant controller attached to a PyTorch model by hooks.
+
+    guard = attach(model, threshold=200.0)       # the adapter is found from the model's structure
+    for step in range(max_steps):
+        loss = model(x, labels=y).loss           # the hooks measure on monitored steps
+        loss.backward(); optimizer.step(); optimizer.zero_grad()
+        guard.step()                             # after each update: check, act, QK-Clip
+    torch.save({"model": model.state_dict(), "guard": guard.state_dict()}, path)   # the latch travels
+
+Four parts, one screen each:
+  Layer       what an adapter says of one attention layer: where q and k are formed (which module's
+              output, which columns), the heads, the logit scale, the rotation applied after them
+  adapters    this project's GPT, a nanoGPT-style GPT, Hugging Face GPT2LMHeadModel and LlamaForCausalLM
+  signals     the max logit over a sample of query rows of the layer's own q and k; sigma(W_q,h) and
+              sigma(W_k,h) by power iteration
+  AttachedGuard  the hooks and the step. guard.QKGuard decides, unchanged: threshold, deferred check,
+              latch, events. The hooks measure, and carry its action out in the model.
+
+transformers is never imported: the Hugging Face adapters know its modules by their structure, so
+this file works, and its tests pass, without it.
+"""
+import json
+import math
+import sys
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+import torch.nn as nn
+
+from attention_kernel import _rms_norm
+from guard import DEFAULT_THRESHOLD, QKGuard, SpectralMonitor
+
+# What an attached guard can do in a model it does not own. guard.py's other attention actions
+# (softcap, fp32-accum) act inside this project's kernel; lr-drop and clip act in train.py's loop.
+ATTACH_ACTIONS = ("qknorm", "qkclip")
+
+
+# ----------------------------------------------------------------------------------------- Layer
+
+@dataclass(eq=False)
+class Layer:
+    """One attention layer, as an adapter describes it. q and k are read from the outputs of the
+    modules `q` and `k` (batch, time, features), at columns q_cols and k_cols, head h at
+    h*head_dim:(h+1)*head_dim of those; the weights that make them are the same rows of those
+    modules' weights (columns, for a transposed Conv1D)."""
+    attn: nn.Module                 # its forward holds one attention: its hook sees q and k complete
+    q: nn.Module                    # the module whose output holds q ...
+    k: nn.Module                    # ... and k (the same module for a fused q, k, v projection)
+    n_head: int
+    head_dim: int
+    n_kv_head: Optional[int] = None          # k's heads, fewer under GQA; None: n_head
+    q_cols: Optional[slice] = None           # None: all the module's output columns
+    k_cols: Optional[slice] = None
+    scale: Optional[float] = None            # the logit scale; None: 1 / sqrt(head_dim)
+    transposed: bool = False                 # weight stored (in, out), as Hugging Face's Conv1D does
+    # rotary(q, k, args, kwargs) -> (q, k): the rotation the model applies after the projections,
+    # from the arguments attn was called with; q, k are (batch, heads, time, head_dim)
+    rotary: Optional[Callable] = None
+    # an object with a qk_norm attribute that the model reads itself (this project's GPT);
+    # None: the hooks normalize q and k where they are formed
+    switch: Optional[object] = None
+
+    def __post_init__(self):
+        self.n_kv_head = self.n_kv_head or self.n_head
+        self.scale = self.scale or 1.0 / math.sqrt(self.head_dim)
+        if self.n_head % self.n_kv_head:
+            raise ValueError(f"attach: {self.n_head} query heads cannot share {self.n_kv_head} key heads evenly")
+
+    def heads(self, role):
+        return self.n_head if role == "q" else self.n_kv_head
+
+    def cols(self, role):
+        return (self.q_cols if role == "q" else self.k_cols) or slice(None)
+
+    def weight(self, role):
+        """W_q or W_k as (heads * head_dim, in): a view of the live weight, so QK-Clip scales it in place."""
+        module = self.q if role == "q" else self.k
+        w = module.weight[:, self.cols(role)].T if self.transposed else module.weight[self.cols(role)]
+        if w.shape[0] != self.heads(role) * self.head_dim:
+            raise ValueError(f"attach: W_{role} has {w.shape[0]} rows, not {self.heads(role)} heads x "
+                             f"{self.head_dim}: fix the adapter's head count or columns")
+        return w
+
+    def bias(self, role):
+        """b_q or b_k (a view), or None: QK-Clip scales it with its rows, so q itself scales."""
+        module = self.q if role == "q" else self.k
+        return None if getattr(module, "bias", None) is None else module.bias[self.cols(role)]
+
+
+class Switch:
+    """The per-layer switch QKGuard.apply_to_model() flips, for a model that has none of its own."""
+    qk_norm = False
+
+
+# ----------------------------------------------------------------------------------------- adapters
+# An adapter is a function: model -> [Layer], one per attention layer, in order; [] if it does not
+# recognise the model. "auto" tries the built-in ones in this order.
+
+def qkguard_gpt(model):
+    """This project's GPT (model.py): q_proj and k_proj, rotary after them (arch llama), and its own
+    qk_norm switch, which the kernel applies."""
+    from model import GPT, apply_rotary
+    if not isinstance(model, GPT):
+        return []
+
+    def rotary(q, k, args, kwargs):   # CausalSelfAttention.forward(x, rotary): rotary = (cos, sin) or None
+        tables = args[1] if len(args) > 1 else kwargs.get("rotary")
+        return (q, k) if tables is None else (apply_rotary(q, *tables), apply_rotary(k, *tables))
+    return [Layer(attn=a, q=a.q_proj, k=a.k_proj, n_head=a.n_head, head_dim=a.head_dim, scale=a.scale,
+                  rotary=rotary, switch=a) for a in model.attentions]
+
+
+def nanogpt(model):
+    """A nanoGPT-style GPT: each attention a module with n_head and one fused nn.Linear c_attn whose
+    output is q, k, v in that order; scaled_dot_product_attention with its default scale."""
+    layers = []
+    for m in model.modules():
+        c_attn = getattr(m, "c_attn", None)
+        if isinstance(c_attn, nn.Linear) and isinstance(getattr(m, "n_head", None), int):
+            width = c_attn.out_features // 3
+            layers.append(Layer(attn=m, q=c_attn, k=c_attn, n_head=m.n_head, head_dim=width // m.n_head,
+                                q_cols=slice(0, width), k_cols=slice(width, 2 * width)))
+    return layers
+
+
+def hf_gpt2(model):
+    """Hugging Face GPT2LMHeadModel: c_attn is a Conv1D (weight stored (in, out), so W_q is the
+    transpose of its first columns); the scale is the module's own (it can divide by the layer index)."""
+    layers = []
+    for m in model.modules():
+        c_attn = getattr(m, "c_attn", None)
+        if type(c_attn).__name__ == "Conv1D" and hasattr(m, "num_heads") and not getattr(m, "is_cross_attention", False):
+            width = m.embed_dim
+            layers.append(Layer(attn=m, q=c_attn, k=c_attn, n_head=m.num_heads, head_dim=m.head_dim,
+                                q_cols=slice(0, width), k_cols=slice(width, 2 * width),
+                                scale=getattr(m, "scaling", None), transposed=True))
+    return layers
+
+
+def hf_llama(model):
+    """Hugging Face LlamaForCausalLM: q_proj and k_proj Linears (k with fewer heads under GQA), then the
+    rotary embedding, by the modeling file's own apply_rotary_pos_emb and the position_embeddings
+    (cos, sin) the attention is called with. QK-norm acts on the projections, before the rotation:
+    a rotation keeps each head's norm, so the bound holds after it (OLMo 2 and Qwen3 normalize there)."""
+    layers = []
+    for m in model.modules():
+        q_proj, k_proj = getattr(m, "q_proj", None), getattr(m, "k_proj", None)
+        if not (isinstance(q_proj, nn.Linear) and isinstance(k_proj, nn.Linear)
+                and hasattr(getattr(m, "config", None), "num_key_value_heads")):
+            continue
+        rotate = getattr(sys.modules[type(m).__module__], "apply_rotary_pos_emb", None)
+        if rotate is None:
+            raise ValueError(f"attach: {type(m).__name__}'s module has no apply_rotary_pos_emb: write an adapter "
+                             f"whose rotary applies this model's rotation (README: Guard your own model)")
+        layers.append(Layer(attn=m, q=q_proj, k=k_proj, n_head=q_proj.out_features // m.head_dim,
+                            head_dim=m.head_dim, n_kv_head=k_proj.out_features // m.head_dim,
+                            scale=getattr(m, "scaling", None),
+                            rotary=lambda q, k, args, kwargs, rotate=rotate: rotate(q, k, *kwargs["position_embeddings"])))
+    return layers
+
+
+ADAPTERS = {"qkguard-gpt": qkguard_gpt, "hf-llama": hf_llama, "hf-gpt2": hf_gpt2, "nanogpt": nanogpt}
+
+
+def find_layers(model, adapter="auto"):
+    """The model's attention layers, by the named (or given) adapter; "auto" takes the first built-in
+    one that recognises the model."""
+    if callable(adapter):
+        layers, name = adapter(model), getattr(adapter, "__name__", "the adapter")
+    elif adapter == "auto":
+        layers, name = next(((ls, n) for n, a in ADAPTERS.items() for ls in [a(model)] if ls), ([], "auto"))
+    elif adapter in ADAPTERS:
+        layers, name = ADAPTERS[adapter](model), adapter
+    else:
+        raise ValueError(f"attach: unknown adapter {adapter!r}: choose one of auto, {', '.join(ADAPTERS)}, or pass "
+                         f"a function model -> [Layer]")
+    if not layers:
+        raise ValueError(f"attach: {name} found no attention layer in {type(model).__name__}: pass adapter= one of "
+                         f"{', '.join(ADAPTERS)}, or write one (README: Guard your own model)")
+    return layers
+
+
+# ----------------------------------------------------------------------------------------- signals
+
+def sample_rows(t, rows, generator):
+    """The query positions a monitored step reads: `rows` of the t, drawn without replacement from the
+    guard's own generator (the global RNG, and so dropout, stays untouched); all of them if rows is None."""
+    if rows is None or rows >= t:
+        return torch.arange(t)
+    return torch.randperm(t, generator=generator)[:rows].sort().values
+
+
+@torch.no_grad()
+def sampled_max_logit(q, k, scale, rows=None, generator=None):
+    """Per query head, the max over the batch and the sampled query rows of scale * q.k over the keys
+    each row sees (causal), in fp32. q (B, H, T, D), k (B, H_kv, T, D): query head h reads key head
+    h // (H / H_kv), as GQA repeats them. A lower bound on the max over all rows; equal with rows=None."""
+    t = q.shape[2]
+    idx = sample_rows(t, rows, generator).to(q.device)
+    q = q[:, :, idx].float().unflatten(1, (k.shape[1], -1))                # (B, H_kv, group, R, D)
+    logits = q @ k.float()[:, :, None].mT * scale                         # (B, H_kv, group, R, T)
+    seen = torch.arange(t, device=q.device)[None, :] <= idx[:, None]       # (R, T): key j <= query i
+    return logits.masked_fill(~seen, -math.inf).amax(dim=(0, 3, 4)).flatten()
+
+
+class LayerSigma:
+    """sigma(W_q,h) and sigma(W_k,h) of one layer, and of the whole W_q and W_k (for the log), by power
+    iteration carried across calls, as guard.SpectralMonitor does for this project's GPT (its
+    _power_step, reused): the weights move little per step, so one iteration keeps up."""
+
+    def __init__(self, layer, generator):
+        n_in, device = layer.weight("q").shape[1], layer.weight("q").device
+        self.v = {(role, per_head): torch.randn(layer.heads(role) if per_head else 1, n_in, generator=generator)
+                  .to(device) for role in ("q", "k") for per_head in (True, False)}
+
+    @torch.no_grad()
+    def measure(self, layer, iters=1, per_head=True):
+        """(sigma of W_q, of W_k): per head, (n_head,) and (n_kv_head,); else (1,) each."""
+        out = []
+        for role in ("q", "k"):
+            w = layer.weight(role).float().unflatten(0, (layer.heads(role) if per_head else 1, -1))  # (h, rows, in)
+            v = self.v[role, per_head]
+            for _ in range(iters):
+                v = SpectralMonitor._power_step(w, v)
+            self.v[role, per_head] = v
+            out.append(torch.einsum("hoi,hi->ho", w, v).norm(dim=-1))
+        return tuple(out)
+
+
+# ----------------------------------------------------------------------------------------- the guard
+
+class AttachedGuard:
+    """QK-Guard on a model through hooks: one on each module that forms q or k, one on each attention.
+
+    Dormant, the hooks return nothing. On a monitored step (every `interval`-th update, forwards in
+    training mode) they copy q and k out, detached, and draw the sampled rows from the guard's own
+    generator: the model's outputs, gradients and RNG are those of a run without the guard, so its
+    training is bit for bit the same. QKGuard (guard.py) decides when to act, and this class acts:
+      qknorm  each head's q and k RMS-normalized over head_dim where they are formed, as this project's
+              kernel does (attention_kernel._rms_norm, scale unchanged): |q| = |k| = sqrt(head_dim) at most,
+              so |logit| <= scale * head_dim (sqrt(head_dim) at the usual scale)
+      qkclip  after each update, the rows of W_q and W_k (and their biases) of each covered head whose max
+              logit S passed tau, so that its logits shrink by tau / S (Kimi K2's QK-Clip); from the trigger
+              on, every step is measured over all rows, as the clip needs the true maximum
+    """
+
+    def __init__(self, model, layers, qkguard, *, interval=1, rows=32, seed=0, tensorboard=None, log_every=10):
+        if len({layer.n_head for layer in layers}) > 1:
+            raise ValueError("attach: the layers have different head counts; QK-Guard's signal is one "
+                             "(layer, head) table: guard the layers of one head count")
+        self.model, self.layers, self.qkguard = model, layers, qkguard
+        self.interval, self.rows, self.log_every = interval, rows, log_every
+        self.attentions = [layer.switch or Switch() for layer in layers]   # what QKGuard.apply_to_model flips
+        self.generator = torch.Generator().manual_seed(seed)
+        self.sigmas = [LayerSigma(layer, self.generator) for layer in layers]
+        self.sigma_head = self._measure_sigma(iters=30)   # converged before step 0, as in train.py
+        for sigma, layer in zip(self.sigmas, layers):
+            sigma.measure(layer, iters=30, per_head=False)
+        self.steps, self.max_logit, self.events = 0, None, []
+        self._seen = [{} for _ in layers]          # this forward's q and k, per layer, until its attention ends
+        self._running = [None] * len(layers)       # this step's max logit per layer (micro-batches: the max)
+        self._plan()
+        self.writer = _tensorboard_writer(tensorboard) if tensorboard else None
+        feeds = {}   # module -> [(layer, "q" or "k")]: one hook per module, as a fused c_attn forms both
+        for i, layer in enumerate(layers):
+            for role, module in (("q", layer.q), ("k", layer.k)):
+                feeds.setdefault(module, []).append((i, role))
+        self.handles = [module.register_forward_hook(self._projection_hook(roles)) for module, roles in feeds.items()]
+        self.handles += [layer.attn.register_forward_hook(self._attention_hook(i), with_kwargs=True)
+                         for i, layer in enumerate(layers)]
+
+    @property
+    def triggered(self):
+        return self.qkguard.triggered
+
+    def _clipping(self):
+        return self.qkguard.triggered and self.qkguard.action == "qkclip"
+
+    def _plan(self):
+        """Whether the next update's forwards are measured, and over all rows or a sample."""
+        self._measuring = self.steps % self.interval == 0 or self._clipping()
+        self._all_rows = self._clipping()
+
+    # ------------------------------------------------------------------------- the hooks
+
+    def _projection_hook(self, roles):
+        def hook(module, args, out):
+            measuring, new = self._measuring and module.training, None
+            for i, role in roles:
+                layer, on = self.layers[i], self.attentions[i].qk_norm
+                if not (on or measuring):
+                    continue                  # the dormant path: nothing computed, the output untouched
+                cols = layer.cols(role)
+                part = out[..., cols].unflatten(-1, (layer.heads(role), layer.head_dim))   # (B, T, heads, D)
+                if on and layer.switch is None:    # the action, where q and k are formed
+                    part = _rms_norm(part)
+                    if cols == slice(None):
+                        new = part.flatten(-2)
+                    else:                          # a fused projection: its other columns pass through
+                        new = out.clone() if new is None else new
+                        new[..., cols] = part.flatten(-2)
+                if measuring:
+                    seen = part.detach()
+                    if on and layer.switch is not None:   # the model normalizes itself: measure what it sees
+                        seen = _rms_norm(seen)
+                    self._seen[i][role] = seen.transpose(-3, -2)                         # (B, heads, T, D)
+            return new
+        return hook
+
+    def _attention_hook(self, i):
+        def hook(module, args, kwargs, out):
+            seen = self._seen[i]
+            if "q" in seen and "k" in seen:
+                layer = self.layers[i]
+                with torch.no_grad():
+                    q, k = seen["q"], seen["k"]
+                    if layer.rotary is not None:
+                        q, k = layer.rotary(q, k, args, kwargs)
+                    value = sampled_max_logit(q, k, layer.scale, None if self._all_rows else self.rows,
+                                              self.generator)
+                running = self._running[i]
+                self._running[i] = value if running is None else torch.maximum(running, value)
+            seen.clear()
+        return hook
+
+    # ------------------------------------------------------------------------- the step
+
+    def step(self):
+        """Call once after each optimizer update, as train.py's loop does at (6) and (7). A monitored step
+        refreshes sigma and hands QKGuard this step's signal: it acts on the check it queued last time
+        and queues this one (observe_deferred: no host sync). Under qkclip, the covered heads are clipped.
+        Returns the guard's event (a dict, train.py's guard_trigger record) on the step it acts, else None."""
+        step, event = self.steps, None
+        max_logit = self._take_max_logit() if self._measuring else None
+        if step % self.interval == 0:
+            self.max_logit, self.sigma_head = max_logit, self._measure_sigma()
+            event = self.qkguard.observe_deferred(step, max_logit, self.sigma_head, self)
+        if self._clipping():
+            self._clip(max_logit)
+        if event is not None:
+            self.events.append(event)
+            if self.writer is not None:
+                self.writer.add_text("qkguard/event", json.dumps(event), step)
+        if self.writer is not None and step % self.log_every == 0:
+            self._write_tensorboard(step)
+        self.steps += 1
+        self._plan()
+        return event
+
+    def _take_max_logit(self):
+        missing = [i for i, value in enumerate(self._running) if value is None]
+        if missing:
+            raise RuntimeError(f"QK-Guard: no training-mode forward reached attention layer {missing[0]} since the "
+                               f"last guard.step(): call guard.step() once after each optimizer step, the model in "
+                               f"train() mode")
+        out, self._running = torch.stack(self._running), [None] * len(self.layers)
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            torch.distributed.all_reduce(out, op=torch.distributed.ReduceOp.MAX)   # every rank decides alike
+        return out
+
+    def _measure_sigma(self, iters=1):
+        """(n_layer, 2, n_head): sigma(W_q,h) at [:, 0], and at [:, 1] sigma of the W_k head h reads."""
+        rows = []
+        for sigma, layer in zip(self.sigmas, self.layers):
+            s_q, s_k = sigma.measure(layer, iters)
+            rows.append(torch.stack([s_q, s_k.repeat_interleave(layer.n_head // layer.n_kv_head)]))
+        return torch.stack(rows)
+
+    @torch.no_grad()
+    def _clip(self, max_logit):
+        """QK-Clip, with no host sync: each covered head h gets its logits times f_h = tau / S_h where its
+        max logit S_h passed tau (1 elsewhere). W_q's rows take f_h / a and W_k's take a, with a the
+        square root of the least f_h among the query heads that read that key head: sqrt(f_h) each
+        without GQA (Kimi K2's split); under GQA the other heads of the group keep their logits."""
+        tau = self.qkguard.tau
+        for i in self.qkguard.layers:
+            layer = self.layers[i]
+            s = max_logit[i]
+            f = torch.where(s > tau, tau / s.clamp_min(1e-30), torch.ones_like(s))
+            a = f.unflatten(0, (layer.n_kv_head, -1)).amin(dim=1).sqrt()              # per key head
+            for role, factor in (("q", f / a.repeat_interleave(layer.n_head // layer.n_kv_head)), ("k", a)):
+                per_row = factor.repeat_interleave(layer.head_dim)
+                w, b = layer.weight(role), layer.bias(role)
+                w.mul_(per_row.to(w.dtype)[:, None])
+                if b is not None:
+                    b.mul_(per_row.to(b.dtype))
+
+    # ------------------------------------------------------------------------- logs and checkpoints
+
+    def record(self, iters=2):
+        """The last monitored step's signals for a log line, under train.py's keys (a host sync: call it
+        at log steps): max_logit (layer x head), sigma_q_head and sigma_k_head (per head; k's per key
+        head), sigma_q and sigma_k (whole matrices, refreshed by `iters` power steps), and guard."""
+        whole = [sigma.measure(layer, iters, per_head=False) for sigma, layer in zip(self.sigmas, self.layers)]
+        groups = self.layers[0].n_head // self.layers[0].n_kv_head
+        return {"max_logit": None if self.max_logit is None else self.max_logit.tolist(),
+                "sigma_q": [float(q) for q, _ in whole], "sigma_k": [float(k) for _, k in whole],
+                "sigma_q_head": self.sigma_head[:, 0].tolist(),
+                "sigma_k_head": self.sigma_head[:, 1, ::groups].tolist(),
+                "guard": "on" if self.triggered else ("dormant" if self.qkguard.enabled else "off")}
+
+    def _write_tensorboard(self, step):
+        if self.max_logit is not None:
+            for i, value in enumerate(self.max_logit.amax(dim=1).tolist()):
+                self.writer.add_scalar(f"qkguard/max_logit/layer{i}", value, step)
+        for i, value in enumerate((self.sigma_head[:, 0] * self.sigma_head[:, 1]).amax(dim=1).tolist()):
+            self.writer.add_scalar(f"qkguard/sigma_product/layer{i}", value, step)
+        self.writer.add_scalar("qkguard/on", float(self.triggered), step)
+
+    def state_dict(self):
+        """The latch (QKGuard's trigger, covered layers, queued check), the step count, the power
+        iteration's vectors and the sampling generator: plain tensors and lists (torch.load weights_only)."""
+        return {"n_layer": len(self.layers), "steps": self.steps, "guard": self.qkguard.state_dict(),
+                "sigma_v": [{f"{role}_{'head' if per_head else 'all'}": v.cpu() for (role, per_head), v in s.v.items()}
+                            for s in self.sigmas],
+                "generator": self.generator.get_state()}
+
+    def load_state_dict(self, state):
+        """A saved guard back; a latched action is on again in the model at once."""
+        if state.get("n_layer") != len(self.layers):
+            raise ValueError(f"QK-Guard: this state is of a model with {state.get('n_layer')} attention layers, not "
+                             f"{len(self.layers)}: load the guard state saved with this model")
+        self.qkguard.load_state_dict(state["guard"])
+        self.steps = state["steps"]
+        for sigma, saved in zip(self.sigmas, state["sigma_v"]):
+            for key, v in saved.items():
+                role, which = key.split("_")
+                sigma.v[role, which == "head"] = v.to(sigma.v[role, which == "head"].device)
+        self.generator.set_state(state["generator"])
+        self.sigma_head, self._running = self._measure_sigma(iters=0), [None] * len(self.layers)
+        self.qkguard.apply_to_model(self)
+        self._plan()
+
+    def detach(self):
+        """Remove the hooks (an action the model switches itself, this project's qk_norm, stays as it is)."""
+        for handle in self.handles:
+            handle.remove()
+        self.handles = []
+        if self.writer is not None:
+            self.writer.close()
+
+
+def _tensorboard_writer(logdir):
+    try:
+        from torch.utils.tensorboard import SummaryWriter   # only when asked: tensorboard stays optional
+    except ImportError:
+        raise ImportError("attach(tensorboard=...) needs the tensorboard package: pip install tensorboard, or "
+                          "leave tensorboard=None") from None
+    return SummaryWriter(logdir)
+
+
+def attach(model, adapter="auto", *, threshold=None, signal="max-logit", action="qknorm", scope="all",
+           enabled=True, tau=100.0, interval=1, rows=32, seed=0, tensorboard=None, log_every=10):
+    """Attach QK-Guard to `model`; returns an AttachedGuard (call its step() after each update).
+
+    adapter    "auto", a name in ADAPTERS, or a function model -> [Layer]
+    threshold  in the signal's units; None: guard.DEFAULT_THRESHOLD (max-logit 200)
+    signal     "max-logit" (sampled from q and k) or "sigma-product" (sigma(W_q,h) sigma(W_k,h))
+    action     "qknorm" or "qkclip" (tau: QK-Clip's cap); scope "all" or "crossed", as in guard.py
+    enabled    False: watch and log, never act (the unguarded run of a comparison)
+    interval   monitor every N updates; rows: query rows sampled per layer per forward (None: all)
+    tensorboard  a log folder for the signals every log_every steps (needs tensorboard); None: off
+    """
+    if action not in ATTACH_ACTIONS:
+        raise ValueError(f"attach: action {action!r} is not one an attached guard can take: choose one of "
+                         f"{', '.join(ATTACH_ACTIONS)} (the others act in this project's kernel or train.py's loop)")
+    if signal not in DEFAULT_THRESHOLD:
+        raise ValueError(f"attach: unknown signal {signal!r}: choose one of {', '.join(DEFAULT_THRESHOLD)}")
+    if not (isinstance(interval, int) and interval >= 1) or not (rows is None or isinstance(rows, int) and rows >= 1):
+        raise ValueError(f"attach: interval ({interval!r}) must be an integer >= 1 and rows ({rows!r}) one >= 1 or None")
+    layers = find_layers(model, adapter)
+    qkguard = QKGuard(threshold=DEFAULT_THRESHOLD[signal] if threshold is None else threshold, enabled=enabled,
+                      signal=signal, action=action, scope=scope, tau=tau)
+    return AttachedGuard(model, layers, qkguard, interval=interval, rows=rows, seed=seed, tensorboard=tensorboard,
+                         log_every=log_every)

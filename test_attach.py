@@ -1,0 +1,480 @@
+"""attach.py: QK-Guard on models it does not own, one adapter at a time.
+
+Each adapter's signal is checked against the logits the model itself computes: a spy on
+F.scaled_dot_product_attention, through which every model here attends, records the q and k that
+reach it, and the max logit follows in float64. The Hugging Face adapters' tests need transformers
+and skip without it; everything else runs without it.
+"""
+import math
+import os
+import subprocess
+import sys
+from contextlib import contextmanager
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import attach
+import model as model_lib
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+VOCAB, T, BATCH = 64, 32, 2
+
+
+# --------------------------------------------------------------------------------------------------
+# A nanoGPT-style GPT (lab/attach_demo.py trains it too): one fused c_attn Linear per attention, SDPA
+
+class NanoAttention(nn.Module):
+    def __init__(self, n_embd, n_head, dropout):
+        super().__init__()
+        self.c_attn = nn.Linear(n_embd, 3 * n_embd)          # q, k, v in one projection
+        self.c_proj = nn.Linear(n_embd, n_embd)
+        self.n_head, self.n_embd, self.dropout = n_head, n_embd, dropout
+        self.resid_dropout = nn.Dropout(dropout)
+
+    def forward(self, x):
+        B, T_, C = x.shape
+        q, k, v = (t.view(B, T_, self.n_head, C // self.n_head).transpose(1, 2)
+                   for t in self.c_attn(x).split(self.n_embd, dim=2))
+        y = F.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True)
+        return self.resid_dropout(self.c_proj(y.transpose(1, 2).reshape(B, T_, C)))
+
+
+class NanoBlock(nn.Module):
+    def __init__(self, n_embd, n_head, dropout):
+        super().__init__()
+        self.ln_1, self.ln_2 = nn.LayerNorm(n_embd), nn.LayerNorm(n_embd)
+        self.attn = NanoAttention(n_embd, n_head, dropout)
+        self.mlp = nn.Sequential(nn.Linear(n_embd, 4 * n_embd), nn.GELU(), nn.Linear(4 * n_embd, n_embd),
+                                 nn.Dropout(dropout))
+
+    def forward(self, x):
+        x = x + self.attn(self.ln_1(x))
+        return x + self.mlp(self.ln_2(x))
+
+
+class NanoGPT(nn.Module):
+    """nanoGPT's layout (transformer.wte/wpe/h/ln_f, tied lm_head); forward(idx, targets) -> (logits, loss)."""
+
+    def __init__(self, vocab_size=VOCAB, block_size=T, n_layer=2, n_head=4, n_embd=64, dropout=0.0):
+        super().__init__()
+        self.transformer = nn.ModuleDict(dict(
+            wte=nn.Embedding(vocab_size, n_embd), wpe=nn.Embedding(block_size, n_embd), drop=nn.Dropout(dropout),
+            h=nn.ModuleList(NanoBlock(n_embd, n_head, dropout) for _ in range(n_layer)), ln_f=nn.LayerNorm(n_embd)))
+        self.lm_head = nn.Linear(n_embd, vocab_size, bias=False)
+        self.lm_head.weight = self.transformer.wte.weight
+        for module in self.modules():
+            if isinstance(module, (nn.Linear, nn.Embedding)):
+                nn.init.normal_(module.weight, std=0.02)
+
+    def forward(self, idx, targets=None):
+        x = self.transformer.wte(idx) + self.transformer.wpe(torch.arange(idx.shape[1], device=idx.device))
+        x = self.transformer.drop(x)
+        for block in self.transformer.h:
+            x = block(x)
+        logits = self.lm_head(self.transformer.ln_f(x))
+        loss = None if targets is None else F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+        return logits, loss
+
+
+# --------------------------------------------------------------------------------------------------
+# The models under test: name -> (model, loss(model, x, y)), built from a config, no download
+
+def build(name, dropout=0.0, seed=0):
+    torch.manual_seed(seed)
+    if name.startswith("qkguard-gpt"):
+        cfg = model_lib.GPTConfig(arch="llama" if name.endswith("llama") else "gpt2", n_layer=2, n_head=4, n_embd=64,
+                                  block_size=T, vocab_size=VOCAB, dropout=dropout, attn_impl="sdpa",
+                                  attn_dtype="native", max_logit=False)
+        return model_lib.GPT(cfg), lambda m, x, y: m(x, y)[1]
+    if name == "nanogpt":
+        return NanoGPT(dropout=dropout), lambda m, x, y: m(x, y)[1]
+    transformers = pytest.importorskip("transformers")
+    hf_loss = lambda m, x, y: m(input_ids=x, labels=x).loss           # Hugging Face shifts the labels itself
+    if name == "hf-gpt2":
+        cfg = transformers.GPT2Config(n_layer=2, n_head=4, n_embd=64, n_positions=T, vocab_size=VOCAB,
+                                      resid_pdrop=dropout, embd_pdrop=dropout, attn_pdrop=dropout,
+                                      bos_token_id=0, eos_token_id=0)
+        return transformers.GPT2LMHeadModel(cfg), hf_loss
+    cfg = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                                   num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=T,
+                                   attention_dropout=dropout, bos_token_id=0, eos_token_id=0, pad_token_id=0)
+    return transformers.LlamaForCausalLM(cfg), hf_loss
+
+
+MODELS = ["qkguard-gpt", "qkguard-gpt-llama", "nanogpt", "hf-gpt2", "hf-llama"]
+ADAPTER = {"qkguard-gpt": "qkguard-gpt", "qkguard-gpt-llama": "qkguard-gpt", "nanogpt": "nanogpt",
+           "hf-gpt2": "hf-gpt2", "hf-llama": "hf-llama"}
+
+
+def batch(seed=1):
+    tokens = torch.randint(0, VOCAB, (BATCH, T + 1), generator=torch.Generator().manual_seed(seed))
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+@contextmanager
+def spied_attention(monkeypatch):
+    """Record each attention's q, k (as float64) and scale as they reach F.scaled_dot_product_attention."""
+    calls, real = [], F.scaled_dot_product_attention
+
+    def spy(q, k, v, *args, scale=None, enable_gqa=False, **kwargs):
+        k64 = k.detach().double()
+        if k.shape[1] != q.shape[1]:          # GQA inside SDPA: query head h reads key head h // group
+            k64 = k64.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+        calls.append((q.detach().double(), k64, 1 / math.sqrt(q.shape[-1]) if scale is None else scale))
+        return real(q, k, v, *args, scale=scale, enable_gqa=enable_gqa, **kwargs)
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
+    yield calls
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", real)
+
+
+def dense_logits(q, k, scale):
+    """(B, H, T, T) float64 logits, -inf above the diagonal (the causal mask)."""
+    s = q @ k.mT * scale
+    return s.masked_fill(~torch.ones(s.shape[-2:], dtype=torch.bool).tril(), -math.inf)
+
+
+def dense_max_logit(calls):
+    """(n_layer, n_head): each call's max over the batch, all query rows and the keys they see."""
+    return torch.stack([dense_logits(q, k, s).amax(dim=(0, 2, 3)) for q, k, s in calls])
+
+
+def inflate_qk(model, factor=30.0):
+    """W_q and W_k times `factor`, found by name as each model spells them (not through the adapter)."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(("q_proj.weight", "k_proj.weight", "c_attn.weight")):
+                p.mul_(factor)
+
+
+def train_steps(model, loss_of, guard, steps, lr=1e-3):
+    """`steps` AdamW updates on fixed batches; guard.step() after each if a guard is given."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
+    losses = []
+    for step in range(steps):
+        loss = loss_of(model, *batch(seed=step))
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+        if guard is not None:
+            guard.step()
+    return losses, optimizer
+
+
+# --------------------------------------------------------------------------------------------------
+# The signals
+
+@pytest.mark.parametrize("name", MODELS)
+def test_the_max_logit_over_all_rows_is_the_models_own(name, monkeypatch):
+    model, loss_of = build(name)
+    inflate_qk(model, 10.0)                          # logits well away from 0, so relative error means something
+    guard = attach.attach(model, ADAPTER[name], rows=None)
+    assert len(guard.layers) == 2
+    with spied_attention(monkeypatch) as calls:
+        loss_of(model, *batch()).backward()
+    guard.step()
+    dense = dense_max_logit(calls).float()
+    assert dense.shape == guard.max_logit.shape == (2, 4)
+    assert dense.min() > 1.0, "the check needs logits of a visible size"
+    torch.testing.assert_close(guard.max_logit, dense, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", ["qkguard-gpt-llama", "hf-llama"])
+def test_the_rotation_is_part_of_the_signal(name, monkeypatch):
+    """Without the rotary step the measured logits differ from the model's: the check above can fail."""
+    model, loss_of = build(name)
+    inflate_qk(model, 10.0)
+    guard = attach.attach(model, ADAPTER[name], rows=None)
+    for layer in guard.layers:
+        layer.rotary = None
+    with spied_attention(monkeypatch) as calls:
+        loss_of(model, *batch()).backward()
+    guard.step()
+    assert not torch.allclose(guard.max_logit, dense_max_logit(calls).float(), rtol=1e-3)
+
+
+def test_a_sampled_max_logit_is_the_dense_max_over_the_rows_it_drew():
+    torch.manual_seed(0)
+    q, k = torch.randn(3, 4, 40, 8), torch.randn(3, 2, 40, 8)          # GQA: 4 query heads, 2 key heads
+    sampled = attach.sampled_max_logit(q, k, 0.3, rows=7, generator=torch.Generator().manual_seed(5))
+    rows = attach.sample_rows(40, 7, torch.Generator().manual_seed(5))
+    assert len(rows) == 7 and len(set(rows.tolist())) == 7
+    dense = dense_logits(q.double(), k.double().repeat_interleave(2, dim=1), 0.3)
+    torch.testing.assert_close(sampled.double(), dense[:, :, rows].amax(dim=(0, 2, 3)), rtol=1e-6, atol=1e-6)
+    assert (sampled.double() <= dense.amax(dim=(0, 2, 3)) + 1e-6).all()
+    full = attach.sampled_max_logit(q, k, 0.3, rows=None)
+    torch.testing.assert_close(full.double(), dense.amax(dim=(0, 2, 3)), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_sigma_per_head_is_the_top_singular_value_of_each_heads_rows(name):
+    model, _ = build(name)
+    guard = attach.attach(model, ADAPTER[name])
+    sigma_head = guard._measure_sigma(iters=300)
+    for i, layer in enumerate(guard.layers):
+        for which, role in enumerate(("q", "k")):
+            # the weight as the module stores it (Conv1D: (in, out)), sliced here, not by the adapter
+            module = layer.q if role == "q" else layer.k
+            w = module.weight.detach().T if layer.transposed else module.weight.detach()
+            w = w[layer.cols(role)].unflatten(0, (layer.heads(role), layer.head_dim))
+            exact = torch.linalg.svdvals(w)[:, 0].repeat_interleave(layer.n_head // layer.heads(role))
+            torch.testing.assert_close(sigma_head[i, which], exact, rtol=1e-3, atol=0)
+    record = guard.record(iters=300)
+    exact_q = [torch.linalg.svdvals(layer.weight("q").detach())[0].item() for layer in guard.layers]
+    assert record["sigma_q"] == pytest.approx(exact_q, rel=1e-3)
+
+
+# --------------------------------------------------------------------------------------------------
+# The guard's step: deferred, latched, acting
+
+@pytest.mark.parametrize("name", MODELS)
+def test_qknorm_bounds_every_logit_once_the_guard_fires_one_step_late(name, monkeypatch):
+    model, loss_of = build(name)
+    inflate_qk(model)
+    guard = attach.attach(model, ADAPTER[name], threshold=1.0)
+    with spied_attention(monkeypatch) as calls:
+        loss_of(model, *batch()).backward()
+    bound = max(s for _, _, s in calls) * guard.layers[0].head_dim
+    assert dense_max_logit(calls).max() > 2 * bound, "the test needs logits past the bound before the action"
+    assert guard.step() is None and not guard.triggered, "step 0's crossing is checked at step 1"
+    loss_of(model, *batch()).backward()
+    event = guard.step()
+    assert event["event"] == "guard_trigger" and event["step"] == 0 and event["active_from"] == 2
+    assert event["layers"] == [0, 1] and event["value"] > 1.0 and guard.triggered
+    with spied_attention(monkeypatch) as calls:
+        loss = loss_of(model, *batch())
+    for q, k, scale in calls:
+        logits = dense_logits(q, k, scale)
+        assert logits[logits.isfinite()].abs().max() <= scale * q.shape[-1] * (1 + 1e-5)
+    loss.backward()                                 # and it trains: the gradient reaches W_q and W_k
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for n, p in model.named_parameters()
+               if n.endswith(("q_proj.weight", "c_attn.weight")))
+
+
+def qk_rows(layer):
+    """Per role, each head's rows of W_q or W_k and of its bias, sliced from the module's own weight."""
+    out = {}
+    for role in ("q", "k"):
+        module = layer.q if role == "q" else layer.k
+        w = (module.weight.detach().T if layer.transposed else module.weight.detach())[layer.cols(role)]
+        b = module.bias.detach()[layer.cols(role)] if getattr(module, "bias", None) is not None else None
+        out[role] = [t.unflatten(0, (layer.heads(role), layer.head_dim)).clone() for t in (w, b) if t is not None]
+    return out
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_qkclip_caps_the_offending_heads_at_tau_and_keeps_the_others(name, monkeypatch):
+    model, loss_of = build(name)
+    inflate_qk(model, 12.0)
+    with torch.no_grad():       # biases away from 0 (Hugging Face starts them at 0), so their scaling shows
+        for n, p in model.named_parameters():
+            if n.endswith(("c_attn.bias", "q_proj.bias", "k_proj.bias")):
+                p.normal_(0.0, 0.1, generator=torch.Generator().manual_seed(2))
+    guard = attach.attach(model, ADAPTER[name], threshold=1.0, action="qkclip")
+    for _ in range(2):                              # the crossing at step 0 acts at step 1
+        loss_of(model, *batch()).backward()
+        guard.step()
+    assert guard.triggered
+    with spied_attention(monkeypatch) as calls:     # the max logit the clip will use: this batch's
+        loss_of(model, *batch()).backward()
+    before, rows_before = dense_max_logit(calls), [qk_rows(layer) for layer in guard.layers]
+    tau = float(before[0].median())                 # layer 0: some heads above, some below
+    guard.qkguard.tau = tau
+    guard.step()
+    # Layer 0 sees the same input: its logits are min(S, tau). Deeper layers see a changed input, so
+    # there the check is the weights': head h's logit factor f_h = tau / S_h (or 1) split over W_q, W_k.
+    with spied_attention(monkeypatch) as calls:
+        loss_of(model, *batch())
+    over = before[0] > tau
+    assert over.any() and (~over).any()
+    torch.testing.assert_close(dense_max_logit(calls)[0], before[0].clamp(max=tau), rtol=1e-4, atol=1e-6)
+    for i, layer in enumerate(guard.layers):
+        f = torch.where(before[i] > tau, tau / before[i], torch.ones_like(before[i]))
+        scale = {}
+        for role, tensors in qk_rows(layer).items():
+            ratios = [after / prior for after, prior in zip(tensors, rows_before[i][role])]
+            per_head = ratios[0].flatten(1).median(dim=1).values
+            for ratio in ratios:   # each head's rows (and bias) scaled by one factor
+                torch.testing.assert_close(ratio.flatten(1), per_head[:, None].expand_as(ratio.flatten(1)),
+                                           rtol=1e-4, atol=1e-6)
+            scale[role] = per_head
+        group = layer.n_head // layer.n_kv_head
+        torch.testing.assert_close(scale["q"] * scale["k"].repeat_interleave(group), f.float(), rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_the_latch_survives_a_checkpoint_and_the_resumed_guard_still_acts(name, tmp_path, monkeypatch):
+    model, loss_of = build(name)
+    inflate_qk(model)
+    guard = attach.attach(model, ADAPTER[name], threshold=1.0)
+    _, optimizer = train_steps(model, loss_of, guard, 2)
+    assert guard.triggered
+    path = tmp_path / "ckpt.pt"
+    torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "guard": guard.state_dict()}, path)
+    state = torch.load(path, weights_only=True)     # plain tensors and lists: no pickled code
+    resumed, _ = build(name, seed=1)
+    resumed.load_state_dict(state["model"])
+    fresh = attach.attach(resumed, ADAPTER[name], threshold=1.0)
+    fresh.load_state_dict(state["guard"])
+    assert fresh.triggered and fresh.qkguard.trigger == guard.qkguard.trigger and fresh.steps == 2
+    optimizer = torch.optim.AdamW(resumed.parameters(), lr=1e-3)
+    optimizer.load_state_dict(state["optimizer"])
+    with spied_attention(monkeypatch) as calls:      # the next update, acted on from its forward
+        loss = loss_of(resumed, *batch())
+    loss.backward()
+    optimizer.step()
+    assert fresh.step() is None and math.isfinite(loss.item())
+    for q, k, scale in calls:
+        logits = dense_logits(q, k, scale)
+        assert logits[logits.isfinite()].abs().max() <= scale * q.shape[-1] * (1 + 1e-5)
+
+
+def test_a_queued_crossing_travels_in_the_checkpoint():
+    """A crossing at the last step before a save acts at the first step after the resume."""
+    model, loss_of = build("nanogpt")
+    inflate_qk(model)
+    guard = attach.attach(model, "nanogpt", threshold=1.0)
+    train_steps(model, loss_of, guard, 1)
+    assert not guard.triggered and guard.qkguard.pending_crossing() == 0
+    resumed, _ = build("nanogpt")
+    resumed.load_state_dict(model.state_dict())
+    fresh = attach.attach(resumed, "nanogpt", threshold=1.0)
+    fresh.load_state_dict(guard.state_dict())
+    loss_of(resumed, *batch()).backward()
+    assert fresh.step()["step"] == 0 and fresh.triggered
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_a_dormant_guard_leaves_training_bit_for_bit_as_without_it(name):
+    """With dropout on, so a guard that drew its sampled rows from the global RNG would fail this."""
+    runs = []
+    for guarded in (False, True):
+        model, loss_of = build(name, dropout=0.1)
+        model.train()
+        guard = attach.attach(model, ADAPTER[name], threshold=1e9, rows=8) if guarded else None
+        torch.manual_seed(123)
+        losses, _ = train_steps(model, loss_of, guard, 3)
+        runs.append((losses, [p.detach().clone() for p in model.parameters()]))
+        if guarded:
+            assert guard.steps == 3 and not guard.triggered and guard.max_logit is not None
+    (losses_a, params_a), (losses_b, params_b) = runs
+    assert losses_a == losses_b
+    assert all(torch.equal(a, b) for a, b in zip(params_a, params_b))
+
+
+def test_an_unguarded_watch_measures_and_never_acts():
+    model, loss_of = build("nanogpt")
+    inflate_qk(model)
+    guard = attach.attach(model, "nanogpt", threshold=1.0, enabled=False)
+    train_steps(model, loss_of, guard, 3)
+    assert not guard.triggered and guard.record()["guard"] == "off" and guard.max_logit.max() > 1.0
+
+
+def test_a_monitor_interval_measures_only_every_nth_update():
+    model, loss_of = build("nanogpt")
+    guard = attach.attach(model, "nanogpt", interval=3)
+    seen = []
+    for step in range(5):
+        loss_of(model, *batch()).backward()
+        seen.append(guard._running[0] is not None)
+        guard.step()
+    assert seen == [True, False, False, True, False]
+
+
+# --------------------------------------------------------------------------------------------------
+# Bad input, optional packages
+
+def test_bad_input_ends_in_one_clear_line():
+    with pytest.raises(ValueError, match="found no attention layer in Sequential"):
+        attach.attach(nn.Sequential(nn.Linear(4, 4)))
+    model, loss_of = build("nanogpt")
+    with pytest.raises(ValueError, match="choose one of qknorm, qkclip"):
+        attach.attach(model, action="softcap")
+    with pytest.raises(ValueError, match="unknown adapter 'llama'"):
+        attach.attach(model, "llama")
+    guard = attach.attach(model)
+    with torch.no_grad():
+        model.eval()
+        model(batch()[0])
+    with pytest.raises(RuntimeError, match="no training-mode forward reached attention layer 0"):
+        guard.step()
+    with pytest.raises(ValueError, match="2 attention layers, not 4"):
+        attach.attach(NanoGPT(n_layer=4)).load_state_dict(guard.state_dict())
+
+
+def test_auto_finds_each_models_adapter():
+    for name in MODELS:
+        if name.startswith("hf-") and not _has("transformers"):
+            continue
+        model, _ = build(name)
+        layers, named = attach.find_layers(model), attach.ADAPTERS[ADAPTER[name]](model)
+        key = lambda ls: [(l.attn, l.q, l.k, l.cols("q"), l.cols("k"), l.transposed, l.n_kv_head) for l in ls]
+        assert len(layers) == 2 and key(layers) == key(named), name
+        assert layers[0].transposed == (name == "hf-gpt2") and layers[0].n_kv_head == (2 if name == "hf-llama" else 4)
+
+
+def test_a_user_adapter_is_a_few_lines():
+    """The README's example adapter, on a model attach knows nothing of: q and k from separate Linears."""
+    class Attn(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.wq, self.wk, self.wv = nn.Linear(16, 16), nn.Linear(16, 16), nn.Linear(16, 16)
+
+        def forward(self, x):
+            q, k, v = (w(x).unflatten(-1, (2, 8)).transpose(1, 2) for w in (self.wq, self.wk, self.wv))
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).flatten(-2)
+
+    model = nn.Sequential(Attn(), Attn())
+    guard = attach.attach(model, lambda m: [attach.Layer(attn=a, q=a.wq, k=a.wk, n_head=2, head_dim=8) for a in m])
+    model(torch.randn(2, 5, 16)).sum().backward()
+    guard.step()
+    assert guard.max_logit.shape == (2, 2)
+
+
+def _has(package):
+    try:
+        __import__(package)
+        return True
+    except ImportError:
+        return False
+
+
+def test_attach_imports_and_guards_without_transformers():
+    """transformers hidden (an import of it fails): attach, the project's GPT and a nanoGPT-style one work."""
+    code = ("import sys; sys.modules['transformers'] = None\n"
+            "import torch, attach, test_attach as t\n"
+            "for name in ('qkguard-gpt', 'nanogpt'):\n"
+            "    model, loss_of = t.build(name)\n"
+            "    guard = attach.attach(model)\n"
+            "    loss_of(model, *t.batch()).backward(); guard.step()\n"
+            "    assert guard.max_logit.shape == (2, 4)\n"
+            "assert sys.modules['transformers'] is None\n"
+            "print('ok')\n")
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    result = subprocess.run([sys.executable, "-c", code], cwd=HERE, env=env, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr[-2000:]
+
+
+def test_tensorboard_logging_writes_the_signals(tmp_path):
+    pytest.importorskip("tensorboard")
+    model, loss_of = build("nanogpt")
+    guard = attach.attach(model, "nanogpt", tensorboard=str(tmp_path / "tb"), log_every=1)
+    train_steps(model, loss_of, guard, 2)
+    guard.detach()
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    events = EventAccumulator(str(tmp_path / "tb"))
+    events.Reload()
+    scalars = events.Tags()["scalars"]
+    assert {"qkguard/max_logit/layer0", "qkguard/sigma_product/layer1", "qkguard/on"} <= set(scalars)
+    logged = [e.value for e in events.Scalars("qkguard/max_logit/layer0")]
+    assert len(logged) == 2 and logged[-1] == pytest.approx(guard.max_logit[0].max().item())
+
+
+def test_tensorboard_missing_is_one_clear_line(monkeypatch):
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)
+    model, _ = build("nanogpt")
+    with pytest.raises(ImportError, match="needs the tensorboard package: pip install tensorboard"):
+        attach.attach(model, tensorboard="runs/tb")
