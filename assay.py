@@ -5,7 +5,8 @@ The assay: move a controlled error to other sources, and probe the QK channel ca
                     the backward's delta (where the fault reaches dq, dk) or a weight's gradient
     measure_fault   the real fault's error (bf16 softmax state vs fp32), per layer and head
     Probe           project each step's W_q, W_k update off their top-k singular directions
-                    (controls: a fixed random subspace, W_v's or the MLP's top-k, equal energy)
+                    (controls: the same shrink of the whole update, the next k directions, a fixed
+                    random subspace, W_v's or the MLP's top-k, equal energy elsewhere)
     clean_qk_grads  --qk-fix clean-grad: fault-free W_q, W_k gradients; all else stays faulty
 
 The paper's claim under test: wherever an error enters, if its per-head sign persists from step
@@ -20,7 +21,7 @@ import torch
 INJECT_SITES = ("none", "attn-out", "mlp-in", "mlp-out", "residual", "delta", "grad-wv", "grad-mlp")
 ACTIVATION_SITES = ("attn-out", "mlp-in", "mlp-out", "residual")   # forward: changes the model
 GRAD_SITES = ("grad-wv", "grad-mlp")
-PROBE_MODES = ("off", "qk-topk", "qk-fixed", "v-topk", "mlp-topk", "equal-energy")
+PROBE_MODES = ("off", "qk-topk", "qk-shrink", "qk-nextk", "qk-fixed", "v-topk", "mlp-topk", "equal-energy")
 
 
 def _rms(x):
@@ -288,6 +289,11 @@ class Probe:
       qk-topk:       U, V = W_q's (W_k's) current top-k singular vectors (exact SVD, cheap at these
                      sizes); dW' = (I - U U^T) dW (I - V V^T). The removed part dW - dW', every
                      component of dW that touches a top-k direction on either side, has norm e.
+      The three controls below can be carried out at every step, whatever the update looks like:
+      qk-shrink:     the whole dW scaled to the norm qk-topk would leave, ||dW'|| = ||dW - e||-wise:
+                     dW' = dW * ||(I - U U^T) dW (I - V V^T)|| / ||dW||, the same step size, no
+                     direction taken out. If it stops the runaway too, the probe works by step size.
+      qk-nextk:      qk-topk's projection with U, V the singular vectors k+1..2k instead of 1..k.
       qk-fixed:      the same, with U, V a random rank-k subspace drawn once per weight and kept all
                      run (fresh random directions would average out).
       v-topk, mlp-topk:  qk-topk's projection on a non-QK weight: W_v, or the MLP's input matrix.
@@ -295,7 +301,8 @@ class Probe:
                      sides: with fresh random orthonormal bases P, Q of U's and V's complements,
                      C = P^T dW Q holds dW's out-of-top-k part. Take whole entries of C in random
                      order up to energy e^2 (the last in part): R = P (M * C) Q^T, M in [0, 1], so
-                     ||R|| = e; if C holds less, it all goes (the log shows the gap).
+                     ||R|| = e; if C holds less, it all goes (the log shows the gap). The update's
+                     energy sits mostly in its top-k (lab/MEASUREMENTS.md), so this one falls short.
       off:           nothing.
     The optimizer's moments are left alone: only the applied update changes.
     """
@@ -331,9 +338,10 @@ class Probe:
                 if index not in self.fixed:
                     self.fixed[index] = self._fixed_basis(w, index)
                 U, V = self.fixed[index]
-            else:
+            else:   # qk-nextk: directions k+1..2k; every other mode: 1..k
+                first = self.k if self.mode == "qk-nextk" else 0
                 U, _, Vh = torch.linalg.svd(w.float(), full_matrices=False)
-                U, V = U[:, :self.k], Vh[:self.k].T
+                U, V = U[:, first:first + self.k], Vh[first:first + self.k].T
             self.saved.append((i, name, w, w.detach().clone(), U, V))
 
     def _equal_energy(self, dW, U, V, energy):
@@ -350,7 +358,8 @@ class Probe:
     @torch.no_grad()
     def after_step(self, model):
         """Apply the projection; return per-layer norms for the log: {q,k}_update (||dW||), _removed
-        (||R||) and _target (qk-topk's removal: _removed unless the control fell short), and
+        (||R||), _kept (||dW - R||, the update applied) and _target (the projection's removal:
+        _removed unless the equal-energy control fell short; qk-shrink's is qk-topk's), and
         removed_fraction_min, the smallest removed / target of any weight since reset_interval()."""
         norms = {}
         for i, name, w, w_before, U, V in self.saved if self.mode != "off" else []:
@@ -358,9 +367,15 @@ class Probe:
             kept = dW - U @ (U.T @ dW)
             kept = kept - (kept @ V) @ V.T                             # (I - U U^T) dW (I - V V^T)
             target = (dW - kept).norm()
-            removed = self._equal_energy(dW, U, V, target) if self.mode == "equal-energy" else dW - kept
+            if self.mode == "equal-energy":
+                removed = self._equal_energy(dW, U, V, target)
+            elif self.mode == "qk-shrink":   # the same norm left as the projection leaves, all directions kept
+                removed = dW * (1 - kept.norm() / dW.norm().clamp_min(1e-30))
+            else:
+                removed = dW - kept
             w.copy_((w_before.float() + dW - removed).to(w.dtype))
-            for key, value in (("update", dW.norm()), ("removed", removed.norm()), ("target", target)):
+            for key, value in (("update", dW.norm()), ("removed", removed.norm()), ("kept", (dW - removed).norm()),
+                               ("target", target)):
                 norms.setdefault(f"{name}_{key}", []).append(value)
         self.saved = []
         if not norms:

@@ -181,7 +181,8 @@ def build_parser():
     add(g, "--qk-fix", "off", "QK-only fix, the fault left on: clean-grad (fault-free W_q, W_k "
         "gradients; backward sites) or qknorm (from step 0; forward sites)", choices=list(QK_FIXES))
     add(g, "--probe", "off", "project each step's W_q/W_k update off its top-k singular directions "
-        "(qk-topk); controls: a fixed random subspace (qk-fixed), W_v's or the MLP's top-k "
+        "(qk-topk); controls: the whole update shrunk to the norm qk-topk leaves (qk-shrink), the next "
+        "k directions (qk-nextk), a fixed random subspace (qk-fixed), W_v's or the MLP's top-k "
         "(v-topk, mlp-topk), equal energy elsewhere (equal-energy)", choices=list(PROBE_MODES))
     add(g, "--probe-k", 3, "singular directions the probe removes", type=COUNT)
 
@@ -299,6 +300,9 @@ def resolve(args, device, parser):
     if args.probe != "off" and args.probe_k >= args.n_embd:   # every probed matrix has n_embd columns
         parser.error(f"--probe-k {args.probe_k} would remove every direction of the {args.n_embd}-wide weights "
                      f"(the whole update, freezing them): give a k below --n-embd {args.n_embd}")
+    if args.probe == "qk-nextk" and 2 * args.probe_k > args.n_embd:   # directions k+1..2k must exist
+        parser.error(f"--probe qk-nextk removes directions {args.probe_k + 1}..{2 * args.probe_k}, past the "
+                     f"{args.n_embd}-wide weights: give a --probe-k of at most {args.n_embd // 2}")
     return args
 
 

@@ -297,6 +297,36 @@ def test_qk_fixed_removes_the_same_random_subspace_every_step():
     assert (top.T @ U).abs().max() < 0.9, "a random subspace, not the top singular directions"
 
 
+def test_qk_shrink_leaves_qk_topks_norm_in_every_direction():
+    # The step-size control: the applied update is dW itself, scaled to what qk-topk would leave,
+    # so a runaway it stops too is stopped by step size, not by the top directions.
+    gpt = tiny_gpt()
+    updates = random_updates(gpt)
+    applied, log, tops = probe_step("qk-shrink", gpt, updates)
+    for dW, new, (U, V) in zip(updates, applied, tops):
+        left = (dW - topk_removed(dW, U, V)).norm()
+        torch.testing.assert_close(new, dW * left / dW.norm(), rtol=0, atol=1e-4 * dW.norm().item())
+        assert (U.T @ new).norm() > 0.05 * new.norm(), "the top directions are not taken out"
+    kept = [(dW - topk_removed(dW, U, V)).norm().item() for dW, (U, V) in zip(updates[0::2], tops[0::2])]
+    assert log["q_kept"] == pytest.approx(kept, rel=1e-3)
+    assert log["q_target"] == pytest.approx([topk_removed(dW, U, V).norm().item()
+                                             for dW, (U, V) in zip(updates[0::2], tops[0::2])], rel=1e-3)
+
+
+def test_qk_nextk_removes_singular_directions_k_plus_1_to_2k():
+    gpt = tiny_gpt()
+    updates = random_updates(gpt)
+    weights = [w.detach().clone() for a in gpt.attentions for w in (a.q_proj.weight, a.k_proj.weight)]
+    applied, log, _ = probe_step("qk-nextk", gpt, updates, k=3)
+    for w, dW, new in zip(weights, updates, applied):
+        U, _, Vh = torch.linalg.svd(w, full_matrices=False)
+        nxt, top = (U[:, 3:6], Vh[3:6].T), (U[:, :3], Vh[:3].T)
+        torch.testing.assert_close(dW - new, topk_removed(dW, *nxt), rtol=0, atol=1e-4 * dW.norm().item())
+        assert (top[0].T @ new).norm() > 0.05 * new.norm(), "the top k are left alone"
+    assert log["q_removed"] == pytest.approx([(u - a).norm().item() for u, a in zip(updates[0::2], applied[0::2])],
+                                             rel=1e-3)
+
+
 @pytest.mark.parametrize("mode, probed, untouched", [
     ("v-topk", "attn.v_proj", ("attn.q_proj", "attn.k_proj")),
     ("mlp-topk", "mlp.up_proj", ("attn.q_proj", "attn.k_proj", "attn.v_proj")),
@@ -433,6 +463,8 @@ def test_assay_flags_reject_nonsense(flags, names, capsys):
     dict(accum="bf16", qk_fix="qknorm", probe="equal-energy", probe_k=1),
     dict(site="delta", scale=0.1, coherence=1.0, qk_fix="clean-grad"),
     dict(accum="bf16", probe="qk-fixed"),
+    dict(probe="qk-nextk"),
+    dict(probe="qk-shrink"),
 ])
 def test_assay_flags_accept_sense(flags):
     config.parse_args(assay_argv(flags))

@@ -1101,11 +1101,18 @@ def test_a_token_outside_the_vocabulary_is_refused_before_training(tmp_path, dat
     assert result.returncode != 0 and "holds token 300" in result.stderr and "val.bin" in result.stderr
 
 
-@pytest.mark.parametrize("probe", ["qk-topk", "qk-fixed", "equal-energy", "v-topk", "mlp-topk"])
+@pytest.mark.parametrize("probe", ["qk-topk", "qk-shrink", "qk-fixed", "equal-energy", "v-topk", "mlp-topk"])
 def test_a_probe_k_as_large_as_the_matrix_is_refused(tmp_path, data_dir, probe):
     result = train(tmp_path / "run", data_dir, "--probe", probe, "--probe-k", "32", "--max-steps", "2")
     assert result.returncode != 0 and "--probe-k 32" in result.stderr and "Traceback" not in result.stderr
     assert train(tmp_path / "ok", data_dir, "--probe", probe, "--probe-k", "31", "--max-steps", "1").returncode == 0
+
+
+def test_qk_nextk_needs_2k_directions(tmp_path, data_dir):
+    # directions k+1..2k of the 32-wide test model: k = 17 asks for 18..34
+    result = train(tmp_path / "run", data_dir, "--probe", "qk-nextk", "--probe-k", "17", "--max-steps", "2")
+    assert result.returncode != 0 and "--probe-k of at most 16" in result.stderr.splitlines()[-1]
+    assert train(tmp_path / "ok", data_dir, "--probe", "qk-nextk", "--probe-k", "16", "--max-steps", "1").returncode == 0
 
 
 def test_sample_with_an_empty_prompt_starts_at_end_of_text(tmp_path, data_dir):

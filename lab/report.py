@@ -24,9 +24,9 @@ import shlex
 import statistics
 import sys
 
-from lab.sweep import (CLAIM3_SITE, CLAIM4_SITES, CLAIMS, COHERENCES, DONE, DOSES, LR_STUDY_ARMS, NO_ERROR, SITES,
-                       SOURCES, Unreadable, action_arms, experiments, inject_arm, lr_name, probe_arms, read_log,
-                       split_lr)
+from lab.sweep import (CLAIM3_SITE, CLAIM4_SITES, CLAIMS, COHERENCES, DONE, DOSES, LR_STUDY_ARMS, NO_ERROR,
+                       QKNORM_ALONE, SITES, SOURCES, Unreadable, action_arms, experiments, inject_arm, lr_name,
+                       probe_arms, read_log, split_lr)
 
 # --------------------------------------------------------------------------------------------------
 # The verdict rules' constants.
@@ -39,7 +39,6 @@ SIGMA_RATIO = 2.0        # "through the QK channel": sigma(W_q or W_k) grew SIGM
 LOGIT_RATIO = 10.0       # "beyond the no-error run": max logit >= LOGIT_RATIO x that run's
 GUARD_THRESHOLD = 200.0  # the guard's default max-logit threshold (guard.py; a test keeps them in step)
 FIX_TOL = 0.1            # nat: a QK-only fix ends at most FIX_TOL above the no-error run's val loss
-CONTROL_ENERGY = 0.95    # the equal-energy control counts if it removed this share every step
 # config.json's flags in which the runs a rule compares may differ: where a run ran and how it logged,
 # not what it trained. config.RESUMABLE_CHANGES (a resume may change them) but max_steps, which arms
 # must share, and the seed; written out, as config.py imports torch (a test keeps them in step)
@@ -172,6 +171,12 @@ class Run:
         shares = [r["probe"]["removed_fraction_min"] for r in steps if "removed_fraction_min" in r.get("probe", {})]
         self.removed_fraction = min(shares) if shares else None
         self.grace_excess = self._grace_excess()
+        # sigma(W_q,h) sigma(W_k,h) of every (layer, head) per logged step, flattened (claim 6's QK growth)
+        self.qk_heads = [[q * k for row_q, row_k in zip(r["sigma_q_head"], r["sigma_k_head"])
+                          for q, k in zip(row_q, row_k)] if "sigma_q_head" in r and "sigma_k_head" in r else None
+                         for r in steps]
+        # the probe's norms, per layer, of the last update of each logged interval (claim 5's energy report)
+        self.probe_norms = [r["probe"] for r in steps if "q_update" in r.get("probe", {})]
         self.evals = [(r["step"], r["val_loss"]) for r in events if r["event"] == "eval"]
         # the end record's val loss (the model's at its end), else the last eval's
         self.final_val = end["val_loss"] if end.get("val_loss") is not None else \
@@ -205,6 +210,27 @@ class Run:
     def qk_and_other_growth(self):
         """(growth of sigma(W_q or W_k), of the most-grown other kind: None if none logged)."""
         return max(self.growth("q"), self.growth("k")), finite_max([self.growth(k) for k in self.other_kinds])
+
+    def qk_growth_after(self, step):
+        """The most-grown head's sigma(W_q,h) sigma(W_k,h) at the last logged step over its value at the last
+        logged step up to `step` (the trigger); nan where not logged."""
+        at = [p for s, p in zip(self.steps, self.qk_heads) if s <= step and p]
+        end = next((p for p in reversed(self.qk_heads) if p), None)
+        ratios = [e / a for e, a in zip(end, at[-1]) if a > 0] if at and end else []
+        return max(ratios) if ratios else math.nan
+
+    def probe_shares(self):
+        """(share of the W_q, W_k updates' energy the probe removed, norm left / update norm): medians over
+        the logged updates and layers, None where not logged (the norm left: logs before qk-shrink)."""
+        removed, left = [], []
+        for p in self.probe_norms:
+            for name in ("q", "k"):
+                for i, u in enumerate(p.get(f"{name}_update", [])):
+                    if u > 0:
+                        removed.append((p[f"{name}_removed"][i] / u) ** 2)
+                        if f"{name}_kept" in p:
+                            left.append(p[f"{name}_kept"][i] / u)
+        return (statistics.median(removed) if removed else None, statistics.median(left) if left else None)
 
     def logit_after(self, step):
         return finite_max([v for s, v in zip(self.steps, self.logit) if s > step]) or 0.0
@@ -387,89 +413,140 @@ def through_qk(run, ref):
     return beyond(run, ref) and qk_specific(run) and not math.isnan(ref_qk) and qk >= SIGMA_RATIO * ref_qk
 
 
-def fix_failed(run, ref):
-    """A QK-only fix failed: it ran away beyond ref anyway, or ended more than FIX_TOL above ref's
-    val loss (QK-norm from step 0 bounds every logit, so for it only the loss can tell)."""
-    worse = run.final_val is None or ref.final_val is None or run.final_val > ref.final_val + FIX_TOL
-    return beyond(run, ref) or worse
+def fix_failed(fix, error):
+    """A QK-only fix failed against its error's run of the same seed: it ran away, or did not remove the
+    error's runaway (where the error's logits ran away, its max logit is not LOGIT_RATIO below them), or
+    it ended more than FIX_TOL above the error run's val loss. Judged against the error, not the no-error
+    run: what the error harms through other channels no QK-side fix can mend (QK-norm's own cost is
+    measured apart)."""
+    runaway = (error.max_logit or 0.0) >= RUNAWAY_LOGIT   # a collapse alone: the fix must not collapse
+    kept = runaway and (fix.max_logit or 0.0) * LOGIT_RATIO > error.max_logit
+    return ran_away(fix) or kept or end_val(fix) > end_val(error) + FIX_TOL
+
+
+def median_range(values, spec="+.3f"):
+    return f"median {statistics.median(values):{spec}} ({min(values):{spec}} to {max(values):{spec}})" if values \
+        else "n/a"
 
 
 def injection_claim(c, site):
-    """Claim 3 at one site: the coherent error runs away through QK beyond the no-error run where
-    the same error with its QK-only fix does not fail; lists the fix's val-loss gaps."""
-    holds, lines = dose_contrast(c, site, lambda s, d: inject_arm(s, d, 1.0)[0],
-                                 lambda s, d: inject_arm(s, d, 1.0, True)[0], through_qk, fix_failed,
-                                 "error: ran away through QK beyond no-error / fix: failed", ref=NO_ERROR)
-    for dose in c.doses_run(site):
-        gaps = c.val_gaps(inject_arm(site, dose, 1.0, True)[0], NO_ERROR)
-        if gaps:
-            lines.append(f"{site} {dose:g}: QK-only fix's val loss - no-error's, median {statistics.median(gaps):+.3f}"
-                         f" (max {max(gaps):+.3f}; FIX_TOL {FIX_TOL})")
+    """Claim 3 at one site: at some dose, seed by seed, the coherent error runs away through QK beyond the
+    no-error run where its QK-only fix does not fail against it (sign test at ALPHA / the doses run).
+    Reported beside: each fix's val loss against its error and against no-error, and QK-norm's own cost
+    (fp32 with QK-norm always, against fp32)."""
+    doses, holds, lines = c.doses_run(site), False, []
+    alpha = ALPHA / max(1, len(doses))
+    lines.append(f"{site}: doses run {', '.join(f'{d:g}' for d in doses)}")
+    for dose in doses:
+        error, fix = inject_arm(site, dose, 1.0)[0], inject_arm(site, dose, 1.0, True)[0]
+        la, oa = c.count(error, "ran away through QK beyond no-error", through_qk, True, ref=NO_ERROR)
+        lb, ob = c.count(fix, "failed against the error (kept its runaway, or FIX_TOL worse)", fix_failed, False,
+                         ref=error)
+        k, j, p = sign_test(list(zip(oa, ob)))
+        holds, c.alpha = holds or p < alpha, min(c.alpha, alpha)
+        lines += [f"{site} {dose:g}: {la}", f"{site} {dose:g}: {lb}",
+                  f"sign test, {error} over {fix}: {k} seeds one way, {j} the other, p = {p:.3g} (threshold "
+                  f"{alpha:.3g}) -> {'holds' if p < alpha else 'fails'}",
+                  f"{site} {dose:g}: fix's val loss - the error's, {median_range(c.val_gaps(fix, error))}; "
+                  f"- no-error's, {median_range(c.val_gaps(fix, NO_ERROR))} (FIX_TOL {FIX_TOL})"]
+    if SITES[site] == "qknorm":
+        lines.append(f"QK-norm's own cost, {QKNORM_ALONE} val loss - {NO_ERROR}'s: "
+                     f"{median_range(c.val_gaps(QKNORM_ALONE, NO_ERROR))}")
     return holds, lines
 
 
-def potencies(c, site, coherence, claim_wants):
-    """Per seed: the smallest dose at which (site, coherence) ran away beyond the no-error run,
-    math.inf if none. An unfinished or missing run counts against the claim: as running away if
-    claim_wants is False, else not."""
-    out = []
-    for seed in c.seeds:
-        ref, found = c.runs[NO_ERROR].get(seed), math.inf
-        for dose in c.doses_run(site):
-            run = c.runs[inject_arm(site, dose, coherence)[0]].get(seed)
-            ok = run is not None and run.finished and ref is not None and ref.finished
-            if (beyond(run, ref) if ok else not claim_wants):
-                found = dose
-                break
-        out.append(found)
-    return out
+def logit_ratio(run, ref):
+    """A run's max logit over its seed's no-error run's (inf where it diverged)."""
+    return (run.max_logit or 0.0) / max(ref.max_logit or 0.0, 1e-30)
 
 
-def coherence_claim(c, site):
-    """Claim 4 at one site: potency, not one dose. Per seed, the smallest dose at which coherent
-    errors run away beyond the no-error run, against that of random-sign ones (coherence 0.5); the
-    claim wants the coherent one smaller (sign test). Both curves are in the dose table."""
-    coherent, random = potencies(c, site, 1.0, True), potencies(c, site, 0.5, False)
-    k, j, p = sign_test([(a < b, b < a) for a, b in zip(coherent, random)])
-    show = lambda d: "none" if d == math.inf else f"{d:g}"
-    ratios = [b / a for a, b in zip(coherent, random) if a < math.inf]
-    top = max(c.doses_run(site), default=math.nan)
-    return p < ALPHA, [
-        f"{site}: smallest dose run away (coherent / random sign), by seed: "
-        + ", ".join(f"{s} {show(a)} / {show(b)}" for s, a, b in zip(c.seeds, coherent, random)),
-        f"{site}: potency ratio (random / coherent), median "
-        + (f"{statistics.median(ratios):g}" if ratios else "n/a")
-        + f" ('inf': random-sign errors did not run away up to the grid's top dose {top:g})",
-        f"sign test, coherent more potent than random sign at {site}: {k} seeds one way, {j} the other, "
-        f"p = {p:.3g} -> {'holds' if p < ALPHA else 'fails'}"]
+def qk_growth_ratio(run, ref):
+    """A run's sigma(W_q or W_k) growth over its seed's no-error run's."""
+    return run.qk_and_other_growth()[0] / ref.qk_and_other_growth()[0]
 
 
-def valid_control(run):
-    """The equal-energy control removed >= CONTROL_ENERGY of its target at every step (the log keeps
-    each interval's smallest share); a run that fell short is not that control."""
-    return run.removed_fraction is not None and run.removed_fraction >= CONTROL_ENERGY
+def coherence_claim(c):
+    """Claim 4 on a scale, at every site and dose run: seed by seed, the coherent error's max logit over
+    the paired no-error run's against the random-sign error's (coherence 0.5). At a dose coherence
+    "raises" the runaway if the coherent one is higher by a sign test at ALPHA / the doses run, "reverses"
+    it if the random-sign one is higher by the same test, else does nothing measurable. Holds where it
+    raises at some dose of every site and reverses at none; a reversal anywhere refutes it. A seed with a
+    run unfinished or missing counts neither way (it cannot support the claim, nor refute it). The
+    sigma(W_q, W_k) growth against no-error is reported by the same counts."""
+    raised, reversed_at, lines = {}, [], []
+    for site in CLAIM4_SITES:
+        doses = c.doses_run(site)
+        alpha = ALPHA / max(1, len(doses))
+        c.alpha = min(c.alpha, alpha)
+        raised[site] = []
+        lines.append(f"{site}: doses run {', '.join(f'{d:g}' for d in doses)} (Bonferroni: threshold ALPHA / "
+                     f"{len(doses)})")
+        for dose in doses:
+            coherent, random = inject_arm(site, dose, 1.0)[0], inject_arm(site, dose, 0.5)[0]
+            runs = [(c.runs[coherent].get(s), c.runs[random].get(s), c.runs[NO_ERROR].get(s)) for s in c.seeds]
+            both = [(a, b, r) for a, b, r in runs if done(a) and done(b) and done(r)]
+            logits = [(logit_ratio(a, r), logit_ratio(b, r)) for a, b, r in both]
+            growth = [(qk_growth_ratio(a, r), qk_growth_ratio(b, r)) for a, b, r in both]
+            up, down = sum(x > y for x, y in logits), sum(y > x for x, y in logits)
+            p_up, p_down = binom_tail(up, up + down), binom_tail(down, up + down)
+            verdict = "raises" if p_up < alpha else "reverses" if p_down < alpha else "no measurable effect"
+            if verdict == "raises":
+                raised[site].append(dose)
+            elif verdict == "reverses":
+                reversed_at.append(f"{site} {dose:g}")
+            g_up, g_down = sum(x > y for x, y in growth), sum(y > x for x, y in growth)
+            lines.append(
+                f"{site} {dose:g}: max logit / no-error's, median coherent {num(median([x for x, _ in logits]), '.3g')}"
+                f" vs random sign {num(median([y for _, y in logits]), '.3g')}; coherent higher in {up} seeds, "
+                f"random sign in {down} ({len(runs) - len(both)} unfinished or missing); p = {p_up:.3g} (raises), "
+                f"{p_down:.3g} (reverses) -> {verdict}; sigma(W_q, W_k) growth / no-error's higher for coherent in "
+                f"{g_up}, random sign in {g_down}")
+    if reversed_at:
+        lines.append(f"refuted: random-sign errors run away further than coherent ones at {', '.join(reversed_at)}")
+        return "refuted", lines
+    holds = all(raised.values())
+    lines.append("coherence raises the runaway at " + "; ".join(
+        f"{site} {', '.join(f'{d:g}' for d in doses) or 'no dose'}" for site, doses in raised.items()))
+    return holds, lines
+
+
+# Claim 5's judged controls (each must still run away where the probe does not) and reported ones.
+PROBE_CONTROLS = {"shrink": "the whole update shrunk to the probe's norm: step size alone",
+                  "nextk": "singular directions k+1..2k", "fixed": "a fixed random rank-k subspace"}
+REPORTED_CONTROLS = ("equal", "v-topk", "mlp-topk")
 
 
 def probe_holds(c, source):
-    """Claim 5 on the runaway of `source`. The probe projects the W_q/W_k update off their top-k
-    singular directions, which freezes those singular values, so the rule judges logits and loss:
-    the source runs away where the probe does not, and so does the paper's equal-energy control
-    (the same energy from other directions of W_q, W_k), counted only if it removed CONTROL_ENERGY
-    of its target at every step. The other controls are reported, not judged."""
-    topk, equal = f"{source}-probe-topk", f"{source}-probe-equal"
+    """Claim 5 on the runaway of `source`: the source runs away where the probe (W_q, W_k's update off
+    their top-k singular directions) does not, and so does each of three controls that can be carried out
+    at every step: the same shrink of the whole update, the next k directions, a fixed random subspace
+    (sign tests at ALPHA; all must hold). If the shrink stops the runaway too, the probe works through step
+    size, and the verdict says so. Each arm's removed energy and the norm it left are reported, not used as
+    a filter; the equal-energy control (it cannot take its energy where the update has none) and the
+    non-QK top-k are reported."""
+    topk = f"{source}-probe-topk"
     holds, lines = c.contrast(source, ran_away, topk, ran_away, "ran away")
-    ok, more = c.contrast(equal, lambda r: ran_away(r) and valid_control(r), topk, ran_away,
-                          f"ran away (and removed >= {CONTROL_ENERGY:g} of its target every step)")
-    holds, lines = holds and ok, lines + more[::2]
-    shares = [f"{s} {num(c.runs[equal][s].removed_fraction, '.3f')}" for s in c.seeds if s in c.runs[equal]]
-    lines.append(f"{equal}: smallest share of the target energy removed in a step, by seed: {', '.join(shares)}")
-    for control in (f"{source}-probe-fixed", f"{source}-probe-v-topk", f"{source}-probe-mlp-topk"):
-        if c.runs.get(control):
-            lines.append(c.count(control, "ran away", ran_away, True)[0] + " (a control, reported, not judged)")
-    costs = []
-    for arm in (topk, equal, f"{source}-probe-fixed", f"{source}-probe-v-topk", f"{source}-probe-mlp-topk"):
-        diffs = c.val_gaps(arm, NO_ERROR)
-        costs.append(f"{arm} {statistics.median(diffs):+.3f}" if diffs else f"{arm} n/a")
+    for name, words in PROBE_CONTROLS.items():
+        ok, (control_line, _, test_line) = c.contrast(f"{source}-probe-{name}", ran_away, topk, ran_away, "ran away")
+        holds, lines = holds and ok, lines + [f"{control_line} ({words})", test_line]
+    stopped, _, p = sign_test(list(zip(c.outcomes(source, ran_away, True),
+                                       c.outcomes(f"{source}-probe-shrink", ran_away, True))))
+    if p < ALPHA:
+        lines.append(f"the shrink alone stopped the runaway ({stopped} seeds, p = {p:.3g}): the probe works "
+                     f"through step size, not through the top directions")
+    for name in REPORTED_CONTROLS:
+        if c.runs.get(f"{source}-probe-{name}"):
+            lines.append(c.count(f"{source}-probe-{name}", "ran away", ran_away, True)[0]
+                         + " (a control, reported, not judged)")
+    for arm in (topk, *(f"{source}-probe-{n}" for n in (*PROBE_CONTROLS, *REPORTED_CONTROLS))):
+        shares = [c.runs[arm][s].probe_shares() for s in c.seeds if s in c.runs.get(arm, {})]
+        removed, left = [r for r, _ in shares if r is not None], [k for _, k in shares if k is not None]
+        if removed:
+            lines.append(f"{arm}: share of the W_q, W_k update energy removed, median over seeds "
+                         f"{statistics.median(removed):.3f}; update norm left, "
+                         f"{num(median(left), '.3f') if left else 'not logged'}")
+    costs = [f"{arm} {num(median(c.val_gaps(arm, NO_ERROR)), '+.3f') if c.val_gaps(arm, NO_ERROR) else 'n/a'}"
+             for arm in (topk, *(f"{source}-probe-{n}" for n in PROBE_CONTROLS)) if c.runs.get(arm)]
     return holds, lines + [f"loss cost, median final val loss - {NO_ERROR}'s: " + ", ".join(costs)]
 
 
@@ -478,6 +555,60 @@ def broke_down(run):
     never fired). A softcap caps the logits it reports at its c: for it only a collapse counts."""
     start = run.acting_from if run.acting_from is not None else -1
     return run.collapsed or run.logit_after(start - 1) >= RUNAWAY_LOGIT
+
+
+def runaway_span(run, threshold):
+    """Logged steps the run took from its first max logit past the guard's threshold to its first at
+    RUNAWAY_LOGIT (or its collapse); None if it did not run away."""
+    if not ran_away(run):
+        return None
+    end = run.first_past(RUNAWAY_LOGIT, inclusive=True)
+    end = run.collapse_step if end is None else end if run.collapse_step is None else min(end, run.collapse_step)
+    start = run.first_past(threshold)
+    return 0 if start is None or end is None else max(0, end - start)
+
+
+def qk_growth_failed(run, qknorm):
+    """After the trigger (the QK-norm run's, where the action's is missing), the most-grown head's
+    sigma(W_q,h) sigma(W_k,h) grew SIGMA_RATIO times as much as under QK-norm, the same seed."""
+    trigger = run.trigger if run.trigger is not None else qknorm.trigger
+    if trigger is None:
+        return False
+    growth, ref = run.qk_growth_after(trigger), qknorm.qk_growth_after(trigger)
+    return not (math.isnan(growth) or math.isnan(ref)) and growth >= SIGMA_RATIO * ref
+
+
+def action_failed(run, qknorm):
+    """A non-QK action failed: it broke down, or let the QK channel grow SIGMA_RATIO times as much as
+    QK-norm did after the same trigger (a capped or slowed logit with W_q, W_k still running away)."""
+    return broke_down(run) or qk_growth_failed(run, qknorm)
+
+
+def judgeable(c, source, qknorm):
+    """Claim 6's seeds: where the source ran away, and the guarded runs had at least as many steps after
+    the trigger as the slowest of the source's runaways took from the trigger's threshold to
+    RUNAWAY_LOGIT. A seed with a run unfinished or missing stays (it counts against the claim); the
+    others are reported, not counted. Returns (seeds, lines)."""
+    runs = c.runs[qknorm]
+    threshold = next((r.guard_threshold() for r in runs.values()), GUARD_THRESHOLD)
+    spans = {s: runaway_span(r, threshold) for s, r in c.runs[source].items() if done(r) and s in c.seeds}
+    need = max((v for v in spans.values() if v is not None), default=None)
+    seeds, out = [], []
+    for s in c.seeds:
+        src, guarded = c.runs[source].get(s), runs.get(s)
+        if done(src) and spans.get(s) is None:
+            out.append(f"{s} (the source did not run away)")
+        elif done(src) and done(guarded) and guarded.trigger is not None and need is not None and \
+                guarded.steps[-1] - guarded.trigger < need:
+            out.append(f"{s} ({guarded.steps[-1] - guarded.trigger} steps after the trigger at "
+                       f"{guarded.trigger})")
+        else:
+            seeds.append(s)
+    spans_text = ", ".join(f"{s} {num(v)}" for s, v in spans.items() if v is not None) or "none ran away"
+    return seeds, [f"{source}: steps from the threshold {threshold:g} to RUNAWAY_LOGIT, by seed: {spans_text}; "
+                   f"a judged seed needs {num(need)} steps after its trigger",
+                   f"seeds judged: {len(seeds)} of {len(c.seeds)}" + (f"; reported, not counted: {', '.join(out)}"
+                                                                      if out else "")]
 
 
 def grace_line(c, arm):
@@ -492,28 +623,46 @@ def grace_line(c, arm):
 
 
 def non_qk_actions_fail(c, source):
-    """Claim 6 on the runaway of `source`: each non-QK action at QK-Guard's trigger breaks down (see
-    broke_down) where QK-norm, the guard's own action, does not (sign tests); QK-Clip, also QK-side,
-    breaks down in no seed. The val-loss gap to QK-norm is reported."""
+    """Claim 6 on the runaway of `source`, on the seeds where it can be judged (judgeable): each non-QK
+    action at QK-Guard's trigger fails (action_failed: breaks down, or lets the QK channel grow SIGMA_RATIO
+    times as much as QK-norm) where QK-norm, the guard's own action, breaks down in no more seeds (sign
+    tests at ALPHA); QK-Clip, also QK-side, breaks down in no seed. The val-loss gap to QK-norm is
+    reported."""
     qknorm = f"{source}-guard"
-    holds, lines = True, []
-    for arm in (f"{source}-guard-lr-drop", f"{source}-guard-clip", f"{source}-guard-softcap"):
-        ok, (arm_line, qknorm_line, test_line) = c.contrast(arm, broke_down, qknorm, broke_down, "broke down")
-        # QK-norm's count is shown once, with the first arm
-        shown = [arm_line, test_line] if lines else [arm_line, qknorm_line, test_line]
-        holds, lines = holds and ok, lines + shown
+    c.seeds, lines = judgeable(c, source, qknorm)
+    holds = bool(c.seeds)
+    for n, arm in enumerate(f"{source}-guard-{a}" for a in ("lr-drop", "clip", "softcap")):
+        la, oa = c.count(arm, "failed (broke down, or QK grew SIGMA_RATIO x QK-norm's)", action_failed, True,
+                         ref=qknorm)
+        lb, ob = c.count(qknorm, "broke down", broke_down, False)
+        k, j, p = sign_test(list(zip(oa, ob)))
+        holds = holds and p < ALPHA
+        lines += [la] + ([lb] if n == 0 else []) + [f"sign test, {arm} over {qknorm}: {k} seeds one way, {j} the "
+                                                     f"other, p = {p:.3g} -> {'holds' if p < ALPHA else 'fails'}"]
     qkclip = f"{source}-guard-qkclip"
     line, out = c.count(qkclip, "broke down", broke_down, False)
     holds, lines = holds and not any(out), lines + [line + " (a QK-side action: the claim wants none)"]
     if c.runs.get(f"{source}-guard-fp32-accum"):
         lines.append(c.count(f"{source}-guard-fp32-accum", "broke down", broke_down, False)[0]
                      + " (the source's own fix, for comparison, not judged)")
-    gaps = []
-    for arm in (f"{source}-guard-lr-drop", f"{source}-guard-clip", f"{source}-guard-softcap", qkclip):
+    gaps, growths = [], []
+    for arm in (f"{source}-guard-lr-drop", f"{source}-guard-clip", f"{source}-guard-softcap", qkclip, qknorm):
         diffs = c.val_gaps(arm, qknorm)
-        gaps.append(f"{arm} {statistics.median(diffs):+.3f}" if diffs else f"{arm} n/a")
+        if arm != qknorm:
+            gaps.append(f"{arm} {statistics.median(diffs):+.3f}" if diffs else f"{arm} n/a")
+        grown = [c.runs[arm][s].qk_growth_after(c.runs[arm][s].trigger) for s in c.seeds
+                 if s in c.runs.get(arm, {}) and c.runs[arm][s].trigger is not None]
+        grown = [g for g in grown if not math.isnan(g)]
+        growths.append(f"{arm} {num(median(grown), '.3g') if grown else 'n/a'}")
     triggers = [f"{s} {num(c.runs[qknorm][s].trigger)}" for s in c.seeds if s in c.runs[qknorm]]
+    caps = sorted({r.config.get("args", {}).get("softcap_value") for r in c.runs.get(f"{source}-guard-softcap",
+                                                                                        {}).values()} - {None})
+    if caps and min(caps) <= next((r.guard_threshold() for r in c.runs[qknorm].values()), GUARD_THRESHOLD):
+        lines.append(f"the softcap ran at {', '.join(f'{v:g}' for v in caps)}, not above the trigger: it caps the "
+                     f"logits by construction, so only its collapses and QK growth can fail it")
     return holds, lines + [f"val loss - {qknorm}'s, median: " + ", ".join(gaps),
+                           "QK growth after the trigger (most-grown head's sigma(W_q,h) sigma(W_k,h), end over "
+                           "trigger), median: " + ", ".join(growths),
                            f"{qknorm}: trigger step by seed: {', '.join(triggers)}", grace_line(c, qknorm)]
 
 
@@ -532,6 +681,8 @@ def _inject_arms(coherences, fixes, sites):
             by_dose = {d: [inject_arm(site, d, c, f)[0] for c in coherences for f in fixes] for d in DOSES}
             run = [d for d, names in by_dose.items() if any(groups.get(n) for n in names)]
             out += [n for d in (run or DOSES) for n in by_dose[d]]
+            if True in fixes and SITES[site] == "qknorm" and QKNORM_ALONE not in out:
+                out.append(QKNORM_ALONE)   # QK-norm's own cost, reported beside its fix
         return out + [NO_ERROR]   # the paired no-error runs the predicates compare with
     return arms
 
@@ -553,8 +704,10 @@ RULES = [
     ("3", f"an error outside attention ({CLAIM3_SITE}, coherence 1, the site fixed before the sweep) runs away "
           f"through the QK channel beyond the no-error run of its seed (max logit >= RUNAWAY_LOGIT and LOGIT_RATIO "
           f"times the no-error run's, sigma(W_q or W_k) growth SIGMA_RATIO times the no-error run's and the other "
-          f"matrices') where the same error with QK-norm from step 0 does not fail (run away beyond no-error, or "
-          f"end FIX_TOL above its val loss), at some dose of the grid (sign test, p < ALPHA / the doses run)",
+          f"matrices') where the same error with QK-norm from step 0 does not fail against it (it keeps the "
+          f"runaway: runs away, or a max logit not LOGIT_RATIO below the error run's; or it ends FIX_TOL above the "
+          f"error run's val loss), at some dose of the grid (sign test, p < ALPHA / the doses run). QK-norm's own "
+          f"cost ({QKNORM_ALONE} against {NO_ERROR}) and the fix's loss against no-error are reported",
      _inject_arms((1.0,), (False, True), [CLAIM3_SITE]), lambda c: injection_claim(c, CLAIM3_SITE)),
     *[(f"3 ({site})", f"the same from a gradient-side site outside attention ({site}), fix QK-norm",
        _inject_arms((1.0,), (False, True), [site]), lambda c, site=site: injection_claim(c, site))
@@ -562,22 +715,28 @@ RULES = [
     ("3+", "positive control: the same at the backward's delta, where the kernel fault lands, against W_q, W_k "
            "trained on the error-free gradient",
      _inject_arms((1.0,), (False, True), ["delta"]), lambda c: injection_claim(c, "delta")),
-    ("4", f"sign-coherence, not size: at {' and '.join(CLAIM4_SITES)}, the smallest dose at which coherent errors "
-          f"run away beyond the no-error run is smaller than the smallest at which random-sign ones (coherence 0.5) "
-          f"do, seed by seed (sign test, p < ALPHA; an arm that never runs away counts as beyond the grid)",
-     _inject_arms((1.0, 0.5), (False,), list(CLAIM4_SITES)),
-     lambda c: joined(*(coherence_claim(c, site) for site in CLAIM4_SITES))),
+    ("4", f"sign-coherence, not size, on a scale: at {' and '.join(CLAIM4_SITES)} and each dose, seed by seed, the "
+          f"coherent error's max logit over its seed's no-error run's against the random-sign error's (coherence "
+          f"0.5), a sign test each way at ALPHA / the doses run: holds if coherence raises it at some dose of each "
+          f"site and reverses it at none; a reversal at any dose refutes the claim",
+     _inject_arms((1.0, 0.5), (False,), list(CLAIM4_SITES)), coherence_claim),
     ("5", "the causal probe: the source runs away (max logit past RUNAWAY_LOGIT, or a collapse) where the probe "
-          "on W_q/W_k's top-k does not, and so does the paper's equal-energy control (counted only where it "
-          "removed CONTROL_ENERGY of its target at every step) (sign tests, p < ALPHA). The probe freezes W_q's "
-          "top singular values by construction, so they are not evidence; the other controls are reported",
-     lambda source: [source, f"{source}-probe-topk", f"{source}-probe-equal", NO_ERROR], probe_holds),
-    ("6", "non-QK actions fail: lr-drop, clip and softcap at QK-Guard's trigger each break down (collapse, or "
-          "logits past RUNAWAY_LOGIT after they act) where QK-norm does not (sign tests, p < ALPHA), and QK-Clip, "
-          "a QK-side action, breaks down in no seed; the loss gap to QK-norm is reported. Caveats: a softcap's "
-          "logits stop at its cap, so only a collapse fails it; Adam rescales a clipped gradient back, so clip "
-          "acts mostly through the moments",
-     lambda source: [a for a in action_arms(source) if not a.endswith("fp32-accum")], non_qk_actions_fail),
+          "on W_q/W_k's top-k does not, and so does each control that can be carried out at every step: the whole "
+          "update shrunk to the probe's norm (if it stops the runaway too, the probe works through step size), the "
+          "next k singular directions, a fixed random rank-k subspace (sign tests, p < ALPHA). The probe freezes "
+          "W_q's top singular values by construction, so they are not evidence; the energy each removed and the "
+          "equal-energy and non-QK controls are reported",
+     lambda source: [source, f"{source}-probe-topk", *(f"{source}-probe-{n}" for n in PROBE_CONTROLS), NO_ERROR],
+     probe_holds),
+    ("6", "non-QK actions fail, judged only on seeds where the source ran away with as many steps after the "
+          "trigger as its slowest runaway took from the threshold to RUNAWAY_LOGIT: lr-drop, clip and softcap (its "
+          "cap between the trigger and RUNAWAY_LOGIT) at QK-Guard's trigger each fail (break down: a collapse, or "
+          "logits past RUNAWAY_LOGIT after they act; or let the most-grown head's sigma(W_q,h) sigma(W_k,h) grow "
+          "SIGMA_RATIO times as much after the trigger as under QK-norm) where QK-norm breaks down (sign tests, "
+          "p < ALPHA), and QK-Clip, a QK-side action, breaks down in no seed; the loss gap to QK-norm is reported. "
+          "Adam rescales a clipped gradient back, so clip acts mostly through the moments",
+     lambda source: [source, *(a for a in action_arms(source) if not a.endswith("fp32-accum"))],
+     non_qk_actions_fail),
     ("7", "the same on llama: llama-bf16 collapses where llama-fp32 does not, llama-bf16-guard prevents it within "
           "LOSS_TOL of always-on QK-norm, and llama-fp32-guard stays dormant",
      ["llama-bf16", "llama-fp32", "llama-bf16-guard", "llama-bf16-qknorm-always", "llama-fp32-guard"],
@@ -658,7 +817,8 @@ def verdicts(groups):
             continue
         # fp32 is a judged arm of claims 1 and 2v; elsewhere it is the paired no-error reference, and
         # its seeds beyond the rule's own arms (runs of claims 1 and 2v) are not the rule's seeds
-        verdict, lines = judge_rule(groups, arms, rule, refs=() if claim in ("1", "2v") else (NO_ERROR,))
+        verdict, lines = judge_rule(groups, arms, rule,
+                                    refs=() if claim in ("1", "2v") else (NO_ERROR, QKNORM_ALONE))
         rows.append([label, verdict, "\n".join([title] + lines)])
     refuse(refused)
     return rows
@@ -668,8 +828,8 @@ def judge_rule(groups, arms, rule, refs):
     """(verdict, lines) of one rule on its arms' runs: "inconclusive" where too few seeds were run for
     any of its sign tests to reach its threshold."""
     c = Claim(groups, arms, refs=refs)
-    holds, lines = rule(c)
-    verdict = "reproduced" if holds else "not reproduced"
+    holds, lines = rule(c)   # True, False or "refuted" (a result against the claim, rule 4's reversal)
+    verdict = holds if isinstance(holds, str) else "reproduced" if holds else "not reproduced"
     if binom_tail(len(c.seeds), len(c.seeds)) >= c.alpha:
         # no sign test over so few seeds can reach the rule's threshold (Bonferroni-corrected
         # for a dose grid): a failure says nothing against the claim, nor a pass for it (a rule
@@ -1173,10 +1333,11 @@ def build(groups, root, markdown, plots=(), markdown_dir=".", pilots=(), plots_f
     judged = [r for r in rows + lr_rows if r[1] != "not run"]
     if judged:
         parts += [title(2, "Verdicts at a glance"), "\n".join(
-            f"- **{label}: {verdict.upper() if verdict == 'not reproduced' else verdict}**"
+            f"- **{label}: {verdict.upper() if verdict in ('not reproduced', 'refuted') else verdict}**"
             + (f" ({text.splitlines()[0]})" if text else "") + ": "
             + "; ".join(line.replace("sign test, ", "") for line in text.splitlines()
-                        if line.startswith(("sign test", "at lr ", "part ", "not reproduced at this scale"))
+                        if line.startswith(("sign test", "at lr ", "part ", "not reproduced at this scale", "refuted",
+                                          "coherence raises", "the shrink alone", "seeds judged"))
                         or "claim wants none" in line)
             for label, verdict, text in judged)]
     parts += [title(2, "Claims"), render(["claim", "verdict", "arms: n, counts [exact 95% interval]; tests"],

@@ -31,9 +31,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))   # the refer
 # needs 6 (1/64). 8 leave room for seeds where both arms agree.
 SEEDS = 8
 # Claims 3 and 4: the injected error's size (its rms / that of the signal it joins; see assay.py)
-# and sign-coherence (1: coherent; 0.5: a fresh random sign each step). The grid was fixed in
-# advance, not tuned on the contrast it judges, from a pilot on seed 101 (RESULTS.md, "Pilot").
-DOSES = (0.3, 3.0, 30.0)
+# and sign-coherence (1: coherent; 0.5: a fresh random sign each step). The range was fixed in
+# advance from a pilot on seed 101 (RESULTS.md, "Pilot"); half-decades since the first sweep's
+# decades hid where the two coherences cross (claim 4 is judged dose by dose).
+DOSES = (0.3, 1.0, 3.0, 10.0, 30.0)
 COHERENCES = (0.5, 1.0)
 # Injection site -> its QK-only fix. Outside attention: mlp-out in the forward (claim 3's site,
 # chosen before any sweep ran) and the gradients of W_up and W_v, fixed by parameter-free QK-norm
@@ -43,6 +44,7 @@ SITES = {"mlp-out": "qknorm", "grad-mlp": "qknorm", "grad-wv": "qknorm", "delta"
 CLAIM3_SITE = "mlp-out"
 CLAIM4_SITES = ("mlp-out", "delta")   # claim 4's random-sign arms run at these sites only (compute)
 NO_ERROR = "fp32"                     # the paired no-error arm: fp32 state, no injection
+QKNORM_ALONE = "fp32-qknorm-always"   # QK-norm's own cost, without an error (claim 3 reports it)
 
 
 def inject_arm(site, dose, coherence, fix=False):
@@ -68,21 +70,30 @@ SOURCES = {
 
 
 def probe_arms(source):
-    """Claim 5: the source, the probe on W_q/W_k's top-k, the paper's equal-energy control, three
-    reported controls (a fixed random QK subspace, W_v's and the MLP's top-k), fp32 for the loss."""
+    """Claim 5: the source, the probe on W_q/W_k's top-k, three controls that can be carried out at
+    every step (the whole update shrunk alike, the next k directions, a fixed random subspace), three
+    reported ones (the paper's equal-energy, W_v's and the MLP's top-k), fp32 for the loss."""
     base = SOURCES[source]
-    modes = {"topk": "qk-topk", "equal": "equal-energy", "fixed": "qk-fixed", "v-topk": "v-topk",
-             "mlp-topk": "mlp-topk"}
+    modes = {"topk": "qk-topk", "shrink": "qk-shrink", "nextk": "qk-nextk", "fixed": "qk-fixed",
+             "equal": "equal-energy", "v-topk": "v-topk", "mlp-topk": "mlp-topk"}
     return {source: base, **{f"{source}-probe-{name}": f"{base} --probe {mode}" for name, mode in modes.items()},
             NO_ERROR: "--accum fp32"}
 
 
+# Claim 6's softcap, between the guard's trigger (200) and a runaway's max logit (report.RUNAWAY_LOGIT,
+# 1000): a cap below the trigger would cap the logits by construction, from the first step it acts.
+SOFTCAP = 500
+
+
 def action_arms(source):
-    """Claim 6: QK-Guard's own action (QK-norm) and the others at its trigger; fp32-accum only where
-    the state is bf16 (fp32 state has nothing to switch)."""
+    """Claim 6: the source (the rule judges only seeds where it runs away), QK-Guard's own action
+    (QK-norm) and the others at its trigger; fp32-accum only where the state is bf16 (fp32 state has
+    nothing to switch)."""
     base = f"{SOURCES[source]} --guard on"
     actions = ["lr-drop", "clip", "softcap", "qkclip"] + (["fp32-accum"] if "--accum bf16" in base else [])
-    return {f"{source}-guard": base, **{f"{source}-guard-{a}": f"{base} --guard-action {a}" for a in actions}}
+    extra = {"softcap": f" --softcap-value {SOFTCAP}"}
+    return {source: SOURCES[source], f"{source}-guard": base,
+            **{f"{source}-guard-{a}": f"{base} --guard-action {a}{extra.get(a, '')}" for a in actions}}
 
 
 # claim -> (its words, {arm: train.py flags}). An arm in several claims (bf16, fp32) runs once.
@@ -107,9 +118,10 @@ CLAIMS = {
         "fp32-guard": "--accum fp32 --guard on",
     }),
     3: ("an error outside attention drives the same QK runaway; the QK-only fix stops it", {
-        NO_ERROR: "--accum fp32", **_grid((1.0,), fix=False), **_grid((1.0,), fix=True)}),
-    4: ("sign-coherence, not size, lets an error in: coherent errors run away at smaller doses than random-sign "
-        "ones", {NO_ERROR: "--accum fp32", **_grid(COHERENCES, fix=False, sites=CLAIM4_SITES)}),
+        NO_ERROR: "--accum fp32", QKNORM_ALONE: "--accum fp32 --qknorm always", **_grid((1.0,), fix=False),
+        **_grid((1.0,), fix=True)}),
+    4: ("sign-coherence, not size, lets an error in: at the same dose, coherent errors drive the QK runaway "
+        "further than random-sign ones", {NO_ERROR: "--accum fp32", **_grid(COHERENCES, fix=False, sites=CLAIM4_SITES)}),
     5: ("causal probe: removing QK's top directions stops the runaway; the same removal elsewhere does not",
         probe_arms("bf16")),
     6: ("non-QK actions at the same trigger fail", action_arms("bf16")),

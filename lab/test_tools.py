@@ -30,7 +30,7 @@ KINDS = WEIGHT_KINDS
 # Synthetic run folders, written the way train.py writes them
 
 def write_run(root, arm, seed, steps=20, collapse=None, trigger=None, logit=10.0, growth=None, loss=3.0, val=None,
-              end="completed", probe_share=None, args=None, data=None, init=10.0):
+              end="completed", probe_share=None, args=None, data=None, init=10.0, probe=None, qk=None):
     """A run of `arm` logging every step: 2 layers of 2 heads, sigma of every weight kind per layer.
 
     logit: the max attention logit of each step; logit and loss: a number or a function of the step.
@@ -39,7 +39,10 @@ def write_run(root, arm, seed, steps=20, collapse=None, trigger=None, logit=10.0
     collapse: the loss is 8 from that step on; a collapse event, and the run stops 2 steps later.
     trigger: a guard_trigger event at that step. val: the final val loss (2.9, or 8 if collapsed).
     end: the end record's status; None leaves the run in progress (no end record), "" an empty log.
-    probe_share: the equal-energy probe's smallest removed share, logged at every step.
+    probe_share: the equal-energy probe's smallest removed share, logged at every step; probe: more of
+    the probe's log record ({q,k}_{update,removed,kept}, per layer), at every step.
+    qk: (step, factor): from that step on, every head's sigma(W_q,h) sigma(W_k,h) grows geometrically to
+    factor times its value there by the last step (None: per-head sigmas not logged).
     data: the content hash in config.json's record of the data (None: no record, as older runs).
     init: the val loss of the eval at step 0, before the first update."""
     path = os.path.join(str(root), arm, f"seed{seed}")
@@ -64,7 +67,9 @@ def write_run(root, arm, seed, steps=20, collapse=None, trigger=None, logit=10.0
                         "grad_norm": 1.0, "max_logit": [[1.0, 2.0], [top, 3.0]],
                         **{f"sigma_{k}": [0.5, g ** (step / last)] for k, g in growth.items() if g is not None},
                         "guard": "on" if trigger is not None and step > trigger else "dormant",
-                        **({"probe": {"removed_fraction_min": probe_share}} if probe_share is not None else {})})
+                        **({"probe": {**({"removed_fraction_min": probe_share} if probe_share is not None else {}),
+                                      **(probe or {})}} if probe_share is not None or probe else {}),
+                        **(qk_heads(step, last, *qk) if qk else {})})
         if step == collapse:
             records.append({"event": "collapse", "step": collapse, "loss": 8.0})
     records.append({"event": "eval", "step": last + 1, "val_loss": val})
@@ -76,6 +81,13 @@ def write_run(root, arm, seed, steps=20, collapse=None, trigger=None, logit=10.0
     with open(os.path.join(path, "log.jsonl"), "w") as f:
         f.write("".join(json.dumps(r) + "\n" for r in records) if end != "" else "")
     return path
+
+
+def qk_heads(step, last, start, factor):
+    """sigma_q_head, sigma_k_head (2 layers, 2 heads) whose products are 1 up to `start`, then grow
+    geometrically to `factor` at step `last` (sigma_k_head stays 1)."""
+    grown = factor ** (max(0, step - start) / max(1, last - start))
+    return {"sigma_q_head": [[grown, grown], [grown, grown]], "sigma_k_head": [[1.0, 1.0], [1.0, 1.0]]}
 
 
 OK = {}                                        # healthy: max logit 10, sigmas flat, val 2.9
@@ -346,20 +358,26 @@ def rule3(site, dose=3.0, k=7, **changes):
     param(lambda s: rule3(s, **{inject(s, 3.0): arm(7, {"logit": 2 * R, "growth": {"q": 8.0, "v": 8.0}})}),
           "not reproduced", id="sigma_v grows as much: not QK-specific"),
     param(lambda s: rule3(s, k=4), "not reproduced", id="4 of 8"),
-    param(lambda s: rule3(s, k=6), "reproduced", id="6 of 8: p=1/64 < ALPHA/3"),
-    param(lambda s: rule3(s, k=5), "not reproduced", id="5 of 8: p=1/32 > ALPHA/3"),
+    param(lambda s: rule3(s, k=6), "not reproduced", id="6 of 8: p=1/64 > ALPHA/5"),
     param(lambda s: rule3(s, **{inject(s, 3.0, fix=True): arm(2, RUNAWAY)}), "not reproduced",
           id="the fix runs away in two of those seeds: 5 vs 0"),
     param(lambda s: rule3(s, **{inject(s, 3.0, fix=True): arm(2, {"val": 2.9 + report.FIX_TOL + 0.01})}),
-          "not reproduced", id="the fix ends FIX_TOL above the no-error run in two (the old rule passed this)"),
+          "not reproduced", id="the fix ends FIX_TOL above the error run in two"),
     param(lambda s: rule3(s, **{inject(s, 3.0, fix=True): arm(8, {"val": 2.9 + report.FIX_TOL - 0.01})}),
           "reproduced", id="the fix within FIX_TOL"),
+    param(lambda s: rule3(s, **{inject(s, 3.0): arm(7, {**QK_RUNAWAY, "val": 3.5}),
+                                inject(s, 3.0, fix=True): arm(7, {"val": 3.45})}), "reproduced",
+          id="the error also harms through other channels; the fix ends below it, 0.55 above no-error "
+             "(the old rule, against no-error, failed this)"),
+    param(lambda s: rule3(s, **{inject(s, 3.0, fix=True): arm(8, {"logit": 0.3 * R})}), "not reproduced",
+          id="the fix keeps the runaway's scale, a third of RUNAWAY_LOGIT (the old rule, beyond no-error only, "
+             "passed this)"),
     param(lambda s: rule3(s, **{inject(s, 3.0, fix=True): arm(2, UNFINISHED)}), "not reproduced",
           id="the fix unfinished in two of those seeds"),
     param(lambda s: rule3(s, **{sweep.NO_ERROR: arm(0, OK, {1: UNFINISHED})}), "not reproduced",
           id="the no-error run unfinished in one of those seeds"),
     param(lambda s: rule3(s, **{sweep.NO_ERROR: []}), "not reproduced", id="no no-error runs"),
-    param(lambda s: rule3(s, k=6, **{sweep.NO_ERROR: arm(0, OK) + [OK] * 4}), "reproduced",
+    param(lambda s: rule3(s, k=7, **{sweep.NO_ERROR: arm(0, OK) + [OK] * 4}), "reproduced",
           id="the no-error arm's extra seeds (runs of claims 1, 2v) are not the rule's"),
     param(lambda s: rule3(s, **{inject(s, 30.0, fix=True): arm(8, RUNAWAY)}), "reproduced",
           id="the fix runs away at another dose"),
@@ -376,7 +394,7 @@ def test_rules_3_and_3plus(tmp_path, rule, site, changes, expected):
 
 @pytest.mark.parametrize("doses, runaways, expected", [
     param((3.0, 30.0), 6, "reproduced", id="6 of 8 with 2 doses run (p = 1/64 < 0.05 / 2)"),
-    param(sweep.DOSES, 5, "not reproduced", id="5 of 8 with 3 doses run (1/32 > 0.05 / 3)"),
+    param(sweep.DOSES, 6, "not reproduced", id="6 of 8 with 5 doses run (1/64 > 0.05 / 5)"),
     param((), 0, "not run", id="no dose of the site run"),
 ])
 def test_rule_3_judges_the_doses_that_were_run(tmp_path, doses, runaways, expected):
@@ -395,60 +413,65 @@ def test_a_rules_doses_are_those_its_own_arms_ran(tmp_path):
 
 
 def test_rule_3_uses_the_bonferroni_threshold_and_lists_the_fix_gaps(tmp_path):
-    assert report.ALPHA / len(sweep.DOSES) == pytest.approx(0.05 / 3)
-    text = rows(tmp_path, {**rule3("mlp-out"), inject("mlp-out", 30.0): arm(5, QK_RUNAWAY),
-                           inject("mlp-out", 30.0, fix=True): arm(8, {"val": 2.95})})["3"][2]
-    assert "7 seeds one way, 0 the other, p = 0.00781 (threshold 0.0167) -> holds" in text
-    assert "5 seeds one way, 0 the other, p = 0.0312 (threshold 0.0167) -> fails" in text
+    assert report.ALPHA / len(sweep.DOSES) == pytest.approx(0.05 / 5)
+    text = rows(tmp_path, {**rule3("mlp-out"), inject("mlp-out", 30.0): arm(6, QK_RUNAWAY),
+                           inject("mlp-out", 30.0, fix=True): arm(8, {"val": 2.95}),
+                           sweep.QKNORM_ALONE: arm(8, {"val": 2.97})})["3"][2]
+    assert "7 seeds one way, 0 the other, p = 0.00781 (threshold 0.01) -> holds" in text
+    assert "6 seeds one way, 0 the other, p = 0.0156 (threshold 0.01) -> fails" in text
     assert text.count("sign test, ") == len(sweep.DOSES)
-    assert "mlp-out 30: QK-only fix's val loss - no-error's, median +0.050 (max +0.050; FIX_TOL 0.1)" in text
+    assert "mlp-out 30: fix's val loss - the error's, median +0.050 (+0.050 to +0.050); - no-error's, median " \
+           "+0.050 (+0.050 to +0.050) (FIX_TOL 0.1)" in text
+    assert "QK-norm's own cost, fp32-qknorm-always val loss - fp32's: median +0.070 (+0.070 to +0.070)" in text
 
 
 def test_an_underpowered_dose_rule_is_inconclusive_at_its_own_threshold(tmp_path):
-    # 5 seeds: all one way gives p = 1/32 < ALPHA but > ALPHA / 3, the dose grid's threshold, so no
+    # 5 seeds: all one way gives p = 1/32 < ALPHA but > ALPHA / 5, the dose grid's threshold, so no
     # dose can hold and the failed rule is inconclusive (before: "not reproduced")
     five = lambda runs: runs[:5]
     arms = {name: five(runs) for name, runs in rule3("mlp-out", k=5).items()}
     row = rows(tmp_path, arms)["3"]
-    assert row[1] == "inconclusive" and "this rule's threshold; run at least 6" in row[2]
+    assert row[1] == "inconclusive" and "this rule's threshold; run at least 7" in row[2]
     # rule 1 (no grid): 5 seeds can reach p < ALPHA, so a failure there is a refutation
     assert judge(tmp_path / "r1", "1", {"bf16": [OK] * 5, "fp32": [OK] * 5, "bf16-safemax": [OK] * 5}) == \
         "not reproduced"
 
 
 # --------------------------------------------------------------------------------------------------
-# Rule 4: at both sites, coherent errors run away at smaller doses than random-sign ones (potency)
+# Rule 4: at each site and dose, seed by seed, the coherent error's max logit against the random-sign
+# one's; coherence must raise it at some dose of both sites and reverse it at none
 
 def rule4(mlp_out=3.0, delta=3.0, **cells):
-    """The grid, coherence 1 running away beyond no-error in 7 of 8 seeds from the given dose up at
-    each site (None: nowhere), random signs nowhere."""
+    """The grid, healthy (max logit 10), but coherence 1 at the given dose of each site (None: none):
+    max logit 2 x RUNAWAY_LOGIT in 7 of 8 seeds (p = 1/128 < ALPHA / 5)."""
     arms = {**grid(sweep.CLAIM4_SITES, sweep.COHERENCES, fix=False), **NOERR}
     for site, dose in (("mlp-out", mlp_out), ("delta", delta)):
-        for d in sweep.DOSES:
-            if dose is not None and d >= dose:
-                arms[inject(site, d)] = arm(7, RUNAWAY)
+        if dose is not None:
+            arms[inject(site, dose)] = arm(7, RUNAWAY)
     return {**arms, **cells}
 
 
 @pytest.mark.parametrize("arms, expected", [
-    param(rule4(), "reproduced", id="coherent from 3, random never"),
+    param(rule4(), "reproduced", id="coherent higher at dose 3 of both sites"),
     param(rule4(delta=30.0), "reproduced", id="each site at its own dose"),
-    param(rule4(**{inject("delta", 30.0, 0.5): arm(7, RUNAWAY)}), "reproduced",
-          id="random signs need 10x the dose"),
-    param(rule4(**{inject("delta", d, 0.5): arm(7, RUNAWAY) for d in (3.0, 30.0)}), "not reproduced",
-          id="random signs run away from the same dose"),
+    param(rule4(**{inject("delta", 3.0, 0.5): arm(7, RUNAWAY)}), "not reproduced",
+          id="random signs as high at the only dose where coherent ones rise"),
     param(rule4(delta=None), "not reproduced", id="only mlp-out"),
     param(rule4(mlp_out=None), "not reproduced", id="only delta"),
-    param(rule4(**{inject("mlp-out", 0.3, 0.5): arm(7, RUNAWAY)}), "not reproduced",
-          id="random signs run away at a smaller dose (the old one-dose rule passed this at 3)"),
-    param(rule4(**{sweep.NO_ERROR: arm(8, {"logit": 2 * R})}), "not reproduced",
-          id="the no-error run runs away as well (the old rule passed this)"),
-    param(rule4(**{inject("mlp-out", d): arm(4, RUNAWAY) for d in sweep.DOSES}), "not reproduced",
-          id="coherent in 4 of 8 at one site"),
-    param(rule4(**{inject("mlp-out", d): arm(5, RUNAWAY) for d in sweep.DOSES}), "reproduced",
-          id="coherent in 5 of 8: p = 1/32"),
-    param(rule4(**{inject("delta", 0.3, 0.5): arm(0, OK, dict.fromkeys(range(1, 5), UNFINISHED))}),
-          "not reproduced", id="random signs unfinished in 4 seeds count as running away there"),
+    param(rule4(**{inject("mlp-out", 3.0): arm(6, RUNAWAY)}), "not reproduced",
+          id="6 of 8: p = 1/64 > ALPHA / 5"),
+    param(rule4(**{inject("mlp-out", 0.3, 0.5): arm(7, {"logit": 400.0}),
+                   inject("mlp-out", 0.3): arm(0, {"logit": 150.0})}), "refuted",
+          id="random signs higher below RUNAWAY_LOGIT at a dose where neither runs away "
+             "(the old rule, thresholded at a runaway, passed this)"),
+    param(rule4(**{inject("mlp-out", 30.0, 0.5): arm(7, RUNAWAY)}), "refuted",
+          id="random signs run away at a dose where coherent ones do not"),
+    param(rule4(**{inject("mlp-out", 0.3, 0.5): arm(6, {"logit": 400.0})}), "reproduced",
+          id="random signs higher in 6 of 8: p = 1/64, not a reversal at ALPHA / 5"),
+    param(rule4(**{inject("mlp-out", 3.0, 0.5): arm(0, OK, {1: UNFINISHED, 2: UNFINISHED})}),
+          "not reproduced", id="random signs unfinished in two of the seven: 5 left, p = 1/32 > ALPHA / 5"),
+    param(rule4(**{inject("mlp-out", 3.0): arm(0, OK, dict.fromkeys(range(1, 8), UNFINISHED))}),
+          "not reproduced", id="coherent unfinished: it cannot support the claim, nor refute it"),
     param(rule4(**{inject("delta", d, c): [] for d in sweep.DOSES for c in sweep.COHERENCES}), "not reproduced",
           id="no dose of one site run: that site fails"),
     param({inject(s, d, c): [] for s in sweep.CLAIM4_SITES for d in sweep.DOSES for c in sweep.COHERENCES},
@@ -458,93 +481,134 @@ def test_rule_4(tmp_path, arms, expected):
     assert judge(tmp_path, "4", arms) == expected
 
 
-def test_rule_4_reports_potency_by_seed_and_the_dose_response(tmp_path):
-    arms = rule4(**{inject("delta", 30.0, 0.5): arm(7, RUNAWAY)})
+def test_rule_4_reports_each_dose_on_a_scale_and_the_dose_response(tmp_path):
+    arms = rule4(**{inject("delta", 30.0, 0.5): arm(7, {"logit": 100.0, "growth": {"q": 3.0}})})
     row = rows(tmp_path, arms)["4"]
-    assert "mlp-out: smallest dose run away (coherent / random sign), by seed: seed1 3 / none" in row[2]
-    assert "delta: potency ratio (random / coherent), median 10" in row[2]
+    assert "mlp-out 3: max logit / no-error's, median coherent 200 vs random sign 1; coherent higher in 7 seeds, " \
+           "random sign in 0 (0 unfinished or missing); p = 0.00781 (raises), 1 (reverses) -> raises" in row[2]
+    assert "delta 30: max logit / no-error's, median coherent 1 vs random sign 10; coherent higher in 0 seeds, " \
+           "random sign in 7 (0 unfinished or missing); p = 1 (raises), 0.00781 (reverses) -> reverses; " \
+           "sigma(W_q, W_k) growth / no-error's higher for coherent in 0, random sign in 7" in row[2]
+    assert row[1] == "refuted" and "refuted: random-sign errors run away further than coherent ones at delta 30" \
+        in row[2]
     table = report.dose_table(report.load_runs(str(tmp_path)))
-    assert ["delta", "coherence 0.5", "0/8", "0/8", "7/8"] in table
-    assert ["mlp-out", "coherence 1", "0/8", "7/8", "7/8"] in table
+    assert ["delta", "coherence 1", "-", "-", "0/8", "-", "-"] not in table   # every dose has runs
+    assert ["mlp-out", "coherence 1", "0/8", "0/8", "7/8", "0/8", "0/8"] in table
 
 
 # --------------------------------------------------------------------------------------------------
-# Rule 5: the source and the valid equal-energy control run away where the top-k probe does not
+# Rule 5: the source and each control that can always be carried out run away where the top-k probe
+# does not
 
 def rule5(source="bf16"):
-    return {source: arm(7, RUNAWAY), f"{source}-probe-topk": arm(0, OK),
+    judged = {f"{source}-probe-{name}": arm(7, RUNAWAY) for name in report.PROBE_CONTROLS}
+    return {source: arm(7, RUNAWAY), f"{source}-probe-topk": arm(0, OK), **judged,
             f"{source}-probe-equal": arm(7, {**RUNAWAY, "probe_share": 1.0}, rest={"probe_share": 1.0}),
-            f"{source}-probe-fixed": arm(7, RUNAWAY), f"{source}-probe-v-topk": arm(7, COLLAPSE),
-            f"{source}-probe-mlp-topk": arm(7, RUNAWAY), **NOERR}
+            f"{source}-probe-v-topk": arm(7, COLLAPSE), f"{source}-probe-mlp-topk": arm(7, RUNAWAY), **NOERR}
 
 
 @pytest.mark.parametrize("changes, expected", [
-    param({}, "reproduced", id="7 of 8, the equal-energy control 7 of 8"),
-    param({"bf16-probe-equal": arm(7, {**RUNAWAY, "probe_share": 0.9}, rest={"probe_share": 1.0})},
-          "not reproduced", id="the control removed 90% of its target: not the control (the old rule passed this)"),
-    param({"bf16-probe-equal": arm(7, {**RUNAWAY, "probe_share": 0.95}, rest={"probe_share": 1.0})},
-          "reproduced", id="the control removed exactly CONTROL_ENERGY"),
-    param({"bf16-probe-equal": arm(7, RUNAWAY)}, "not reproduced", id="the control logged no removed share"),
-    param({"bf16-probe-equal": arm(0, {"probe_share": 1.0})}, "not reproduced",
-          id="the equal-energy control does not run away"),
-    *(param({c: arm(0, OK)}, "reproduced", id=f"{c} does not run away: reported, not judged (the old rule failed)")
-      for c in ("bf16-probe-fixed", "bf16-probe-v-topk", "bf16-probe-mlp-topk")),
+    param({}, "reproduced", id="7 of 8, each control 7 of 8"),
+    param({"bf16-probe-shrink": arm(0, OK)}, "not reproduced",
+          id="the same shrink of the whole update stops it too: step size (the old rule did not test it)"),
+    param({"bf16-probe-nextk": arm(0, OK)}, "not reproduced", id="the next k directions stop it too"),
+    param({"bf16-probe-fixed": arm(0, OK)}, "not reproduced",
+          id="a fixed random subspace stops it too (the old rule only reported it)"),
+    param({"bf16-probe-equal": arm(0, {"probe_share": 0.5})}, "reproduced",
+          id="the equal-energy control fell short and did not run away: reported (the old rule could not pass "
+             "where the update's energy sits in its top-k)"),
+    param({"bf16-probe-fixed": arm(4, RUNAWAY)}, "not reproduced", id="a control 4 of 8"),
+    *(param({c: arm(0, OK)}, "reproduced", id=f"{c} does not run away: reported, not judged")
+      for c in ("bf16-probe-v-topk", "bf16-probe-mlp-topk")),
     param({"bf16-probe-topk": arm(3, RUNAWAY)}, "not reproduced", id="topk runs away too: 4 vs 0"),
     param({"bf16-probe-topk": arm(3, UNFINISHED)}, "not reproduced", id="topk unfinished in 3 seeds"),
     param({"bf16": arm(4, RUNAWAY)}, "not reproduced", id="bf16 4 of 8"),
-    param({"bf16-probe-equal": []}, "not run", id="the equal-energy control not run"),
-    param({"bf16-probe-v-topk": []}, "reproduced", id="a reported control not run"),
+    param({"bf16-probe-shrink": []}, "not run", id="the shrink control not run"),
+    param({"bf16-probe-equal": []}, "reproduced", id="a reported control not run"),
 ])
 def test_rule_5(tmp_path, changes, expected):
     assert judge(tmp_path, "5", {**rule5(), **changes}) == expected
 
 
-def test_rule_5_runs_per_source_and_reports_shortfall_and_cost(tmp_path):
-    arms = {**rule5("assay"), "assay-probe-topk": arm(8, {"val": 2.95}),
-            "assay-probe-equal": arm(7, {**RUNAWAY, "probe_share": 1.0}, {8: {"probe_share": 0.5}})}
+def test_rule_5_says_step_size_and_reports_energy_and_cost(tmp_path):
+    norms = {"q_update": [1.0, 2.0], "q_removed": [0.8, 1.6], "q_kept": [0.6, 1.2],
+             "k_update": [1.0, 1.0], "k_removed": [0.8, 0.8], "k_kept": [0.6, 0.6]}
+    arms = {**rule5("assay"), "assay-probe-topk": arm(8, {"val": 2.95, "probe": norms}),
+            "assay-probe-shrink": arm(0, {"probe": norms})}
     table = rows(tmp_path, arms)
-    assert "5" not in table and table["5 (assay)"][1] == "reproduced"
+    assert "5" not in table and table["5 (assay)"][1] == "not reproduced"
     text = table["5 (assay)"][2]
     assert "an injected coherent error at the backward's delta" in text
-    assert "assay-probe-equal: smallest share of the target energy removed in a step, by seed:" in text
-    assert "seed8 0.500" in text and "seed1 1.000" in text
-    assert "assay-probe-fixed: ran away 7/8" in text and "(a control, reported, not judged)" in text
+    assert "the shrink alone stopped the runaway (7 seeds, p = 0.00781): the probe works through step size" in text
+    assert "assay-probe-topk: share of the W_q, W_k update energy removed, median over seeds 0.640; update norm " \
+           "left, 0.600" in text
+    assert "assay-probe-fixed: share" not in text   # nothing logged, nothing said
+    assert "assay-probe-equal: ran away 7/8" in text and "(a control, reported, not judged)" in text
     assert "loss cost, median final val loss - fp32's: assay-probe-topk +0.050" in text
 
 
 # --------------------------------------------------------------------------------------------------
-# Rule 6: at the guard's trigger (step 5), lr-drop, clip and softcap each break down where QK-norm
-# does not, and QK-Clip breaks down in no seed
+# Rule 6: on seeds where the source ran away with enough steps after the trigger (step 5), lr-drop,
+# clip and softcap each fail (break down, or let QK grow SIGMA_RATIO x QK-norm's) where QK-norm does
+# not, and QK-Clip breaks down in no seed
 
 AFTER = lambda step: 2 * R if step > 6 else 10.0    # logits past RUNAWAY_LOGIT once action is on
 BEFORE = lambda step: 2 * R if step <= 5 else 10.0  # ... only up to the trigger, its step included
+SOURCE = {"logit": lambda step: 10.0 if step < 5 else 300.0 if step < 8 else 2 * R}   # 200 -> 1000 in 3 steps
 COLLAPSED_AFTER = {**TRIG, "collapse": 10}
 RAN_AWAY_AFTER = {**TRIG, "logit": AFTER}
 WORSE = {**TRIG, "val": 2.9 + TOL + 0.01}
+QK_HELD, QK_GROWN = {**TRIG, "qk": (5, 1.5)}, {**TRIG, "qk": (5, 4.0)}   # QK-norm's x1.5; 4 >= 2 x 1.5
 ACTIONS = ("bf16-guard-lr-drop", "bf16-guard-clip", "bf16-guard-softcap")
-RULE6 = {"bf16-guard": arm(0, TRIG), "bf16-guard-lr-drop": arm(7, COLLAPSED_AFTER, rest=TRIG),
+RULE6 = {"bf16": arm(8, SOURCE), "bf16-guard": arm(0, TRIG), "bf16-guard-lr-drop": arm(7, COLLAPSED_AFTER, rest=TRIG),
          "bf16-guard-clip": arm(7, RAN_AWAY_AFTER, rest=TRIG), "bf16-guard-softcap": arm(7, COLLAPSED_AFTER, rest=TRIG),
          "bf16-guard-qkclip": arm(0, TRIG)}
+LATE = {"trigger": 17}            # 2 steps after the trigger, fewer than the source's 3
 
 
 @pytest.mark.parametrize("changes, expected", [
     param({}, "reproduced", id="each breaks down in 7 of 8"),
     param({"bf16-guard-softcap": arm(8, WORSE)}, "not reproduced",
-          id="softcap stays stable, 0.04 nat worse: not a breakdown (the old rule counted it as failed)"),
+          id="softcap stays stable, 0.04 nat worse: not a failure"),
     param({"bf16-guard-clip": arm(7, {**TRIG, "logit": BEFORE}, rest=TRIG)}, "not reproduced",
           id="clip's logits past RUNAWAY_LOGIT only up to the trigger"),
     param({"bf16-guard": arm(8, {**TRIG, "logit": BEFORE})}, "reproduced",
           id="QK-norm's logits past RUNAWAY_LOGIT only up to the trigger"),
     param({"bf16-guard": arm(3, RAN_AWAY_AFTER, rest=TRIG)}, "not reproduced", id="QK-norm runs away in 3: 4 vs 0"),
+    param({"bf16-guard": arm(8, QK_HELD), "bf16-guard-clip": arm(7, QK_GROWN, rest=QK_HELD)}, "reproduced",
+          id="clip holds the logits but lets QK grow 4x where QK-norm's grew 1.5x (the old rule called it working)"),
+    param({"bf16-guard": arm(8, QK_HELD), "bf16-guard-clip": arm(7, {**TRIG, "qk": (5, 2.9)}, rest=QK_HELD)},
+          "not reproduced", id="QK growth under SIGMA_RATIO x QK-norm's"),
+    param({"bf16-guard-clip": arm(7, QK_GROWN, rest=TRIG)}, "not reproduced",
+          id="QK-norm's growth not logged: growth cannot fail an action"),
+    param({"bf16": arm(4, SOURCE)}, "inconclusive",
+          id="the source ran away in 4 seeds: the others reported, 4 too few (the old rule refuted it on all 8)"),
+    param({name: arm(6, runs[0], rest=LATE) for name, runs in RULE6.items() if name != "bf16"}, "reproduced",
+          id="2 seeds with too few steps after the trigger: reported, 6 judged"),
+    param({name: arm(4, runs[0], rest=LATE) for name, runs in RULE6.items() if name != "bf16"}, "inconclusive",
+          id="4 seeds with too few steps after the trigger: 4 judged"),
+    param({"bf16": arm(7, SOURCE, rest=UNFINISHED)}, "reproduced",
+          id="the source unfinished in a seed: judged, counted against (still 7 vs 0)"),
     param({"bf16-guard-qkclip": arm(1, COLLAPSED_AFTER, rest=TRIG)}, "not reproduced",
-          id="QK-Clip breaks down in a seed (the old rule did not judge it)"),
+          id="QK-Clip breaks down in a seed"),
     param({"bf16-guard-qkclip": arm(0, TRIG, {3: UNFINISHED})}, "not reproduced", id="QK-Clip unfinished in a seed"),
     param({"bf16-guard-qkclip": []}, "not run", id="QK-Clip not run"),
+    param({"bf16": []}, "not run", id="the source not run"),
     param({"bf16-guard-softcap": arm(4, COLLAPSED_AFTER, rest=TRIG)}, "not reproduced", id="softcap 4 of 8"),
     param({"bf16-guard-lr-drop": []}, "not run", id="lr-drop not run"),
 ])
 def test_rule_6(tmp_path, changes, expected):
     assert judge(tmp_path, "6", {**RULE6, **changes}) == expected
+
+
+def test_rule_6_says_which_seeds_it_judged_and_why(tmp_path):
+    arms = {**RULE6, **{name: arm(6, runs[0], rest=LATE) for name, runs in RULE6.items() if name != "bf16"},
+            "bf16": arm(7, SOURCE)}
+    text = rows(tmp_path, arms)["6"][2]
+    assert "bf16: steps from the threshold 200 to RUNAWAY_LOGIT, by seed: seed1 3," in text
+    assert "a judged seed needs 3 steps after its trigger" in text
+    assert "seeds judged: 6 of 8; reported, not counted: seed7 (2 steps after the trigger at 17), seed8 (the " \
+           "source did not run away)" in text
 
 
 def test_rule_6_per_source_with_gaps_triggers_and_the_grace_window(tmp_path):
@@ -1115,7 +1179,7 @@ def test_build_text_has_every_rule_and_the_dose_table(tmp_path):
         assert re.search(rf"^{re.escape(rule)} +(reproduced|not reproduced|inconclusive|not run) ", text, re.M), rule
         assert f"{rule}. {words}." in text
     assert re.search(r"^1 +reproduced ", text, re.M) and re.search(r"^2 +not run ", text, re.M)
-    assert "== Dose-response (claims 3 and 4)" in text and "dose 0.3  dose 3  dose 30" in text
+    assert "== Dose-response (claims 3 and 4)" in text and "dose 0.3  dose 1  dose 3  dose 10  dose 30" in text
     assert "== bf16 ==" in text and "bf16: 6/8 collapsed (median step 10)" in text
     assert "Dose-response" not in report.build(write_arms(tmp_path / "b", RULE1), "b", markdown=False)
 
@@ -1126,7 +1190,7 @@ def test_markdown_has_tables_hardware_and_commands(tmp_path):
     assert report.main([str(tmp_path / "runs"), "--markdown", str(md), "--plots", str(tmp_path / "plots")]) == 0
     text = md.read_text()
     assert "| claim | verdict |" in text and "| 1 | reproduced |" in text and "| 2 | not run |" in text
-    assert "| mlp-out | coherence 1 | - | - | 1/2 |" in text
+    assert "| mlp-out | coherence 1 | - | - | - | - | 1/2 |" in text
     assert "### bf16-safemax" in text and "| seed2 | collapsed | 10 |" in text
     assert "machine NVIDIA H200 (torch 2.11.0+cu130, triton ?)" in text and "8 seeds (seed1 to seed8)" in text
     assert "Not run (cut from the sweep" in text and "bf16-guard" in text.split("Not run (cut")[1].split("\n")[0]
@@ -1341,7 +1405,7 @@ def test_sweep_runs_every_arm_the_rules_read():
     assert set(sweep.experiments([4])) == {inject(s, d, c) for s in ("mlp-out", "delta") for d in sweep.DOSES
                                            for c in sweep.COHERENCES} | {sweep.NO_ERROR}
     assert set(sweep.experiments([3])) == {inject(s, d, 1.0, f) for s in sweep.SITES for d in sweep.DOSES
-                                           for f in (False, True)} | {sweep.NO_ERROR}
+                                           for f in (False, True)} | {sweep.NO_ERROR, sweep.QKNORM_ALONE}
     assert sweep.experiments([3])[inject("delta", 3.0, 1.0, True)] == [
         "--accum", "fp32", "--inject-site", "delta", "--inject-scale", "3", "--inject-coherence", "1",
         "--qk-fix", "clean-grad"]
