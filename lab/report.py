@@ -37,6 +37,7 @@ RUNAWAY_LOGIT = 1000.0   # a runaway's max logit, between healthy and runaway pe
 SIGMA_RATIO = 2.0        # "through the QK channel": sigma(W_q or W_k) grew SIGMA_RATIO times as
                          # much as any other weight matrix's, and as the no-error run's
 LOGIT_RATIO = 10.0       # "beyond the no-error run": max logit >= LOGIT_RATIO x that run's
+LOGIT_GAP = 2.0          # claim 4: one error's max logit "higher" than the other's only by this factor
 GUARD_THRESHOLD = 200.0  # the guard's default max-logit threshold (guard.py; a test keeps them in step)
 FIX_TOL = 0.1            # nat: a QK-only fix ends at most FIX_TOL above the no-error run's val loss
 # config.json's flags in which the runs a rule compares may differ: where a run ran and how it logged,
@@ -216,20 +217,22 @@ class Run:
         logged step up to `step` (the trigger); nan where not logged."""
         at = [p for s, p in zip(self.steps, self.qk_heads) if s <= step and p]
         end = next((p for p in reversed(self.qk_heads) if p), None)
-        ratios = [e / a for e, a in zip(end, at[-1]) if a > 0] if at and end else []
+        ratios = [e / a for e, a in zip(end, at[-1]) if a > 0 and not math.isnan(e / a)] if at and end else []
         return max(ratios) if ratios else math.nan
 
     def probe_shares(self):
-        """(share of the W_q, W_k updates' energy the probe removed, norm left / update norm): medians over
-        the logged updates and layers, None where not logged (the norm left: logs before qk-shrink)."""
+        """(share of the W_q, W_k updates' energy the probe removed, 1 - ||applied||^2 / ||dW||^2; norm left,
+        ||applied|| / ||dW||): medians over the logged updates and layers, None where not logged (logs before
+        qk-shrink have no norm left: there the share is ||R||^2 / ||dW||^2, the same for a projection)."""
         removed, left = [], []
         for p in self.probe_norms:
             for name in ("q", "k"):
                 for i, u in enumerate(p.get(f"{name}_update", [])):
-                    if u > 0:
-                        removed.append((p[f"{name}_removed"][i] / u) ** 2)
-                        if f"{name}_kept" in p:
-                            left.append(p[f"{name}_kept"][i] / u)
+                    if u > 0:   # ||dW||^2 - ||dW applied||^2: for qk-shrink R is not orthogonal to what it keeps
+                        kept = p.get(f"{name}_kept", [None] * (i + 1))[i]
+                        removed.append(1 - (kept / u) ** 2 if kept is not None else (p[f"{name}_removed"][i] / u) ** 2)
+                        if kept is not None:
+                            left.append(kept / u)
         return (statistics.median(removed) if removed else None, statistics.median(left) if left else None)
 
     def logit_after(self, step):
@@ -238,6 +241,10 @@ class Run:
     def first_past(self, bar, inclusive=False):
         """The first logged step whose max logit passed bar (> bar; >= if inclusive), or None."""
         return next((s for s, v in zip(self.steps, self.logit) if v > bar or inclusive and v >= bar), None)
+
+    def horizon(self):
+        """The steps it was set to run (config.json's max_steps), else its last logged step + 1."""
+        return self.config.get("args", {}).get("max_steps") or (self.steps[-1] + 1 if self.steps else 0)
 
     def guard_threshold(self):
         return self.config.get("args", {}).get("guard_threshold") or GUARD_THRESHOLD
@@ -413,15 +420,19 @@ def through_qk(run, ref):
     return beyond(run, ref) and qk_specific(run) and not math.isnan(ref_qk) and qk >= SIGMA_RATIO * ref_qk
 
 
-def fix_failed(fix, error):
-    """A QK-only fix failed against its error's run of the same seed: it ran away, or did not remove the
-    error's runaway (where the error's logits ran away, its max logit is not LOGIT_RATIO below them), or
-    it ended more than FIX_TOL above the error run's val loss. Judged against the error, not the no-error
-    run: what the error harms through other channels no QK-side fix can mend (QK-norm's own cost is
-    measured apart)."""
+def fix_failed(fix, error, fallback=None):
+    """A QK-only fix failed against its error's run of the same seed: it ran away or ended without a finite
+    val loss, or did not remove the error's runaway (where the error's logits ran away, its max logit is
+    not LOGIT_RATIO below them), or it ended more than FIX_TOL above the error run's val loss. Judged
+    against the error, not the no-error run: what the error harms through other channels no QK-side fix
+    can mend. Where the error collapsed or its loss is not finite, the loss bar is `fallback`'s (the same
+    seed's fp32 run with QK-norm always for a QK-norm fix, the no-error run for clean-grad): a bar at
+    infinity would pass any fix; where that run is missing the fix fails."""
     runaway = (error.max_logit or 0.0) >= RUNAWAY_LOGIT   # a collapse alone: the fix must not collapse
     kept = runaway and (fix.max_logit or 0.0) * LOGIT_RATIO > error.max_logit
-    return ran_away(fix) or kept or end_val(fix) > end_val(error) + FIX_TOL
+    bar = end_val(error) if not error.collapsed and math.isfinite(end_val(error)) else \
+        end_val(fallback) if done(fallback) else -math.inf
+    return ran_away(fix) or kept or not math.isfinite(end_val(fix)) or end_val(fix) > bar + FIX_TOL
 
 
 def median_range(values, spec="+.3f"):
@@ -435,12 +446,14 @@ def injection_claim(c, site):
     Reported beside: each fix's val loss against its error and against no-error, and QK-norm's own cost
     (fp32 with QK-norm always, against fp32)."""
     doses, holds, lines = c.doses_run(site), False, []
+    fallback = QKNORM_ALONE if SITES[site] == "qknorm" else NO_ERROR   # the fix's loss bar where the error's is gone
     alpha = ALPHA / max(1, len(doses))
     lines.append(f"{site}: doses run {', '.join(f'{d:g}' for d in doses)}")
     for dose in doses:
         error, fix = inject_arm(site, dose, 1.0)[0], inject_arm(site, dose, 1.0, True)[0]
         la, oa = c.count(error, "ran away through QK beyond no-error", through_qk, True, ref=NO_ERROR)
-        lb, ob = c.count(fix, "failed against the error (kept its runaway, or FIX_TOL worse)", fix_failed, False,
+        lb, ob = c.count(fix, "failed against the error (kept its runaway, or FIX_TOL worse)",
+                         lambda run, err: fix_failed(run, err, c.runs.get(fallback, {}).get(run.seed)), False,
                          ref=error)
         k, j, p = sign_test(list(zip(oa, ob)))
         holds, c.alpha = holds or p < alpha, min(c.alpha, alpha)
@@ -456,7 +469,10 @@ def injection_claim(c, site):
 
 
 def logit_ratio(run, ref):
-    """A run's max logit over its seed's no-error run's (inf where it diverged)."""
+    """A run's max logit over its seed's no-error run's; inf where it collapsed or its loss diverged (the
+    worst runaway ranks above any logit it logged before)."""
+    if run.collapsed or run.nonfinite:
+        return math.inf
     return (run.max_logit or 0.0) / max(ref.max_logit or 0.0, 1e-30)
 
 
@@ -465,31 +481,40 @@ def qk_growth_ratio(run, ref):
     return run.qk_and_other_growth()[0] / ref.qk_and_other_growth()[0]
 
 
+def higher(a, b):
+    """a's runaway measure above b's by at least LOGIT_GAP (an infinite one above any finite one)."""
+    return a > b if math.isinf(a) or math.isinf(b) else a >= LOGIT_GAP * b and a > b
+
+
 def coherence_claim(c):
     """Claim 4 on a scale, at every site and dose run: seed by seed, the coherent error's max logit over
-    the paired no-error run's against the random-sign error's (coherence 0.5). At a dose coherence
-    "raises" the runaway if the coherent one is higher by a sign test at ALPHA / the doses run, "reverses"
-    it if the random-sign one is higher by the same test, else does nothing measurable. Holds where it
-    raises at some dose of every site and reverses at none; a reversal anywhere refutes it. A seed with a
-    run unfinished or missing counts neither way (it cannot support the claim, nor refute it). The
-    sigma(W_q, W_k) growth against no-error is reported by the same counts."""
+    the paired no-error run's against the random-sign error's (coherence 0.5); one is higher where it is
+    LOGIT_GAP times the other (a collapse ranks above any logit). Coherence "raises" the runaway at a dose
+    if the coherent one is higher by a sign test at ALPHA / the doses run at the site, a seed with a run
+    unfinished or missing counted against it; it "reverses" it if the random-sign one is higher by a
+    sign test at ALPHA / the cells run at all sites (any reversal refutes), counted on finished seeds
+    only (missing data cannot refute). Holds where it raises at some dose of every site and reverses at
+    none. The sigma(W_q, W_k) growth against no-error is reported by the same counts."""
+    doses = {site: c.doses_run(site) for site in CLAIM4_SITES}
+    cells = sum(len(d) for d in doses.values())
+    alpha_reverse = ALPHA / max(1, cells)
     raised, reversed_at, lines = {}, [], []
     for site in CLAIM4_SITES:
-        doses = c.doses_run(site)
-        alpha = ALPHA / max(1, len(doses))
-        c.alpha = min(c.alpha, alpha)
+        alpha = ALPHA / max(1, len(doses[site]))
+        c.alpha = min(c.alpha, alpha, alpha_reverse)
         raised[site] = []
-        lines.append(f"{site}: doses run {', '.join(f'{d:g}' for d in doses)} (Bonferroni: threshold ALPHA / "
-                     f"{len(doses)})")
-        for dose in doses:
+        lines.append(f"{site}: doses run {', '.join(f'{d:g}' for d in doses[site])} (thresholds: raises ALPHA / "
+                     f"{len(doses[site])}, reverses ALPHA / {cells}, the cells of both sites)")
+        for dose in doses[site]:
             coherent, random = inject_arm(site, dose, 1.0)[0], inject_arm(site, dose, 0.5)[0]
             runs = [(c.runs[coherent].get(s), c.runs[random].get(s), c.runs[NO_ERROR].get(s)) for s in c.seeds]
             both = [(a, b, r) for a, b, r in runs if done(a) and done(b) and done(r)]
             logits = [(logit_ratio(a, r), logit_ratio(b, r)) for a, b, r in both]
             growth = [(qk_growth_ratio(a, r), qk_growth_ratio(b, r)) for a, b, r in both]
-            up, down = sum(x > y for x, y in logits), sum(y > x for x, y in logits)
-            p_up, p_down = binom_tail(up, up + down), binom_tail(down, up + down)
-            verdict = "raises" if p_up < alpha else "reverses" if p_down < alpha else "no measurable effect"
+            up, down, missing = sum(higher(x, y) for x, y in logits), sum(higher(y, x) for x, y in logits), \
+                len(runs) - len(both)
+            p_up, p_down = binom_tail(up, up + down + missing), binom_tail(down, up + down)
+            verdict = "raises" if p_up < alpha else "reverses" if p_down < alpha_reverse else "no measurable effect"
             if verdict == "raises":
                 raised[site].append(dose)
             elif verdict == "reverses":
@@ -497,16 +522,16 @@ def coherence_claim(c):
             g_up, g_down = sum(x > y for x, y in growth), sum(y > x for x, y in growth)
             lines.append(
                 f"{site} {dose:g}: max logit / no-error's, median coherent {num(median([x for x, _ in logits]), '.3g')}"
-                f" vs random sign {num(median([y for _, y in logits]), '.3g')}; coherent higher in {up} seeds, "
-                f"random sign in {down} ({len(runs) - len(both)} unfinished or missing); p = {p_up:.3g} (raises), "
-                f"{p_down:.3g} (reverses) -> {verdict}; sigma(W_q, W_k) growth / no-error's higher for coherent in "
-                f"{g_up}, random sign in {g_down}")
+                f" vs random sign {num(median([y for _, y in logits]), '.3g')}; coherent {LOGIT_GAP:g}x higher in "
+                f"{up} seeds, random sign in {down} ({missing} unfinished or missing, counted against raising); "
+                f"p = {p_up:.3g} (raises), {p_down:.3g} (reverses) -> {verdict}; sigma(W_q, W_k) growth / "
+                f"no-error's higher for coherent in {g_up}, random sign in {g_down}")
     if reversed_at:
         lines.append(f"refuted: random-sign errors run away further than coherent ones at {', '.join(reversed_at)}")
         return "refuted", lines
     holds = all(raised.values())
     lines.append("coherence raises the runaway at " + "; ".join(
-        f"{site} {', '.join(f'{d:g}' for d in doses) or 'no dose'}" for site, doses in raised.items()))
+        f"{site} {', '.join(f'{d:g}' for d in ds) or 'no dose'}" for site, ds in raised.items()))
     return holds, lines
 
 
@@ -529,8 +554,8 @@ def probe_holds(c, source):
     for name, words in PROBE_CONTROLS.items():
         ok, (control_line, _, test_line) = c.contrast(f"{source}-probe-{name}", ran_away, topk, ran_away, "ran away")
         holds, lines = holds and ok, lines + [f"{control_line} ({words})", test_line]
-    stopped, _, p = sign_test(list(zip(c.outcomes(source, ran_away, True),
-                                       c.outcomes(f"{source}-probe-shrink", ran_away, True))))
+    pairs = [(c.runs[source].get(s), c.runs.get(f"{source}-probe-shrink", {}).get(s)) for s in c.seeds]
+    stopped, _, p = sign_test([(ran_away(a), ran_away(b)) for a, b in pairs if done(a) and done(b)])
     if p < ALPHA:
         lines.append(f"the shrink alone stopped the runaway ({stopped} seeds, p = {p:.3g}): the probe works "
                      f"through step size, not through the top directions")
@@ -570,12 +595,13 @@ def runaway_span(run, threshold):
 
 def qk_growth_failed(run, qknorm):
     """After the trigger (the QK-norm run's, where the action's is missing), the most-grown head's
-    sigma(W_q,h) sigma(W_k,h) grew SIGMA_RATIO times as much as under QK-norm, the same seed."""
+    sigma(W_q,h) sigma(W_k,h) grew SIGMA_RATIO times as much as under QK-norm, the same seed, and at least
+    SIGMA_RATIO times (a QK-norm run whose heads shrank does not make a flat one a runaway)."""
     trigger = run.trigger if run.trigger is not None else qknorm.trigger
     if trigger is None:
         return False
     growth, ref = run.qk_growth_after(trigger), qknorm.qk_growth_after(trigger)
-    return not (math.isnan(growth) or math.isnan(ref)) and growth >= SIGMA_RATIO * ref
+    return not (math.isnan(growth) or math.isnan(ref)) and growth >= SIGMA_RATIO * max(ref, 1.0)
 
 
 def action_failed(run, qknorm):
@@ -585,9 +611,9 @@ def action_failed(run, qknorm):
 
 
 def judgeable(c, source, qknorm):
-    """Claim 6's seeds: where the source ran away, and the guarded runs had at least as many steps after
-    the trigger as the slowest of the source's runaways took from the trigger's threshold to
-    RUNAWAY_LOGIT. A seed with a run unfinished or missing stays (it counts against the claim); the
+    """Claim 6's seeds: where the source ran away, and the guarded runs were set to run at least as many
+    steps after the trigger (their --max-steps, not where a collapse stopped one) as the slowest of the
+    source's runaways took from the trigger's threshold to RUNAWAY_LOGIT. A seed with a run unfinished or missing stays (it counts against the claim); the
     others are reported, not counted. Returns (seeds, lines)."""
     runs = c.runs[qknorm]
     threshold = next((r.guard_threshold() for r in runs.values()), GUARD_THRESHOLD)
@@ -599,8 +625,8 @@ def judgeable(c, source, qknorm):
         if done(src) and spans.get(s) is None:
             out.append(f"{s} (the source did not run away)")
         elif done(src) and done(guarded) and guarded.trigger is not None and need is not None and \
-                guarded.steps[-1] - guarded.trigger < need:
-            out.append(f"{s} ({guarded.steps[-1] - guarded.trigger} steps after the trigger at "
+                guarded.horizon() - guarded.trigger < need:
+            out.append(f"{s} ({guarded.horizon() - guarded.trigger} steps after the trigger at "
                        f"{guarded.trigger})")
         else:
             seeds.append(s)
@@ -632,7 +658,9 @@ def non_qk_actions_fail(c, source):
     c.seeds, lines = judgeable(c, source, qknorm)
     holds = bool(c.seeds)
     for n, arm in enumerate(f"{source}-guard-{a}" for a in ("lr-drop", "clip", "softcap")):
-        la, oa = c.count(arm, "failed (broke down, or QK grew SIGMA_RATIO x QK-norm's)", action_failed, True,
+        # a seed whose source is unfinished stays judged and counts against: its action did not fail
+        la, oa = c.count(arm, "failed (broke down, or QK grew SIGMA_RATIO x QK-norm's)",
+                         lambda run, ref: action_failed(run, ref) and done(c.runs[source].get(run.seed)), True,
                          ref=qknorm)
         lb, ob = c.count(qknorm, "broke down", broke_down, False)
         k, j, p = sign_test(list(zip(oa, ob)))
@@ -717,8 +745,10 @@ RULES = [
      _inject_arms((1.0,), (False, True), ["delta"]), lambda c: injection_claim(c, "delta")),
     ("4", f"sign-coherence, not size, on a scale: at {' and '.join(CLAIM4_SITES)} and each dose, seed by seed, the "
           f"coherent error's max logit over its seed's no-error run's against the random-sign error's (coherence "
-          f"0.5), a sign test each way at ALPHA / the doses run: holds if coherence raises it at some dose of each "
-          f"site and reverses it at none; a reversal at any dose refutes the claim",
+          f"0.5), one higher where LOGIT_GAP times the other (a collapse above any logit): holds if coherence "
+          f"raises it (sign test at ALPHA / the site's doses, unfinished seeds counted against) at some dose of "
+          f"each site and reverses it (sign test at ALPHA / all cells, finished seeds only) at none; a reversal "
+          f"at any dose refutes the claim",
      _inject_arms((1.0, 0.5), (False,), list(CLAIM4_SITES)), coherence_claim),
     ("5", "the causal probe: the source runs away (max logit past RUNAWAY_LOGIT, or a collapse) where the probe "
           "on W_q/W_k's top-k does not, and so does each control that can be carried out at every step: the whole "
@@ -1149,6 +1179,27 @@ def dose_response(groups):
     return curves
 
 
+def fault_units(root):
+    """The doses in units of the bf16 state's own error, from <root>/fault_size.json (lab.fault_size), if
+    there: a paragraph, or nothing."""
+    path = os.path.join(root, "fault_size.json")
+    if not os.path.exists(path):
+        return []
+    try:
+        with open(path) as f:
+            fault = json.load(f)
+        error, bias = fault["median"]["error_ratio_median"], fault["median"]["bias_ratio_median"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        print(f"warning: {path}: {e!r}: the doses are not shown in the fault's units", file=sys.stderr)
+        return []
+    where = f"a checkpoint ({fault['ckpt']})" if fault.get("ckpt") else \
+        f"the initial models of {len(fault.get('per_seed', []))} seeds"
+    return [f"The doses in units of the bf16 state's own error on {where}: its rms is {error:.3g} of the attention "
+            f"output's (median over layers and heads; its sign-keeping mean {bias:.3g}), so "
+            + ", ".join(f"dose {d:g} is {d / error:.3g}x" for d in DOSES)
+            + f" the fault's size (`{' '.join(fault.get('command', []))}`)."]
+
+
 def dose_table(groups):
     return [[site, label] + [f"{k}/{n}" if n else "-" for k, n in cells]
             for (site, label), cells in dose_response(groups).items()]
@@ -1343,7 +1394,8 @@ def build(groups, root, markdown, plots=(), markdown_dir=".", pilots=(), plots_f
     parts += [title(2, "Claims"), render(["claim", "verdict", "arms: n, counts [exact 95% interval]; tests"],
                                          rows, markdown),
               f"Rules (ALPHA={ALPHA}, FINAL_WINDOW={FINAL_WINDOW}, LOSS_TOL={LOSS_TOL}, "
-              f"RUNAWAY_LOGIT={RUNAWAY_LOGIT:g}, SIGMA_RATIO={SIGMA_RATIO:g}; a run ran away if it collapsed or "
+              f"RUNAWAY_LOGIT={RUNAWAY_LOGIT:g}, SIGMA_RATIO={SIGMA_RATIO:g}, LOGIT_RATIO={LOGIT_RATIO:g}, "
+              f"LOGIT_GAP={LOGIT_GAP:g}, FIX_TOL={FIX_TOL}; a run ran away if it collapsed or "
               f"its max logit reached RUNAWAY_LOGIT; arms are compared seed by seed with an exact one-sided sign "
               f"test over the seeds where they differ; an unfinished or missing run counts against the claim):",
               "\n".join(f"{claim}. {text}." for claim, text, _, _ in RULES)]
@@ -1351,6 +1403,7 @@ def build(groups, root, markdown, plots=(), markdown_dir=".", pilots=(), plots_f
         parts += [title(2, "Dose-response (claims 3 and 4): runs that ran away beyond the no-error run of their "
                            "seed / finished pairs"),
                   render(["site", "coherence"] + [f"dose {d:g}" for d in DOSES], dose_table(groups), markdown)]
+        parts += fault_units(root)
     if study:
         parts += lr_section(*study, lr_rows, markdown, title, study_plots, markdown_dir)
     parts.append(title(2, "Runs"))

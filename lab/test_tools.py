@@ -335,7 +335,8 @@ NOERR = {sweep.NO_ERROR: arm(0, OK)}
 
 def rule3(site, dose=3.0, k=7, **changes):
     """`site`'s grid and no-error, healthy but for coherence 1 at `dose`: QK runaway in k seeds."""
-    return {**grid([site], [1.0], fix=True), **NOERR, inject(site, dose): arm(k, QK_RUNAWAY), **changes}
+    return {**grid([site], [1.0], fix=True), **NOERR, sweep.QKNORM_ALONE: arm(0, OK),
+            inject(site, dose): arm(k, QK_RUNAWAY), **changes}
 
 
 @pytest.mark.parametrize("rule, site", [("3", "mlp-out"), ("3 (grad-mlp)", "grad-mlp"), ("3 (grad-wv)", "grad-wv"),
@@ -345,6 +346,13 @@ def rule3(site, dose=3.0, k=7, **changes):
     param(lambda s: rule3(s, 0.3, 8), "reproduced", id="8 of 8 at dose 0.3"),
     param(lambda s: rule3(s, **{inject(s, 3.0): arm(7, {"collapse": 10, "growth": {"k": 8.0}})}), "reproduced",
           id="collapses where no-error does not, through W_k"),
+    param(lambda s: rule3(s, **{inject(s, 3.0): arm(7, {"collapse": 10, "growth": {"k": 8.0}}),
+                                inject(s, 3.0, fix=True): arm(7, {"val": 7.9})}), "not reproduced",
+          id="the error collapsed (val 8) and the fix barely trains (7.9): judged against QK-norm alone or "
+             "no-error, not the collapse (the first version passed it)"),
+    param(lambda s: rule3(s, **{inject(s, 3.0): arm(7, {**QK_RUNAWAY, "val": float("nan")}),
+                                inject(s, 3.0, fix=True): arm(7, {"val": 9.0})}), "not reproduced",
+          id="the error's val loss NaN, the fix's 9: the bar is not infinite"),
     param(lambda s: rule3(s, **{inject(s, 3.0): arm(7, {"logit": 0.99 * R, "growth": {"q": 8.0}})}),
           "not reproduced", id="max logit just below RUNAWAY_LOGIT"),
     param(lambda s: rule3(s, **{sweep.NO_ERROR: arm(8, {"logit": 2 * R})}), "not reproduced",
@@ -460,14 +468,24 @@ def rule4(mlp_out=3.0, delta=3.0, **cells):
     param(rule4(mlp_out=None), "not reproduced", id="only delta"),
     param(rule4(**{inject("mlp-out", 3.0): arm(6, RUNAWAY)}), "not reproduced",
           id="6 of 8: p = 1/64 > ALPHA / 5"),
-    param(rule4(**{inject("mlp-out", 0.3, 0.5): arm(7, {"logit": 400.0}),
+    param(rule4(**{inject("mlp-out", 0.3, 0.5): arm(8, {"logit": 400.0}),
                    inject("mlp-out", 0.3): arm(0, {"logit": 150.0})}), "refuted",
           id="random signs higher below RUNAWAY_LOGIT at a dose where neither runs away "
              "(the old rule, thresholded at a runaway, passed this)"),
-    param(rule4(**{inject("mlp-out", 30.0, 0.5): arm(7, RUNAWAY)}), "refuted",
+    param(rule4(**{inject("mlp-out", 30.0, 0.5): arm(8, RUNAWAY)}), "refuted",
           id="random signs run away at a dose where coherent ones do not"),
-    param(rule4(**{inject("mlp-out", 0.3, 0.5): arm(6, {"logit": 400.0})}), "reproduced",
-          id="random signs higher in 6 of 8: p = 1/64, not a reversal at ALPHA / 5"),
+    param(rule4(**{inject("mlp-out", 0.3, 0.5): arm(7, {"logit": 400.0})}), "reproduced",
+          id="random signs higher in 7 of 8: p = 1/128, not a reversal at ALPHA / 10 cells"),
+    param(rule4(**{inject("mlp-out", 0.3, 0.5): arm(8, {"logit": 10.01})}), "reproduced",
+          id="random signs higher by 0.1%: under LOGIT_GAP, no reversal"),
+    param(rule4(**{inject("mlp-out", 0.3, 0.5): arm(8, {"logit": 400.0}),
+                   inject("mlp-out", 0.3): arm(8, {"logit": 150.0, "collapse": 10})}), "reproduced",
+          id="coherent errors collapse below the random-sign logits: a collapse ranks above (not a reversal)"),
+    param(rule4(**{inject("mlp-out", 3.0, 0.5): arm(0, OK, {8: RUNAWAY})}), "not reproduced",
+          id="random signs higher in the one other seed: 7 vs 1, p = 0.035 > ALPHA / 5"),
+    param(rule4(**{inject("mlp-out", 3.0, 0.5): arm(0, OK, {8: RUNAWAY}), inject("mlp-out", 3.0): arm(7, RUNAWAY,
+                   {8: UNFINISHED})}), "not reproduced",
+          id="... and the coherent run of that seed unfinished: counted against raising, not dropped"),
     param(rule4(**{inject("mlp-out", 3.0, 0.5): arm(0, OK, {1: UNFINISHED, 2: UNFINISHED})}),
           "not reproduced", id="random signs unfinished in two of the seven: 5 left, p = 1/32 > ALPHA / 5"),
     param(rule4(**{inject("mlp-out", 3.0): arm(0, OK, dict.fromkeys(range(1, 8), UNFINISHED))}),
@@ -482,13 +500,16 @@ def test_rule_4(tmp_path, arms, expected):
 
 
 def test_rule_4_reports_each_dose_on_a_scale_and_the_dose_response(tmp_path):
-    arms = rule4(**{inject("delta", 30.0, 0.5): arm(7, {"logit": 100.0, "growth": {"q": 3.0}})})
+    arms = rule4(**{inject("delta", 30.0, 0.5): arm(8, {"logit": 100.0, "growth": {"q": 3.0}})})
     row = rows(tmp_path, arms)["4"]
-    assert "mlp-out 3: max logit / no-error's, median coherent 200 vs random sign 1; coherent higher in 7 seeds, " \
-           "random sign in 0 (0 unfinished or missing); p = 0.00781 (raises), 1 (reverses) -> raises" in row[2]
-    assert "delta 30: max logit / no-error's, median coherent 1 vs random sign 10; coherent higher in 0 seeds, " \
-           "random sign in 7 (0 unfinished or missing); p = 1 (raises), 0.00781 (reverses) -> reverses; " \
-           "sigma(W_q, W_k) growth / no-error's higher for coherent in 0, random sign in 7" in row[2]
+    assert "mlp-out: doses run 0.3, 1, 3, 10, 30 (thresholds: raises ALPHA / 5, reverses ALPHA / 10, the cells of " \
+           "both sites)" in row[2]
+    assert "mlp-out 3: max logit / no-error's, median coherent 200 vs random sign 1; coherent 2x higher in 7 seeds, " \
+           "random sign in 0 (0 unfinished or missing, counted against raising); p = 0.00781 (raises), 1 (reverses) " \
+           "-> raises" in row[2]
+    assert "delta 30: max logit / no-error's, median coherent 1 vs random sign 10; coherent 2x higher in 0 seeds, " \
+           "random sign in 8 (0 unfinished or missing, counted against raising); p = 1 (raises), 0.00391 (reverses) " \
+           "-> reverses; sigma(W_q, W_k) growth / no-error's higher for coherent in 0, random sign in 8" in row[2]
     assert row[1] == "refuted" and "refuted: random-sign errors run away further than coherent ones at delta 30" \
         in row[2]
     table = report.dose_table(report.load_runs(str(tmp_path)))
@@ -533,8 +554,9 @@ def test_rule_5(tmp_path, changes, expected):
 def test_rule_5_says_step_size_and_reports_energy_and_cost(tmp_path):
     norms = {"q_update": [1.0, 2.0], "q_removed": [0.8, 1.6], "q_kept": [0.6, 1.2],
              "k_update": [1.0, 1.0], "k_removed": [0.8, 0.8], "k_kept": [0.6, 0.6]}
+    shrunk = {**norms, "q_removed": [0.4, 0.8], "k_removed": [0.4, 0.4]}   # ||dW|| - ||kept||: not orthogonal
     arms = {**rule5("assay"), "assay-probe-topk": arm(8, {"val": 2.95, "probe": norms}),
-            "assay-probe-shrink": arm(0, {"probe": norms})}
+            "assay-probe-shrink": arm(8, {"probe": shrunk})}
     table = rows(tmp_path, arms)
     assert "5" not in table and table["5 (assay)"][1] == "not reproduced"
     text = table["5 (assay)"][2]
@@ -542,7 +564,11 @@ def test_rule_5_says_step_size_and_reports_energy_and_cost(tmp_path):
     assert "the shrink alone stopped the runaway (7 seeds, p = 0.00781): the probe works through step size" in text
     assert "assay-probe-topk: share of the W_q, W_k update energy removed, median over seeds 0.640; update norm " \
            "left, 0.600" in text
+    assert "assay-probe-shrink: share of the W_q, W_k update energy removed, median over seeds 0.640" in text
     assert "assay-probe-fixed: share" not in text   # nothing logged, nothing said
+    missing = {**arms, "assay-probe-shrink": arm(0, OK, dict.fromkeys(range(1, 8)))}   # seed 8 only
+    text = rows(tmp_path / "missing", missing)["5 (assay)"][2]
+    assert "the shrink alone" not in text, "missing shrink runs are no evidence of step size"
     assert "assay-probe-equal: ran away 7/8" in text and "(a control, reported, not judged)" in text
     assert "loss cost, median final val loss - fp32's: assay-probe-topk +0.050" in text
 
@@ -563,7 +589,8 @@ ACTIONS = ("bf16-guard-lr-drop", "bf16-guard-clip", "bf16-guard-softcap")
 RULE6 = {"bf16": arm(8, SOURCE), "bf16-guard": arm(0, TRIG), "bf16-guard-lr-drop": arm(7, COLLAPSED_AFTER, rest=TRIG),
          "bf16-guard-clip": arm(7, RAN_AWAY_AFTER, rest=TRIG), "bf16-guard-softcap": arm(7, COLLAPSED_AFTER, rest=TRIG),
          "bf16-guard-qkclip": arm(0, TRIG)}
-LATE = {"trigger": 17}            # 2 steps after the trigger, fewer than the source's 3
+SLOW = {"logit": lambda step: 10.0 if step < 5 else 300.0 if step < 15 else 2 * R}   # 200 -> 1000 in 10 steps
+LATE = {"trigger": 18}            # 2 steps after the trigger (of 20), fewer than the source's 3
 
 
 @pytest.mark.parametrize("changes, expected", [
@@ -587,8 +614,15 @@ LATE = {"trigger": 17}            # 2 steps after the trigger, fewer than the so
           id="2 seeds with too few steps after the trigger: reported, 6 judged"),
     param({name: arm(4, runs[0], rest=LATE) for name, runs in RULE6.items() if name != "bf16"}, "inconclusive",
           id="4 seeds with too few steps after the trigger: 4 judged"),
-    param({"bf16": arm(7, SOURCE, rest=UNFINISHED)}, "reproduced",
-          id="the source unfinished in a seed: judged, counted against (still 7 vs 0)"),
+    param({"bf16": arm(4, SOURCE, rest=UNFINISHED), **{a: arm(8, COLLAPSED_AFTER) for a in ACTIONS}},
+          "not reproduced", id="the source unfinished in 4 seeds: judged and counted against (4 vs 0 of 8), "
+                               "not dropped (4 seeds: inconclusive)"),
+    param({"bf16": arm(8, SLOW), "bf16-guard": arm(0, TRIG, dict.fromkeys((7, 8), {**COLLAPSED_AFTER,
+                                                                                   "args": {"max_steps": 20}}))},
+          "not reproduced", id="QK-norm collapses in seeds 7, 8 and stops at step 12: judged by its 20 planned "
+                               "steps, 6 vs 1 (the first version dropped them as too short: 6 vs 0)"),
+    param({"bf16-guard": arm(0, TRIG, {8: OK}), **{a: arm(7, RULE6[a][0], {8: OK}) for a in ACTIONS}},
+          "reproduced", id="the guard never fired in one seed: a tie there"),
     param({"bf16-guard-qkclip": arm(1, COLLAPSED_AFTER, rest=TRIG)}, "not reproduced",
           id="QK-Clip breaks down in a seed"),
     param({"bf16-guard-qkclip": arm(0, TRIG, {3: UNFINISHED})}, "not reproduced", id="QK-Clip unfinished in a seed"),
@@ -607,7 +641,7 @@ def test_rule_6_says_which_seeds_it_judged_and_why(tmp_path):
     text = rows(tmp_path, arms)["6"][2]
     assert "bf16: steps from the threshold 200 to RUNAWAY_LOGIT, by seed: seed1 3," in text
     assert "a judged seed needs 3 steps after its trigger" in text
-    assert "seeds judged: 6 of 8; reported, not counted: seed7 (2 steps after the trigger at 17), seed8 (the " \
+    assert "seeds judged: 6 of 8; reported, not counted: seed7 (2 steps after the trigger at 18), seed8 (the " \
            "source did not run away)" in text
 
 
@@ -1578,3 +1612,27 @@ def test_the_lab_scripts_numeric_flags_refuse_nonsense_in_one_line():
     from test_training import assert_numeric_flags_refuse_nonsense
     assert_numeric_flags_refuse_nonsense([("-m lab.sweep", ["--dry-run", "--claims", "1"], ["--seeds", "--parallel"]),
                                           ("-m lab.bench", ["--smoke"], ["--steps", "--warmup", "--batch-size"])], ROOT)
+
+
+# --------------------------------------------------------------------------------------------------
+# The doses in the bf16 state's own units (lab.fault_size, read by lab.report)
+
+def test_fault_size_measures_the_bf16_states_error_and_report_prints_the_doses_in_its_units(tmp_path, data_dir):
+    from lab import fault_size
+    out = tmp_path / "runs" / "fault_size.json"
+    out.parent.mkdir()
+    fault_size.main(["--seeds", "2", "--out", str(out), "--n-layer", "2", "--n-head", "2", "--n-embd", "32",
+                     "--block-size", "32", "--batch-size", "2", "--attn-impl", "torch", "--device", "cpu",
+                     "--data-dir", data_dir])
+    fault = json.loads(out.read_text())
+    assert [r["seed"] for r in fault["per_seed"]] == [1, 2]
+    error = fault["median"]["error_ratio_median"]
+    # bf16 state's error: above fp32 roundoff, far below the signal; its mean (bias) is a part of it
+    assert 1e-5 < error < 0.1 and 0 < fault["median"]["bias_ratio_median"] <= fault["median"]["error_ratio_max"]
+    assert fault["command"][:3] == ["python", "-m", "lab.fault_size"]
+    groups = write_arms(out.parent, {inject("mlp-out", 3.0): [RUNAWAY], **NOERR})
+    text = report.build(groups, str(out.parent), markdown=False)
+    assert f"dose 0.3 is {0.3 / error:.3g}x, dose 1 is {1 / error:.3g}x" in text and "initial models of 2 seeds" in text
+    out.write_text("{not json")
+    broken = report.build(groups, str(out.parent), markdown=False)
+    assert "The doses in units" in text and "The doses in units" not in broken
