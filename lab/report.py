@@ -775,6 +775,20 @@ RULES = [
                       guard_is_dormant(c, "llama-fp32", "llama-fp32-guard"))),
 ]
 SOURCE_RULES = ("5", "6")   # judged once per source whose arms ran (bf16 where none did)
+# How claims 3-6's rules changed from their first version, and why (a review found the first versions
+# could fail by the lab's own construction); RESULTS.md prints it under the rules.
+RULE_CHANGES = {
+    "3": "the fix was judged against the no-error run, which charged it with what the error harms through other "
+         "channels; now against its own error's run, with QK-norm's own cost measured by an arm of its own",
+    "4": "the smallest dose past a max logit of RUNAWAY_LOGIT on a 10x grid hid reversals below it; now every dose "
+         "(half-decades) on a scale, both ways, a reversal refuting the claim",
+    "5": "the equal-energy control could not be carried out where an update's energy sits in its top-k, and both "
+         "probes shrink the step; now three controls that always can (the same shrink, the next k directions, a "
+         "fixed random subspace), the energy each removed reported",
+    "6": "seeds where the source never ran away, or that ended before a runaway could show, were counted, and a "
+         "capped logit passed as held; now only seeds with a runaway and room after the trigger, QK growth as a "
+         "failure too, and the softcap above the trigger",
+}
 
 
 def expanded_rules(groups):
@@ -1398,7 +1412,9 @@ def build(groups, root, markdown, plots=(), markdown_dir=".", pilots=(), plots_f
               f"LOGIT_GAP={LOGIT_GAP:g}, FIX_TOL={FIX_TOL}; a run ran away if it collapsed or "
               f"its max logit reached RUNAWAY_LOGIT; arms are compared seed by seed with an exact one-sided sign "
               f"test over the seeds where they differ; an unfinished or missing run counts against the claim):",
-              "\n".join(f"{claim}. {text}." for claim, text, _, _ in RULES)]
+              "\n".join(f"{claim}. {text}." for claim, text, _, _ in RULES),
+              "What changed in the rules of claims 3 to 6, and why: "
+              + "; ".join(f"{claim}: {why}" for claim, why in RULE_CHANGES.items()) + "."]
     if any(g.startswith("inject-") for g in groups):
         parts += [title(2, "Dose-response (claims 3 and 4): runs that ran away beyond the no-error run of their "
                            "seed / finished pairs"),
