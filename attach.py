@@ -20,9 +20,11 @@ Four parts, one screen each:
 transformers is never imported: the Hugging Face adapters know its modules by their structure, so
 this file works, and its tests pass, without it.
 """
+import functools
 import json
 import math
 import sys
+import time
 from dataclasses import dataclass
 from typing import Callable, Optional
 
@@ -55,8 +57,9 @@ class Layer:
     k_cols: Optional[slice] = None
     scale: Optional[float] = None            # the logit scale; None: 1 / sqrt(head_dim)
     transposed: bool = False                 # weight stored (in, out), as Hugging Face's Conv1D does
-    # rotary(q, k, args, kwargs) -> (q, k): the rotation the model applies after the projections,
-    # from the arguments attn was called with; q, k are (batch, heads, time, head_dim)
+    # rotary(q, k, args, kwargs, seqs) -> (q, k): the rotation the model applies after the projections,
+    # from the arguments attn was called with; q, k are (sequences, heads, time, head_dim), the
+    # sequences `seqs` of the batch (an index tensor; None: all of them) the monitor samples
     rotary: Optional[Callable] = None
     # an object with a qk_norm attribute that the model reads itself (this project's GPT);
     # None: the hooks normalize q and k where they are formed
@@ -105,7 +108,7 @@ def qkguard_gpt(model):
     if not isinstance(model, GPT):
         return []
 
-    def rotary(q, k, args, kwargs):   # CausalSelfAttention.forward(x, rotary): rotary = (cos, sin) or None
+    def rotary(q, k, args, kwargs, seqs):   # forward(x, rotary): (cos, sin) by position, or None (gpt2)
         tables = args[1] if len(args) > 1 else kwargs.get("rotary")
         return (q, k) if tables is None else (apply_rotary(q, *tables), apply_rotary(k, *tables))
     return [Layer(attn=a, q=a.q_proj, k=a.k_proj, n_head=a.n_head, head_dim=a.head_dim, scale=a.scale,
@@ -156,9 +159,17 @@ def hf_llama(model):
                              f"whose rotary applies this model's rotation (README: Guard your own model)")
         layers.append(Layer(attn=m, q=q_proj, k=k_proj, n_head=q_proj.out_features // m.head_dim,
                             head_dim=m.head_dim, n_kv_head=k_proj.out_features // m.head_dim,
-                            scale=getattr(m, "scaling", None),
-                            rotary=lambda q, k, args, kwargs, rotate=rotate: rotate(q, k, *kwargs["position_embeddings"])))
+                            scale=getattr(m, "scaling", None), rotary=_hf_rotary(rotate)))
     return layers
+
+
+def _hf_rotary(rotate):
+    def rotary(q, k, args, kwargs, seqs):
+        cos, sin = kwargs["position_embeddings"]          # (batch or 1, time, head_dim)
+        if seqs is not None and cos.shape[0] > 1:         # positions given per sequence: the sampled ones
+            cos, sin = cos[seqs], sin[seqs]
+        return rotate(q, k, cos, sin)
+    return rotary
 
 
 ADAPTERS = {"qkguard-gpt": qkguard_gpt, "hf-llama": hf_llama, "hf-gpt2": hf_gpt2, "nanogpt": nanogpt}
@@ -184,48 +195,66 @@ def find_layers(model, adapter="auto"):
 
 # ----------------------------------------------------------------------------------------- signals
 
-def sample_rows(t, rows, generator):
-    """The query positions a monitored step reads: `rows` of the t, drawn without replacement from the
-    guard's own generator (the global RNG, and so dropout, stays untouched); all of them if rows is None."""
-    if rows is None or rows >= t:
-        return torch.arange(t)
-    return torch.randperm(t, generator=generator)[:rows].sort().values
+def sample_rows(b, t, seqs, rows, generator):
+    """The query rows a monitored step reads: `seqs` of the batch's b sequences and `rows` of the t
+    positions (the same in each), drawn without replacement from the guard's own generator (the global
+    RNG, and so dropout, stays untouched). Returns (sequence indices, positions), sorted; None where
+    the count is None or covers them all."""
+    draw = lambda n, k: None if k is None or k >= n else torch.randperm(n, generator=generator)[:k].sort().values
+    return draw(b, seqs), draw(t, rows)
 
 
 @torch.no_grad()
-def sampled_max_logit(q, k, scale, rows=None, generator=None):
-    """Per query head, the max over the batch and the sampled query rows of scale * q.k over the keys
-    each row sees (causal), in fp32. q (B, H, T, D), k (B, H_kv, T, D): query head h reads key head
-    h // (H / H_kv), as GQA repeats them. A lower bound on the max over all rows; equal with rows=None."""
+def sampled_max_logit(q, k, scale, sample=(None, None)):
+    """Per query head, the max of scale * q.k over the sampled query rows (sample_rows) and the keys
+    each sees (causal), in fp32: a lower bound on the max over all rows, equal without a sample.
+    q (B, H, T, D), k (B, H_kv, T, D): query head h reads key head h // (H / H_kv), as GQA repeats them.
+    Whole sequences keep the products large (T x D times D x T): one of a batch of 8 costs 1/8 of a
+    dense QK^T, where single rows scattered over the batch would each be a product of its own."""
+    seqs, pos = sample
+    if seqs is not None:
+        q, k = q.index_select(0, seqs), k.index_select(0, seqs)
     t = q.shape[2]
-    idx = sample_rows(t, rows, generator).to(q.device)
-    q = q[:, :, idx].float().unflatten(1, (k.shape[1], -1))                # (B, H_kv, group, R, D)
-    logits = q @ k.float()[:, :, None].mT * scale                         # (B, H_kv, group, R, T)
-    seen = torch.arange(t, device=q.device)[None, :] <= idx[:, None]       # (R, T): key j <= query i
-    return logits.masked_fill(~seen, -math.inf).amax(dim=(0, 3, 4)).flatten()
+    if pos is None:
+        unseen = _future(t, q.device)                                         # (T, T): key j > query i
+    else:
+        q, unseen = q.index_select(2, pos), torch.arange(t, device=q.device) > pos[:, None]
+    q = (q.float() * scale).unflatten(1, (k.shape[1], -1))                    # (S, H_kv, group, R, D)
+    logits = q @ k.float()[:, :, None].mT                                    # (S, H_kv, group, R, T)
+    return logits.masked_fill_(unseen, -math.inf).amax(dim=(0, 3, 4)).flatten()
 
 
-class LayerSigma:
-    """sigma(W_q,h) and sigma(W_k,h) of one layer, and of the whole W_q and W_k (for the log), by power
+@functools.lru_cache(maxsize=8)
+def _future(t, device):
+    return torch.ones(t, t, dtype=torch.bool, device=device).triu(1)
+
+
+class QKSigma:
+    """sigma(W_q,h) and sigma(W_k,h) of every layer, and of the whole W_q and W_k (for the log), by power
     iteration carried across calls, as guard.SpectralMonitor does for this project's GPT (its
-    _power_step, reused): the weights move little per step, so one iteration keeps up."""
+    _power_step, reused): the weights move little per step, so one iteration keeps up. The layers are
+    stacked (one product for all of them: adapters give layers of one shape)."""
 
-    def __init__(self, layer, generator):
-        n_in, device = layer.weight("q").shape[1], layer.weight("q").device
-        self.v = {(role, per_head): torch.randn(layer.heads(role) if per_head else 1, n_in, generator=generator)
-                  .to(device) for role in ("q", "k") for per_head in (True, False)}
+    def __init__(self, layers, generator):
+        self.layers = layers
+        n_in, device = layers[0].weight("q").shape[1], layers[0].weight("q").device
+        self.v = {f"{role}_{which}": torch.randn(len(layers), layers[0].heads(role) if which == "head" else 1, n_in,
+                                                 generator=generator).to(device)
+                  for role in ("q", "k") for which in ("head", "all")}
 
     @torch.no_grad()
-    def measure(self, layer, iters=1, per_head=True):
-        """(sigma of W_q, of W_k): per head, (n_head,) and (n_kv_head,); else (1,) each."""
+    def measure(self, iters=1, which="head"):
+        """(sigma of W_q, of W_k) per layer: per head (n_layer, n_head) and (n_layer, n_kv_head) if which is
+        "head"; of the whole matrix, (n_layer, 1) each, if "all"."""
         out = []
         for role in ("q", "k"):
-            w = layer.weight(role).float().unflatten(0, (layer.heads(role) if per_head else 1, -1))  # (h, rows, in)
-            v = self.v[role, per_head]
+            heads = self.layers[0].heads(role) if which == "head" else 1
+            w = torch.stack([layer.weight(role) for layer in self.layers]).float().unflatten(1, (heads, -1))
+            v = self.v[f"{role}_{which}"]                                     # w: (layer, heads, rows, in)
             for _ in range(iters):
                 v = SpectralMonitor._power_step(w, v)
-            self.v[role, per_head] = v
-            out.append(torch.einsum("hoi,hi->ho", w, v).norm(dim=-1))
+            self.v[f"{role}_{which}"] = v
+            out.append(torch.einsum("lhoi,lhi->lho", w, v).norm(dim=-1))
         return tuple(out)
 
 
@@ -246,19 +275,20 @@ class AttachedGuard:
               on, every step is measured over all rows, as the clip needs the true maximum
     """
 
-    def __init__(self, model, layers, qkguard, *, interval=1, rows=32, seed=0, tensorboard=None, log_every=10):
-        if len({layer.n_head for layer in layers}) > 1:
-            raise ValueError("attach: the layers have different head counts; QK-Guard's signal is one "
-                             "(layer, head) table: guard the layers of one head count")
+    def __init__(self, model, layers, qkguard, *, interval=1, seqs=1, rows=None, seed=0, tensorboard=None,
+                 log_every=10):
+        if len({(layer.n_head, layer.n_kv_head, layer.head_dim, layer.weight("q").shape) for layer in layers}) > 1:
+            raise ValueError("attach: the layers differ in heads or width; QK-Guard's signal is one (layer, head) "
+                             "table: guard layers of one shape (an adapter may return a subset)")
         self.model, self.layers, self.qkguard = model, layers, qkguard
-        self.interval, self.rows, self.log_every = interval, rows, log_every
+        self.interval, self.seqs, self.rows, self.log_every = interval, seqs, rows, log_every
         self.attentions = [layer.switch or Switch() for layer in layers]   # what QKGuard.apply_to_model flips
         self.generator = torch.Generator().manual_seed(seed)
-        self.sigmas = [LayerSigma(layer, self.generator) for layer in layers]
+        self.sigma = QKSigma(layers, self.generator)
         self.sigma_head = self._measure_sigma(iters=30)   # converged before step 0, as in train.py
-        for sigma, layer in zip(self.sigmas, layers):
-            sigma.measure(layer, iters=30, per_head=False)
+        self.sigma.measure(iters=30, which="all")
         self.steps, self.max_logit, self.events = 0, None, []
+        self.seconds = 0.0        # host time in the guard's hooks and step() (CPU: its whole cost; CUDA: launches)
         self._seen = [{} for _ in layers]          # this forward's q and k, per layer, until its attention ends
         self._running = [None] * len(layers)       # this step's max logit per layer (micro-batches: the max)
         self._plan()
@@ -281,7 +311,7 @@ class AttachedGuard:
     def _plan(self):
         """Whether the next update's forwards are measured, and over all rows or a sample."""
         self._measuring = self.steps % self.interval == 0 or self._clipping()
-        self._all_rows = self._clipping()
+        self._all_rows, self._sample_shape = self._clipping(), None
 
     # ------------------------------------------------------------------------- the hooks
 
@@ -292,6 +322,7 @@ class AttachedGuard:
                 layer, on = self.layers[i], self.attentions[i].qk_norm
                 if not (on or measuring):
                     continue                  # the dormant path: nothing computed, the output untouched
+                started = time.perf_counter()
                 cols = layer.cols(role)
                 part = out[..., cols].unflatten(-1, (layer.heads(role), layer.head_dim))   # (B, T, heads, D)
                 if on and layer.switch is None:    # the action, where q and k are formed
@@ -301,11 +332,13 @@ class AttachedGuard:
                     else:                          # a fused projection: its other columns pass through
                         new = out.clone() if new is None else new
                         new[..., cols] = part.flatten(-2)
-                if measuring:
-                    seen = part.detach()
+                if measuring:                     # the sampled sequences, copied out
+                    seqs = self._sample_for(part)[0]
+                    seen = part.detach() if seqs is None else part.detach().index_select(0, seqs)
                     if on and layer.switch is not None:   # the model normalizes itself: measure what it sees
                         seen = _rms_norm(seen)
-                    self._seen[i][role] = seen.transpose(-3, -2)                         # (B, heads, T, D)
+                    self._seen[i][role] = seen.transpose(-3, -2)                         # (S, heads, T, D)
+                self.seconds += time.perf_counter() - started
             return new
         return hook
 
@@ -313,17 +346,28 @@ class AttachedGuard:
         def hook(module, args, kwargs, out):
             seen = self._seen[i]
             if "q" in seen and "k" in seen:
-                layer = self.layers[i]
+                started, layer = time.perf_counter(), self.layers[i]
                 with torch.no_grad():
                     q, k = seen["q"], seen["k"]
+                    seqs, pos = self._sample
                     if layer.rotary is not None:
-                        q, k = layer.rotary(q, k, args, kwargs)
-                    value = sampled_max_logit(q, k, layer.scale, None if self._all_rows else self.rows,
-                                              self.generator)
+                        q, k = layer.rotary(q, k, args, kwargs, seqs)
+                    value = sampled_max_logit(q, k, layer.scale, (None, pos))
                 running = self._running[i]
                 self._running[i] = value if running is None else torch.maximum(running, value)
+                self.seconds += time.perf_counter() - started
             seen.clear()
         return hook
+
+    def _sample_for(self, part):
+        """This forward's sample of rows (sample_rows) for a projection's output part (B, T, heads, D):
+        drawn once per batch shape and step, and read by every layer (and micro-batch) of that shape."""
+        shape = part.shape[0], part.shape[-3]
+        if self._sample_shape != shape:
+            sample = (None, None) if self._all_rows else sample_rows(*shape, self.seqs, self.rows, self.generator)
+            self._sample = tuple(None if i is None else i.to(part.device) for i in sample)
+            self._sample_shape = shape
+        return self._sample
 
     # ------------------------------------------------------------------------- the step
 
@@ -332,10 +376,12 @@ class AttachedGuard:
         refreshes sigma and hands QKGuard this step's signal: it acts on the check it queued last time
         and queues this one (observe_deferred: no host sync). Under qkclip, the covered heads are clipped.
         Returns the guard's event (a dict, train.py's guard_trigger record) on the step it acts, else None."""
-        step, event = self.steps, None
+        step, event, started = self.steps, None, time.perf_counter()
         max_logit = self._take_max_logit() if self._measuring else None
         if step % self.interval == 0:
-            self.max_logit, self.sigma_head = max_logit, self._measure_sigma()
+            if self.qkguard.signal == "sigma-product":    # else refreshed for the log only (record())
+                self.sigma_head = self._measure_sigma()
+            self.max_logit = max_logit
             event = self.qkguard.observe_deferred(step, max_logit, self.sigma_head, self)
         if self._clipping():
             self._clip(max_logit)
@@ -347,6 +393,7 @@ class AttachedGuard:
             self._write_tensorboard(step)
         self.steps += 1
         self._plan()
+        self.seconds += time.perf_counter() - started
         return event
 
     def _take_max_logit(self):
@@ -362,11 +409,8 @@ class AttachedGuard:
 
     def _measure_sigma(self, iters=1):
         """(n_layer, 2, n_head): sigma(W_q,h) at [:, 0], and at [:, 1] sigma of the W_k head h reads."""
-        rows = []
-        for sigma, layer in zip(self.sigmas, self.layers):
-            s_q, s_k = sigma.measure(layer, iters)
-            rows.append(torch.stack([s_q, s_k.repeat_interleave(layer.n_head // layer.n_kv_head)]))
-        return torch.stack(rows)
+        s_q, s_k = self.sigma.measure(iters)
+        return torch.stack([s_q, s_k.repeat_interleave(self.layers[0].n_head // self.layers[0].n_kv_head, dim=1)], dim=1)
 
     @torch.no_grad()
     def _clip(self, max_logit):
@@ -392,16 +436,21 @@ class AttachedGuard:
     def record(self, iters=2):
         """The last monitored step's signals for a log line, under train.py's keys (a host sync: call it
         at log steps): max_logit (layer x head), sigma_q_head and sigma_k_head (per head; k's per key
-        head), sigma_q and sigma_k (whole matrices, refreshed by `iters` power steps), and guard."""
-        whole = [sigma.measure(layer, iters, per_head=False) for sigma, layer in zip(self.sigmas, self.layers)]
+        head), sigma_q and sigma_k (whole matrices), and guard. The sigmas the guard does not watch are
+        refreshed here, by `iters` power steps from where the last call left them."""
+        if self.qkguard.signal != "sigma-product":
+            self.sigma_head = self._measure_sigma(iters)
+        whole_q, whole_k = self.sigma.measure(iters, which="all")
         groups = self.layers[0].n_head // self.layers[0].n_kv_head
         return {"max_logit": None if self.max_logit is None else self.max_logit.tolist(),
-                "sigma_q": [float(q) for q, _ in whole], "sigma_k": [float(k) for _, k in whole],
+                "sigma_q": whole_q[:, 0].tolist(), "sigma_k": whole_k[:, 0].tolist(),
                 "sigma_q_head": self.sigma_head[:, 0].tolist(),
                 "sigma_k_head": self.sigma_head[:, 1, ::groups].tolist(),
                 "guard": "on" if self.triggered else ("dormant" if self.qkguard.enabled else "off")}
 
     def _write_tensorboard(self, step):
+        if self.qkguard.signal != "sigma-product":
+            self.sigma_head = self._measure_sigma(iters=2)
         if self.max_logit is not None:
             for i, value in enumerate(self.max_logit.amax(dim=1).tolist()):
                 self.writer.add_scalar(f"qkguard/max_logit/layer{i}", value, step)
@@ -413,8 +462,7 @@ class AttachedGuard:
         """The latch (QKGuard's trigger, covered layers, queued check), the step count, the power
         iteration's vectors and the sampling generator: plain tensors and lists (torch.load weights_only)."""
         return {"n_layer": len(self.layers), "steps": self.steps, "guard": self.qkguard.state_dict(),
-                "sigma_v": [{f"{role}_{'head' if per_head else 'all'}": v.cpu() for (role, per_head), v in s.v.items()}
-                            for s in self.sigmas],
+                "sigma_v": {key: v.cpu() for key, v in self.sigma.v.items()},
                 "generator": self.generator.get_state()}
 
     def load_state_dict(self, state):
@@ -424,10 +472,7 @@ class AttachedGuard:
                              f"{len(self.layers)}: load the guard state saved with this model")
         self.qkguard.load_state_dict(state["guard"])
         self.steps = state["steps"]
-        for sigma, saved in zip(self.sigmas, state["sigma_v"]):
-            for key, v in saved.items():
-                role, which = key.split("_")
-                sigma.v[role, which == "head"] = v.to(sigma.v[role, which == "head"].device)
+        self.sigma.v = {key: v.to(self.sigma.v[key].device) for key, v in state["sigma_v"].items()}
         self.generator.set_state(state["generator"])
         self.sigma_head, self._running = self._measure_sigma(iters=0), [None] * len(self.layers)
         self.qkguard.apply_to_model(self)
@@ -452,7 +497,7 @@ def _tensorboard_writer(logdir):
 
 
 def attach(model, adapter="auto", *, threshold=None, signal="max-logit", action="qknorm", scope="all",
-           enabled=True, tau=100.0, interval=1, rows=32, seed=0, tensorboard=None, log_every=10):
+           enabled=True, tau=100.0, interval=1, seqs=1, rows=None, seed=0, tensorboard=None, log_every=10):
     """Attach QK-Guard to `model`; returns an AttachedGuard (call its step() after each update).
 
     adapter    "auto", a name in ADAPTERS, or a function model -> [Layer]
@@ -460,7 +505,8 @@ def attach(model, adapter="auto", *, threshold=None, signal="max-logit", action=
     signal     "max-logit" (sampled from q and k) or "sigma-product" (sigma(W_q,h) sigma(W_k,h))
     action     "qknorm" or "qkclip" (tau: QK-Clip's cap); scope "all" or "crossed", as in guard.py
     enabled    False: watch and log, never act (the unguarded run of a comparison)
-    interval   monitor every N updates; rows: query rows sampled per layer per forward (None: all)
+    interval   monitor every N updates, reading `seqs` sequences of the batch and `rows` positions of each
+               (drawn anew each step; None: all): the defaults read every row of one sequence
     tensorboard  a log folder for the signals every log_every steps (needs tensorboard); None: off
     """
     if action not in ATTACH_ACTIONS:
@@ -468,10 +514,12 @@ def attach(model, adapter="auto", *, threshold=None, signal="max-logit", action=
                          f"{', '.join(ATTACH_ACTIONS)} (the others act in this project's kernel or train.py's loop)")
     if signal not in DEFAULT_THRESHOLD:
         raise ValueError(f"attach: unknown signal {signal!r}: choose one of {', '.join(DEFAULT_THRESHOLD)}")
-    if not (isinstance(interval, int) and interval >= 1) or not (rows is None or isinstance(rows, int) and rows >= 1):
-        raise ValueError(f"attach: interval ({interval!r}) must be an integer >= 1 and rows ({rows!r}) one >= 1 or None")
+    count = lambda n: isinstance(n, int) and n >= 1
+    if not count(interval) or not all(n is None or count(n) for n in (seqs, rows)):
+        raise ValueError(f"attach: interval ({interval!r}) must be an integer >= 1, seqs ({seqs!r}) and rows "
+                         f"({rows!r}) integers >= 1 or None")
     layers = find_layers(model, adapter)
     qkguard = QKGuard(threshold=DEFAULT_THRESHOLD[signal] if threshold is None else threshold, enabled=enabled,
                       signal=signal, action=action, scope=scope, tau=tau)
-    return AttachedGuard(model, layers, qkguard, interval=interval, rows=rows, seed=seed, tensorboard=tensorboard,
-                         log_every=log_every)
+    return AttachedGuard(model, layers, qkguard, interval=interval, seqs=seqs, rows=rows, seed=seed,
+                         tensorboard=tensorboard, log_every=log_every)

@@ -171,7 +171,7 @@ def train_steps(model, loss_of, guard, steps, lr=1e-3):
 def test_the_max_logit_over_all_rows_is_the_models_own(name, monkeypatch):
     model, loss_of = build(name)
     inflate_qk(model, 10.0)                          # logits well away from 0, so relative error means something
-    guard = attach.attach(model, ADAPTER[name], rows=None)
+    guard = attach.attach(model, ADAPTER[name], seqs=None)
     assert len(guard.layers) == 2
     with spied_attention(monkeypatch) as calls:
         loss_of(model, *batch()).backward()
@@ -187,7 +187,7 @@ def test_the_rotation_is_part_of_the_signal(name, monkeypatch):
     """Without the rotary step the measured logits differ from the model's: the check above can fail."""
     model, loss_of = build(name)
     inflate_qk(model, 10.0)
-    guard = attach.attach(model, ADAPTER[name], rows=None)
+    guard = attach.attach(model, ADAPTER[name], seqs=None)
     for layer in guard.layers:
         layer.rotary = None
     with spied_attention(monkeypatch) as calls:
@@ -198,15 +198,18 @@ def test_the_rotation_is_part_of_the_signal(name, monkeypatch):
 
 def test_a_sampled_max_logit_is_the_dense_max_over_the_rows_it_drew():
     torch.manual_seed(0)
-    q, k = torch.randn(3, 4, 40, 8), torch.randn(3, 2, 40, 8)          # GQA: 4 query heads, 2 key heads
-    sampled = attach.sampled_max_logit(q, k, 0.3, rows=7, generator=torch.Generator().manual_seed(5))
-    rows = attach.sample_rows(40, 7, torch.Generator().manual_seed(5))
-    assert len(rows) == 7 and len(set(rows.tolist())) == 7
-    dense = dense_logits(q.double(), k.double().repeat_interleave(2, dim=1), 0.3)
-    torch.testing.assert_close(sampled.double(), dense[:, :, rows].amax(dim=(0, 2, 3)), rtol=1e-6, atol=1e-6)
-    assert (sampled.double() <= dense.amax(dim=(0, 2, 3)) + 1e-6).all()
-    full = attach.sampled_max_logit(q, k, 0.3, rows=None)
+    q, k = torch.randn(5, 4, 40, 8), torch.randn(5, 2, 40, 8)          # GQA: 4 query heads, 2 key heads
+    dense = dense_logits(q.double(), k.double().repeat_interleave(2, dim=1), 0.3)    # (B, H, T, T)
+    for seqs, rows in ((2, 7), (2, None), (None, 7)):
+        sample = attach.sample_rows(5, 40, seqs, rows, torch.Generator().manual_seed(5))
+        seq, pos = (torch.arange(n) if i is None else i for n, i in zip((5, 40), sample))
+        assert len(set(seq.tolist())) == (seqs or 5) and len(set(pos.tolist())) == (rows or 40)
+        sampled = attach.sampled_max_logit(q, k, 0.3, sample)
+        torch.testing.assert_close(sampled.double(), dense[seq][:, :, pos].amax(dim=(0, 2, 3)), rtol=1e-6, atol=1e-6)
+        assert (sampled.double() <= dense.amax(dim=(0, 2, 3)) + 1e-6).all()
+    full = attach.sampled_max_logit(q, k, 0.3)
     torch.testing.assert_close(full.double(), dense.amax(dim=(0, 2, 3)), rtol=1e-6, atol=1e-6)
+    assert attach.sample_rows(5, 40, 9, 40, None) == (None, None), "a sample of everything is all rows"
 
 
 @pytest.mark.parametrize("name", MODELS)
@@ -354,7 +357,7 @@ def test_a_dormant_guard_leaves_training_bit_for_bit_as_without_it(name):
     for guarded in (False, True):
         model, loss_of = build(name, dropout=0.1)
         model.train()
-        guard = attach.attach(model, ADAPTER[name], threshold=1e9, rows=8) if guarded else None
+        guard = attach.attach(model, ADAPTER[name], threshold=1e9, seqs=1, rows=8) if guarded else None
         torch.manual_seed(123)
         losses, _ = train_steps(model, loss_of, guard, 3)
         runs.append((losses, [p.detach().clone() for p in model.parameters()]))
@@ -363,6 +366,19 @@ def test_a_dormant_guard_leaves_training_bit_for_bit_as_without_it(name):
     (losses_a, params_a), (losses_b, params_b) = runs
     assert losses_a == losses_b
     assert all(torch.equal(a, b) for a, b in zip(params_a, params_b))
+
+
+def test_the_sigma_product_signal_fires_on_the_weights():
+    model, loss_of = build("hf-llama" if _has("transformers") else "qkguard-gpt-llama")
+    guard = attach.attach(model, signal="sigma-product", threshold=1e9)
+    product = guard.sigma_head[:, 0] * guard.sigma_head[:, 1]
+    guard.qkguard.threshold = float(product.max()) * 0.999          # the top head crosses, no other
+    train_steps(model, loss_of, guard, 2, lr=1e-9)                   # weights (and so sigma) held still
+    event = guard.events[0]
+    assert event["signal"] == "sigma-product" and event["step"] == 0
+    layer, head = divmod(int(product.argmax()), product.shape[1])
+    assert (event["layer"], event["head"]) == (layer, head)
+    assert event["value"] == pytest.approx(float(product.max()), rel=1e-3)
 
 
 def test_an_unguarded_watch_measures_and_never_acts():
