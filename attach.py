@@ -365,7 +365,9 @@ class AttachedGuard:
         shape = part.shape[0], part.shape[-3]
         if self._sample_shape != shape:
             sample = (None, None) if self._all_rows else sample_rows(*shape, self.seqs, self.rows, self.generator)
-            self._sample = tuple(None if i is None else i.to(part.device) for i in sample)
+            # to a GPU from pinned memory, non-blocking: a plain copy would wait for the queued work
+            move = (lambda i: i.pin_memory().to(part.device, non_blocking=True)) if part.is_cuda else (lambda i: i)
+            self._sample = tuple(None if i is None else move(i) for i in sample)
             self._sample_shape = shape
         return self._sample
 
