@@ -19,6 +19,10 @@ Four parts, one screen each:
 
 transformers is never imported: the Hugging Face adapters know its modules by their structure, so
 this file works, and its tests pass, without it.
+
+What the monitor assumes: causal self-attention over whole sequences (a padding or document mask is
+not read, so pairs it hides count too), projection outputs laid out (batch, time, features), and
+layers of one shape. It runs in eager mode; under torch.compile it is untested.
 """
 import functools
 import json
@@ -31,7 +35,7 @@ from typing import Callable, Optional
 import torch
 import torch.nn as nn
 
-from attention_kernel import _rms_norm
+from attention_kernel import _rms_norm   # the QK-norm of this project's kernel: one action, one definition
 from guard import DEFAULT_THRESHOLD, QKGuard, SpectralMonitor
 
 # What an attached guard can do in a model it does not own. guard.py's other attention actions
@@ -268,8 +272,8 @@ class AttachedGuard:
     generator: the model's outputs, gradients and RNG are those of a run without the guard, so its
     training is bit for bit the same. QKGuard (guard.py) decides when to act, and this class acts:
       qknorm  each head's q and k RMS-normalized over head_dim where they are formed, as this project's
-              kernel does (attention_kernel._rms_norm, scale unchanged): |q| = |k| = sqrt(head_dim) at most,
-              so |logit| <= scale * head_dim (sqrt(head_dim) at the usual scale)
+              kernel does (attention_kernel._rms_norm, scale unchanged): |q| = |k| = sqrt(head_dim) at most
+              (in fp32; a bf16 model rounds it), so |logit| <= scale * head_dim (sqrt(head_dim) at the usual scale)
       qkclip  after each update, the rows of W_q and W_k (and their biases) of each covered head whose max
               logit S passed tau, so that its logits shrink by tau / S (Kimi K2's QK-Clip); from the trigger
               on, every step is measured over all rows, as the clip needs the true maximum
@@ -282,7 +286,8 @@ class AttachedGuard:
                              "table: guard layers of one shape (an adapter may return a subset)")
         self.model, self.layers, self.qkguard = model, layers, qkguard
         self.interval, self.seqs, self.rows, self.log_every = interval, seqs, rows, log_every
-        self.attentions = [layer.switch or Switch() for layer in layers]   # what QKGuard.apply_to_model flips
+        # what QKGuard.apply_to_model flips: the model's own switch where it has one
+        self.attentions = [Switch() if layer.switch is None else layer.switch for layer in layers]
         self.generator = torch.Generator().manual_seed(seed)
         self.sigma = QKSigma(layers, self.generator)
         self.sigma_head = self._measure_sigma(iters=30)   # converged before step 0, as in train.py
@@ -320,12 +325,13 @@ class AttachedGuard:
             measuring, new = self._measuring and module.training, None
             for i, role in roles:
                 layer, on = self.layers[i], self.attentions[i].qk_norm
-                if not (on or measuring):
+                acting = on and layer.switch is None      # else the model normalizes itself, or it is off
+                if not (acting or measuring):
                     continue                  # the dormant path: nothing computed, the output untouched
                 started = time.perf_counter()
                 cols = layer.cols(role)
                 part = out[..., cols].unflatten(-1, (layer.heads(role), layer.head_dim))   # (B, T, heads, D)
-                if on and layer.switch is None:    # the action, where q and k are formed
+                if acting:                         # the action, where q and k are formed
                     part = _rms_norm(part)
                     if cols == slice(None):
                         new = part.flatten(-2)

@@ -196,6 +196,22 @@ def test_the_rotation_is_part_of_the_signal(name, monkeypatch):
     assert not torch.allclose(guard.max_logit, dense_max_logit(calls).float(), rtol=1e-3)
 
 
+def test_a_sampled_sequence_is_rotated_by_its_own_positions(monkeypatch):
+    """Positions given per sequence (position_ids of shape (B, T)): the one sampled is rotated by its own
+    (a stride, not a shift: rotary logits see only the positions' differences)."""
+    model, _ = build("hf-llama")
+    inflate_qk(model, 10.0)
+    guard = attach.attach(model, "hf-llama", seqs=1)
+    x = batch()[0]
+    positions = torch.arange(T)[None] * torch.tensor([[1], [3]])        # the second sequence's positions 0, 3, 6, ...
+    with spied_attention(monkeypatch) as calls:
+        model(input_ids=x, position_ids=positions, labels=x).loss.backward()
+    (seq,) = guard._sample[0].tolist()
+    guard.step()
+    dense = torch.stack([dense_logits(q[seq:seq + 1], k[seq:seq + 1], s).amax(dim=(0, 2, 3)) for q, k, s in calls])
+    torch.testing.assert_close(guard.max_logit, dense.float(), rtol=1e-5, atol=1e-5)
+
+
 def test_a_sampled_max_logit_is_the_dense_max_over_the_rows_it_drew():
     torch.manual_seed(0)
     q, k = torch.randn(5, 4, 40, 8), torch.randn(5, 2, 40, 8)          # GQA: 4 query heads, 2 key heads
@@ -398,6 +414,33 @@ def test_a_monitor_interval_measures_only_every_nth_update():
         seen.append(guard._running[0] is not None)
         guard.step()
     assert seen == [True, False, False, True, False]
+
+
+def _two_ranks(rank, port, out):
+    import torch.distributed as dist
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    torch.set_num_threads(1)
+    model, loss_of = build("nanogpt")
+    guard = attach.attach(model, "nanogpt", seqs=None)
+    loss_of(model, *batch(seed=rank)).backward()            # each rank its own batch, so its own max logit
+    local = torch.stack([v.clone() for v in guard._running])
+    guard.step()
+    torch.save({"local": local, "guard": guard.max_logit}, os.path.join(out, f"rank{rank}.pt"))
+    dist.destroy_process_group()
+
+
+def test_under_data_parallel_every_rank_sees_the_max_over_ranks(tmp_path):
+    """The max logit is all-reduced, so every rank's guard decides alike (and acts at one step)."""
+    import socket
+    import torch.multiprocessing as mp
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(_two_ranks, args=(port, str(tmp_path)), nprocs=2)
+    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
+    assert not torch.equal(ranks[0]["local"], ranks[1]["local"])
+    expected = torch.maximum(ranks[0]["local"], ranks[1]["local"])
+    assert all(torch.equal(r["guard"], expected) for r in ranks)
 
 
 # --------------------------------------------------------------------------------------------------
