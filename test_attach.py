@@ -462,6 +462,10 @@ def test_bad_input_ends_in_one_clear_line():
         guard.step()
     with pytest.raises(ValueError, match="2 attention layers, not 4"):
         attach.attach(NanoGPT(n_layer=4)).load_state_dict(guard.state_dict())
+    wrong = lambda m: [attach.Layer(attn=b.attn, q=b.attn.c_attn, k=b.attn.c_attn, n_head=3, head_dim=16,
+                                    q_cols=slice(0, 64), k_cols=slice(64, 128)) for b in m.transformer.h]
+    with pytest.raises(ValueError, match="W_q has 64 rows, not 3 heads x 16: fix the adapter's head count"):
+        attach.attach(model, wrong)
 
 
 def test_auto_finds_each_models_adapter():
