@@ -3,7 +3,7 @@ QK-Guard for anyone's model: guard.py's dormant controller attached to a PyTorch
 
     guard = attach(model, threshold=200.0)       # the adapter is found from the model's structure
     for step in range(max_steps):
-        loss = model(x, labels=y).loss           # the hooks measure on monitored steps
+        loss = model(x, labels=y).loss           # the hooks measure forwards with gradients on monitored steps
         loss.backward(); optimizer.step(); optimizer.zero_grad()
         guard.step()                             # after each update: check, act, QK-Clip
     torch.save({"model": model.state_dict(), "guard": guard.state_dict()}, path)   # the latch travels
@@ -12,8 +12,9 @@ Four parts, one screen each:
   Layer       what an adapter says of one attention layer: where q and k are formed (which module's
               output, which columns), the heads, the logit scale, the rotation applied after them
   adapters    this project's GPT, a nanoGPT-style GPT, Hugging Face GPT2LMHeadModel and LlamaForCausalLM
-  signals     the max logit over a sample of query rows of the layer's own q and k; sigma(W_q,h) and
-              sigma(W_k,h) by power iteration
+              (not the Llama-like models that normalize q and k themselves: Qwen3, OLMo 2, Gemma 3)
+  signals     the max logit over a sample of query rows of the layer's own q and k, a chunk of rows at a
+              time; sigma(W_q,h) and sigma(W_k,h) by power iteration
   AttachedGuard  the hooks and the step. guard.QKGuard decides, unchanged: threshold, deferred check,
               latch, events. The hooks measure, and carry its action out in the model.
 
@@ -22,13 +23,14 @@ this file works, and its tests pass, without it.
 
 What the monitor assumes: causal self-attention over whole sequences (a padding or document mask is
 not read, so pairs it hides count too), projection outputs laid out (batch, time, features), and
-layers of one shape. It runs in eager mode; under torch.compile it is untested.
+layers of one shape, one guard per model (watchers, enabled=False, may share one). It runs in eager
+mode; under torch.compile it is untested.
 """
-import functools
 import json
 import math
 import sys
 import time
+import weakref
 from dataclasses import dataclass
 from typing import Callable, Optional
 
@@ -146,17 +148,30 @@ def hf_gpt2(model):
     return layers
 
 
+# Where a Hugging Face attention normalizes q and k itself, after q_proj and k_proj (Qwen3, OLMo 2,
+# Gemma 3, Cohere: q_norm, k_norm; StableLM, Persimmon: q_layernorm, k_layernorm).
+OWN_QK_NORMS = ("q_norm", "k_norm", "q_layernorm", "k_layernorm")
+
+
 def hf_llama(model):
     """Hugging Face LlamaForCausalLM: q_proj and k_proj Linears (k with fewer heads under GQA), then the
     rotary embedding, by the modeling file's own apply_rotary_pos_emb and the position_embeddings
     (cos, sin) the attention is called with. QK-norm acts on the projections, before the rotation:
-    a rotation keeps each head's norm, so the bound holds after it (OLMo 2 and Qwen3 normalize there)."""
+    a rotation keeps each head's norm, so the bound holds after it. A model of this layout that
+    normalizes q and k itself after the projections is refused: the hooks would read q and k before
+    that norm, and the logits they measure would not be the model's."""
     layers = []
     for m in model.modules():
         q_proj, k_proj = getattr(m, "q_proj", None), getattr(m, "k_proj", None)
         if not (isinstance(q_proj, nn.Linear) and isinstance(k_proj, nn.Linear)
                 and hasattr(getattr(m, "config", None), "num_key_value_heads")):
             continue
+        norms = [n for n in OWN_QK_NORMS if isinstance(getattr(m, n, None), nn.Module)]
+        if norms:
+            raise ValueError(f"attach: {type(m).__name__} normalizes q and k itself ({', '.join(norms)}, after q_proj "
+                             f"and k_proj), so the hf-llama adapter would measure them before that norm: this model "
+                             f"already has QK-norm; to watch its logits anyway, write an adapter whose q and k are "
+                             f"read after the model's own norm (README: Guard your own model)")
         rotate = getattr(sys.modules[type(m).__module__], "apply_rotary_pos_emb", None)
         if rotate is None:
             raise ValueError(f"attach: {type(m).__name__}'s module has no apply_rotary_pos_emb: write an adapter "
@@ -208,29 +223,39 @@ def sample_rows(b, t, seqs, rows, generator):
     return draw(b, seqs), draw(t, rows)
 
 
+# Logits held at once by sampled_max_logit (fp32: 128 MiB): it walks the query rows in chunks of this
+# many logits, so its memory stays this whatever the context (a whole (S, H, T, T) at T = 32k is GiBs).
+MAX_LOGIT_CHUNK = 1 << 25
+
+
 @torch.no_grad()
-def sampled_max_logit(q, k, scale, sample=(None, None)):
+def sampled_max_logit(q, k, scale, sample=(None, None), chunk=MAX_LOGIT_CHUNK):
     """Per query head, the max of scale * q.k over the sampled query rows (sample_rows) and the keys
     each sees (causal), in fp32: a lower bound on the max over all rows, equal without a sample.
     q (B, H, T, D), k (B, H_kv, T, D): query head h reads key head h // (H / H_kv), as GQA repeats them.
     Whole sequences keep the products large (T x D times D x T): one of a batch of 8 costs 1/8 of a
-    dense QK^T, where single rows scattered over the batch would each be a product of its own."""
+    dense QK^T, where single rows scattered over the batch would each be a product of its own. The rows
+    go a chunk at a time, `chunk` logits at most (one row's, if a row alone has more)."""
     seqs, pos = sample
     if seqs is not None:
         q, k = q.index_select(0, seqs), k.index_select(0, seqs)
-    t = q.shape[2]
-    if pos is None:
-        unseen = _future(t, q.device)                                         # (T, T): key j > query i
-    else:
-        q, unseen = q.index_select(2, pos), torch.arange(t, device=q.device) > pos[:, None]
+    n_seq, n_head, t = q.shape[:3]
+    if pos is not None:
+        q = q.index_select(2, pos)
     q = (q.float() * scale).unflatten(1, (k.shape[1], -1))                    # (S, H_kv, group, R, D)
-    logits = q @ k.float()[:, :, None].mT                                    # (S, H_kv, group, R, T)
-    return logits.masked_fill_(unseen, -math.inf).amax(dim=(0, 3, 4)).flatten()
-
-
-@functools.lru_cache(maxsize=8)
-def _future(t, device):
-    return torch.ones(t, t, dtype=torch.bool, device=device).triu(1)
+    k = k.float()[:, :, None]                                                 # (S, H_kv, 1, T, D)
+    step, best = max(1, chunk // (n_seq * n_head * t)), None
+    for start in range(0, q.shape[3], step):
+        if pos is None:    # query rows start..end-1: they see no key past end - 1, so those are not multiplied
+            end = min(start + step, t)
+            rows, keys = torch.arange(start, end, device=q.device), k[:, :, :, :end]
+        else:              # sampled positions: their last is on the device, so every key (no host sync)
+            rows, keys = pos[start:start + step], k
+        logits = torch.matmul(q[:, :, :, start:start + step], keys.mT)      # (S, H_kv, group, rows, keys)
+        unseen = torch.arange(keys.shape[3], device=q.device) > rows[:, None]   # key j > query i: masked
+        value = logits.masked_fill_(unseen, -math.inf).amax(dim=(0, 3, 4))
+        best = value if best is None else torch.maximum(best, value)
+    return best.flatten()
 
 
 class QKSigma:
@@ -264,19 +289,31 @@ class QKSigma:
 
 # ----------------------------------------------------------------------------------------- the guard
 
+# module -> the guards hooked on it (weak both ways: a model dropped with its guard still goes), so that
+# a second attach does not stack its hooks on the first's unnoticed
+_ATTACHED = weakref.WeakKeyDictionary()
+
+
 class AttachedGuard:
     """QK-Guard on a model through hooks: one on each module that forms q or k, one on each attention.
 
-    Dormant, the hooks return nothing. On a monitored step (every `interval`-th update, forwards in
-    training mode) they copy q and k out, detached, and draw the sampled rows from the guard's own
-    generator: the model's outputs, gradients and RNG are those of a run without the guard, so its
-    training is bit for bit the same. QKGuard (guard.py) decides when to act, and this class acts:
+    Dormant, the hooks return nothing. On a monitored step they copy q and k out, detached, and draw the
+    sampled rows from the guard's own generator: the model's outputs, gradients and RNG are those of a
+    run without the guard, so its training is bit for bit the same. The forwards measured are those run
+    with gradients enabled, in train() or eval() mode alike (a from_pretrained model is in eval mode):
+    a forward under torch.no_grad or inference_mode, as a validation loss, is not part of the step's signal.
+    The monitored steps are one update in `interval`: with interval N the guard sees updates 0, N, 2N, ...
+    only, and a spike on the updates between them is not seen (train.py's kernel measures every update
+    for free and checks the max since the last check; here the measurement is the cost that N saves).
+    QKGuard (guard.py) decides when to act, and this class acts:
       qknorm  each head's q and k RMS-normalized over head_dim where they are formed, as this project's
               kernel does (attention_kernel._rms_norm, scale unchanged): |q| = |k| = sqrt(head_dim) at most
               (in fp32; a bf16 model rounds it), so |logit| <= scale * head_dim (sqrt(head_dim) at the usual scale)
       qkclip  after each update, the rows of W_q and W_k (and their biases) of each covered head whose max
-              logit S passed tau, so that its logits shrink by tau / S (Kimi K2's QK-Clip); from the trigger
-              on, every step is measured over all rows, as the clip needs the true maximum
+              logit S passed tau, so that its logits shrink by tau / S (Kimi K2's QK-Clip). A sampled S is a
+              lower bound and would under-clip, so every step that may clip reads every row of the batch:
+              from the trigger on, and, while dormant, each monitored step that acts on a queued check (its
+              crossing reaches the host only then): an enabled qkclip guard's seqs and rows set step 0's only
     """
 
     def __init__(self, model, layers, qkguard, *, interval=1, seqs=1, rows=None, seed=0, tensorboard=None,
@@ -284,6 +321,12 @@ class AttachedGuard:
         if len({(layer.n_head, layer.n_kv_head, layer.head_dim, layer.weight("q").shape) for layer in layers}) > 1:
             raise ValueError("attach: the layers differ in heads or width; QK-Guard's signal is one (layer, head) "
                              "table: guard layers of one shape (an adapter may return a subset)")
+        modules = {m for layer in layers for m in (layer.attn, layer.q, layer.k)}
+        others = {g for m in modules for g in _ATTACHED.get(m, ())}
+        if others and (qkguard.enabled or any(g.qkguard.enabled for g in others)):
+            raise ValueError(f"attach: {type(model).__name__} already has a QK-Guard attached, and a second one would "
+                             f"stack its hooks on the first's: call the first one's detach() before attaching again "
+                             f"(only watchers, enabled=False, may share a model)")
         self.model, self.layers, self.qkguard = model, layers, qkguard
         self.interval, self.seqs, self.rows, self.log_every = interval, seqs, rows, log_every
         # what QKGuard.apply_to_model flips: the model's own switch where it has one
@@ -293,6 +336,7 @@ class AttachedGuard:
         self.sigma_head = self._measure_sigma(iters=30)   # converged before step 0, as in train.py
         self.sigma.measure(iters=30, which="all")
         self.steps, self.max_logit, self.events = 0, None, []
+        self.max_logit_step = None        # the update self.max_logit was measured at
         self.seconds = 0.0        # host time in the guard's hooks and step() (CPU: its whole cost; CUDA: launches)
         self._seen = [{} for _ in layers]          # this forward's q and k, per layer, until its attention ends
         self._running = [None] * len(layers)       # this step's max logit per layer (micro-batches: the max)
@@ -305,6 +349,8 @@ class AttachedGuard:
         self.handles = [module.register_forward_hook(self._projection_hook(roles)) for module, roles in feeds.items()]
         self.handles += [layer.attn.register_forward_hook(self._attention_hook(i), with_kwargs=True)
                          for i, layer in enumerate(layers)]
+        for module in modules:
+            _ATTACHED.setdefault(module, weakref.WeakSet()).add(self)
 
     @property
     def triggered(self):
@@ -316,13 +362,19 @@ class AttachedGuard:
     def _plan(self):
         """Whether the next update's forwards are measured, and over all rows or a sample."""
         self._measuring = self.steps % self.interval == 0 or self._clipping()
-        self._all_rows, self._sample_shape = self._clipping(), None
+        # QK-Clip scales by tau / S: S must be the max over every row. It clips at the step that acts on
+        # a queued check; whether that check crossed is on the host only then (reading it now would wait
+        # for the device), so under qkclip every step with a check queued reads all rows too.
+        may_clip = self.qkguard.action == "qkclip" and self.qkguard.pending is not None
+        self._all_rows, self._sample_shape = self._clipping() or may_clip, None
 
     # ------------------------------------------------------------------------- the hooks
 
     def _projection_hook(self, roles):
         def hook(module, args, out):
-            measuring, new = self._measuring and module.training, None
+            # a forward with gradients is one the update learns from; one under no_grad (a validation
+            # loss, in train() mode or not) is not part of the step's signal
+            measuring, new = self._measuring and torch.is_grad_enabled(), None
             for i, role in roles:
                 layer, on = self.layers[i], self.attentions[i].qk_norm
                 acting = on and layer.switch is None      # else the model normalizes itself, or it is off
@@ -386,10 +438,11 @@ class AttachedGuard:
         Returns the guard's event (a dict, train.py's guard_trigger record) on the step it acts, else None."""
         step, event, started = self.steps, None, time.perf_counter()
         max_logit = self._take_max_logit() if self._measuring else None
+        if max_logit is not None:
+            self.max_logit, self.max_logit_step = max_logit, step
         if step % self.interval == 0:
             if self.qkguard.signal == "sigma-product":    # else refreshed for the log only (record())
                 self.sigma_head = self._measure_sigma()
-            self.max_logit = max_logit
             event = self.qkguard.observe_deferred(step, max_logit, self.sigma_head, self)
         if self._clipping():
             self._clip(max_logit)
@@ -407,9 +460,9 @@ class AttachedGuard:
     def _take_max_logit(self):
         missing = [i for i, value in enumerate(self._running) if value is None]
         if missing:
-            raise RuntimeError(f"QK-Guard: no training-mode forward reached attention layer {missing[0]} since the "
-                               f"last guard.step(): call guard.step() once after each optimizer step, the model in "
-                               f"train() mode")
+            raise RuntimeError(f"QK-Guard: no forward with gradients enabled reached attention layer {missing[0]} "
+                               f"since the last guard.step(): call guard.step() once after each optimizer step (forwards "
+                               f"under torch.no_grad, as a validation loss, are not measured)")
         out, self._running = torch.stack(self._running), [None] * len(self.layers)
         if torch.distributed.is_available() and torch.distributed.is_initialized():
             torch.distributed.all_reduce(out, op=torch.distributed.ReduceOp.MAX)   # every rank decides alike
@@ -442,7 +495,7 @@ class AttachedGuard:
     # ------------------------------------------------------------------------- logs and checkpoints
 
     def record(self, iters=2):
-        """The last monitored step's signals for a log line, under train.py's keys (a host sync: call it
+        """The last measured step's signals for a log line, under train.py's keys (a host sync: call it
         at log steps): max_logit (layer x head), sigma_q_head and sigma_k_head (per head; k's per key
         head), sigma_q and sigma_k (whole matrices), and guard. The sigmas the guard does not watch are
         refreshed here, by `iters` power steps from where the last call left them."""
@@ -457,27 +510,43 @@ class AttachedGuard:
                 "guard": "on" if self.triggered else ("dormant" if self.qkguard.enabled else "off")}
 
     def _write_tensorboard(self, step):
-        if self.qkguard.signal != "sigma-product":
-            self.sigma_head = self._measure_sigma(iters=2)
-        if self.max_logit is not None:
+        """Each signal at `step` only if it was measured at `step`: an older value plotted there would be stale."""
+        if self.max_logit_step == step:
             for i, value in enumerate(self.max_logit.amax(dim=1).tolist()):
                 self.writer.add_scalar(f"qkguard/max_logit/layer{i}", value, step)
-        for i, value in enumerate((self.sigma_head[:, 0] * self.sigma_head[:, 1]).amax(dim=1).tolist()):
-            self.writer.add_scalar(f"qkguard/sigma_product/layer{i}", value, step)
+        watched = self.qkguard.signal == "sigma-product"
+        if not watched:       # refreshed for the log alone, as record() does
+            self.sigma_head = self._measure_sigma(iters=2)
+        if not watched or step % self.interval == 0:   # the guard's own: measured at monitored steps
+            for i, value in enumerate((self.sigma_head[:, 0] * self.sigma_head[:, 1]).amax(dim=1).tolist()):
+                self.writer.add_scalar(f"qkguard/sigma_product/layer{i}", value, step)
         self.writer.add_scalar("qkguard/on", float(self.triggered), step)
 
+    def _settings(self):
+        g = self.qkguard
+        return {"signal": g.signal, "action": g.action, "threshold": float(g.threshold), "scope": g.scope}
+
     def state_dict(self):
-        """The latch (QKGuard's trigger, covered layers, queued check), the step count, the power
-        iteration's vectors and the sampling generator: plain tensors and lists (torch.load weights_only)."""
+        """The latch (QKGuard's trigger, covered layers, queued check), the settings it was latched under,
+        the step count, the power iteration's vectors and the sampling generator: plain tensors, lists and
+        numbers (torch.load weights_only)."""
         return {"n_layer": len(self.layers), "steps": self.steps, "guard": self.qkguard.state_dict(),
-                "sigma_v": {key: v.cpu() for key, v in self.sigma.v.items()},
+                "settings": self._settings(), "sigma_v": {key: v.cpu() for key, v in self.sigma.v.items()},
                 "generator": self.generator.get_state()}
 
     def load_state_dict(self, state):
-        """A saved guard back; a latched action is on again in the model at once."""
+        """A saved guard back; a latched action is on again in the model at once. The guard must have the
+        saved one's signal, action, threshold and scope: a latch fired under one action and resumed under
+        another would act as neither run asked."""
         if state.get("n_layer") != len(self.layers):
             raise ValueError(f"QK-Guard: this state is of a model with {state.get('n_layer')} attention layers, not "
                              f"{len(self.layers)}: load the guard state saved with this model")
+        saved, mine = state.get("settings", {}), self._settings()    # a state saved before settings were: unchecked
+        wrong = [key for key in mine if key in saved and saved[key] != mine[key]]
+        if wrong:
+            show = lambda settings: ", ".join(f"{key}={settings[key]!r}" for key in wrong)
+            raise ValueError(f"QK-Guard: this state was saved by a guard with {show(saved)}, not {show(mine)}: attach "
+                             f"with the saved run's settings to resume it")
         self.qkguard.load_state_dict(state["guard"])
         self.steps = state["steps"]
         self.sigma.v = {key: v.to(self.sigma.v[key].device) for key, v in state["sigma_v"].items()}
@@ -491,6 +560,8 @@ class AttachedGuard:
         for handle in self.handles:
             handle.remove()
         self.handles = []
+        for guards in _ATTACHED.values():
+            guards.discard(self)
         if self.writer is not None:
             self.writer.close()
 
@@ -513,8 +584,10 @@ def attach(model, adapter="auto", *, threshold=None, signal="max-logit", action=
     signal     "max-logit" (sampled from q and k) or "sigma-product" (sigma(W_q,h) sigma(W_k,h))
     action     "qknorm" or "qkclip" (tau: QK-Clip's cap); scope "all" or "crossed", as in guard.py
     enabled    False: watch and log, never act (the unguarded run of a comparison)
-    interval   monitor every N updates, reading `seqs` sequences of the batch and `rows` positions of each
-               (drawn anew each step; None: all): the defaults read every row of one sequence
+    interval   monitor one update in N (updates 0, N, 2N, ...: a spike on the updates between is not seen),
+               reading `seqs` sequences of the batch and `rows` positions of each (drawn anew each step;
+               None: all): the defaults read every row of one sequence. Under qkclip, steps that may clip
+               read every row (AttachedGuard)
     tensorboard  a log folder for the signals every log_every steps (needs tensorboard); None: off
     """
     if action not in ATTACH_ACTIONS:

@@ -7,8 +7,10 @@ and skip without it; everything else runs without it.
 """
 import math
 import os
+import re
 import subprocess
 import sys
+import types
 from contextlib import contextmanager
 
 import pytest
@@ -20,6 +22,7 @@ import attach
 import model as model_lib
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+README = os.path.join(HERE, "README.md")
 VOCAB, T, BATCH = 64, 32, 2
 
 
@@ -198,18 +201,54 @@ def test_the_rotation_is_part_of_the_signal(name, monkeypatch):
 
 def test_a_sampled_sequence_is_rotated_by_its_own_positions(monkeypatch):
     """Positions given per sequence (position_ids of shape (B, T)): the one sampled is rotated by its own
-    (a stride, not a shift: rotary logits see only the positions' differences)."""
+    (a stride, not a shift: rotary logits see only the positions' differences). Steps go on until each
+    sequence has been the sampled one: sequence 0's positions are the ordinary ones, so a rotary that
+    took sequence 0's positions for every sequence would pass on it alone."""
     model, _ = build("hf-llama")
     inflate_qk(model, 10.0)
     guard = attach.attach(model, "hf-llama", seqs=1)
     x = batch()[0]
     positions = torch.arange(T)[None] * torch.tensor([[1], [3]])        # the second sequence's positions 0, 3, 6, ...
+    drawn = []
+    while set(drawn) != {0, 1} and len(drawn) < 10:
+        with spied_attention(monkeypatch) as calls:
+            model(input_ids=x, position_ids=positions, labels=x).loss.backward()
+        (seq,) = guard._sample[0].tolist()
+        guard.step()
+        dense = torch.stack([dense_logits(q[seq:seq + 1], k[seq:seq + 1], s).amax(dim=(0, 2, 3)) for q, k, s in calls])
+        torch.testing.assert_close(guard.max_logit, dense.float(), rtol=1e-5, atol=1e-5, msg=f"sequence {seq}")
+        drawn.append(seq)
+    assert set(drawn) == {0, 1}, f"the guard's draws {drawn} never reached both sequences"
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_a_model_in_eval_mode_is_measured_on_its_forwards_with_gradients(name, monkeypatch):
+    """As from_pretrained leaves it: eval() mode, trained all the same."""
+    model, loss_of = build(name)
+    inflate_qk(model, 10.0)
+    model.eval()
+    guard = attach.attach(model, ADAPTER[name], seqs=None)
     with spied_attention(monkeypatch) as calls:
-        model(input_ids=x, position_ids=positions, labels=x).loss.backward()
-    (seq,) = guard._sample[0].tolist()
+        loss_of(model, *batch()).backward()
     guard.step()
-    dense = torch.stack([dense_logits(q[seq:seq + 1], k[seq:seq + 1], s).amax(dim=(0, 2, 3)) for q, k, s in calls])
-    torch.testing.assert_close(guard.max_logit, dense.float(), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(guard.max_logit, dense_max_logit(calls).float(), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", ["nanogpt", "hf-llama"])
+def test_a_forward_under_no_grad_is_not_part_of_the_steps_signal(name, monkeypatch):
+    """A validation loss between the update and guard.step(), the model left in train() mode."""
+    model, loss_of = build(name)
+    inflate_qk(model, 10.0)
+    model.train()
+    guard = attach.attach(model, ADAPTER[name], seqs=None)
+    with spied_attention(monkeypatch) as calls:
+        loss_of(model, *batch(seed=1)).backward()
+    with torch.no_grad(), spied_attention(monkeypatch) as val_calls:
+        loss_of(model, *batch(seed=7))
+    trained, val = dense_max_logit(calls).float(), dense_max_logit(val_calls).float()
+    assert (val > trained * 1.01).any(), "the check needs a validation forward that would raise the signal"
+    guard.step()
+    torch.testing.assert_close(guard.max_logit, trained, rtol=1e-5, atol=1e-5)
 
 
 def test_a_sampled_max_logit_is_the_dense_max_over_the_rows_it_drew():
@@ -226,6 +265,34 @@ def test_a_sampled_max_logit_is_the_dense_max_over_the_rows_it_drew():
     full = attach.sampled_max_logit(q, k, 0.3)
     torch.testing.assert_close(full.double(), dense.amax(dim=(0, 2, 3)), rtol=1e-6, atol=1e-6)
     assert attach.sample_rows(5, 40, 9, 40, None) == (None, None), "a sample of everything is all rows"
+
+
+def test_the_max_logit_goes_a_chunk_of_rows_at_a_time_to_the_same_value(monkeypatch):
+    """Bounded memory at any context: no product holds more than `chunk` logits (or one row's, where a
+    row alone has more), and the chunked max is the one over the rows all at once."""
+    torch.manual_seed(0)
+    q, k = torch.randn(3, 4, 50, 8), torch.randn(3, 2, 50, 8)          # GQA: 4 query heads, 2 key heads
+    dense = dense_logits(q.double(), k.double().repeat_interleave(2, dim=1), 0.3)
+    real, sizes = torch.matmul, []
+
+    def spy(a, b):
+        out = real(a, b)
+        sizes.append(out.numel())
+        return out
+    for seqs, rows in ((None, None), (2, 13)):
+        sample = attach.sample_rows(3, 50, seqs, rows, torch.Generator().manual_seed(5))
+        seq, pos = (torch.arange(n) if i is None else i for n, i in zip((3, 50), sample))
+        whole = attach.sampled_max_logit(q, k, 0.3, sample, chunk=1 << 30)
+        torch.testing.assert_close(whole.double(), dense[seq][:, :, pos].amax(dim=(0, 2, 3)), rtol=1e-6, atol=1e-6)
+        one_row = len(seq) * 4 * 50                                        # a query row's logits, all heads and keys
+        monkeypatch.setattr(torch, "matmul", spy)
+        for chunk in (1, 3 * one_row, 3 * one_row + 7, 7 * one_row):
+            sizes.clear()
+            chunked = attach.sampled_max_logit(q, k, 0.3, sample, chunk=chunk)
+            assert len(sizes) == math.ceil(len(pos) / max(1, chunk // one_row)) > 1, (chunk, len(sizes))
+            assert max(sizes) <= max(chunk, one_row), (chunk, max(sizes))
+            torch.testing.assert_close(chunked, whole, rtol=1e-6, atol=1e-6)
+        monkeypatch.undo()
 
 
 @pytest.mark.parametrize("name", MODELS)
@@ -325,6 +392,44 @@ def test_qkclip_caps_the_offending_heads_at_tau_and_keeps_the_others(name, monke
 
 
 @pytest.mark.parametrize("name", MODELS)
+def test_the_first_qkclip_step_brings_every_heads_max_over_all_rows_to_tau(name, monkeypatch):
+    """The trigger step's clip already uses the max over every row of the batch, not the sample's
+    (a lower bound, which would clip too little): replayed on the inputs it was measured on, each
+    layer's attention with the clipped weights has every head's max logit at tau at most."""
+    model, loss_of = build(name)
+    inflate_qk(model, 12.0)
+    guard = attach.attach(model, ADAPTER[name], threshold=1.0, action="qkclip")   # seqs=1: one of 2 sampled
+    with spied_attention(monkeypatch) as calls:
+        loss_of(model, *batch()).backward()
+    full = dense_max_logit(calls)
+    guard.qkguard.tau = tau = float(full.min()) / 2               # every head over it
+    sample = torch.stack([dense_logits(q[:1], k[:1], s).amax(dim=(0, 2, 3)) for q, k, s in calls])
+    assert (torch.stack([dense_logits(q[1:], k[1:], s).amax(dim=(0, 2, 3)) for q, k, s in calls]) > sample).any(), \
+        "the check needs heads whose max is in the sequence the sample left out"
+    assert guard.step() is None                                   # step 0: its crossing is acted on at step 1
+    inputs = {}
+
+    def keep(i):
+        def hook(module, args, kwargs):
+            inputs[i] = (args, dict(kwargs))         # the layer's own input, replayed after the clip
+        return hook
+    handles = [layer.attn.register_forward_pre_hook(keep(i), with_kwargs=True) for i, layer in enumerate(guard.layers)]
+    loss_of(model, *batch()).backward()
+    for handle in handles:
+        handle.remove()
+    event = guard.step()                                          # the trigger, and the first clip
+    assert event["event"] == "guard_trigger" and event["active_from"] == 2
+    for i, layer in enumerate(guard.layers):
+        args, kwargs = inputs[i]
+        if "past_key_values" in kwargs:                           # no cache: this forward's keys alone
+            kwargs["past_key_values"] = None
+        with torch.no_grad(), spied_attention(monkeypatch) as calls:
+            layer.attn(*args, **kwargs)
+        after = dense_max_logit(calls)[0]
+        assert (after <= tau * (1 + 1e-4)).all(), f"layer {i}: max logits {after.tolist()} past tau {tau}"
+
+
+@pytest.mark.parametrize("name", MODELS)
 def test_the_latch_survives_a_checkpoint_and_the_resumed_guard_still_acts(name, tmp_path, monkeypatch):
     model, loss_of = build(name)
     inflate_qk(model)
@@ -366,15 +471,58 @@ def test_a_queued_crossing_travels_in_the_checkpoint():
     assert fresh.step()["step"] == 0 and fresh.triggered
 
 
+def test_a_second_guard_on_a_model_is_refused_and_the_resume_in_one_process_works():
+    """One guard per model: a second would stack its hooks on the first's (q and k normalized twice, each
+    guard reading the other's output). Detached, the first leaves the model to a resumed one."""
+    model, loss_of = build("nanogpt")
+    inflate_qk(model)
+    guard = attach.attach(model, "nanogpt", threshold=1.0)
+    train_steps(model, loss_of, guard, 2)
+    assert guard.triggered
+    for kwargs in ({"threshold": 1.0}, {"enabled": False}):
+        with pytest.raises(ValueError, match=r"NanoGPT already has a QK-Guard attached.*call the first one's detach\(\)"):
+            attach.attach(model, "nanogpt", **kwargs)
+    c_attn = model.transformer.h[0].attn.c_attn
+    assert len(c_attn._forward_hooks) == 1
+    state = guard.state_dict()
+    guard.detach()
+    resumed = attach.attach(model, "nanogpt", threshold=1.0)
+    resumed.load_state_dict(state)
+    assert len(c_attn._forward_hooks) == 1 and resumed.triggered
+    _, loss = model(*batch())
+    loss.backward()
+    assert resumed.step() is None and math.isfinite(loss.item())
+    # watchers (enabled=False) never act, so two of them may share a model, as the example's unguarded run does
+    other, _ = build("nanogpt")
+    watchers = [attach.attach(other, "nanogpt", enabled=False), attach.attach(other, "nanogpt", enabled=False, seqs=None)]
+    _, loss = other(*batch())
+    loss.backward()
+    assert all(w.step() is None and w.max_logit is not None for w in watchers)
+
+
+@pytest.mark.parametrize("changed", [{"action": "qkclip"}, {"signal": "sigma-product", "threshold": 1.0},
+                                     {"threshold": 2.0}, {"scope": "crossed"}])
+def test_a_resume_under_other_settings_is_refused_in_one_line(changed):
+    model, _ = build("nanogpt")
+    state = attach.attach(model, "nanogpt", threshold=1.0).state_dict()
+    other, _ = build("nanogpt")
+    resumed = attach.attach(other, "nanogpt", **{"threshold": 1.0, **changed})
+    key = next(iter(changed))                 # the setting that differs (sigma-product keeps threshold 1.0)
+    with pytest.raises(ValueError, match=rf"this state was saved by a guard with .*{key}=.*: attach with the saved run's "
+                                         rf"settings"):
+        resumed.load_state_dict(state)
+
+
 @pytest.mark.parametrize("name", MODELS)
 def test_a_dormant_guard_leaves_training_bit_for_bit_as_without_it(name):
-    """With dropout on, so a guard that drew its sampled rows from the global RNG would fail this."""
+    """With dropout on, so a guard that drew from the global RNG, in attach() or in its hooks, would fail
+    this: the global RNG is seeded before the guard is built."""
     runs = []
     for guarded in (False, True):
         model, loss_of = build(name, dropout=0.1)
         model.train()
-        guard = attach.attach(model, ADAPTER[name], threshold=1e9, seqs=1, rows=8) if guarded else None
         torch.manual_seed(123)
+        guard = attach.attach(model, ADAPTER[name], threshold=1e9, seqs=1, rows=8) if guarded else None
         losses, _ = train_steps(model, loss_of, guard, 3)
         runs.append((losses, [p.detach().clone() for p in model.parameters()]))
         if guarded:
@@ -458,14 +606,43 @@ def test_bad_input_ends_in_one_clear_line():
     with torch.no_grad():
         model.eval()
         model(batch()[0])
-    with pytest.raises(RuntimeError, match="no training-mode forward reached attention layer 0"):
+    with pytest.raises(RuntimeError, match="no forward with gradients enabled reached attention layer 0"):
         guard.step()
+    guard.detach()
     with pytest.raises(ValueError, match="2 attention layers, not 4"):
         attach.attach(NanoGPT(n_layer=4)).load_state_dict(guard.state_dict())
     wrong = lambda m: [attach.Layer(attn=b.attn, q=b.attn.c_attn, k=b.attn.c_attn, n_head=3, head_dim=16,
                                     q_cols=slice(0, 64), k_cols=slice(64, 128)) for b in m.transformer.h]
     with pytest.raises(ValueError, match="W_q has 64 rows, not 3 heads x 16: fix the adapter's head count"):
         attach.attach(model, wrong)
+
+
+class SelfNormedAttention(nn.Module):
+    """Hugging Face's Llama layout, with q and k normalized after their projections (as Qwen3 and OLMo 2 do)."""
+
+    def __init__(self):
+        super().__init__()
+        self.config, self.head_dim = types.SimpleNamespace(num_key_value_heads=2), 8
+        self.q_proj, self.k_proj = nn.Linear(16, 16), nn.Linear(16, 16)
+        self.q_norm, self.k_norm = nn.RMSNorm(8), nn.RMSNorm(8)
+
+
+@pytest.mark.parametrize("which", ["synthetic", "Qwen3", "Olmo2"])
+def test_a_model_that_normalizes_q_and_k_itself_is_refused_in_one_line(which):
+    """Read before the model's own norm, its q and k would give a max logit that is not the model's."""
+    if which == "synthetic":
+        model, attention = nn.Sequential(SelfNormedAttention()), "SelfNormedAttention"
+    else:
+        transformers = pytest.importorskip("transformers")
+        config = getattr(transformers, f"{which}Config")(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                                         num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                                         vocab_size=VOCAB)
+        model, attention = getattr(transformers, f"{which}ForCausalLM")(config), f"{which}Attention"
+    for adapter in ("auto", "hf-llama"):
+        with pytest.raises(ValueError, match=rf"^attach: {attention} normalizes q and k itself \(q_norm, k_norm, after "
+                                             rf"q_proj and k_proj\).*already has QK-norm.*write an adapter whose q and k "
+                                             rf"are read after the model's own norm"):
+            attach.attach(model, adapter)
 
 
 def test_auto_finds_each_models_adapter():
@@ -536,8 +713,64 @@ def test_tensorboard_logging_writes_the_signals(tmp_path):
     assert len(logged) == 2 and logged[-1] == pytest.approx(guard.max_logit[0].max().item())
 
 
+def test_tensorboard_logs_each_signal_only_at_the_steps_it_was_measured(tmp_path):
+    """interval=2 and log_every=1: the max logit (and a watched sigma product) at steps 0 and 2 alone;
+    a sigma product refreshed for the log at every step."""
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    logged = {}
+    for signal in ("max-logit", "sigma-product"):
+        model, loss_of = build("nanogpt")
+        guard = attach.attach(model, "nanogpt", signal=signal, threshold=1e9, interval=2, log_every=1,
+                              tensorboard=str(tmp_path / signal))
+        maxes = []
+        for step in range(4):
+            loss_of(model, *batch(seed=step)).backward()
+            guard.step()
+            maxes.append(guard.max_logit[0].max().item())
+        guard.detach()
+        events = EventAccumulator(str(tmp_path / signal))
+        events.Reload()
+        logged[signal] = {tag: [(e.step, e.value) for e in events.Scalars(f"qkguard/{tag}/layer0")]
+                          for tag in ("max_logit", "sigma_product")}
+        assert [s for s, _ in logged[signal]["max_logit"]] == [0, 2]
+        assert [v for _, v in logged[signal]["max_logit"]] == pytest.approx([maxes[0], maxes[2]])
+    assert [s for s, _ in logged["max-logit"]["sigma_product"]] == [0, 1, 2, 3]
+    assert [s for s, _ in logged["sigma-product"]["sigma_product"]] == [0, 2]
+
+
 def test_tensorboard_missing_is_one_clear_line(monkeypatch):
     monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)
     model, _ = build("nanogpt")
     with pytest.raises(ImportError, match="needs the tensorboard package: pip install tensorboard"):
         attach.attach(model, tensorboard="runs/tb")
+
+
+# --------------------------------------------------------------------------------------------------
+# The README's section on attach.py
+
+def readme_section(path=README, title="## Guard your own model"):
+    """The section, from its title to the next one (or the end of the file)."""
+    with open(path) as f:
+        text = f.read()
+    start = text.index(title + "\n")
+    end = text.find("\n## ", start + len(title))
+    return text[start:] if end < 0 else text[start:end]
+
+
+def test_the_readme_snippets_run_as_written(tmp_path):
+    """Each python block of "Guard your own model", run on its own, as a reader would paste it (at toy
+    size, a few steps). A block that needs transformers is skipped without it."""
+    blocks = re.findall(r"```python\n(.*?)```", readme_section(), re.S)
+    assert len(blocks) >= 3, "the section's examples: a Hugging Face model, a nanoGPT-style one, an adapter"
+    env = {**os.environ, "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join(p for p in (HERE, os.environ.get("PYTHONPATH")) if p)}
+    ran = 0
+    for i, code in enumerate(blocks):
+        if "transformers" in code and not _has("transformers"):
+            continue
+        result = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True,
+                                timeout=300)
+        assert result.returncode == 0, f"README block {i} fails:\n{code}\n{result.stderr[-3000:]}"
+        ran += 1
+    assert ran >= 2
