@@ -1201,9 +1201,10 @@ def test_dose_table_counts_finished_runs(tmp_path):
     table = {(site, label): cells for site, label, *cells in report.dose_table(groups)}
     assert set(table) == {("mlp-out", "coherence 1"), ("mlp-out", "coherence 1 + QK-only fix"),
                           ("delta", "coherence 0.5")}, "only what ran"
-    assert table["mlp-out", "coherence 1"] == ["-", "2/3", "-"]
-    assert table["mlp-out", "coherence 1 + QK-only fix"] == ["-", "0/2", "-"]
-    assert table["delta", "coherence 0.5"] == ["-", "-", "0/1"]
+    assert sweep.DOSES == (0.3, 1.0, 3.0, 10.0, 30.0)   # the columns below
+    assert table["mlp-out", "coherence 1"] == ["-", "-", "2/3", "-", "-"]
+    assert table["mlp-out", "coherence 1 + QK-only fix"] == ["-", "-", "0/2", "-", "-"]
+    assert table["delta", "coherence 0.5"] == ["-", "-", "-", "-", "0/1"]
 
 
 def test_build_text_has_every_rule_and_the_dose_table(tmp_path):
