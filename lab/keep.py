@@ -1,0 +1,98 @@
+"""Keep a sweep's finished runs as lab/results/ holds them: each run's config.json and its log, gzipped.
+
+    python -m lab.keep runs/lab600 lab/results/lab --whole-seeds
+
+A sweep's folder also holds checkpoints and stdout (hundreds of MB); the report needs only the config and
+the log, so those are what gets committed. The gzip is written without a timestamp, so keeping the same
+run twice gives the same bytes, and a kept run is never overwritten by a different one (the command
+refuses, naming the file). Unfinished runs are left out and listed: the report counts a missing run
+against its claim, so with --whole-seeds only the seeds that finished in every arm are kept.
+"""
+
+import argparse
+import gzip
+import io
+import os
+import shutil
+import sys
+
+from lab.sweep import run_state
+
+DONE = ("completed", "collapsed")
+ROOT_FILES = ("fault_size.json",)   # a sweep root's own measurements the report reads beside the runs
+
+
+def runs_in(root):
+    """{(arm, seed folder): its state} for every <root>/<arm>/seed<k>/."""
+    found = {}
+    for arm in sorted(os.listdir(root)):
+        if os.path.isdir(os.path.join(root, arm)):
+            for seed in sorted(os.listdir(os.path.join(root, arm))):
+                if seed.startswith("seed") and os.path.isdir(os.path.join(root, arm, seed)):
+                    found[arm, seed] = run_state(os.path.join(root, arm, seed))
+    return found
+
+
+def kept_bytes(run_dir):
+    """{file name: bytes} as results/ keeps a run: config.json as it is, the log gzipped with mtime 0."""
+    with open(os.path.join(run_dir, "config.json"), "rb") as f:
+        config = f.read()
+    plain = os.path.join(run_dir, "log.jsonl")
+    if not os.path.exists(plain):                    # already kept once: copy the gzip as it is
+        with open(plain + ".gz", "rb") as f:
+            return {"config.json": config, "log.jsonl.gz": f.read()}
+    buf = io.BytesIO()
+    with open(plain, "rb") as f, gzip.GzipFile(fileobj=buf, mode="wb", mtime=0, filename="") as g:
+        shutil.copyfileobj(f, g)
+    return {"config.json": config, "log.jsonl.gz": buf.getvalue()}
+
+
+def keep(src, dst, whole_seeds=False):
+    """Copy src's finished runs into dst; returns (kept, left out with why). Refuses (SystemExit) before
+    writing anything if a file already in dst differs from what it would write."""
+    found = runs_in(src)
+    arms = sorted({arm for arm, _ in found})
+    unfinished_seeds = {seed for (arm, seed), state in found.items() if state not in DONE}
+    if whole_seeds:   # a seed some arm has not run at all is not whole either
+        seeds = {seed for _, seed in found}
+        unfinished_seeds |= {seed for seed in seeds for arm in arms if (arm, seed) not in found}
+    plan, left = {}, []
+    for (arm, seed), state in sorted(found.items()):
+        if state not in DONE:
+            left.append(f"{arm}/{seed}: {state}")
+        elif whole_seeds and seed in unfinished_seeds:
+            left.append(f"{arm}/{seed}: finished, but {seed} is not finished in every arm")
+        else:
+            for name, data in kept_bytes(os.path.join(src, arm, seed)).items():
+                plan[os.path.join(dst, arm, seed, name)] = data
+    for name in ROOT_FILES:
+        if os.path.exists(os.path.join(src, name)):
+            with open(os.path.join(src, name), "rb") as f:
+                plan[os.path.join(dst, name)] = f.read()
+    for path, data in plan.items():
+        if os.path.exists(path):
+            with open(path, "rb") as f:
+                if f.read() != data:
+                    sys.exit(f"{path} already holds a different run; keep into a new folder, or remove it first")
+    for path, data in plan.items():
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path, "wb") as f:
+            f.write(data)
+    return sorted({os.path.dirname(p) for p in plan if p.endswith("log.jsonl.gz")}), left
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("src", help="a sweep's --out-root, e.g. runs/lab600")
+    p.add_argument("dst", help="where results are kept, e.g. lab/results/lab")
+    p.add_argument("--whole-seeds", action="store_true",
+                   help="keep only the seeds that finished in every arm (a partial sweep's commit)")
+    args = p.parse_args(argv)
+    if not os.path.isdir(args.src):
+        sys.exit(f"{args.src} is not a folder; pass a sweep's --out-root")
+    kept, left = keep(args.src, args.dst, args.whole_seeds)
+    print(f"kept {len(kept)} runs in {args.dst}; left out {len(left)}" + "".join(f"\n  {w}" for w in left))
+
+
+if __name__ == "__main__":
+    main()

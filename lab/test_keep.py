@@ -1,0 +1,72 @@
+"""lab.keep: a sweep's finished runs kept as results/ holds them, byte for byte the same when kept twice,
+never over a different run, and the report reads what it kept as it read the sweep."""
+
+import json
+import os
+
+import pytest
+
+from lab import keep, sweep
+
+
+def fake_run(root, arm, seed, status="completed", loss=2.5):
+    """A run folder as train.py leaves it: config, log (start, a step, an end record unless None), a checkpoint."""
+    d = root / arm / f"seed{seed}"
+    d.mkdir(parents=True)
+    (d / "config.json").write_text(json.dumps({"args": {"seed": seed, "max_steps": 10}}))
+    records = [{"event": "start", "step": 0}, {"step": 9, "loss": loss}]
+    if status:
+        records.append({"event": "end", "step": 10, "status": status})
+    (d / "log.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    (d / "ckpt.pt").write_bytes(b"not kept")
+    return d
+
+
+def test_keeps_finished_runs_as_gzip_and_lists_the_rest(tmp_path):
+    src, dst = tmp_path / "runs", tmp_path / "results"
+    fake_run(src, "fp32", 1), fake_run(src, "assay", 1, "collapsed"), fake_run(src, "fp32", 2, status=None)
+    (src / "fault_size.json").write_text('{"error_ratio": 0.003}')
+    kept, left = keep.keep(str(src), str(dst))
+    assert sorted(os.path.relpath(k, dst) for k in kept) == ["assay/seed1", "fp32/seed1"]
+    assert left == ["fp32/seed2: no end record"]
+    assert sorted(os.listdir(dst / "fp32" / "seed1")) == ["config.json", "log.jsonl.gz"]   # no checkpoint
+    assert not (dst / "fp32" / "seed2").exists()
+    assert (dst / "fault_size.json").read_text() == '{"error_ratio": 0.003}'
+    assert sweep.read_log(str(dst / "fp32" / "seed1")) == sweep.read_log(str(src / "fp32" / "seed1"))
+    assert sweep.run_state(str(dst / "assay" / "seed1")) == "collapsed"
+
+
+def test_whole_seeds_leaves_out_a_seed_unfinished_or_missing_in_any_arm(tmp_path):
+    src, dst = tmp_path / "runs", tmp_path / "results"
+    for arm in ("fp32", "assay"):
+        fake_run(src, arm, 1)
+    fake_run(src, "fp32", 2), fake_run(src, "assay", 2, status=None)   # seed 2 unfinished in one arm
+    fake_run(src, "fp32", 3)                                           # seed 3 not started in the other
+    kept, left = keep.keep(str(src), str(dst), whole_seeds=True)
+    assert sorted(os.path.relpath(k, dst) for k in kept) == ["assay/seed1", "fp32/seed1"]
+    assert "fp32/seed2: finished, but seed2 is not finished in every arm" in left
+    assert "fp32/seed3: finished, but seed3 is not finished in every arm" in left
+
+
+def test_keeping_twice_gives_the_same_bytes_and_a_different_run_is_refused(tmp_path, monkeypatch):
+    src, dst = tmp_path / "runs", tmp_path / "results"
+    fake_run(src, "fp32", 1)
+    keep.keep(str(src), str(dst))
+    first = (dst / "fp32" / "seed1" / "log.jsonl.gz").read_bytes()
+    monkeypatch.setattr(keep.gzip.time, "time", lambda: 2e9)          # later: a gzip stamped with the time differs
+    keep.keep(str(src), str(dst))                                      # the same run again: no change
+    assert (dst / "fp32" / "seed1" / "log.jsonl.gz").read_bytes() == first
+    keep.keep(str(dst), str(tmp_path / "again"))                       # kept runs keep as they are
+    assert (tmp_path / "again" / "fp32" / "seed1" / "log.jsonl.gz").read_bytes() == first
+    other = tmp_path / "other"
+    fake_run(other, "fp32", 1, loss=9.9)
+    fake_run(other, "bf16", 1)
+    with pytest.raises(SystemExit, match="already holds a different run"):
+        keep.keep(str(other), str(dst))
+    assert (dst / "fp32" / "seed1" / "log.jsonl.gz").read_bytes() == first, "nothing lost"
+    assert not (dst / "bf16").exists(), "nothing written before the refusal"
+
+
+def test_cli_refuses_a_missing_folder_in_one_line(tmp_path, capsys):
+    with pytest.raises(SystemExit, match="is not a folder"):
+        keep.main([str(tmp_path / "nowhere"), str(tmp_path / "results")])
