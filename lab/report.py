@@ -503,6 +503,9 @@ def coherence_claim(c):
         alpha = ALPHA / max(1, len(doses[site]))
         c.alpha = min(c.alpha, alpha, alpha_reverse)
         raised[site] = []
+        if not doses[site]:
+            lines.append(f"{site}: not run (counted against the claim, which needs a raise at every site)")
+            continue
         lines.append(f"{site}: doses run {', '.join(f'{d:g}' for d in doses[site])} (thresholds: raises ALPHA / "
                      f"{len(doses[site])}, reverses ALPHA / {cells}, the cells of both sites)")
         for dose in doses[site]:

@@ -499,6 +499,13 @@ def test_rule_4(tmp_path, arms, expected):
     assert judge(tmp_path, "4", arms) == expected
 
 
+def test_rule_4_says_a_site_not_run_counts_against_it(tmp_path):
+    row = rows(tmp_path, rule4(**{inject("delta", d, c): [] for d in sweep.DOSES for c in sweep.COHERENCES}))["4"]
+    assert row[1] == "not reproduced"
+    assert "delta: not run (counted against the claim, which needs a raise at every site)" in row[2]
+    assert "coherence raises the runaway at mlp-out 3; delta no dose" in row[2]
+
+
 def test_rule_4_reports_each_dose_on_a_scale_and_the_dose_response(tmp_path):
     arms = rule4(**{inject("delta", 30.0, 0.5): arm(8, {"logit": 100.0, "growth": {"q": 3.0}})})
     row = rows(tmp_path, arms)["4"]
