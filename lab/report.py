@@ -1301,10 +1301,13 @@ def cut_arms(groups):
 
 
 def pilot_rows(pilot_groups):
-    """A pilot's runs, one row each: status, max logit, sigma growth, val loss."""
-    return [[name, r.seed, r.status, num(r.max_logit, ".4g"), "{} / {}".format(*(num(x, ".3g") for x in
-             r.qk_and_other_growth())), num(r.final_val, ".4f")] for name, runs in sorted(pilot_groups.items())
-            for r in runs]
+    """A pilot's runs, one row each: status, max logit, the steps it first passed the guard's threshold
+    and reached RUNAWAY_LOGIT (what a horizon is chosen from), sigma growth, val loss."""
+    step = lambda s: "-" if s is None else str(s)
+    return [[name, r.seed, r.status, num(r.max_logit, ".4g"),
+             f"{step(r.first_past(r.guard_threshold()))} / {step(r.first_past(RUNAWAY_LOGIT, inclusive=True))}",
+             "{} / {}".format(*(num(x, ".3g") for x in r.qk_and_other_growth())), num(r.final_val, ".4f")]
+            for name, runs in sorted(pilot_groups.items()) for r in runs]
 
 
 def lr_order(groups):
@@ -1433,9 +1436,10 @@ def build(groups, root, markdown, plots=(), markdown_dir=".", pilots=(), plots_f
         parts += [title(2, "Plots"), "\n\n".join(f"![{os.path.splitext(os.path.basename(p))[0]}]"
                                                   f"({os.path.relpath(p, markdown_dir)})" for p in plots)]
     for path, pilot in pilots:
-        parts += [title(2, f"Pilot ({path}): the runs that fixed the grid, on a seed the claims do not use"),
+        parts += [title(2, f"Pilot ({path}): runs that fixed a grid or a horizon, on seeds the claims do not use"),
                   scale(pilot),
-                  render(["arm", "seed", "status", "max logit", "sigma growth q / others", "final val"],
+                  render(["arm", "seed", "status", "max logit", f"first step past the guard's threshold / at "
+                          f"{RUNAWAY_LOGIT:g}", "sigma growth q / others", "final val"],
                          pilot_rows(pilot), markdown)]
     if markdown:
         commands = [shlex.join(["python", *r.config["command"]]) for n in order for r in groups[n]

@@ -1644,3 +1644,11 @@ def test_fault_size_measures_the_bf16_states_error_and_report_prints_the_doses_i
     out.write_text("{not json")
     broken = report.build(groups, str(out.parent), markdown=False)
     assert "The doses in units" in text and "The doses in units" not in broken
+
+
+def test_pilot_rows_give_the_steps_a_horizon_is_chosen_from(tmp_path):
+    # the max logit climbs 100 a step: past the guard's 200 first at step 3, at RUNAWAY_LOGIT (1000) at 10
+    write_run(tmp_path, "assay", 101, steps=20, logit=lambda s: 100.0 * s)
+    write_run(tmp_path, "fp32", 101, steps=20)
+    rows_ = {r[0]: r for r in report.pilot_rows(report.load_runs(str(tmp_path)))}
+    assert rows_["assay"][4] == "3 / 10" and rows_["fp32"][4] == "- / -"
