@@ -1507,11 +1507,28 @@ def plot_runs(runs, axes, colors, panels=tuple(PANELS)):
     axes[-1].set_xlabel("step")
 
 
+# claims 1, 2 and 7's arms that no pattern below names
+NAMED_ARMS = {"bf16-safemax": "bf16 state with safemax (the prior work's fix)",
+              "bf16-qknorm-always": "bf16 state, QK-norm from step 0", "bf16-guard": "bf16 state, QK-Guard",
+              "fp32-guard": "fp32 state, QK-Guard", "fp32-qknorm-always": "fp32 state, QK-norm from step 0",
+              "state-only": "bf16 state, no other rounding", "logits-only": "fp32 state, logits rounded to bf16",
+              "pv-only": "fp32 state, P V rounded to bf16", "standard": "fp32 state, no other rounding",
+              "bf16-all": "bf16 state, logits, P V and the backward rounded"}
+
+
+ACTION_WORDS = {"lr-drop": "the lr cut 10x", "clip": "tight gradient clipping", "softcap": "a logit softcap",
+                "qkclip": "QK-Clip", "fp32-accum": "fp32 state"}   # claim 6's actions (guard.py's ACTIONS)
+
+
 def arm_words(name):
     """An arm's name in words, for legends: 'inject-mlp-out-0.1-c1-qkfix' -> 'mlp-out error 0.1,
     coherent, with the QK-only fix'."""
     if name == NO_ERROR:
         return "no error (fp32 state)"
+    if name.startswith("llama-"):
+        return "llama, " + arm_words(name[len("llama-"):])
+    if name in NAMED_ARMS:
+        return NAMED_ARMS[name]
     if name.startswith("inject-"):
         for site in SITES:
             if name.startswith(f"inject-{site}-"):
@@ -1525,8 +1542,9 @@ def arm_words(name):
             rest = name[len(source) + 1:]
             rest = {"guard": "QK-Guard (QK-norm)", "probe-topk": "probe: QK's top-k removed",
                     "probe-equal": "equal energy removed elsewhere", "probe-fixed": "a fixed random QK subspace "
-                    "removed", "probe-v-topk": "W_v's top-k removed", "probe-mlp-topk": "the MLP's top-k removed"}.get(
-                        rest, rest.replace("guard-", "QK-Guard's trigger, then "))
+                    "removed", "probe-shrink": "the whole update shrunk as much",
+                    "probe-nextk": "QK's next k directions removed", "probe-v-topk": "W_v's top-k removed", "probe-mlp-topk": "the MLP's top-k removed"}.get(
+                        rest, f"QK-Guard's trigger, then {ACTION_WORDS.get(rest[len('guard-'):], rest)}")
             short = {"bf16": "bf16 state", "assay": "injected delta error", "lr": "lr 3e-2"}.get(source, source)
             return f"{short}: {rest}"
     return name

@@ -1652,3 +1652,18 @@ def test_pilot_rows_give_the_steps_a_horizon_is_chosen_from(tmp_path):
     write_run(tmp_path, "fp32", 101, steps=20)
     rows_ = {r[0]: r for r in report.pilot_rows(report.load_runs(str(tmp_path)))}
     assert rows_["assay"][4] == "3 / 10" and rows_["fp32"][4] == "- / -"
+
+
+FOLDER_WORD = re.compile(r"\b(probe|guard|qknorm|llama|fp32|bf16|logits|pv|state)-[a-z]")   # an arm name's piece
+
+
+def test_every_claim_arm_has_a_legend_in_words():
+    # a figure reads without the code: no arm's legend is its folder name, or ends in one ("probe-shrink")
+    for claim, (_, arms) in sweep.CLAIMS.items():
+        for name in arms:
+            words = report.arm_words(name)
+            assert words != name and not FOLDER_WORD.search(words), (claim, name, words)
+    for source in sweep.SOURCES:
+        for name in {**sweep.probe_arms(source), **sweep.action_arms(source)}:
+            words = report.arm_words(name)
+            assert words != name and not FOLDER_WORD.search(words), (source, name, words)
