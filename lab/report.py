@@ -793,6 +793,19 @@ RULE_CHANGES = {
          "failure too, and the softcap above the trigger",
 }
 
+# The first rules' verdicts on the first (300-step) logs, kept so a reader sees what each change moved.
+FIRST_VERDICTS = {
+    "3": "not reproduced; at mlp-out no dose ran away through QK, and the fix failed against the no-error run in 7 "
+         "and 8 of 8 seeds at doses 3 and 30, by what the error harmed outside QK",
+    "4": "not reproduced; coherent errors ran away at a smaller dose than random-sign ones at delta (6 of 8, p = "
+         "0.016), while at mlp-out neither ran away at any dose, so reversals below the threshold went unseen",
+    "5": "not reproduced; the probe stopped the runaway (6 of 8, p = 0.016), but the equal-energy control, which "
+         "did not run away either, could not count: it fell short of its energy in every seed (0.13-0.42 of it at "
+         "its worst step)",
+    "6": "not reproduced; clip failed in 6 of 8 (p = 0.016), the lr-drop and the softcap (at 50, below the "
+         "trigger) in none, two seeds counted whose guard fired 93 and 41 steps before the end",
+}
+
 
 def expanded_rules(groups):
     """RULES with claims 5 and 6 once per source that has runs: (row label, claim, arms, check)."""
@@ -1420,7 +1433,10 @@ def build(groups, root, markdown, plots=(), markdown_dir=".", pilots=(), plots_f
               f"test over the seeds where they differ; an unfinished or missing run counts against the claim):",
               "\n".join(f"{claim}. {text}." for claim, text, _, _ in RULES),
               "What changed in the rules of claims 3 to 6, and why: "
-              + "; ".join(f"{claim}: {why}" for claim, why in RULE_CHANGES.items()) + "."]
+              + "; ".join(f"{claim}: {why}" for claim, why in RULE_CHANGES.items()) + ".",
+              "What the first rules said on the first, 300-step logs (commit 988d81c; the verdicts above are "
+              "the new rules' on 600-step runs): "
+              + "; ".join(f"{claim}: {said}" for claim, said in FIRST_VERDICTS.items()) + "."]
     if any(g.startswith("inject-") for g in groups):
         parts += [title(2, "Dose-response (claims 3 and 4): runs that ran away beyond the no-error run of their "
                            "seed / finished pairs"),

@@ -1672,3 +1672,14 @@ def test_every_claim_arm_has_a_legend_in_words():
         for name in {**sweep.probe_arms(source), **sweep.action_arms(source)}:
             words = report.arm_words(name)
             assert words != name and not FOLDER_WORD.search(words), (source, name, words)
+
+
+def test_results_say_what_the_first_rules_said_of_claims_3_to_6(tmp_path):
+    write_arms(tmp_path / "runs", {"fp32": [OK]})
+    md = tmp_path / "R.md"
+    report.main([str(tmp_path / "runs"), "--markdown", str(md)])
+    text = md.read_text()
+    assert set(report.FIRST_VERDICTS) == set(report.RULE_CHANGES) == {"3", "4", "5", "6"}
+    assert "What the first rules said on the first, 300-step logs (commit 988d81c" in text
+    for claim in ("3", "4", "5", "6"):
+        assert f"{claim}: {report.FIRST_VERDICTS[claim]}" in text and f"{claim}: {report.RULE_CHANGES[claim]}" in text
