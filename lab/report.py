@@ -220,6 +220,17 @@ class Run:
         ratios = [e / a for e, a in zip(end, at[-1]) if a > 0 and not math.isnan(e / a)] if at and end else []
         return max(ratios) if ratios else math.nan
 
+    def logit_rise(self, step, window):
+        """(max logit over the last `window` steps / at the last logged step up to `step`, and whether it
+        is still rising: the last window's max above the window's before); (nan, False) where not logged."""
+        at = [v for s, v in zip(self.steps, self.logit) if s <= step]
+        end = self.steps[-1] if self.steps else 0
+        last = [v for s, v in zip(self.steps, self.logit) if s > end - window]
+        before = [v for s, v in zip(self.steps, self.logit) if end - 2 * window < s <= end - window]
+        if not at or not at[-1] or not last:
+            return math.nan, False
+        return max(last) / at[-1], bool(before) and max(last) > max(before)
+
     def probe_shares(self):
         """(share of the W_q, W_k updates' energy the probe removed, 1 - ||applied||^2 / ||dW||^2; norm left,
         ||applied|| / ||dW||): medians over the logged updates and layers, None where not logged (logs before
@@ -676,8 +687,13 @@ def non_qk_actions_fail(c, source):
     if c.runs.get(f"{source}-guard-fp32-accum"):
         lines.append(c.count(f"{source}-guard-fp32-accum", "broke down", broke_down, False)[0]
                      + " (the source's own fix, for comparison, not judged)")
-    gaps, growths = [], []
+    gaps, growths, climbs = [], [], []
     for arm in (f"{source}-guard-lr-drop", f"{source}-guard-clip", f"{source}-guard-softcap", qkclip, qknorm):
+        after = [c.runs[arm][s].logit_rise(c.runs[arm][s].trigger, RISE_WINDOW) for s in c.seeds
+                 if s in c.runs.get(arm, {}) and c.runs[arm][s].trigger is not None]
+        ratios = [x for x, _ in after if not math.isnan(x)]
+        climbs.append(f"{arm} {num(median(ratios), '.3g') if ratios else 'n/a'}, still rising in "
+                      f"{sum(r for _, r in after)}/{len(after)}")
         diffs = c.val_gaps(arm, qknorm)
         if arm != qknorm:
             gaps.append(f"{arm} {statistics.median(diffs):+.3f}" if diffs else f"{arm} n/a")
@@ -691,9 +707,16 @@ def non_qk_actions_fail(c, source):
     if caps and min(caps) <= next((r.guard_threshold() for r in c.runs[qknorm].values()), GUARD_THRESHOLD):
         lines.append(f"the softcap ran at {', '.join(f'{v:g}' for v in caps)}, not above the trigger: it caps the "
                      f"logits by construction, so only its collapses and QK growth can fail it")
+    elif caps and min(caps) < RUNAWAY_LOGIT:
+        lines.append(f"the softcap ran at {', '.join(f'{v:g}' for v in caps)}, above the trigger but under "
+                     f"RUNAWAY_LOGIT: its logits cannot run away, so its collapses and QK growth judge it")
     return holds, lines + [f"val loss - {qknorm}'s, median: " + ", ".join(gaps),
                            "QK growth after the trigger (most-grown head's sigma(W_q,h) sigma(W_k,h), end over "
                            "trigger), median: " + ", ".join(growths),
+                           f"max logit of the last {RISE_WINDOW} steps over the trigger's, median, and seeds where "
+                           f"it was still rising (above the {RISE_WINDOW} steps before): " + "; ".join(climbs)
+                           + " (an action that slows the runaway, as an lr-drop does, may need a longer horizon "
+                           "to show whether it delays or prevents it)",
                            f"{qknorm}: trigger step by seed: {', '.join(triggers)}", grace_line(c, qknorm)]
 
 
@@ -793,6 +816,8 @@ RULE_CHANGES = {
          "failure too, and the softcap above the trigger",
 }
 
+RISE_WINDOW = 100   # claim 6 reports whether an action's logits were still rising over its last steps
+
 # The first rules' verdicts on the first (300-step) logs, kept so a reader sees what each change moved.
 FIRST_VERDICTS = {
     "3": "not reproduced; at mlp-out no dose ran away through QK, and the fix failed against the no-error run in 7 "
@@ -866,7 +891,7 @@ def verdicts(groups):
         if claim in SOURCE_RULES:
             title += f"; the runaway's source: {SOURCE_WORDS[label[3:-1] if '(' in label else 'bf16']}"
         missing = [a for a in arms if not groups.get(a)]
-        grid_run = [a for a in arms if a != NO_ERROR and a not in missing]  # grids may run in part
+        grid_run = [a for a in arms if a not in (NO_ERROR, QKNORM_ALONE) and a not in missing]  # grids may run in part
         if missing and (not callable(arm_list) or not grid_run):
             rows.append([label, "not run", f"{title}\nno runs of {', '.join(missing[:3])}"
                                            f"{f' and {len(missing) - 3} more arms' if len(missing) > 3 else ''}"])

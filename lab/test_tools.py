@@ -642,6 +642,27 @@ def test_rule_6(tmp_path, changes, expected):
     assert judge(tmp_path, "6", {**RULE6, **changes}) == expected
 
 
+def test_rule_6_reports_logits_still_rising_after_the_trigger(tmp_path):
+    # an action that slows the runaway (lr-drop: 100 + step, past the trigger at 5, still climbing at 249)
+    # against one that holds it (qkclip: 150 from step 50); the rule reports both, the horizon's caveat
+    long = {name: [{**kw, "steps": 250} for kw in runs] for name, runs in RULE6.items()}
+    arms = {**long, "bf16-guard-lr-drop": arm(8, {**TRIG, "steps": 250, "logit": lambda s: 100.0 + s}),
+            "bf16-guard-qkclip": arm(8, {**TRIG, "steps": 250, "logit": lambda s: 100.0 if s < 50 else 150.0})}
+    text = rows(tmp_path, arms)["6"][2]
+    assert "max logit of the last 100 steps over the trigger's, median, and seeds where it was still rising " \
+           "(above the 100 steps before): bf16-guard-lr-drop 3.32, still rising in 8/8" in text
+    assert "bf16-guard-qkclip 1.5, still rising in 0/8" in text
+
+
+def test_rule_6_says_what_a_softcap_under_the_runaway_bar_can_judge(tmp_path):
+    for cap, words in ((150.0, "not above the trigger"), (500.0, "above the trigger but under RUNAWAY_LOGIT"),
+                       (2000.0, None)):
+        arms = {**RULE6, "bf16-guard-softcap": arm(7, {**COLLAPSED_AFTER, "args": {"softcap_value": cap}},
+                                                   rest={**TRIG, "args": {"softcap_value": cap}})}
+        text = rows(tmp_path / str(cap), arms)["6"][2]
+        assert (f"the softcap ran at {cap:g}, {words}" in text) if words else "the softcap ran at" not in text
+
+
 def test_rule_6_says_which_seeds_it_judged_and_why(tmp_path):
     arms = {**RULE6, **{name: arm(6, runs[0], rest=LATE) for name, runs in RULE6.items() if name != "bf16"},
             "bf16": arm(7, SOURCE)}
