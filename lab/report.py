@@ -701,6 +701,10 @@ def non_qk_actions_fail(c, source):
                  if s in c.runs.get(arm, {}) and c.runs[arm][s].trigger is not None]
         grown = [g for g in grown if not math.isnan(g)]
         growths.append(f"{arm} {num(median(grown), '.3g') if grown else 'n/a'}")
+    healthy = [c.runs[NO_ERROR][s].qk_growth_after(c.runs[qknorm][s].trigger) for s in c.seeds
+               if s in c.runs.get(NO_ERROR, {}) and s in c.runs[qknorm] and c.runs[qknorm][s].trigger is not None]
+    healthy = [g for g in healthy if not math.isnan(g)]
+    growths.append(f"{NO_ERROR} over the same steps (no error, no action) {num(median(healthy), '.3g') if healthy else 'n/a'}")
     triggers = [f"{s} {num(c.runs[qknorm][s].trigger)}" for s in c.seeds if s in c.runs[qknorm]]
     caps = sorted({r.config.get("args", {}).get("softcap_value") for r in c.runs.get(f"{source}-guard-softcap",
                                                                                         {}).values()} - {None})

@@ -652,6 +652,7 @@ def test_rule_6_reports_logits_still_rising_after_the_trigger(tmp_path):
     assert "max logit of the last 100 steps over the trigger's, median, and seeds where it was still rising " \
            "(above the 100 steps before): bf16-guard-lr-drop 3.32, still rising in 8/8" in text
     assert "bf16-guard-qkclip 1.5, still rising in 0/8" in text
+    assert "fp32 over the same steps (no error, no action) n/a" in text      # no fp32 runs here
 
 
 def test_rule_6_says_what_a_softcap_under_the_runaway_bar_can_judge(tmp_path):
