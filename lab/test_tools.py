@@ -1705,3 +1705,21 @@ def test_results_say_what_the_first_rules_said_of_claims_3_to_6(tmp_path):
     assert "What the first rules said on the first, 300-step logs (commit 988d81c" in text
     for claim in ("3", "4", "5", "6"):
         assert f"{claim}: {report.FIRST_VERDICTS[claim]}" in text and f"{claim}: {report.RULE_CHANGES[claim]}" in text
+
+
+def test_results_md_is_what_the_committed_logs_give(tmp_path, monkeypatch):
+    # RESULTS.md regenerates byte for byte from lab/results/ by the command on its own first lines
+    # (the plots are written too, into tmp_path; their PNG bytes depend on matplotlib's version)
+    pytest.importorskip("matplotlib")
+    monkeypatch.chdir(ROOT)
+    with open("RESULTS.md") as f:
+        committed = f.read()
+    command = re.search(r"Written by `python -m lab\.report ([^`]*)`", committed).group(1)
+    argv = shlex.split(command)
+    markdown, plots = argv[argv.index("--markdown") + 1], argv[argv.index("--plots") + 1]
+    argv[argv.index("--markdown") + 1] = str(tmp_path / markdown)
+    argv[argv.index("--plots") + 1] = str(tmp_path / plots)
+    report.main(argv)
+    again = (tmp_path / markdown).read_text().replace(f"--markdown {tmp_path / markdown} --plots {tmp_path / plots}",
+                                                      f"--markdown {markdown} --plots {plots}")
+    assert again == committed, "RESULTS.md is stale: rerun the command on its first lines"
