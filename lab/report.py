@@ -1238,6 +1238,21 @@ def dose_response(groups):
     return curves
 
 
+def dose_ratios(groups):
+    """Per (site, dose_response's label), per dose: the finite max-logit ratios (logit_ratio) of its
+    finished runs over their seed's no-error run, for the dose-response figure's scale."""
+    ref = {r.seed: r for r in groups.get(NO_ERROR, []) if r.finished}
+    out = {}
+    for site in SITES:
+        for label, fix, c in [(f"coherence {c:g}", False, c) for c in COHERENCES] + \
+                [("coherence 1 + QK-only fix", True, 1.0)]:
+            out[site, label] = {d: [x for r in groups.get(inject_arm(site, d, c, fix)[0], [])
+                                    if r.finished and r.seed in ref
+                                    for x in [logit_ratio(r, ref[r.seed])] if math.isfinite(x) and x > 0]
+                                for d in DOSES}
+    return out
+
+
 def fault_units(root):
     """The doses in units of the bf16 state's own error, from <root>/fault_size.json (lab.fault_size), if
     there: a paragraph, or nothing."""
@@ -1632,17 +1647,37 @@ def plot_claims(groups, out_dir):
     curves = dose_response(groups)
     sites = list(dict.fromkeys(site for site, _ in curves))
     if sites:
-        fig, axes = plt.subplots(1, len(sites), figsize=(4 * len(sites), 3.6), sharey=True, squeeze=False)
-        for ax, site in zip(axes[0], sites):
+        # top: the threshold view (ran away beyond the no-error run); bottom: the scale claim 4 judges on,
+        # each run's max logit over its seed's no-error run's (median over seeds, their range shaded)
+        fig, axes = plt.subplots(2, len(sites), figsize=(4 * len(sites), 6.4), sharex="col", sharey="row",
+                                 squeeze=False)
+        words = {"coherence 1": "sign-coherent", "coherence 0.5": "a random sign each step",
+                 "coherence 1 + QK-only fix": "sign-coherent, with the QK-only fix"}
+        ratios = dose_ratios(groups)
+        for col, site in enumerate(sites):
+            top, bottom = axes[0][col], axes[1][col]
             for (s, label), cells in curves.items():
-                if s == site:
-                    xs = [d for d, (_, n) in zip(DOSES, cells) if n]
-                    words = {"coherence 1": "sign-coherent", "coherence 0.5": "a random sign each step",
-                             "coherence 1 + QK-only fix": "sign-coherent, with the QK-only fix"}.get(label, label)
-                    ax.plot(xs, [k / n for k, n in cells if n], "o-", label=words)
-            ax.set(xscale="log", title=f"error at {site}", xlabel="error size per step (rms / signal rms)")
-            ax.grid(alpha=0.3)
+                if s != site:
+                    continue
+                xs = [d for d, (_, n) in zip(DOSES, cells) if n]
+                line, = top.plot(xs, [k / n for k, n in cells if n], "o-", label=words.get(label, label))
+                per_dose = [(d, ratios[s, label][d]) for d in xs if ratios[s, label][d]]
+                if per_dose:
+                    ds, rs = [d for d, _ in per_dose], [sorted(r) for _, r in per_dose]
+                    bottom.plot(ds, [statistics.median(r) for r in rs], "o-", color=line.get_color())
+                    bottom.fill_between(ds, [r[0] for r in rs], [r[-1] for r in rs], color=line.get_color(),
+                                        alpha=0.15)
+            top.set(title=f"error at {site}")
+            bottom.set(xscale="log", yscale="log", xlabel="error size per step (rms / signal rms)")
+            bottom.axhline(1.0, color="grey", lw=0.8, ls=":")
+            dose_ticks = [d for d in DOSES if any(n for (s, _), cells in curves.items() if s == site
+                                                  for dd, (_, n) in zip(DOSES, cells) if dd == d)]
+            bottom.set_xticks(dose_ticks, [f"{d:g}" for d in dose_ticks])
+            bottom.minorticks_off()
+            for ax in (top, bottom):
+                ax.grid(alpha=0.3)
         axes[0][0].set(ylabel="fraction of seeds run away\nbeyond the no-error run", ylim=(-0.05, 1.05))
+        axes[1][0].set(ylabel="max attention logit over the\nno-error run's (median, range)")
         axes[0][0].legend(fontsize=7)
         saved.append(os.path.join(out_dir, "dose_response.png"))
         fig.savefig(saved[-1], dpi=110, bbox_inches="tight")

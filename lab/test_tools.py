@@ -1723,3 +1723,15 @@ def test_results_md_is_what_the_committed_logs_give(tmp_path, monkeypatch):
     again = (tmp_path / markdown).read_text().replace(f"--markdown {tmp_path / markdown} --plots {tmp_path / plots}",
                                                       f"--markdown {markdown} --plots {plots}")
     assert again == committed, "RESULTS.md is stale: rerun the command on its first lines"
+
+
+def test_dose_ratios_give_the_figures_scale(tmp_path):
+    # each finished run's max logit over its seed's no-error run's; a collapse (inf) has no place on the axis
+    groups = write_arms(tmp_path, {**NOERR, inject("mlp-out", 3.0): arm(7, {"logit": 100.0}, rest=COLLAPSE),
+                                   inject("mlp-out", 3.0, fix=True): arm(8, {"logit": 5.0}),
+                                   inject("mlp-out", 10.0): arm(7, {"logit": 30.0}, {8: UNFINISHED})})
+    ratios = report.dose_ratios(groups)
+    assert ratios["mlp-out", "coherence 1"][3.0] == [10.0] * 7
+    assert ratios["mlp-out", "coherence 1 + QK-only fix"][3.0] == [0.5] * 8
+    assert ratios["mlp-out", "coherence 1"][10.0] == [3.0] * 7, "the unfinished run left out"
+    assert ratios["delta", "coherence 0.5"][3.0] == []
