@@ -518,7 +518,7 @@ def coherence_claim(c):
             lines.append(f"{site}: not run (counted against the claim, which needs a raise at every site)")
             continue
         lines.append(f"{site}: doses run {', '.join(f'{d:g}' for d in doses[site])} (thresholds: raises ALPHA / "
-                     f"{len(doses[site])}, reverses ALPHA / {cells}, the cells of both sites)")
+                     f"{len(doses[site])}, reverses ALPHA / {cells}, the cells run at all sites)")
         for dose in doses[site]:
             coherent, random = inject_arm(site, dose, 1.0)[0], inject_arm(site, dose, 0.5)[0]
             runs = [(c.runs[coherent].get(s), c.runs[random].get(s), c.runs[NO_ERROR].get(s)) for s in c.seeds]

@@ -509,8 +509,8 @@ def test_rule_4_says_a_site_not_run_counts_against_it(tmp_path):
 def test_rule_4_reports_each_dose_on_a_scale_and_the_dose_response(tmp_path):
     arms = rule4(**{inject("delta", 30.0, 0.5): arm(8, {"logit": 100.0, "growth": {"q": 3.0}})})
     row = rows(tmp_path, arms)["4"]
-    assert "mlp-out: doses run 0.3, 1, 3, 10, 30 (thresholds: raises ALPHA / 5, reverses ALPHA / 10, the cells of " \
-           "both sites)" in row[2]
+    assert "mlp-out: doses run 0.3, 1, 3, 10, 30 (thresholds: raises ALPHA / 5, reverses ALPHA / 10, the cells run " \
+           "at all sites)" in row[2]
     assert "mlp-out 3: max logit / no-error's, median coherent 200 vs random sign 1; coherent 2x higher in 7 seeds, " \
            "random sign in 0 (0 unfinished or missing, counted against raising); p = 0.00781 (raises), 1 (reverses) " \
            "-> raises" in row[2]
