@@ -829,7 +829,7 @@ FIRST_VERDICTS = {
     "4": "not reproduced; coherent errors ran away at a smaller dose than random-sign ones at delta (6 of 8, p = "
          "0.016), while at mlp-out neither ran away at any dose, so reversals below the threshold went unseen",
     "5": "not reproduced; the probe stopped the runaway (6 of 8, p = 0.016), but the equal-energy control, which "
-         "did not run away either, could not count: it fell short of its energy in every seed (0.13-0.42 of it at "
+         "never ran away either, could not count: it fell short of its energy in every seed (0.13-0.42 of it at "
          "its worst step)",
     "6": "not reproduced; clip failed in 6 of 8 (p = 0.016), the lr-drop and the softcap (at 50, below the "
          "trigger) in none, two seeds counted whose guard fired 93 and 41 steps before the end",
