@@ -1221,20 +1221,26 @@ def group_rows(runs):
              num(r.steps[-1] if r.steps else None)] for r in runs]
 
 
+def dose_curves():
+    """(site, label, dose -> arm name) for each curve of the dose-response figure: every coherence, and
+    coherence 1 with the QK-only fix."""
+    return [(site, label, name) for site in SITES for label, name in
+            [(f"coherence {c:g}", lambda d, site=site, c=c: inject_arm(site, d, c)[0]) for c in COHERENCES]
+            + [("coherence 1 + QK-only fix", lambda d, site=site: inject_arm(site, d, 1.0, True)[0])]]
+
+
 def dose_response(groups):
     """Claims 3 and 4: per (site, coherence or fix), per dose: (how many ran away beyond their
     seed's no-error run, how many finished with their no-error run finished too)."""
     ref = {r.seed: r for r in groups.get(NO_ERROR, []) if r.finished}
     curves = {}
-    for site in SITES:
-        for label, name in [(f"coherence {c:g}", lambda d, c=c: inject_arm(site, d, c)[0]) for c in COHERENCES] + \
-                [("coherence 1 + QK-only fix", lambda d: inject_arm(site, d, 1.0, True)[0])]:
-            cells = []
-            for dose in DOSES:
-                done = [r for r in groups.get(name(dose), []) if r.finished and r.seed in ref]
-                cells.append((sum(beyond(r, ref[r.seed]) for r in done), len(done)))
-            if any(n for _, n in cells):
-                curves[(site, label)] = cells
+    for site, label, name in dose_curves():
+        cells = []
+        for dose in DOSES:
+            done = [r for r in groups.get(name(dose), []) if r.finished and r.seed in ref]
+            cells.append((sum(beyond(r, ref[r.seed]) for r in done), len(done)))
+        if any(n for _, n in cells):
+            curves[(site, label)] = cells
     return curves
 
 
@@ -1243,13 +1249,10 @@ def dose_ratios(groups):
     finished runs over their seed's no-error run, for the dose-response figure's scale."""
     ref = {r.seed: r for r in groups.get(NO_ERROR, []) if r.finished}
     out = {}
-    for site in SITES:
-        for label, fix, c in [(f"coherence {c:g}", False, c) for c in COHERENCES] + \
-                [("coherence 1 + QK-only fix", True, 1.0)]:
-            out[site, label] = {d: [x for r in groups.get(inject_arm(site, d, c, fix)[0], [])
-                                    if r.finished and r.seed in ref
-                                    for x in [logit_ratio(r, ref[r.seed])] if math.isfinite(x) and x > 0]
-                                for d in DOSES}
+    for site, label, name in dose_curves():
+        out[site, label] = {d: [x for r in groups.get(name(d), []) if r.finished and r.seed in ref
+                                for x in [logit_ratio(r, ref[r.seed])] if math.isfinite(x) and x > 0]
+                            for d in DOSES}
     return out
 
 
