@@ -77,10 +77,11 @@ claims12)
 claims37)
     python prepare_data.py > "$OUT/prepare.txt" 2>&1
     # the grid's two upper doses (in the CPU lab only they moved anything), then every arm of claims
-    # 5 to 7 (from sweep.py, so none is missed) but the source's own fp32-accum fix, which is reported only
+    # 5 to 7 (from sweep.py, so none is missed) but the source's own fp32-accum fix, which is reported only,
+    # and claim 6's long-horizon arms, which set --max-steps themselves (a GPU session with time runs them)
     arms=$(python -c "from lab import sweep; print(','.join(dict.fromkeys([n for n in sweep.experiments([3, 4])
         if not n.startswith('inject-') or any(f'-{d:g}-c' in n for d in sweep.DOSES[1:])]
-        + [n for n in sweep.experiments([5, 6, 7]) if n != 'bf16-guard-fp32-accum'])))")
+        + [n for n in sweep.experiments([5, 6, 7]) if n != 'bf16-guard-fp32-accum' and n not in sweep.long_arms('bf16')])))")
     sweep --claims 3,4,5,6,7 --only "$arms"
     ;;
 *)

@@ -25,8 +25,8 @@ import statistics
 import sys
 
 from lab.sweep import (CLAIM3_SITE, CLAIM4_SITES, CLAIMS, COHERENCES, DONE, DOSES, LR_STUDY_ARMS, NO_ERROR,
-                       QKNORM_ALONE, SITES, SOURCES, Unreadable, action_arms, experiments, inject_arm, lr_name,
-                       probe_arms, read_log, split_lr)
+                       LONG_STEPS, QKNORM_ALONE, SITES, SOURCES, Unreadable, action_arms, experiments, inject_arm,
+                       long_arms, lr_name, probe_arms, read_log, split_lr)
 
 # --------------------------------------------------------------------------------------------------
 # The verdict rules' constants.
@@ -39,6 +39,7 @@ SIGMA_RATIO = 2.0        # "through the QK channel": sigma(W_q or W_k) grew SIGM
 LOGIT_RATIO = 10.0       # "beyond the no-error run": max logit >= LOGIT_RATIO x that run's
 LOGIT_GAP = 2.0          # claim 4: one error's max logit "higher" than the other's only by this factor
 GUARD_THRESHOLD = 200.0  # the guard's default max-logit threshold (guard.py; a test keeps them in step)
+LR_DROP_FACTOR = 0.1     # the lr-drop action's default factor (config.py's --lr-drop-factor; a test too)
 FIX_TOL = 0.1            # nat: a QK-only fix ends at most FIX_TOL above the no-error run's val loss
 # config.json's flags in which the runs a rule compares may differ: where a run ran and how it logged,
 # not what it trained. config.RESUMABLE_CHANGES (a resume may change them) but max_steps, which arms
@@ -624,11 +625,39 @@ def action_failed(run, qknorm):
     return broke_down(run) or qk_growth_failed(run, qknorm)
 
 
+def action_pace(run):
+    """How much an action slows the optimizer's step: the lr-drop's factor (Adam's step is proportional
+    to the lr, so a runaway it only slows takes 1 / factor times the steps), else 1."""
+    args = run.config.get("args", {})
+    if args.get("guard_action", "lr-drop" if "-lr-drop" in run.group else None) != "lr-drop":
+        return 1.0
+    return args.get("lr_drop_factor") or LR_DROP_FACTOR
+
+
+def too_short(run, qknorm, need):
+    """An action's run that did not fail, yet ran fewer steps after the trigger than the source's slowest
+    runaway took (need), stretched by its pace: too short to tell a runaway it delays from one it
+    prevents. It counts against claim 6, as an unfinished run does, and not as evidence that it held."""
+    trigger = run.trigger if run.trigger is not None else qknorm.trigger
+    if need is None or trigger is None or action_failed(run, qknorm):
+        return False
+    return run.horizon() - trigger < need / action_pace(run)
+
+
+def judged_actions(c, source):
+    """Claim 6's (non-QK action, the QK-norm arm it is judged against): the lr-drop at LONG_STEPS against
+    QK-norm at LONG_STEPS where those ran (sweep.long_arms), else both at the usual horizon."""
+    qknorm, (long_qknorm, long_lr_drop) = f"{source}-guard", long_arms(source)
+    lr_drop = (long_lr_drop, long_qknorm) if c.runs.get(long_lr_drop) else (f"{source}-guard-lr-drop", qknorm)
+    return [lr_drop, (f"{source}-guard-clip", qknorm), (f"{source}-guard-softcap", qknorm)]
+
+
 def judgeable(c, source, qknorm):
     """Claim 6's seeds: where the source ran away, and the guarded runs were set to run at least as many
     steps after the trigger (their --max-steps, not where a collapse stopped one) as the slowest of the
-    source's runaways took from the trigger's threshold to RUNAWAY_LOGIT. A seed with a run unfinished or missing stays (it counts against the claim); the
-    others are reported, not counted. Returns (seeds, lines)."""
+    source's runaways took from the trigger's threshold to RUNAWAY_LOGIT. A seed with a run unfinished or
+    missing stays (it counts against the claim); the others are reported, not counted. Returns (seeds,
+    need: those steps, or None if no runaway; lines)."""
     runs = c.runs[qknorm]
     threshold = next((r.guard_threshold() for r in runs.values()), GUARD_THRESHOLD)
     spans = {s: runaway_span(r, threshold) for s, r in c.runs[source].items() if done(r) and s in c.seeds}
@@ -645,7 +674,7 @@ def judgeable(c, source, qknorm):
         else:
             seeds.append(s)
     spans_text = ", ".join(f"{s} {num(v)}" for s, v in spans.items() if v is not None) or "none ran away"
-    return seeds, [f"{source}: steps from the threshold {threshold:g} to RUNAWAY_LOGIT, by seed: {spans_text}; "
+    return seeds, need, [f"{source}: steps from the threshold {threshold:g} to RUNAWAY_LOGIT, by seed: {spans_text}; "
                    f"a judged seed needs {num(need)} steps after its trigger",
                    f"seeds judged: {len(seeds)} of {len(c.seeds)}" + (f"; reported, not counted: {', '.join(out)}"
                                                                       if out else "")]
@@ -669,18 +698,29 @@ def non_qk_actions_fail(c, source):
     tests at ALPHA); QK-Clip, also QK-side, breaks down in no seed. The val-loss gap to QK-norm is
     reported."""
     qknorm = f"{source}-guard"
-    c.seeds, lines = judgeable(c, source, qknorm)
-    holds = bool(c.seeds)
-    for n, arm in enumerate(f"{source}-guard-{a}" for a in ("lr-drop", "clip", "softcap")):
+    c.seeds, need, lines = judgeable(c, source, qknorm)
+    holds, shown = bool(c.seeds), set()
+    for arm, ref in judged_actions(c, source):
         # a seed whose source is unfinished stays judged and counts against: its action did not fail
         la, oa = c.count(arm, "failed (broke down, or QK grew SIGMA_RATIO x QK-norm's)",
-                         lambda run, ref: action_failed(run, ref) and done(c.runs[source].get(run.seed)), True,
-                         ref=qknorm)
-        lb, ob = c.count(qknorm, "broke down", broke_down, False)
+                         lambda run, other: action_failed(run, other) and done(c.runs[source].get(run.seed)), True,
+                         ref=ref)
+        lb, ob = c.count(ref, "broke down", broke_down, False)
         k, j, p = sign_test(list(zip(oa, ob)))
         holds = holds and p < ALPHA
-        lines += [la] + ([lb] if n == 0 else []) + [f"sign test, {arm} over {qknorm}: {k} seeds one way, {j} the "
-                                                     f"other, p = {p:.3g} -> {'holds' if p < ALPHA else 'fails'}"]
+        lines += [la] + ([lb] if ref not in shown else [])
+        shown.add(ref)
+        pairs = [(c.runs[arm].get(s), c.runs[ref].get(s)) for s in c.seeds]
+        short = [r for r, q in pairs if done(r) and done(q) and too_short(r, q, need)]
+        if short:
+            pace = action_pace(short[0])
+            lines.append(f"{arm}: held in {len(short)} of {len(c.seeds)} seeds with fewer than {num(need / pace)} "
+                         f"steps after the trigger (the slowest runaway's {num(need)} at its {pace:g}x step): too "
+                         f"short to tell a delayed runaway from a prevented one; counted against the claim"
+                         + (f" (its long-horizon arm {list(long_arms(source))[1]} was not run)" if arm != list(long_arms(source))[1]
+                            and pace < 1 else ""))
+        lines.append(f"sign test, {arm} over {ref}: {k} seeds one way, {j} the other, p = {p:.3g} -> "
+                     f"{'holds' if p < ALPHA else 'fails'}")
     qkclip = f"{source}-guard-qkclip"
     line, out = c.count(qkclip, "broke down", broke_down, False)
     holds, lines = holds and not any(out), lines + [line + " (a QK-side action: the claim wants none)"]
@@ -688,15 +728,20 @@ def non_qk_actions_fail(c, source):
         lines.append(c.count(f"{source}-guard-fp32-accum", "broke down", broke_down, False)[0]
                      + " (the source's own fix, for comparison, not judged)")
     gaps, growths, climbs = [], [], []
-    for arm in (f"{source}-guard-lr-drop", f"{source}-guard-clip", f"{source}-guard-softcap", qkclip, qknorm):
+    shown = [(f"{source}-guard-{a}", qknorm) for a in ("lr-drop", "clip", "softcap", "qkclip")] + [(qknorm, qknorm)]
+    long_qknorm, long_lr_drop = long_arms(source)
+    if c.runs.get(long_lr_drop):
+        shown += [(long_lr_drop, long_qknorm), (long_qknorm, long_qknorm)]
+    for arm, ref in shown:
         after = [c.runs[arm][s].logit_rise(c.runs[arm][s].trigger, RISE_WINDOW) for s in c.seeds
                  if s in c.runs.get(arm, {}) and c.runs[arm][s].trigger is not None]
         ratios = [x for x, _ in after if not math.isnan(x)]
         climbs.append(f"{arm} {num(median(ratios), '.3g') if ratios else 'n/a'}, still rising in "
                       f"{sum(r for _, r in after)}/{len(after)}")
-        diffs = c.val_gaps(arm, qknorm)
-        if arm != qknorm:
-            gaps.append(f"{arm} {statistics.median(diffs):+.3f}" if diffs else f"{arm} n/a")
+        diffs = c.val_gaps(arm, ref)
+        if arm != ref:
+            gaps.append((f"{arm} {statistics.median(diffs):+.3f}" if diffs else f"{arm} n/a")
+                        + (f" (against {ref})" if ref != qknorm else ""))
         grown = [c.runs[arm][s].qk_growth_after(c.runs[arm][s].trigger) for s in c.seeds
                  if s in c.runs.get(arm, {}) and c.runs[arm][s].trigger is not None]
         grown = [g for g in grown if not math.isnan(g)]
@@ -794,8 +839,12 @@ RULES = [
           "logits past RUNAWAY_LOGIT after they act; or let the most-grown head's sigma(W_q,h) sigma(W_k,h) grow "
           "SIGMA_RATIO times as much after the trigger as under QK-norm) where QK-norm breaks down (sign tests, "
           "p < ALPHA), and QK-Clip, a QK-side action, breaks down in no seed; the loss gap to QK-norm is reported. "
+          "An action that slows the step (the lr-drop, by its factor f) and did not fail needs the slowest runaway's "
+          f"steps / f after its trigger, or it counts against the claim as too short; the lr-drop is judged at "
+          f"{LONG_STEPS} steps against QK-norm at {LONG_STEPS} where those arms ran. "
           "Adam rescales a clipped gradient back, so clip acts mostly through the moments",
-     lambda source: [source, *(a for a in action_arms(source) if not a.endswith("fp32-accum"))],
+     lambda source: [source, *(a for a in action_arms(source) if not a.endswith("fp32-accum")
+                               and a not in long_arms(source))],
      non_qk_actions_fail),
     ("7", "the same on llama: llama-bf16 collapses where llama-fp32 does not, llama-bf16-guard prevents it within "
           "LOSS_TOL of always-on QK-norm, and llama-fp32-guard stays dormant",
@@ -805,6 +854,7 @@ RULES = [
                       guard_is_dormant(c, "llama-fp32", "llama-fp32-guard"))),
 ]
 SOURCE_RULES = ("5", "6")   # judged once per source whose arms ran (bf16 where none did)
+OPTIONAL_ARMS = {"6": long_arms}   # claim 6 judges the lr-drop at LONG_STEPS where those arms ran
 # How claims 3-6's rules changed from their first version, and why (a review found the first versions
 # could fail by the lab's own construction); RESULTS.md prints it under the rules.
 RULE_CHANGES = {
@@ -817,7 +867,9 @@ RULE_CHANGES = {
          "fixed random subspace), the energy each removed reported",
     "6": "seeds where the source never ran away, or that ended before a runaway could show, were counted, and a "
          "capped logit passed as held; now only seeds with a runaway and room after the trigger, QK growth as a "
-         "failure too, and the softcap above the trigger",
+         "failure too, and the softcap above the trigger; and an lr-drop that held for fewer steps than a runaway "
+         "slowed 10x would take was counted as holding: now such a run is too short to judge (it counts against "
+         "the claim), and the lr-drop runs 2500 steps beside QK-norm",
 }
 
 RISE_WINDOW = 100   # claim 6 reports whether an action's logits were still rising over its last steps
@@ -845,8 +897,10 @@ def expanded_rules(groups):
             continue
         ran = [s for s in SOURCES if any(groups.get(a) for a in arms(s) if a != NO_ERROR)] or ["bf16"]
         # a source ran if an arm other than no-error did; bf16 stands in if none did ("not run")
-        out += [(claim if s == "bf16" else f"{claim} ({s})", claim, arms(s), lambda c, s=s, rule=rule: rule(c, s))
-                for s in ran]
+        # arms a rule reads where they ran and does without where they did not (claim 6's long horizon)
+        optional = lambda s: [a for a in OPTIONAL_ARMS.get(claim, lambda s: [])(s) if groups.get(a)]
+        out += [(claim if s == "bf16" else f"{claim} ({s})", claim, arms(s) + optional(s),
+                 lambda c, s=s, rule=rule: rule(c, s)) for s in ran]
     return out
 
 
@@ -1301,9 +1355,15 @@ def scale(groups):
     values = lambda key: sorted({str(c["args"].get(key)) for c in configs})
     joined = lambda key: "/".join(values(key))
     seeds = sorted({r.seed for rs in groups.values() for r in rs}, key=lambda s: (len(s), s))
+    # an arm that sets its own --max-steps (claim 6's long horizon) is named apart from the rest's
+    own = {f"{a} {r.config['args'].get('max_steps')}" for a, rs in groups.items() if "max_steps" in arm_flags(a)
+           for r in rs if r.config.get("args")}
+    steps = "/".join(sorted({str(r.config["args"].get("max_steps")) for a, rs in groups.items() for r in rs
+                             if r.config.get("args") and "max_steps" not in arm_flags(a)}, key=lambda v: (len(v), v)))
+    steps += f" (the arms that set their own: {', '.join(sorted(own))})" if own else ""
     return (f"Scale: preset {joined('preset')}: {joined('arch')} model, {joined('n_layer')} layers of width "
             f"{joined('n_embd')} ({joined('n_head')} heads), context {joined('block_size')}, batch "
-            f"{joined('batch_size')} x {joined('grad_accum')}, {joined('max_steps')} steps at lr {joined('lr')} "
+            f"{joined('batch_size')} x {joined('grad_accum')}, {steps} steps at lr {joined('lr')} "
             f"({joined('schedule')} after {joined('warmup_steps')} warmup steps); data {joined('dataset')} in "
             f"{joined('tokenizer')} tokens; {len(seeds)} seeds ({seeds[0]} to {seeds[-1]}), {len(configs)} runs; "
             f"{machines(configs)}.")
@@ -1586,6 +1646,8 @@ ACTION_WORDS = {"lr-drop": "the lr cut 10x", "clip": "tight gradient clipping", 
 def arm_words(name):
     """An arm's name in words, for legends: 'inject-mlp-out-0.1-c1-qkfix' -> 'mlp-out error 0.1,
     coherent, with the QK-only fix'."""
+    if name.endswith("-long"):
+        return f"{arm_words(name[:-len('-long')])}, {LONG_STEPS} steps"
     if name == NO_ERROR:
         return "no error (fp32 state)"
     if name.startswith("llama-"):

@@ -83,6 +83,12 @@ def probe_arms(source):
 # Claim 6's softcap, between the guard's trigger (200) and a runaway's max logit (report.RUNAWAY_LOGIT,
 # 1000): a cap below the trigger would cap the logits by construction, from the first step it acts.
 SOFTCAP = 500
+# Claim 6's lr-drop cuts Adam's step 10x, so a runaway it only slows takes about 10x the steps to show:
+# the CPU lab's slowest source runaway took 220 steps from the trigger's threshold to a max logit of
+# 1000 (RESULTS.md), so 2,200 steps at a tenth of the lr, after a trigger as late as step 256. The
+# lr-drop and QK-norm, which it is judged against, also run this long (report.py's rule 6 checks that
+# it is enough). The arms set --max-steps themselves: run them without one after `--`.
+LONG_STEPS = 2500
 
 
 def action_arms(source):
@@ -93,7 +99,15 @@ def action_arms(source):
     actions = ["lr-drop", "clip", "softcap", "qkclip"] + (["fp32-accum"] if "--accum bf16" in base else [])
     extra = {"softcap": f" --softcap-value {SOFTCAP}"}
     return {source: SOURCES[source], f"{source}-guard": base,
-            **{f"{source}-guard-{a}": f"{base} --guard-action {a}{extra.get(a, '')}" for a in actions}}
+            **{f"{source}-guard-{a}": f"{base} --guard-action {a}{extra.get(a, '')}" for a in actions},
+            **long_arms(source)}
+
+
+def long_arms(source):
+    """Claim 6's lr-drop and QK-norm at LONG_STEPS (<arm>-long): the lr-drop slows a runaway as much as it
+    cuts the lr, so the usual horizon cannot tell a delay from prevention."""
+    base = f"{SOURCES[source]} --guard on --max-steps {LONG_STEPS}"
+    return {f"{source}-guard-long": base, f"{source}-guard-lr-drop-long": f"{base} --guard-action lr-drop"}
 
 
 # claim -> (its words, {arm: train.py flags}). An arm in several claims (bf16, fp32) runs once.
@@ -262,6 +276,11 @@ def flag_value(flags, name, default=None):
     return value
 
 
+def flag_names(flags):
+    """The --flags in a train.py flag list (--name=value as --name)."""
+    return [f.split("=", 1)[0] for f in flags if f.startswith("--")]
+
+
 def prepare_data_once(extra):
     """Build the default dataset once, first, or N runs starting together would all build it; with
     the tokenizer train.py picks (--tokenizer, else the preset's; preset auto is demo on a CPU)."""
@@ -395,6 +414,13 @@ def main(argv=None):
             p.error(f"--lrs {args.lrs!r}: give learning rates above 0, comma-separated, e.g. 1e-3,3e-3")
         names_flags = at_lrs(names_flags, lrs)
 
+    clash = {name: shared for name, flags in names_flags.items()
+             for shared in [sorted(set(flag_names(flags)) & set(flag_names(extra)))] if shared}
+    if clash:   # the extra flags come last, so they would silently change what the arm is
+        name, shared = next(iter(clash.items()))
+        p.error(f"{', '.join(shared)} after `--` would override what arm {name} sets itself"
+                f"{f' (and {len(clash) - 1} more arms)' if len(clash) > 1 else ''}: drop it there, or leave "
+                f"those arms out of --only")
     todo, skipped = plan(names_flags, args.seeds, args.out_root, extra, args.resume)
     for out_dir, why in skipped:
         print(f"skip {out_dir}: {why}")

@@ -655,6 +655,50 @@ def test_rule_6_reports_logits_still_rising_after_the_trigger(tmp_path):
     assert "fp32 over the same steps (no error, no action) n/a" in text      # no fp32 runs here
 
 
+# The lr-drop cuts the step 10x, so a runaway it only slows needs 10x the source's slowest runaway (3
+# steps here) after the trigger (5) to show: RULE6's 20-step runs give it 14. Its long-horizon arms run 40.
+LONG = lambda **kw: {**TRIG, "steps": 40, "args": {"max_steps": 40}, **kw}
+LATE_RUNAWAY = lambda step: 2 * R if step >= 30 else 10.0        # past RUNAWAY_LOGIT 25 steps after the trigger
+SHORT_TEXT = ("bf16-guard-lr-drop: held in 8 of 8 seeds with fewer than 30 steps after the trigger (the slowest "
+              "runaway's 3 at its 0.1x step): too short to tell a delayed runaway from a prevented one; counted "
+              "against the claim (its long-horizon arm bf16-guard-lr-drop-long was not run)")
+
+
+@pytest.mark.parametrize("changes, expected, says, not_says", [
+    param({}, "not reproduced", SHORT_TEXT, "sign test, bf16-guard-lr-drop-long",
+          id="held for 14 steps where a 10x slower runaway needs 30: too short, not evidence that it held"),
+    param({"bf16-guard-long": arm(8, LONG()), "bf16-guard-lr-drop-long": arm(8, LONG(logit=LATE_RUNAWAY))},
+          "reproduced", "bf16-guard-lr-drop-long: failed (broke down, or QK grew SIGMA_RATIO x QK-norm's) 8/8",
+          "too short", id="run 40 steps it runs away at step 30, where the old rule's 20 steps saw it hold"),
+    param({"bf16-guard-long": arm(8, LONG()), "bf16-guard-lr-drop-long": arm(8, LONG())}, "not reproduced",
+          "sign test, bf16-guard-lr-drop-long over bf16-guard-long: 0 seeds one way, 0 the other", "too short",
+          id="run 40 steps it holds: judged, against QK-norm's 40 steps"),
+    param({"bf16-guard-long": arm(8, LONG(steps=30, args={"max_steps": 30})),
+           "bf16-guard-lr-drop-long": arm(8, LONG(steps=30, args={"max_steps": 30}))}, "not reproduced",
+          "bf16-guard-lr-drop-long: held in 8 of 8 seeds with fewer than 30 steps", "was not run",
+          id="its long arm run 30 steps, 25 after the trigger: still too short"),
+    param({"bf16-guard-lr-drop": arm(8, {**TRIG, "args": {"lr_drop_factor": 0.5}})}, "not reproduced",
+          "sign test, bf16-guard-lr-drop over bf16-guard: 0 seeds one way", "too short",
+          id="an lr halved needs 6 steps: its 14 are enough to judge it held"),
+    param({"bf16-guard-lr-drop": arm(8, COLLAPSED_AFTER)}, "reproduced", "bf16-guard-lr-drop: failed", "too short",
+          id="a breakdown inside the short horizon fails it: the horizon only matters for a hold"),
+])
+def test_rule_6_gives_an_lr_drop_the_horizon_of_a_slowed_runaway(tmp_path, changes, expected, says, not_says):
+    arms = {**RULE6, "bf16-guard-lr-drop": arm(8, TRIG), **changes}
+    verdict, text = rows(tmp_path, arms)["6"][1:]
+    assert verdict == expected and says in text and not_says not in text, text
+
+
+def test_rule_6_reports_the_long_arms_beside_the_short_ones(tmp_path):
+    arms = {**RULE6, "bf16-guard-long": arm(8, LONG(val=3.0)),
+            "bf16-guard-lr-drop-long": arm(8, LONG(logit=LATE_RUNAWAY, val=3.5))}
+    text = rows(tmp_path, arms)["6"][2]
+    assert "bf16-guard-lr-drop-long +0.500 (against bf16-guard-long)" in text
+    assert "bf16-guard-lr-drop-long 200, still rising in 0/8; bf16-guard-long 1, still rising in 0/8" in text
+    assert report.arm_words("bf16-guard-lr-drop-long") == "bf16 state: QK-Guard's trigger, then the lr cut 10x, " \
+        f"{sweep.LONG_STEPS} steps"
+
+
 def test_rule_6_says_what_a_softcap_under_the_runaway_bar_can_judge(tmp_path):
     for cap, words in ((150.0, "not above the trigger"), (500.0, "above the trigger but under RUNAWAY_LOGIT"),
                        (2000.0, None)):
@@ -813,6 +857,11 @@ def test_run_reads_the_lr_studys_numbers(tmp_path):
 def test_the_guard_threshold_is_the_guards_default():
     import guard
     assert report.GUARD_THRESHOLD == guard.DEFAULT_THRESHOLD["max-logit"]
+
+
+def test_the_lr_drop_factor_is_train_pys_default():
+    import config
+    assert report.LR_DROP_FACTOR == config.parse_args([])[0].lr_drop_factor
 
 
 def test_an_lr_arms_own_flags_are_its_base_arms_and_the_lr():
@@ -1419,6 +1468,22 @@ def test_sweep_dry_run_default_seeds_seed_major(tmp_path):
     expected = [shlex.join([sys.executable, "train.py", "--accum", name, "--max-steps", "5", "--seed", str(k),
                             "--out-dir", f"{root}/{name}/seed{k}"]) for k in range(1, N + 1) for name in ("bf16", "fp32")]
     assert out.stdout.splitlines() == expected and len(expected) == 2 * sweep.SEEDS == 16
+
+
+def test_sweep_refuses_extra_flags_that_would_change_an_arm(tmp_path):
+    # the flags after `--` come last, so --max-steps there would silently cut claim 6's long-horizon arms
+    out = sweep_cmd("--dry-run", "--claims", "6", "--source", "assay", "--out-root", str(tmp_path), "--",
+                    "--max-steps", "600")
+    assert out.returncode == 2 and out.stdout == "" and out.stderr.splitlines()[-1] == (
+        "sweep.py: error: --max-steps after `--` would override what arm assay-guard-long sets itself (and 1 more "
+        "arms): drop it there, or leave those arms out of --only")
+    out = sweep_cmd("--dry-run", "--claims", "6", "--source", "assay", "--only", "assay-guard-lr-drop-long",
+                    "--seeds", "1", "--out-root", str(tmp_path))
+    assert out.returncode == 0 and "--guard-action lr-drop" in out.stdout and \
+        f"--max-steps {sweep.LONG_STEPS}" in out.stdout, out.stderr
+    out = sweep_cmd("--dry-run", "--claims", "1", "--only", "bf16", "--seeds", "1", "--out-root", str(tmp_path),
+                    "--", "--accum=fp32")
+    assert out.returncode == 2 and "--accum after `--` would override what arm bf16 sets itself:" in out.stderr
 
 
 def test_sweep_shared_arm_runs_once():
