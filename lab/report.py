@@ -54,8 +54,10 @@ def own_flags():
     table = experiments(list(CLAIMS))
     for source in SOURCES:   # claims 5 and 6 on every runaway source, not only bf16
         table.update(experiments([5, 6], source=source))
-    return {name: {flag[2:].split("=")[0].replace("-", "_") for flag in flags if flag.startswith("--")}
-            for name, flags in table.items()}
+    owned = {name: {flag[2:].split("=")[0].replace("-", "_") for flag in flags if flag.startswith("--")}
+             for name, flags in table.items()}
+    # an arm's own --max-steps also sets decay_steps (config.py: 0 means --max-steps), which config.json records
+    return {name: keys | ({"decay_steps"} if "max_steps" in keys else set()) for name, keys in owned.items()}
 
 
 OWN_FLAGS = own_flags()
@@ -648,7 +650,8 @@ def judged_actions(c, source):
     """Claim 6's (non-QK action, the QK-norm arm it is judged against): the lr-drop at LONG_STEPS against
     QK-norm at LONG_STEPS where those ran (sweep.long_arms), else both at the usual horizon."""
     qknorm, (long_qknorm, long_lr_drop) = f"{source}-guard", long_arms(source)
-    lr_drop = (long_lr_drop, long_qknorm) if c.runs.get(long_lr_drop) else (f"{source}-guard-lr-drop", qknorm)
+    ran = c.runs.get(long_lr_drop) or c.runs.get(long_qknorm)     # either: the other, missing, counts against
+    lr_drop = (long_lr_drop, long_qknorm) if ran else (f"{source}-guard-lr-drop", qknorm)
     return [lr_drop, (f"{source}-guard-clip", qknorm), (f"{source}-guard-softcap", qknorm)]
 
 
@@ -696,10 +699,12 @@ def non_qk_actions_fail(c, source):
     action at QK-Guard's trigger fails (action_failed: breaks down, or lets the QK channel grow SIGMA_RATIO
     times as much as QK-norm) where QK-norm, the guard's own action, breaks down in no more seeds (sign
     tests at ALPHA); QK-Clip, also QK-side, breaks down in no seed. The val-loss gap to QK-norm is
-    reported."""
+    reported. "inconclusive" where it fails only by actions that held over too few steps (too_short): had
+    they failed, it would hold."""
     qknorm = f"{source}-guard"
     c.seeds, need, lines = judgeable(c, source, qknorm)
     holds, shown = bool(c.seeds), set()
+    holds_if_short_failed = holds
     for arm, ref in judged_actions(c, source):
         # a seed whose source is unfinished stays judged and counts against: its action did not fail
         la, oa = c.count(arm, "failed (broke down, or QK grew SIGMA_RATIO x QK-norm's)",
@@ -711,26 +716,33 @@ def non_qk_actions_fail(c, source):
         lines += [la] + ([lb] if ref not in shown else [])
         shown.add(ref)
         pairs = [(c.runs[arm].get(s), c.runs[ref].get(s)) for s in c.seeds]
-        short = [r for r, q in pairs if done(r) and done(q) and too_short(r, q, need)]
-        if short:
-            pace = action_pace(short[0])
-            lines.append(f"{arm}: held in {len(short)} of {len(c.seeds)} seeds with fewer than {num(need / pace)} "
+        is_short = [done(r) and done(q) and too_short(r, q, need) for r, q in pairs]
+        holds_if_short_failed = holds_if_short_failed and sign_test(
+            [(a or short, b) for a, short, b in zip(oa, is_short, ob)])[2] < ALPHA
+        if any(is_short):
+            pace = action_pace(next(r for (r, _), short in zip(pairs, is_short) if short))
+            long_lr_drop = list(long_arms(source))[1]
+            lines.append(f"{arm}: held in {sum(is_short)} of {len(c.seeds)} seeds with fewer than {num(need / pace)} "
                          f"steps after the trigger (the slowest runaway's {num(need)} at its {pace:g}x step): too "
-                         f"short to tell a delayed runaway from a prevented one; counted against the claim"
-                         + (f" (its long-horizon arm {list(long_arms(source))[1]} was not run)" if arm != list(long_arms(source))[1]
-                            and pace < 1 else ""))
+                         f"short to tell a delayed runaway from a prevented one"
+                         + (f" (its long-horizon arm {long_lr_drop} was not run)" if arm != long_lr_drop and pace < 1
+                            else ""))
         lines.append(f"sign test, {arm} over {ref}: {k} seeds one way, {j} the other, p = {p:.3g} -> "
                      f"{'holds' if p < ALPHA else 'fails'}")
     qkclip = f"{source}-guard-qkclip"
     line, out = c.count(qkclip, "broke down", broke_down, False)
     holds, lines = holds and not any(out), lines + [line + " (a QK-side action: the claim wants none)"]
+    if not holds and holds_if_short_failed and not any(out):
+        holds = "inconclusive"
+        lines.append("inconclusive: it fails only by actions that held over too few steps to tell (had they "
+                     "failed, it would hold)")
     if c.runs.get(f"{source}-guard-fp32-accum"):
         lines.append(c.count(f"{source}-guard-fp32-accum", "broke down", broke_down, False)[0]
                      + " (the source's own fix, for comparison, not judged)")
     gaps, growths, climbs = [], [], []
     shown = [(f"{source}-guard-{a}", qknorm) for a in ("lr-drop", "clip", "softcap", "qkclip")] + [(qknorm, qknorm)]
     long_qknorm, long_lr_drop = long_arms(source)
-    if c.runs.get(long_lr_drop):
+    if c.runs.get(long_lr_drop) or c.runs.get(long_qknorm):
         shown += [(long_lr_drop, long_qknorm), (long_qknorm, long_qknorm)]
     for arm, ref in shown:
         after = [c.runs[arm][s].logit_rise(c.runs[arm][s].trigger, RISE_WINDOW) for s in c.seeds
@@ -855,6 +867,11 @@ RULES = [
 ]
 SOURCE_RULES = ("5", "6")   # judged once per source whose arms ran (bf16 where none did)
 OPTIONAL_ARMS = {"6": long_arms}   # claim 6 judges the lr-drop at LONG_STEPS where those arms ran
+
+
+def optional_arms():
+    """Every source's optional arms: their seeds are not a rule's seeds (more of them count against nothing)."""
+    return [a for arms in OPTIONAL_ARMS.values() for s in SOURCES for a in arms(s)]
 # How claims 3-6's rules changed from their first version, and why (a review found the first versions
 # could fail by the lab's own construction); RESULTS.md prints it under the rules.
 RULE_CHANGES = {
@@ -898,7 +915,9 @@ def expanded_rules(groups):
         ran = [s for s in SOURCES if any(groups.get(a) for a in arms(s) if a != NO_ERROR)] or ["bf16"]
         # a source ran if an arm other than no-error did; bf16 stands in if none did ("not run")
         # arms a rule reads where they ran and does without where they did not (claim 6's long horizon)
-        optional = lambda s: [a for a in OPTIONAL_ARMS.get(claim, lambda s: [])(s) if groups.get(a)]
+        # (all of them if any ran: a missing one then counts against the claim as a missing run does)
+        optional = lambda s: [*OPTIONAL_ARMS[claim](s)] if claim in OPTIONAL_ARMS and any(
+            groups.get(a) for a in OPTIONAL_ARMS[claim](s)) else []
         out += [(claim if s == "bf16" else f"{claim} ({s})", claim, arms(s) + optional(s),
                  lambda c, s=s, rule=rule: rule(c, s)) for s in ran]
     return out
@@ -930,7 +949,12 @@ def mixed(groups, arms):
         return json.dumps(args[key])
     keys = [k for k in dict.fromkeys(k for r in runs for k in r.config["args"]) if k not in RUN_SPECIFIC]
     flags = [f"{k} {values}" for k in keys for values in [spread(lambda r, k=k: flag(r, k))] if values]
-    return f"differ in flags that its arms do not set, {'; '.join(flags)}" if flags else None
+    if flags:
+        return f"differ in flags that its arms do not set, {'; '.join(flags)}"
+    # the arms that set their own horizon (claim 6's long ones) are compared with each other: one of them
+    # resumed with another --max-steps would judge an action over other steps than its reference
+    own = spread(lambda r: r.config["args"].get("max_steps") if "max_steps" in arm_flags(r.group) else None)
+    return f"ran other horizons in the arms that set their own, max_steps {own}" if own else None
 
 
 def verdicts(groups):
@@ -961,7 +985,7 @@ def verdicts(groups):
         # fp32 is a judged arm of claims 1 and 2v; elsewhere it is the paired no-error reference, and
         # its seeds beyond the rule's own arms (runs of claims 1 and 2v) are not the rule's seeds
         verdict, lines = judge_rule(groups, arms, rule,
-                                    refs=() if claim in ("1", "2v") else (NO_ERROR, QKNORM_ALONE))
+                                    refs=() if claim in ("1", "2v") else (NO_ERROR, QKNORM_ALONE, *optional_arms()))
         rows.append([label, verdict, "\n".join([title] + lines)])
     refuse(refused)
     return rows
@@ -1360,10 +1384,10 @@ def scale(groups):
            for r in rs if r.config.get("args")}
     steps = "/".join(sorted({str(r.config["args"].get("max_steps")) for a, rs in groups.items() for r in rs
                              if r.config.get("args") and "max_steps" not in arm_flags(a)}, key=lambda v: (len(v), v)))
-    steps += f" (the arms that set their own: {', '.join(sorted(own))})" if own else ""
+    steps = f"{steps} steps" + (f" ({', '.join(sorted(own))} for the arms that set their own)" if own else "")
     return (f"Scale: preset {joined('preset')}: {joined('arch')} model, {joined('n_layer')} layers of width "
             f"{joined('n_embd')} ({joined('n_head')} heads), context {joined('block_size')}, batch "
-            f"{joined('batch_size')} x {joined('grad_accum')}, {steps} steps at lr {joined('lr')} "
+            f"{joined('batch_size')} x {joined('grad_accum')}, {steps} at lr {joined('lr')} "
             f"({joined('schedule')} after {joined('warmup_steps')} warmup steps); data {joined('dataset')} in "
             f"{joined('tokenizer')} tokens; {len(seeds)} seeds ({seeds[0]} to {seeds[-1]}), {len(configs)} runs; "
             f"{machines(configs)}.")
@@ -1528,6 +1552,7 @@ def build(groups, root, markdown, plots=(), markdown_dir=".", pilots=(), plots_f
             + (f" ({text.splitlines()[0]})" if text else "") + ": "
             + "; ".join(line.replace("sign test, ", "") for line in text.splitlines()
                         if line.startswith(("sign test", "at lr ", "part ", "not reproduced at this scale", "refuted",
+                                            "inconclusive:",
                                           "coherence raises", "the shrink alone", "seeds judged"))
                         or "claim wants none" in line)
             for label, verdict, text in judged)]

@@ -657,24 +657,26 @@ def test_rule_6_reports_logits_still_rising_after_the_trigger(tmp_path):
 
 # The lr-drop cuts the step 10x, so a runaway it only slows needs 10x the source's slowest runaway (3
 # steps here) after the trigger (5) to show: RULE6's 20-step runs give it 14. Its long-horizon arms run 40.
-LONG = lambda **kw: {**TRIG, "steps": 40, "args": {"max_steps": 40}, **kw}
+LONG = lambda **kw: {**TRIG, "steps": 40, "args": {"max_steps": 40, "decay_steps": 40}, **kw}
 LATE_RUNAWAY = lambda step: 2 * R if step >= 30 else 10.0        # past RUNAWAY_LOGIT 25 steps after the trigger
 SHORT_TEXT = ("bf16-guard-lr-drop: held in 8 of 8 seeds with fewer than 30 steps after the trigger (the slowest "
-              "runaway's 3 at its 0.1x step): too short to tell a delayed runaway from a prevented one; counted "
-              "against the claim (its long-horizon arm bf16-guard-lr-drop-long was not run)")
+              "runaway's 3 at its 0.1x step): too short to tell a delayed runaway from a prevented one (its "
+              "long-horizon arm bf16-guard-lr-drop-long was not run)")
 
 
 @pytest.mark.parametrize("changes, expected, says, not_says", [
-    param({}, "not reproduced", SHORT_TEXT, "sign test, bf16-guard-lr-drop-long",
-          id="held for 14 steps where a 10x slower runaway needs 30: too short, not evidence that it held"),
+    param({}, "inconclusive", SHORT_TEXT, "sign test, bf16-guard-lr-drop-long",
+          id="held for 14 steps where a 10x slower runaway needs 30: too short, not evidence that it held "
+             "(the old rule: not reproduced)"),
     param({"bf16-guard-long": arm(8, LONG()), "bf16-guard-lr-drop-long": arm(8, LONG(logit=LATE_RUNAWAY))},
           "reproduced", "bf16-guard-lr-drop-long: failed (broke down, or QK grew SIGMA_RATIO x QK-norm's) 8/8",
           "too short", id="run 40 steps it runs away at step 30, where the old rule's 20 steps saw it hold"),
     param({"bf16-guard-long": arm(8, LONG()), "bf16-guard-lr-drop-long": arm(8, LONG())}, "not reproduced",
           "sign test, bf16-guard-lr-drop-long over bf16-guard-long: 0 seeds one way, 0 the other", "too short",
           id="run 40 steps it holds: judged, against QK-norm's 40 steps"),
-    param({"bf16-guard-long": arm(8, LONG(steps=30, args={"max_steps": 30})),
-           "bf16-guard-lr-drop-long": arm(8, LONG(steps=30, args={"max_steps": 30}))}, "not reproduced",
+    param({"bf16-guard-long": arm(8, LONG(steps=30, args={"max_steps": 30, "decay_steps": 30})),
+           "bf16-guard-lr-drop-long": arm(8, LONG(steps=30, args={"max_steps": 30, "decay_steps": 30}))},
+          "inconclusive",
           "bf16-guard-lr-drop-long: held in 8 of 8 seeds with fewer than 30 steps", "was not run",
           id="its long arm run 30 steps, 25 after the trigger: still too short"),
     param({"bf16-guard-lr-drop": arm(8, {**TRIG, "args": {"lr_drop_factor": 0.5}})}, "not reproduced",
@@ -682,11 +684,28 @@ SHORT_TEXT = ("bf16-guard-lr-drop: held in 8 of 8 seeds with fewer than 30 steps
           id="an lr halved needs 6 steps: its 14 are enough to judge it held"),
     param({"bf16-guard-lr-drop": arm(8, COLLAPSED_AFTER)}, "reproduced", "bf16-guard-lr-drop: failed", "too short",
           id="a breakdown inside the short horizon fails it: the horizon only matters for a hold"),
+    param({"bf16-guard-clip": arm(8, TRIG)}, "not reproduced", SHORT_TEXT, "inconclusive",
+          id="clip holds over a long enough horizon: not reproduced whatever the lr-drop would do"),
+    param({"bf16-guard-lr-drop-long": arm(8, LONG(logit=LATE_RUNAWAY))}, "not run", "no runs of bf16-guard-long",
+          "too short", id="the long QK-norm arm missing: the long lr-drop has nothing to be judged against"),
+    param({"bf16-guard-long": arm(8, LONG()), "bf16-guard-lr-drop-long": arm(8, LONG(logit=LATE_RUNAWAY))
+                                                                    + [LONG(logit=LATE_RUNAWAY)]},
+          "reproduced", "seeds judged: 8 of 8", "seed9", id="a long arm's extra seed is not a seed of the rule"),
 ])
 def test_rule_6_gives_an_lr_drop_the_horizon_of_a_slowed_runaway(tmp_path, changes, expected, says, not_says):
     arms = {**RULE6, "bf16-guard-lr-drop": arm(8, TRIG), **changes}
     verdict, text = rows(tmp_path, arms)["6"][1:]
     assert verdict == expected and says in text and not_says not in text, text
+
+
+def test_rule_6_refuses_a_long_arm_run_at_another_horizon(tmp_path):
+    # one seed of the long lr-drop resumed to 30 steps: it would be judged over other steps than QK-norm's 40
+    arms = {**RULE6, "bf16-guard-long": arm(8, LONG()),
+            "bf16-guard-lr-drop-long": arm(7, LONG(), {8: LONG(args={"max_steps": 30, "decay_steps": 30})})}
+    with pytest.raises(SystemExit, match=re.escape("ran other horizons in the arms that set their own, max_steps 40 "
+                                                   "(bf16-guard-long, bf16-guard-lr-drop-long), 30 "
+                                                   "(bf16-guard-lr-drop-long)")):
+        report.verdicts(write_arms(tmp_path, arms))
 
 
 def test_rule_6_reports_the_long_arms_beside_the_short_ones(tmp_path):
