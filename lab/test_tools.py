@@ -1505,6 +1505,22 @@ def test_sweep_refuses_extra_flags_that_would_change_an_arm(tmp_path):
     assert out.returncode == 2 and "--accum after `--` would override what arm bf16 sets itself:" in out.stderr
 
 
+def test_the_readme_lab_sweep_commands_name_real_arms(tmp_path, capsys):
+    # every lab.sweep command of the README's CPU lab block, dry-run as written (a typo in an --only list, or
+    # an extra flag an arm sets itself, would stop it)
+    with open(os.path.join(ROOT, "README.md")) as f:
+        block = f.read().split("The CPU lab's claims 3 to 6")[1].split("```bash")[1].split("```")[0]
+    block = block.replace("\\\n", "")       # bash's line continuation
+    extra = re.search(r'^X="([^"]*)"', block, re.M).group(1)
+    commands = [shlex.split(line.split("#")[0].replace("$X", extra))[3:] for line in block.splitlines()
+                if line.startswith("python -m lab.sweep")]
+    assert len(commands) >= 8
+    for argv in commands:
+        argv[argv.index("--out-root") + 1] = str(tmp_path)
+        assert sweep.main(["--dry-run", *argv]) == 0, argv
+        assert "train.py" in capsys.readouterr().out
+
+
 def test_sweep_shared_arm_runs_once():
     chosen = sweep.experiments([1, 2, 5])
     assert chosen["bf16"] == ["--accum", "bf16"] and list(chosen).count("bf16") == 1
