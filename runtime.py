@@ -159,9 +159,22 @@ def versions(device):
             "numpy": np.__version__, "device": str(device),
             # a CPU's sums follow its thread count: at the demo's lr, 1 and 2 threads end apart
             "torch_threads": torch.get_num_threads(),
+            # ... and the machine: one seed with the same packages and threads differed in the loss's 6th
+            # digit by step 9 in two sessions' machines (lab/MEASUREMENTS.md); the CPU and the vector kernels
+            # torch picked for it say whether a replay can be bit for bit
+            "cpu": cpu_name(), "cpu_capability": torch.backends.cpu.get_cpu_capability(),
             "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
             "host": platform.node(), "git_commit": commit,
             "git_dirty": bool(git("status", "--porcelain")) if commit else None}
+
+
+def cpu_name():
+    """The CPU's model name (Linux's /proc/cpuinfo; elsewhere what platform says, or None)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), None)
+    except OSError:
+        return platform.processor() or None
 
 
 def git(*cmd):

@@ -1133,4 +1133,6 @@ def test_a_run_records_the_data_it_trained_on(tmp_path, data_dir):
     assert (data["train_tokens"], data["val_tokens"]) == (meta["tokens"]["train"], meta["tokens"]["val"])
     assert next(r for r in read_log(out) if r.get("event") == "start")["data"] == data
     # and the CPU thread count, which a CPU run's sums (so its numbers) follow
-    assert json.load(open(out / "config.json"))["versions"]["torch_threads"] == torch.get_num_threads()
+    recorded = json.load(open(out / "config.json"))["versions"]
+    assert recorded["torch_threads"] == torch.get_num_threads()
+    assert recorded["cpu_capability"] == torch.backends.cpu.get_cpu_capability() and recorded["cpu"]
