@@ -701,7 +701,7 @@ def non_qk_actions_fail(c, source):
     tests at ALPHA); QK-Clip, also QK-side, breaks down in no seed. The val-loss gap to QK-norm is
     reported. "inconclusive" where it fails only by actions that held over too few steps (too_short): had
     they failed, it would hold."""
-    qknorm = f"{source}-guard"
+    qknorm, (long_qknorm, long_lr_drop) = f"{source}-guard", long_arms(source)
     c.seeds, need, lines = judgeable(c, source, qknorm)
     holds, shown = bool(c.seeds), set()
     holds_if_short_failed = holds
@@ -721,7 +721,6 @@ def non_qk_actions_fail(c, source):
             [(a or short, b) for a, short, b in zip(oa, is_short, ob)])[2] < ALPHA
         if any(is_short):
             pace = action_pace(next(r for (r, _), short in zip(pairs, is_short) if short))
-            long_lr_drop = list(long_arms(source))[1]
             lines.append(f"{arm}: held in {sum(is_short)} of {len(c.seeds)} seeds with fewer than {num(need / pace)} "
                          f"steps after the trigger (the slowest runaway's {num(need)} at its {pace:g}x step): too "
                          f"short to tell a delayed runaway from a prevented one"
@@ -741,7 +740,6 @@ def non_qk_actions_fail(c, source):
                      + " (the source's own fix, for comparison, not judged)")
     gaps, growths, climbs = [], [], []
     shown = [(f"{source}-guard-{a}", qknorm) for a in ("lr-drop", "clip", "softcap", "qkclip")] + [(qknorm, qknorm)]
-    long_qknorm, long_lr_drop = long_arms(source)
     if c.runs.get(long_lr_drop) or c.runs.get(long_qknorm):
         shown += [(long_lr_drop, long_qknorm), (long_qknorm, long_qknorm)]
     for arm, ref in shown:
@@ -852,7 +850,8 @@ RULES = [
           "SIGMA_RATIO times as much after the trigger as under QK-norm) where QK-norm breaks down (sign tests, "
           "p < ALPHA), and QK-Clip, a QK-side action, breaks down in no seed; the loss gap to QK-norm is reported. "
           "An action that slows the step (the lr-drop, by its factor f) and did not fail needs the slowest runaway's "
-          f"steps / f after its trigger, or it counts against the claim as too short; the lr-drop is judged at "
+          f"steps / f after its trigger, or it counts against the claim as too short (a verdict only such holds decide is "
+          f"inconclusive); the lr-drop is judged at "
           f"{LONG_STEPS} steps against QK-norm at {LONG_STEPS} where those arms ran. "
           "Adam rescales a clipped gradient back, so clip acts mostly through the moments",
      lambda source: [source, *(a for a in action_arms(source) if not a.endswith("fp32-accum")
@@ -885,8 +884,8 @@ RULE_CHANGES = {
     "6": "seeds where the source never ran away, or that ended before a runaway could show, were counted, and a "
          "capped logit passed as held; now only seeds with a runaway and room after the trigger, QK growth as a "
          "failure too, and the softcap above the trigger; and an lr-drop that held for fewer steps than a runaway "
-         "slowed 10x would take was counted as holding: now such a run is too short to judge (it counts against "
-         "the claim), and the lr-drop runs 2500 steps beside QK-norm",
+         "slowed 10x would take was counted as holding: now such a run is too short to judge (a verdict only "
+         "such holds decide is inconclusive), and the lr-drop runs 2500 steps beside QK-norm",
 }
 
 RISE_WINDOW = 100   # claim 6 reports whether an action's logits were still rising over its last steps
