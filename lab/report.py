@@ -20,6 +20,7 @@ import glob
 import json
 import math
 import os
+import re
 import shlex
 import statistics
 import sys
@@ -1362,7 +1363,8 @@ def dose_table(groups):
 def render(header, rows, markdown):
     """Cells may hold several lines: <br> in Markdown, continuation lines in text."""
     if markdown:
-        lines = [header, ["---"] * len(header)] + [[c.replace("\n", "<br>") for c in r] for r in rows]
+        lines = [header, ["---"] * len(header)] + [[c.replace("|", "\\|").replace("\n", "<br>") for c in r]
+                                                   for r in rows]
         return "\n".join("| " + " | ".join(r) + " |" for r in lines)
     cells = [[c.split("\n") for c in r] for r in [header] + rows]
     widths = [max(len(line) for r in cells for line in r[i]) for i in range(len(header))]
@@ -1470,11 +1472,7 @@ def lr_section(path, groups, rows, markdown, title, plots=(), markdown_dir="."):
     if others:
         parts.append(f"Not of the study (no <arm>-lr<lr> of {', '.join(LR_STUDY_ARMS)} or their llama- arms), "
                      f"skipped: {', '.join(others)}.")
-    parts += [render(["claim", "verdict", "arms: counts; tests, by learning rate"], rows, markdown),
-              f"Rules (ALPHA={ALPHA}, LOSS_TOL={LOSS_TOL}, RUNAWAY_LOGIT={RUNAWAY_LOGIT:g}; a run ran away if it "
-              f"collapsed, its max logit reached RUNAWAY_LOGIT at a logged step, or a loss was not finite; arms are "
-              f"compared seed by seed at the same learning rate; an unfinished or missing run counts against the "
-              f"claim):", "\n".join(f"{label}. {words}." for label, words, _, _ in LR_RULES)]
+    parts += [render(["claim", "verdict", "arms: counts; tests, by learning rate"], rows, markdown)]
     figures = {os.path.splitext(os.path.basename(p))[0]: p for p in plots}
     for arch, prefix in ARCHS.items():
         sensitivity = lr_sensitivity(groups, prefix)
@@ -1520,6 +1518,116 @@ def lr_section(path, groups, rows, markdown, title, plots=(), markdown_dir="."):
     return parts
 
 
+# --------------------------------------------------------------------------------------------------
+# The opening table: one row per rule, read from what the rules computed (their verdicts and lines), so
+# that it can say no more than the detail below it does.
+
+VERDICT_WORDS = {"reproduced": "REPRODUCED", "not reproduced": "NOT REPRODUCED", "refuted": "REFUTED",
+                 "inconclusive": "INCONCLUSIVE", "not run": "NOT RUN"}   # one spelling, in every table
+SIGN_LINE = re.compile(r"sign test, (\S+) (over|worse than) (\S+): (\d+) seeds one way, (\d+) the other, p = (\S+)"
+                       r"(?: \(threshold (\S+)\))? -> (holds|fails)( \(the claim wants it to fail\))?$")
+COUNT_LINE = re.compile(r"(?:^|: )(\S+): ([^\d(]+?) (\d+)/(\d+) \[95% CI")
+DOSE_LINE = re.compile(r"^(\S+) (\S+): max logit .*?coherent 2x higher in (\d+) seeds, random sign in (\d+) .*?"
+                       r"p = (\S+) \(raises\), (\S+) \(reverses\) -> (.+?);")
+LR_LINE = re.compile(r"^at lr (\S+): .*?(?:(\S+) ran away in (\d+)/(\d+), largest \|final val - (\S+)'s\| (\S+) nat "
+                     r".*?)?-> (holds|fails)$")
+
+
+def checks(lines, n):
+    """The rule's tests as it printed them (n: its seeds): [(for the claim?, p or None, key text, why text,
+    the site a dose grid's test is at)]."""
+    plain = [re.sub(r" \([^)]*\)", "", line) for line in lines]   # without the asides in parentheses
+    counts = {m.group(1): (m.group(2).strip(), m.group(3), m.group(4)) for m in map(COUNT_LINE.search, plain) if m}
+    out = []
+    for line in lines:
+        if m := SIGN_LINE.search(line):
+            a, how, b, k, j, p, alpha, result, wants_fail = m.groups()
+            held = result == "holds"
+            why = (f"{a} {counts[a][0]} {counts[a][1]}/{counts[a][2]}; {b} {counts[b][0]} {counts[b][1]}/{counts[b][2]}"
+                   if a in counts and b in counts else f"{a} {how} {b} in {k} seeds, the reverse in {j}")
+            out.append((held != bool(wants_fail), float(p),
+                        f"`{a}` {how} `{b}` in {k} of {n} seeds, the reverse in {j}: sign test p = {float(p):.2g} "
+                        f"({'<' if held else '>='} {float(alpha or ALPHA):.2g})", why, None))
+        elif m := DOSE_LINE.search(line):
+            site, dose, up, down, p_up, _, effect = m.groups()
+            out.append((effect == "raises", float(p_up), f"{site} dose {dose}: coherent {LOGIT_GAP:g}x higher in {up} "
+                        f"of {n} seeds, random sign in {down}: sign test p = {float(p_up):.2g}", "", site))
+        elif m := LR_LINE.search(line):
+            lr, guard, away, n, ref, gap, result = m.groups()
+            out.append((result == "holds", None, f"lr {lr}: " + (
+                f"largest gap to `{ref}` {gap} nat (tolerance {LOSS_TOL})" if gap else
+                "the guard stayed dormant, its losses bit for bit"),
+                f"{guard} ran away in {away}/{n}, but ended {gap} nat from {ref}" if gap else
+                "the guard stayed dormant where training was healthy", None))
+    return out
+
+
+def conclusion(lines):
+    """The rule's own verdict sentence where it printed one, shortened to its point."""
+    for line in lines:
+        for start in ("not reproduced at this scale: ", "refuted: ", "inconclusive: ", "coherence raises"):
+            if line.startswith(start):
+                return line[len(start) if start.endswith(": ") else 0:].split(" (")[0]
+        if line.startswith("the shrink alone stopped the runaway"):
+            return line.split("): ", 1)[1]
+    return ""
+
+
+def decisive(verdict, lines, n):
+    """The test that decided a verdict: a reproduced claim's weakest passing test, else the failing test
+    that came closest to passing (p, where it has one; in a dose grid, at a site where none passed);
+    None where the lines hold no test."""
+    found, passed = checks(lines, n), {c[4] for c in checks(lines, n) if c[0] and c[4]}
+    found = [c for c in found if c[0] == (verdict == "reproduced") and (c[0] or c[4] not in passed)] or found
+    rank = lambda c: c[1] if c[1] is not None else 1.0
+    return (max if verdict == "reproduced" else min)(found, key=rank) if found else None
+
+
+def row_scale(groups, arms, lrs=None):
+    """(the model, steps and seeds of a rule's runs, as their config.json records them; the seeds it judges)."""
+    configs = [r.config["args"] for a in arms for r in groups.get(a, []) if r.config.get("args")]
+    seeds = {r.seed for a in arms if a not in (NO_ERROR, QKNORM_ALONE) for r in groups.get(a, [])}
+    pick = lambda key: "/".join(sorted({str(c[key]) for c in configs if c.get(key) is not None},
+                                       key=lambda v: (len(v), v)))
+    model = f"{pick('arch')} {pick('n_layer')}x{pick('n_embd')}" if all(map(pick, ("arch", "n_layer", "n_embd"))) else ""
+    return ", ".join(filter(None, [model, pick("max_steps") and f"{pick('max_steps')} steps",
+                                   f"{len(seeds)} seed{'s' * (len(seeds) != 1)}" + (f" x {len(lrs)} lrs" if lrs else "")])
+                     ), len(seeds)
+
+
+def summary_row(label, verdict, text, scale_text, n):
+    """[claim, VERDICT, scale, key number with its test, why]: the test that decided the verdict, and why
+    in a few words; a rule of parts ("part 1p on llama: fails") says it of each part."""
+    lines = text.splitlines()[1:]
+    if verdict == "not run":
+        return [label, VERDICT_WORDS[verdict], "-", "-", lines[0] if lines else "no runs"]
+    starts = [i for i, line in enumerate(lines) if line.startswith("part ")]
+    parts = [(lines[i][len("part "):].rsplit(": ", 1), lines[i + 1:j]) for i, j in zip(starts, starts[1:] + [None])]
+    if parts:   # each part's own verdict decides which of its tests to show
+        keys = [(name, decisive("reproduced" if ok == "holds" else "not reproduced", part, n)) for (name, ok), part in parts]
+        key = "\n".join(f"{name}: {k[2]}" for name, k in keys if k)
+        failing = [name for (name, ok), _ in parts if ok == "fails"]
+        why = conclusion(lines) or (f"fails in part {' and '.join(failing)}" if failing else "every part holds")
+    else:
+        found = decisive(verdict, lines, n)
+        key, why = found[2] if found else "-", conclusion(lines) or (found[3] if found else "")
+    if verdict == "inconclusive" and not conclusion(lines):
+        why = "too few seeds for any sign test to reach its threshold"
+    return [label, VERDICT_WORDS.get(verdict, verdict.upper()), scale_text, key, why]
+
+
+def summary(groups, rows, study=None, lr_rows=()):
+    """The opening table's rows, from verdicts' rows (and the lr study's groups and lr_verdicts' rows)."""
+    arms = {label: arm_list(groups) if callable(arm_list) else arm_list
+            for label, _, arm_list, _ in expanded_rules(groups)}
+    out = [summary_row(*row, *row_scale(groups, arms[row[0]])) for row in rows]
+    cells = lr_cells(study or {})
+    for row, (_, _, bases, _) in zip(lr_rows, LR_RULES):
+        names = [name for (base, _), name in cells.items() if base in bases]
+        out.append(summary_row(*row, *row_scale(study, names, {lr for (base, lr) in cells if base in bases})))
+    return out
+
+
 def build(groups, root, markdown, plots=(), markdown_dir=".", pilots=(), plots_flag=None, study=None,
           study_plots=()):
     """The report as text (markdown False) or Markdown (markdown: the file's path as given; plots_flag:
@@ -1527,14 +1635,40 @@ def build(groups, root, markdown, plots=(), markdown_dir=".", pilots=(), plots_f
     known = list(dict.fromkeys(n for _, experiments in CLAIMS.values() for n in experiments))
     order = [n for n in known if n in groups] + sorted(set(groups) - set(known))
     title = (lambda level, text: "#" * level + " " + text) if markdown else (lambda level, text: f"== {text} ==")
+    rows = verdicts(groups)
+    lr_rows = lr_verdicts(study[1]) if study else []
     parts = []
     if markdown:
         parts += [title(1, "The paper's claims, judged on this project's own runs"),
                   f"Written by `python -m lab.report {root}"
                   + "".join(f" --pilot {p}" for p, _ in pilots) + (f" --lr-study {study[0]}" if study else "")
                   + f" --markdown {markdown}"
-                  + (f" --plots {plots_flag}" if plots_flag else "") + "`, from the runs' logs. "
-                  + scale(groups)]
+                  + (f" --plots {plots_flag}" if plots_flag else "") + "`, from the runs' logs. One row per rule: "
+                  "its verdict, the scale it ran at, the test that decided it (a reproduced claim's weakest passing "
+                  "test, else the failing test that came closest to passing) and why. The rules follow, then the "
+                  "detail: every test, the learning-rate study, each run and its command."]
+    parts.append(render(["claim", "verdict", "scale", "key number (n, test)", "why"],
+                        summary(groups, rows, study and study[1], lr_rows), markdown))
+    shown = lambda table: [[label, VERDICT_WORDS.get(verdict, verdict.upper()), text] for label, verdict, text in table]
+    rows, lr_rows = shown(rows), shown(lr_rows)
+    parts += [title(2, "Rules"),
+              f"ALPHA={ALPHA}, FINAL_WINDOW={FINAL_WINDOW}, LOSS_TOL={LOSS_TOL}, "
+              f"RUNAWAY_LOGIT={RUNAWAY_LOGIT:g}, SIGMA_RATIO={SIGMA_RATIO:g}, LOGIT_RATIO={LOGIT_RATIO:g}, "
+              f"LOGIT_GAP={LOGIT_GAP:g}, FIX_TOL={FIX_TOL}; a run ran away if it collapsed or "
+              f"its max logit reached RUNAWAY_LOGIT; arms are compared seed by seed with an exact one-sided sign "
+              f"test over the seeds where they differ; an unfinished or missing run counts against the claim:",
+              "\n".join(f"{claim}. {text}." for claim, text, _, _ in RULES)]
+    if study:
+        parts += ["The learning-rate study's rules (a run ran away if it collapsed, its max logit reached "
+                  "RUNAWAY_LOGIT at a logged step, or a loss was not finite; arms are compared seed by seed at the "
+                  "same learning rate):", "\n".join(f"{label}. {words}." for label, words, _, _ in LR_RULES)]
+    parts += ["What changed in the rules of claims 3 to 6, and why: "
+              + "; ".join(f"{claim}: {why}" for claim, why in RULE_CHANGES.items()) + ".",
+              "What the first rules said on the first, 300-step logs (commit 988d81c; the verdicts above are "
+              "the new rules' on 600-step runs): "
+              + "; ".join(f"{claim}: {said}" for claim, said in FIRST_VERDICTS.items()) + "."]
+    if markdown:
+        parts += [title(2, "Scale, and what was not run"), scale(groups)]
         cut = cut_arms(groups)
         idle = [s for s in SOURCES if s not in sources_run(groups)]
         if cut or idle:
@@ -1542,12 +1676,10 @@ def build(groups, root, markdown, plots=(), markdown_dir=".", pilots=(), plots_f
                          f"against its claim): {', '.join(cut) or 'nothing of the claims judged'}"
                          + (f"; claims 5 and 6 on the source{'s' if len(idle) > 1 else ''} {', '.join(idle)}"
                             if idle else "") + ".")
-    rows = verdicts(groups)
-    lr_rows = lr_verdicts(study[1]) if study else []
-    judged = [r for r in rows + lr_rows if r[1] != "not run"]
+    judged = [r for r in rows + lr_rows if r[1] != "NOT RUN"]
     if judged:
         parts += [title(2, "Verdicts at a glance"), "\n".join(
-            f"- **{label}: {verdict.upper() if verdict in ('not reproduced', 'refuted') else verdict}**"
+            f"- **{label}: {verdict}**"
             + (f" ({text.splitlines()[0]})" if text else "") + ": "
             + "; ".join(line.replace("sign test, ", "") for line in text.splitlines()
                         if line.startswith(("sign test", "at lr ", "part ", "not reproduced at this scale", "refuted",
@@ -1556,18 +1688,7 @@ def build(groups, root, markdown, plots=(), markdown_dir=".", pilots=(), plots_f
                         or "claim wants none" in line)
             for label, verdict, text in judged)]
     parts += [title(2, "Claims"), render(["claim", "verdict", "arms: n, counts [exact 95% interval]; tests"],
-                                         rows, markdown),
-              f"Rules (ALPHA={ALPHA}, FINAL_WINDOW={FINAL_WINDOW}, LOSS_TOL={LOSS_TOL}, "
-              f"RUNAWAY_LOGIT={RUNAWAY_LOGIT:g}, SIGMA_RATIO={SIGMA_RATIO:g}, LOGIT_RATIO={LOGIT_RATIO:g}, "
-              f"LOGIT_GAP={LOGIT_GAP:g}, FIX_TOL={FIX_TOL}; a run ran away if it collapsed or "
-              f"its max logit reached RUNAWAY_LOGIT; arms are compared seed by seed with an exact one-sided sign "
-              f"test over the seeds where they differ; an unfinished or missing run counts against the claim):",
-              "\n".join(f"{claim}. {text}." for claim, text, _, _ in RULES),
-              "What changed in the rules of claims 3 to 6, and why: "
-              + "; ".join(f"{claim}: {why}" for claim, why in RULE_CHANGES.items()) + ".",
-              "What the first rules said on the first, 300-step logs (commit 988d81c; the verdicts above are "
-              "the new rules' on 600-step runs): "
-              + "; ".join(f"{claim}: {said}" for claim, said in FIRST_VERDICTS.items()) + "."]
+                                         rows, markdown)]
     if any(g.startswith("inject-") for g in groups):
         parts += [title(2, "Dose-response (claims 3 and 4): runs that ran away beyond the no-error run of their "
                            "seed / finished pairs"),
@@ -1821,18 +1942,33 @@ def plot_lr_study(groups, out_dir, quiet=False):
 
 
 def describe(run):
-    """A run in words for a legend, from its config.json ("bf16 state, guard off", "bf16 state,
-    QK-Guard (qknorm)"); the folder name where there is no config."""
+    """A run in words for a legend, from its config.json: "guard off", "guard on (qknorm from step 23)"
+    (the first update its action changed); the folder name where there is no config."""
     args = run.config.get("args", {})
     if not args:
         return os.path.basename(os.path.normpath(run.path))
-    guard = f"QK-Guard ({args.get('guard_action', 'qknorm')})" if args.get("guard") == "on" else "guard off"
-    return f"{args.get('accum', '?')} state, {guard}"
+    if args.get("guard") != "on":
+        return "guard off"
+    action = {"qknorm": "QK-norm", "qkclip": "QK-Clip"}.get(args.get("guard_action", "qknorm"), args.get("guard_action"))
+    return f"guard on ({action} from step {run.acting_from})" if run.acting_from is not None else \
+        f"guard on ({action}), never fired"
+
+
+def runs_title(runs):
+    """What a few runs share, for their figure's title: the learning rate, preset and softmax state, and
+    "a max-logit runaway" only where one of them ran away; the marks drawn, only where there are some."""
+    shared = lambda key: "/".join(dict.fromkeys(format(a[key], "g") if isinstance(a[key], float) else str(a[key])
+                                                for r in runs for a in [r.config.get("args", {})] if key in a)) or "?"
+    marks = [("dotted line: the guard's trigger", any(r.trigger is not None for r in runs)),
+             ("x: a collapse", any(r.collapse_step is not None for r in runs))]
+    return (f"{'a max-logit runaway at' if any(map(ran_away, runs)) else 'training at'} lr {shared('lr')} "
+            f"({shared('preset')} preset, {shared('accum')} state)"
+            + "".join(f"; {words}" for words, drawn in marks if drawn))
 
 
 def plot_some_runs(paths, png, labels=None):
     """--runs: one figure of a few run folders (say the demo's unguarded and guarded runs), labelled
-    by `labels` or describe()."""
+    by `labels` or describe(), titled by what drives them (runs_title)."""
     plt = _pyplot()
     if plt is None:
         return None
@@ -1841,8 +1977,19 @@ def plot_some_runs(paths, png, labels=None):
         run.group, run.seed = labels[i] if labels else describe(run), ""
     fig, axes = plt.subplots(3, 1, sharex=True, figsize=(8, 8))
     plot_runs(runs, axes, {r.group: f"C{i}" for i, r in enumerate(runs)}, panels=("loss", "logit", "sigma"))
+    thresholds = sorted({r.guard_threshold() for r in runs if r.config.get("args", {}).get("guard") == "on"})
+    for value in thresholds:
+        axes[1].axhline(value, color="grey", ls="--", lw=0.8, label=f"the guard's threshold ({value:g})")
+    for ax, words in zip(axes, ("train loss (nat per token)", "max attention logit\n(over layers and heads)",
+                                "top singular value of W_q\n(max over layers)")):
+        ax.set_ylabel(words)
+    axes[2].yaxis.set_major_formatter(plt.FuncFormatter(lambda v, _: f"{v:g}"))   # 30, not 3 x 10^1
+    axes[2].yaxis.set_minor_formatter(plt.FuncFormatter(lambda v, _: f"{v:g}" if f"{v:g}"[0] in "235" else ""))
+    axes[-1].set_xlabel("step (optimizer updates)")
     axes[0].legend(fontsize=8)
-    axes[0].set_title("dotted line: guard trigger; x: collapse", fontsize=9)
+    if thresholds:
+        axes[1].legend(handles=axes[1].get_lines()[-len(thresholds):], fontsize=8, loc="center right")
+    axes[0].set_title(runs_title(runs), fontsize=9)
     fig.savefig(png, dpi=110, bbox_inches="tight")
     plt.close(fig)
     return png
