@@ -1158,9 +1158,10 @@ def test_markdown_with_the_lr_study(tmp_path):
             "min_lr); 8 seeds (seed1 to seed8), 240 runs; data pycode in byte tokens, content_sha256 " + H1 +
             ", 900 train and 100 val tokens") in section
     for rule in ("1p", "2p"):
-        assert f"| {rule} | reproduced |" in section and f"- **{rule}: reproduced** (claim " in text
-    assert "| 7p | not run |" in section and "- **7p" not in text
-    assert "- **1p: reproduced** (claim 1 as a proxy: " in text and "bf16-lr0.1 worse than fp32-lr0.1: 7 seeds" in text
+        assert f"| {rule} | REPRODUCED |" in section and f"- **{rule}: REPRODUCED** (claim " in text
+        assert re.search(rf"^\| {rule} \| REPRODUCED \| gpt2 4x128, 20 steps, 8 seeds x 5 lrs \| ", opening(text), re.M)
+    assert "| 7p | NOT RUN |" in section and "- **7p" not in text and "| 7p | NOT RUN | - | - | no runs of " in text
+    assert "- **1p: REPRODUCED** (claim 1 as a proxy: " in text and "bf16-lr0.1 worse than fp32-lr0.1: 7 seeds" in text
     assert "at lr 0.001: fp32 and bf16 healthy in every seed" in text.split("## Claims")[0]   # at a glance
     assert "### gpt2: LR sensitivity, and where each arm starts to run away" in section
     assert "| bf16 | 0.220 [0.000, 0.220] | 8 | 0.1 |" in section   # (2.9 * 4 + 4.0) / 5 - 2.9 = 0.22
@@ -1169,7 +1170,8 @@ def test_markdown_with_the_lr_study(tmp_path):
     assert "| bf16-guard | 0.1 | seed1 | completed | 10.0000 | 2.9000 | 10 | no | 5 | - | - |" in section
     assert "| bf16 | 0.1 | seed1 | completed | 10.0000 | 4.0000 | 2000 | yes | - | 10 | 10 |" in section
     assert "### Commands of the learning-rate study\n\n```bash\npython train.py --seed 1 --out-dir " in section
-    assert "1p. claim 1 as a proxy: at some lr of the grid" in section and "llama" not in section.split("###")[1]
+    assert "1p. claim 1 as a proxy: at some lr of the grid" in text.split("## Scale")[0]   # with the other rules
+    assert "llama" not in section.split("###")[1]
     if importlib.util.find_spec("matplotlib"):
         assert "![lr-gpt2](plots/lr-gpt2.png)" in section and (plots / "lr-gpt2.png").exists()
         assert not (plots / "lr-llama.png").exists()
@@ -1313,9 +1315,9 @@ def test_build_text_has_every_rule_and_the_dose_table(tmp_path):
     groups = write_arms(tmp_path, {**RULE1, inject("delta", 3.0): [RUNAWAY]})
     text = report.build(groups, str(tmp_path), markdown=False)
     for rule, words, _, _ in report.RULES:
-        assert re.search(rf"^{re.escape(rule)} +(reproduced|not reproduced|inconclusive|not run) ", text, re.M), rule
+        assert re.search(rf"^{re.escape(rule)} +(REPRODUCED|NOT REPRODUCED|INCONCLUSIVE|NOT RUN) ", text, re.M), rule
         assert f"{rule}. {words}." in text
-    assert re.search(r"^1 +reproduced ", text, re.M) and re.search(r"^2 +not run ", text, re.M)
+    assert re.search(r"^1 +REPRODUCED ", text, re.M) and re.search(r"^2 +NOT RUN ", text, re.M)
     assert "== Dose-response (claims 3 and 4)" in text and "dose 0.3  dose 1  dose 3  dose 10  dose 30" in text
     assert "== bf16 ==" in text and "bf16: 6/8 collapsed (median step 10)" in text
     assert "Dose-response" not in report.build(write_arms(tmp_path / "b", RULE1), "b", markdown=False)
@@ -1326,7 +1328,7 @@ def test_markdown_has_tables_hardware_and_commands(tmp_path):
     md = tmp_path / "RESULTS.md"
     assert report.main([str(tmp_path / "runs"), "--markdown", str(md), "--plots", str(tmp_path / "plots")]) == 0
     text = md.read_text()
-    assert "| claim | verdict |" in text and "| 1 | reproduced |" in text and "| 2 | not run |" in text
+    assert "| claim | verdict |" in text and "| 1 | REPRODUCED |" in text and "| 2 | NOT RUN |" in text
     assert "| mlp-out | coherence 1 | - | - | - | - | 1/2 |" in text
     assert "### bf16-safemax" in text and "| seed2 | collapsed | 10 |" in text
     assert "machine NVIDIA H200 (torch 2.11.0+cu130, triton ?)" in text and "8 seeds (seed1 to seed8)" in text
@@ -1363,8 +1365,8 @@ def test_report_command_markdown_and_runs_figure(tmp_path):
     write_arms(tmp_path / "runs", RULE2)
     out = report_cmd(tmp_path / "runs", "--markdown", tmp_path / "R.md", "--plots", tmp_path / "plots")
     assert out.returncode == 0 and "Traceback" not in out.stderr, out.stderr
-    assert re.search(r"^2 +reproduced ", out.stdout, re.M) and f"markdown: {tmp_path / 'R.md'}" in out.stdout
-    assert "| 2 | reproduced |" in (tmp_path / "R.md").read_text()
+    assert re.search(r"^2 +REPRODUCED ", out.stdout, re.M) and f"markdown: {tmp_path / 'R.md'}" in out.stdout
+    assert "| 2 | REPRODUCED |" in (tmp_path / "R.md").read_text()
 
     bad = report_cmd("--runs", tmp_path / "runs" / "bf16" / "seed1", tmp_path / "runs", "--png", tmp_path / "x.png")
     assert bad.returncode != 0 and "Traceback" not in bad.stderr and not (tmp_path / "x.png").exists()
@@ -1378,14 +1380,30 @@ def test_report_command_markdown_and_runs_figure(tmp_path):
     assert f"plot: {png}" in out.stdout and png.stat().st_size > 1000
 
 
+def test_a_few_runs_figure_says_what_drives_them(tmp_path):
+    # the demo's figure: legends say guard off / on and from which step its action acts, the title the learning
+    # rate and whether a run ran away, and it promises only the marks it draws
+    demo = {"preset": "demo", "accum": "bf16", "lr": 0.03}
+    off = report.Run(write_run(tmp_path, "off", 1, logit=2 * R, args={**demo, "guard": "off"}))
+    on = report.Run(write_run(tmp_path, "on", 1, trigger=5, args={**demo, "guard": "on", "guard_action": "qknorm"}))
+    assert [report.describe(off), report.describe(on)] == ["guard off", "guard on (QK-norm from step 6)"]
+    assert report.runs_title([off, on]) == ("a max-logit runaway at lr 0.03 (demo preset, bf16 state); dotted line: "
+                                            "the guard's trigger")
+    fell = report.Run(write_run(tmp_path, "fell", 1, collapse=10, args={**demo, "lr": 0.003, "guard": "off"}))
+    assert report.runs_title([fell]) == ("a max-logit runaway at lr 0.003 (demo preset, bf16 state); x: a collapse")
+    calm = report.Run(write_run(tmp_path, "calm", 1, args={**demo, "guard": "off"}))
+    assert report.runs_title([calm]) == "training at lr 0.03 (demo preset, bf16 state)"
+
+
 def test_report_survives_nothing(tmp_path, capsys):
     assert report.main([str(tmp_path)]) == 0                           # an empty folder
     out = capsys.readouterr().out
-    assert f"no runs under {tmp_path}" in out and out.count("not run") == len(report.RULES) == 11
+    # every rule not run, in the opening table and in the claims' table
+    assert f"no runs under {tmp_path}" in out and out.count("NOT RUN") == 2 * len(report.RULES) == 22
     os.makedirs(tmp_path / "bf16" / "seed1")                           # a folder without any file
     assert report.main([str(tmp_path), "--plots", str(tmp_path)]) == 0
     out = capsys.readouterr().out
-    assert "empty log" in out and out.count("not run") == 11
+    assert "empty log" in out and out.count("NOT RUN") == 22
     out = report_cmd(tmp_path / "nowhere")
     assert out.returncode != 0 and "Traceback" not in out.stderr and "is not a folder" in out.stderr
 
@@ -1506,9 +1524,9 @@ def test_sweep_refuses_extra_flags_that_would_change_an_arm(tmp_path):
 
 
 def test_the_readme_lab_sweep_commands_name_real_arms(tmp_path, capsys):
-    # every lab.sweep command of the README's CPU lab block, dry-run as written (a typo in an --only list, or
+    # every lab.sweep command of lab/README.md's CPU lab block, dry-run as written (a typo in an --only list, or
     # an extra flag an arm sets itself, would stop it)
-    with open(os.path.join(ROOT, "README.md")) as f:
+    with open(os.path.join(ROOT, "lab", "README.md")) as f:
         block = f.read().split("The CPU lab's claims 3 to 6")[1].split("```bash")[1].split("```")[0]
     block = block.replace("\\\n", "")       # bash's line continuation
     extra = re.search(r'^X="([^"]*)"', block, re.M).group(1)
@@ -1684,8 +1702,8 @@ def test_sweep_and_report_end_to_end(tmp_path, data_dir):
     for name in arms:
         assert f"== {name} ==" in rep.stdout and f"{name}: 0/1 collapsed" in rep.stdout
     # one seed: judged (all its arms ran) and inconclusive (no sign test on 1 seed reaches p < 0.05)
-    assert re.search(r"^1 +inconclusive ", rep.stdout, re.M), rep.stdout
-    assert "| 1 | inconclusive |" in (tmp_path / "R.md").read_text()
+    assert re.search(r"^1 +INCONCLUSIVE ", rep.stdout, re.M), rep.stdout
+    assert "| 1 | INCONCLUSIVE |" in (tmp_path / "R.md").read_text()
 
 
 def test_lr_study_sweep_and_report_end_to_end(tmp_path, data_dir):
@@ -1706,11 +1724,11 @@ def test_lr_study_sweep_and_report_end_to_end(tmp_path, data_dir):
     rep = report_cmd(root, "--lr-study", study, "--markdown", tmp_path / "R.md", "--plots", tmp_path / "plots")
     assert rep.returncode == 0 and "Traceback" not in rep.stderr, rep.stderr
     assert f"== Learning-rate study ({study}): claims 1, 2 and 7 as a proxy at CPU scale ==" in rep.stdout
-    assert re.search(r"^1p +not run +claim 1 as a proxy", rep.stdout, re.M)   # no bf16-safemax runs
+    assert re.search(r"^1p +NOT RUN +claim 1 as a proxy", rep.stdout, re.M)   # no bf16-safemax runs
     text = (tmp_path / "R.md").read_text()
     assert f"--lr-study {study} --markdown" in text and "learning rates 0.001, 0.1 (each run's lr and min_lr)" in text
     assert re.search(r"^\| bf16 \| 0\.1 \| seed1 \| completed \| \d", text, re.M)
-    assert "| 2p | not run |" in text and "### gpt2: LR sensitivity" in text
+    assert "| 2p | NOT RUN |" in text and "### gpt2: LR sensitivity" in text
     if importlib.util.find_spec("matplotlib"):
         assert (tmp_path / "plots" / "lr-gpt2.png").stat().st_size > 1000 and "![lr-gpt2](plots/lr-gpt2.png)" in text
 
@@ -1823,6 +1841,82 @@ def test_results_md_is_what_the_committed_logs_give(tmp_path, monkeypatch):
     again = (tmp_path / markdown).read_text().replace(f"--markdown {tmp_path / markdown} --plots {tmp_path / plots}",
                                                       f"--markdown {markdown} --plots {plots}")
     assert again == committed, "RESULTS.md is stale: rerun the command on its first lines"
+
+
+def opening(text, lines=40):
+    """A report's first lines: where a reader finds every verdict."""
+    return "\n".join(text.splitlines()[:lines])
+
+
+SUMMARY_ROW = re.compile(r"^\| ([^|]+) \| (REPRODUCED|NOT REPRODUCED|REFUTED|INCONCLUSIVE|NOT RUN) \| ([^|]+) \| "
+                         r"((?:[^|]|\\\|)+) \| ([^|]+) \|$", re.M)
+
+
+def test_results_md_opens_with_one_row_per_claim():
+    # within its first 40 lines RESULTS.md says every verdict: one row per rule (the sweep's and the lr study's),
+    # in capitals, with its scale, the test that decided it and why in at most 15 words; then the rules
+    with open(os.path.join(ROOT, "RESULTS.md")) as f:
+        text = f.read()
+    rows = {m.group(1): m.groups()[1:] for m in SUMMARY_ROW.finditer(opening(text))}
+    table = text.split("## Claims\n\n")[1].split("\n\n")[0]
+    labels = [line.split(" | ")[0][2:] for line in table.splitlines()[2:]]
+    labels += [label for label, _, _, _ in report.LR_RULES]
+    assert list(rows) == labels, (list(rows), labels)
+    for label, (verdict, scale, key, why) in rows.items():
+        assert len(why.split()) <= 15, (label, why)
+        if verdict == "NOT RUN":
+            assert (scale, key) == ("-", "-") and why.startswith("no runs of "), label
+        else:
+            assert re.match(r"(gpt2|llama) \d+x\d+, [\d/]+ steps, \d+ seeds", scale), (label, scale)
+            assert re.search(r" of \d+ seeds.*p = |\d+ nat \(tolerance ", key), (label, key)
+    # the verdicts are those of the tables below, in one spelling
+    for label, (verdict, _, _, _) in rows.items():
+        assert re.search(rf"^\| {re.escape(label)} \| {verdict} \| ", text.split("## Rules")[1], re.M), label
+    assert text.index("## Rules") < text.index("## Claims") < text.index("## Runs")
+    assert not re.search(r"\*\*[^*]*: (reproduced|not reproduced|inconclusive|refuted)\*\*", text)
+
+
+@pytest.mark.parametrize("arms, verdict, key, why", [
+    param({**RULE1, "bf16-safemax": arm(1, COLLAPSE)}, "REPRODUCED",   # over fp32: 6 vs 0, p = 0.016
+          "`bf16` over `bf16-safemax` in 5 of 8 seeds, the reverse in 0: sign test p = 0.031 (< 0.05)",
+          "bf16 collapsed 6/8; bf16-safemax collapsed 1/8", id="reproduced: the weakest passing test"),
+    param({**RULE1, "bf16-safemax": arm(6, COLLAPSE)}, "NOT REPRODUCED", "`bf16` over `bf16-safemax` in 0 of 8 "
+          "seeds, the reverse in 0: sign test p = 1 (>= 0.05)", "bf16 collapsed 6/8; bf16-safemax collapsed 6/8",
+          id="not reproduced: the failing test"),
+    param({**RULE1, "bf16": arm(2, COLLAPSE)}, "INCONCLUSIVE", None, None, id="too few seeds"),
+])
+def test_the_opening_row_shows_the_test_that_decided(tmp_path, arms, verdict, key, why):
+    if verdict == "INCONCLUSIVE":   # one seed: no sign test can pass
+        arms = {name: runs[:1] for name, runs in arms.items()}
+    groups = write_arms(tmp_path, arms)
+    row = report.summary(groups, report.verdicts(groups))[0]
+    assert row[:3] == ["1", verdict, "1 seed" if key is None else "8 seeds"], row   # no model or steps recorded
+    if key is None:
+        assert row[4] == "too few seeds for any sign test to reach its threshold"
+    else:
+        assert row[3:] == [key, why]
+
+
+MD_LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
+
+
+def test_every_relative_link_in_the_docs_resolves():
+    # README.md, SOURCES.md, RESULTS.md, lab/ and qkguard/ docs: a relative link names a file or folder of the repo
+    docs = [os.path.join(d, f) for d in (ROOT, os.path.join(ROOT, "lab"), os.path.join(ROOT, "qkguard"))
+            if os.path.isdir(d) for f in sorted(os.listdir(d)) if f.endswith(".md")]
+    assert {"README.md", "SOURCES.md", "RESULTS.md"} <= {os.path.basename(d) for d in docs}
+    assert os.path.join(ROOT, "lab", "README.md") in docs
+    broken = []
+    for doc in docs:
+        with open(doc) as f:
+            text = re.sub(r"```.*?```", "", f.read(), flags=re.S)    # code blocks hold no links
+        for target in MD_LINK.findall(text):
+            if re.match(r"[a-z]+:", target) or target.startswith("#"):
+                continue                                              # a web address, an anchor
+            path = os.path.normpath(os.path.join(os.path.dirname(doc), target.split("#")[0]))
+            if not os.path.exists(path):
+                broken.append(f"{os.path.relpath(doc, ROOT)}: {target}")
+    assert not broken, broken
 
 
 def test_dose_ratios_give_the_figures_scale(tmp_path):
