@@ -1835,3 +1835,17 @@ def test_dose_ratios_give_the_figures_scale(tmp_path):
     assert ratios["mlp-out", "coherence 1 + QK-only fix"][3.0] == [0.5] * 8
     assert ratios["mlp-out", "coherence 1"][10.0] == [3.0] * 7, "the unfinished run left out"
     assert ratios["delta", "coherence 0.5"][3.0] == []
+
+
+def test_a_log_cut_mid_line_keeps_the_resume_fused_onto_it_and_skips_non_objects(tmp_path):
+    """kill -9 or a full disk cuts a line; the resumed process's first record then shares that line. The
+    reader must keep the resume (else the replayed steps count twice) and skip JSON that is no object."""
+    import json as _json
+    lines = [_json.dumps({"event": "start", "step": 0}), _json.dumps({"step": 9, "loss": 3.0}),
+             '{"step": 19, "loss": 2.', _json.dumps({"event": "resume", "step": 10}), "[1, 2]", "7",
+             _json.dumps({"step": 19, "loss": 2.5}), _json.dumps({"event": "end", "step": 20, "status": "completed"})]
+    text = lines[0] + "\n" + lines[1] + "\n" + lines[2] + lines[3] + "\n" + "\n".join(lines[4:]) + "\n"
+    (tmp_path / "log.jsonl").write_text(text)
+    records = sweep.read_log(str(tmp_path))
+    assert [r.get("event", r.get("step")) for r in records] == ["start", 9, "resume", 19, "end"]
+    assert sweep.run_state(str(tmp_path)) == "completed"
