@@ -1849,3 +1849,13 @@ def test_a_log_cut_mid_line_keeps_the_resume_fused_onto_it_and_skips_non_objects
     records = sweep.read_log(str(tmp_path))
     assert [r.get("event", r.get("step")) for r in records] == ["start", 9, "resume", 19, "end"]
     assert sweep.run_state(str(tmp_path)) == "completed"
+
+
+def test_a_markdown_report_of_an_empty_folder_is_refused_and_the_file_kept(tmp_path):
+    """`lab.report <empty folder> --markdown RESULTS.md` once replaced the committed file with "not run" lines."""
+    results = tmp_path / "RESULTS.md"
+    results.write_text("the committed verdicts\n")
+    (tmp_path / "empty").mkdir()
+    out = report_cmd(tmp_path / "empty", "--markdown", results)
+    assert out.returncode != 0 and "Traceback" not in out.stderr and "no runs under" in out.stderr
+    assert results.read_text() == "the committed verdicts\n"
