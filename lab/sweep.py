@@ -396,8 +396,9 @@ def main(argv=None):
     argv = sys.argv[1:] if argv is None else list(argv)
     cut = argv.index("--") if "--" in argv else len(argv)
     argv, extra = argv[:cut], argv[cut + 1:]
+    # no abbreviations: a train.py flag typed before `--` (--seed 3) would be read as --seeds 3
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
-                                usage="%(prog)s [options] [-- extra train.py flags for every run]")
+                                usage="%(prog)s [options] [-- extra train.py flags for every run]", allow_abbrev=False)
     p.add_argument("--claims", default=",".join(map(str, CLAIMS)), help="claims 1-7, e.g. 1,2")
     p.add_argument("--only", default=None, help="comma-separated arm names from those claims")
     p.add_argument("--seeds", type=int, default=SEEDS, help="seeds 1..N (seed k passes --seed k)")

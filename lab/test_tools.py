@@ -1859,3 +1859,10 @@ def test_a_markdown_report_of_an_empty_folder_is_refused_and_the_file_kept(tmp_p
     out = report_cmd(tmp_path / "empty", "--markdown", results)
     assert out.returncode != 0 and "Traceback" not in out.stderr and "no runs under" in out.stderr
     assert results.read_text() == "the committed verdicts\n"
+
+
+def test_the_sweep_takes_no_abbreviation_of_its_own_flags(capsys):
+    """`lab.sweep ... --seed 3` (a train.py flag put before `--`) was read as --seeds 3."""
+    with pytest.raises(SystemExit):
+        sweep.main(["--claims", "2", "--seed", "3", "--dry-run"])
+    assert "unrecognized arguments: --seed 3" in capsys.readouterr().err
