@@ -4,7 +4,7 @@
     python -m lab.report ...    # their verdicts, RESULTS.md and the plots
     python -m lab.bench ...     # speed and kernel tuning
     python -m lab.fault_size    # the bf16 state's own error, in the units of the assay's doses
-    python -m lab.attach_demo   # QK-Guard attached to other models (attach.py), unguarded and guarded
+    python -m lab.attach_demo   # QK-Guard attached to other models (qkguard/), unguarded and guarded
 
 It imports the reference (model.py, attention_kernel.py, ...) from the repository root, where these
 commands run; the reference never imports the lab, so `rm -r lab` leaves it whole.

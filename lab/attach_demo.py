@@ -3,13 +3,14 @@ makes its attention logits run away, once watched only and once guarded.
 
     python -m lab.attach_demo --model hf-gpt2      # Hugging Face GPT2LMHeadModel, from a config
     python -m lab.attach_demo --model hf-llama     # Hugging Face LlamaForCausalLM (rotary, GQA)
-    python -m lab.attach_demo --model nanogpt      # a nanoGPT-style GPT (test_attach.NanoGPT)
+    python -m lab.attach_demo --model nanogpt      # a nanoGPT-style GPT (qkguard.example.NanoGPT)
     python -m lab.attach_demo --model nanogpt --cost-only   # just the monitor's cost
 
 Each model is built from a config (nothing is downloaded) and trained on the byte-level data of
 prepare_data.py (data/pycode-byte). Per model, two runs from the same init on the same batches:
   guard off   attach(..., enabled=False): the same hooks measure and log, the guard never acts
-  guard on    attach(..., threshold=200): dormant, then QK-norm from one step after the first crossing
+  guard on    attach(..., threshold=--threshold, by default the guard's own: max logit 200): dormant,
+              then QK-norm from one step after the first crossing
 Each writes <out-dir>/<model>/<run>/log.jsonl (train.py's records and events where they apply) and
 config.json; the figure is lab/plots/attach-<model>.png, in the demo's style (lab.report's plot).
 
@@ -32,8 +33,8 @@ import time
 
 import torch
 
-import attach
 import prepare_data
+import qkguard
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 MODELS = ("hf-gpt2", "hf-llama", "nanogpt")
@@ -44,7 +45,7 @@ def build(name, block_size, seed):
     """(model, loss(model, x, y)) at the size of this project's cpu preset: 4 layers, 4 heads, width 128."""
     torch.manual_seed(seed)
     if name == "nanogpt":
-        from test_attach import NanoGPT         # the tests' nanoGPT-style GPT: one fused c_attn, SDPA
+        from qkguard.example import NanoGPT     # qkguard's nanoGPT-style GPT: one fused c_attn, SDPA
         return NanoGPT(vocab_size=VOCAB, block_size=block_size, n_layer=4, n_head=4, n_embd=128), \
             lambda m, x, y: m(x, y)[1]
     try:
@@ -119,15 +120,16 @@ def val_loss(model, loss_of, data, batches=4):
 def run(name, guarded, args, data, out_dir):
     """One run; returns its summary. The log holds train.py's step records (one per step here) and events."""
     model, loss_of = build(name, args.block_size, args.seed)
-    guard = attach.attach(model, threshold=args.threshold, enabled=guarded, action=args.action, **sampling(args))
+    guard = qkguard.attach(model, threshold=args.threshold, enabled=guarded, action=args.action, **sampling(args))
+    threshold = guard.qkguard.threshold          # --threshold, or the guard's default where it is None
     # the unguarded run also watches every row of the batch: how the sampled signal compares with it
-    full = None if guarded else attach.attach(model, enabled=False, seqs=None, rows=None)
+    full = None if guarded else qkguard.attach(model, enabled=False, seqs=None, rows=None)
     optimizer = optimizer_for(model, args)
     os.makedirs(out_dir, exist_ok=True)
     label = "guard on" if guarded else "guard off"
     with open(os.path.join(out_dir, "config.json"), "w") as f:
         json.dump({"args": {**vars(args), "model": name, "guard": "on" if guarded else "off",
-                            "guard_action": args.action, "guard_threshold": args.threshold}}, f, indent=1)
+                            "guard_action": args.action, "guard_threshold": threshold}}, f, indent=1)
     losses, max_logits, full_max, started = [], [], [], time.time()
     with open(os.path.join(out_dir, "log.jsonl"), "w") as log:
         for step in range(args.steps):
@@ -141,7 +143,7 @@ def run(name, guarded, args, data, out_dir):
             if event:
                 log.write(json.dumps(event) + "\n")
                 print(f"  {label}: step {event['step']}: QK-Guard {event['event']}: max logit {event['value']:.1f} > "
-                      f"{args.threshold:g} at layer {event['layer']} head {event['head']}: {event['action']} on from "
+                      f"{threshold:g} at layer {event['layer']} head {event['head']}: {event['action']} on from "
                       f"step {event['active_from']}")
             record = {"step": step, "lr": lr_at(step, args), "loss": loss.item(), **guard.record(), "step_ms": step_ms}
             if full is not None:
@@ -156,9 +158,10 @@ def run(name, guarded, args, data, out_dir):
                "guard_pending": guard.qkguard.pending_crossing(), "val_loss": val_loss(model, loss_of, data)}
         log.write(json.dumps(end) + "\n")
     tail = losses[-20:]
-    first_past = lambda values: next((i for i, v in enumerate(values) if v > args.threshold), None)
-    return {"label": label, "dir": out_dir, "losses": losses, "max_logits": max_logits, "trigger": guard.qkguard.trigger,
-            "first_past": first_past(max_logits), "first_past_all_rows": first_past(full_max) if full_max else None,
+    first_past = lambda values: next((i for i, v in enumerate(values) if v > threshold), None)
+    return {"label": label, "dir": out_dir, "threshold": threshold, "losses": losses, "max_logits": max_logits,
+            "trigger": guard.qkguard.trigger, "first_past": first_past(max_logits),
+            "first_past_all_rows": first_past(full_max) if full_max else None,
             "sampled_over_all": [m / f for m, f in zip(max_logits, full_max)],
             "final_train": sum(tail) / len(tail), "val_loss": end["val_loss"], "seconds": time.time() - started}
 
@@ -172,7 +175,7 @@ def measure_cost(name, args, data):
     copies = []
     for guarded in (False, args.interval is not None):     # interval None: no guard in either (A/A: the noise)
         model, loss_of = build(name, args.block_size, args.seed)
-        guard = attach.attach(model, threshold=math.inf, **sampling(args)) if guarded else None
+        guard = qkguard.attach(model, threshold=math.inf, **sampling(args)) if guarded else None
         copies.append((model, loss_of, optimizer_for(model, args), guard))
     cost_args = argparse.Namespace(**{**vars(args), "lr": args.cost_lr})
     warmup, wall, cpu = 3, ([], []), ([], [])
@@ -227,8 +230,9 @@ def main(argv=None):
     p.add_argument("--grad-clip", type=float, default=1.0)
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--block-size", type=int, default=128)
-    p.add_argument("--threshold", type=float, default=200.0)
-    p.add_argument("--action", choices=attach.ATTACH_ACTIONS, default="qknorm")
+    p.add_argument("--threshold", type=float, default=None,
+                   help="the max logit that fires the guard (default: the guard's own, 200)")
+    p.add_argument("--action", choices=qkguard.ATTACH_ACTIONS, default="qknorm")
     p.add_argument("--interval", type=int, default=1, help="monitor every N steps")
     p.add_argument("--seqs", type=int, default=1, help="sequences of the batch the monitor reads (0: all)")
     p.add_argument("--rows", type=int, default=0, help="positions of each it reads (0: all)")
@@ -244,23 +248,24 @@ def main(argv=None):
                         "either copy) that shows the timing's noise")
     p.add_argument("--json", default=None, help="also write the summary as JSON here")
     args = p.parse_args(argv)
+    bad_threshold = args.threshold is not None and args.threshold <= 0          # None: the guard's default
     if min(args.steps, args.batch_size, args.block_size, args.interval, args.cost_steps, args.warmup_steps,
-           *args.cost_intervals) < 1 or min(args.seqs, args.rows) < 0 or min(args.threshold, args.lr) <= 0:
+           *args.cost_intervals) < 1 or min(args.seqs, args.rows) < 0 or args.lr <= 0 or bad_threshold:
         p.error("--steps, --batch-size, --block-size, --interval, --cost-*, --warmup-steps must be >= 1, "
                 "--seqs and --rows >= 0, --threshold and --lr > 0")
     build(args.model, args.block_size, args.seed)        # fails now, in one line, without transformers
     data = Data(args)
     summary = {"model": args.model, "args": vars(args)}
     if not args.cost_only:
-        print(f"{args.model}: {args.steps} steps at lr {args.lr:g}, guard off and on (threshold {args.threshold:g}, "
-              f"{args.action})")
+        threshold = "the default threshold" if args.threshold is None else f"threshold {args.threshold:g}"
+        print(f"{args.model}: {args.steps} steps at lr {args.lr:g}, guard off and on ({threshold}, {args.action})")
         runs = [run(args.model, guarded, args, data, os.path.join(args.out_dir, args.model, d))
                 for guarded, d in ((False, "guard-off"), (True, "guard-on"))]
         off, on = runs
         same = next((i for i, (a, b) in enumerate(zip(off["losses"], on["losses"])) if a != b), None)
         ratio = off.pop("sampled_over_all")
         on.pop("sampled_over_all")
-        print(f"  guard off: the sampled max logit (one sequence) first passed {args.threshold:g} at step "
+        print(f"  guard off: the sampled max logit (one sequence) first passed {off['threshold']:g} at step "
               f"{off['first_past']}, the whole batch's at step {off['first_past_all_rows']}; sampled / whole: median "
               f"{statistics.median(ratio):.3f}, min {min(ratio):.3f}")
         for r in runs:

@@ -12,6 +12,7 @@ against its claim, so with --whole-seeds only the seeds that finished in every a
 import argparse
 import gzip
 import io
+import json
 import os
 import shutil
 import sys
@@ -47,6 +48,14 @@ def kept_bytes(run_dir):
     return {"config.json": config, "log.jsonl.gz": buf.getvalue()}
 
 
+def readable_config(run_dir):
+    try:
+        with open(os.path.join(run_dir, "config.json")) as f:
+            return isinstance(json.load(f), dict)
+    except (OSError, ValueError):
+        return False
+
+
 def keep(src, dst, whole_seeds=False):
     """Copy src's finished runs into dst; returns (kept, left out with why). Refuses (SystemExit) before
     writing anything if a file already in dst differs from what it would write."""
@@ -58,6 +67,8 @@ def keep(src, dst, whole_seeds=False):
         unfinished_seeds |= {seed for seed in seeds for arm in arms if (arm, seed) not in found}
     plan, left = {}, []
     for (arm, seed), state in sorted(found.items()):
+        if state in DONE and not readable_config(os.path.join(src, arm, seed)):
+            state = "config.json missing or not JSON"    # the report could not tell what the run was
         if state not in DONE:
             left.append(f"{arm}/{seed}: {state}")
         elif whole_seeds and seed in unfinished_seeds:
@@ -69,15 +80,17 @@ def keep(src, dst, whole_seeds=False):
         if os.path.exists(os.path.join(src, name)):
             with open(os.path.join(src, name), "rb") as f:
                 plan[os.path.join(dst, name)] = f.read()
-    for path, data in plan.items():
+    for path, data in plan.items():   # every kept file is compared (config, log, fault size), not the log alone
         if os.path.exists(path):
             with open(path, "rb") as f:
                 if f.read() != data:
-                    sys.exit(f"{path} already holds a different run; keep into a new folder, or remove it first")
-    for path, data in plan.items():
+                    sys.exit(f"error: {path} already holds another run's {os.path.basename(path)}; keep into a new "
+                             f"folder, or remove that run's folder first")
+    for path, data in plan.items():   # each file whole or not at all: a kill mid-keep leaves no half file
         os.makedirs(os.path.dirname(path), exist_ok=True)
-        with open(path, "wb") as f:
+        with open(path + ".tmp", "wb") as f:
             f.write(data)
+        os.replace(path + ".tmp", path)
     return sorted({os.path.dirname(p) for p in plan if p.endswith("log.jsonl.gz")}), left
 
 
@@ -90,6 +103,8 @@ def main(argv=None):
     args = p.parse_args(argv)
     if not os.path.isdir(args.src):
         sys.exit(f"{args.src} is not a folder; pass a sweep's --out-root")
+    if os.path.exists(args.dst) and not os.path.isdir(args.dst):
+        sys.exit(f"error: {args.dst} is a file; pass the folder results are kept in, e.g. lab/results/lab")
     kept, left = keep(args.src, args.dst, args.whole_seeds)
     print(f"kept {len(kept)} runs in {args.dst}; left out {len(left)}" + "".join(f"\n  {w}" for w in left))
 

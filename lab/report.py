@@ -2042,6 +2042,9 @@ def main(argv=None):
             p.error(f"--markdown {args.markdown}: cannot write it ({why}{where}): give a writable path")
     groups = load_runs(args.root)
     if not groups:
+        if args.markdown:   # a report of nothing would replace the file with "not run" lines
+            p.error(f"no runs under {args.root} (expected <experiment>/seed<k>/log.jsonl): {args.markdown} left "
+                    f"as it is; give the folder that holds the runs")
         print(f"no runs under {args.root} (expected <experiment>/seed<k>/log.jsonl)")
     pilots = [(d, load_runs(d)) for d in args.pilot]
     study = (args.lr_study, load_runs(args.lr_study)) if args.lr_study is not None else None

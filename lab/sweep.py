@@ -207,9 +207,8 @@ def read_log(out_dir):
         try:
             with opener[0](opener[1], "rt") as f:
                 for line in f:
-                    try:
-                        record = json.loads(line)
-                    except ValueError:
+                    record = parse_record(line)
+                    if record is None:
                         continue
                     if record.get("event") == "resume":   # drop what the resumed run logs again
                         records = [r for r in records if not replayed(r, record["step"])
@@ -218,6 +217,22 @@ def read_log(out_dir):
         except (OSError, EOFError, zlib.error, UnicodeDecodeError) as e:   # BadGzipFile is an OSError
             raise Unreadable(f"{opener[1]}: {e or type(e).__name__}") from e
     return records
+
+
+def parse_record(line):
+    """One log line's record, or None. A line cut short by a kill or a full disk can have the next
+    record fused onto its end (a resumed process writes its "resume" event first): the fragment is
+    dropped and that event kept. A line of JSON that is not an object is no record."""
+    for start in [0] + [i for i in range(1, len(line)) if line.startswith('{"', i)]:
+        try:
+            record = json.loads(line[start:])
+        except ValueError:
+            continue
+        if start == 0:
+            return record if isinstance(record, dict) else None
+        if isinstance(record, dict) and "event" in record:   # what a process writes first: start, resume
+            return record
+    return None
 
 
 def replayed(record, resume_step):
@@ -381,8 +396,9 @@ def main(argv=None):
     argv = sys.argv[1:] if argv is None else list(argv)
     cut = argv.index("--") if "--" in argv else len(argv)
     argv, extra = argv[:cut], argv[cut + 1:]
+    # no abbreviations: a train.py flag typed before `--` (--seed 3) would be read as --seeds 3
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
-                                usage="%(prog)s [options] [-- extra train.py flags for every run]")
+                                usage="%(prog)s [options] [-- extra train.py flags for every run]", allow_abbrev=False)
     p.add_argument("--claims", default=",".join(map(str, CLAIMS)), help="claims 1-7, e.g. 1,2")
     p.add_argument("--only", default=None, help="comma-separated arm names from those claims")
     p.add_argument("--seeds", type=int, default=SEEDS, help="seeds 1..N (seed k passes --seed k)")

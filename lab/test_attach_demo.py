@@ -49,6 +49,8 @@ def test_the_demo_guards_a_nanogpt_and_measures_its_cost(tmp_path, byte_data):
     assert len(steps_on) == 30 and {"max_logit", "sigma_q", "sigma_q_head", "guard"} <= set(steps_on[0])
     assert steps_on[-1]["guard"] == "on" and max(map(max, steps_on[-1]["max_logit"])) <= 32 ** 0.5 * (1 + 1e-5)
     assert on[-1]["event"] == "end" and on[-1]["guard_trigger"]["step"] == trigger[0]["step"]
+    with open(tmp_path / "runs" / "nanogpt" / "guard-on" / "config.json") as f:
+        assert json.load(f)["args"]["guard_threshold"] == 20.0           # the threshold the guard ran under
     report = json.loads(summary.read_text())
     assert [c["bit_for_bit"] for c in report["cost"]] == [True, True] and report["cost"][1]["in_guard_ms"] > 0
     assert "| nanogpt | 1 | every 1, 1 seq x all rows | 3 |" in result.stdout

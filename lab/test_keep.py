@@ -61,7 +61,7 @@ def test_keeping_twice_gives_the_same_bytes_and_a_different_run_is_refused(tmp_p
     other = tmp_path / "other"
     fake_run(other, "fp32", 1, loss=9.9)
     fake_run(other, "bf16", 1)
-    with pytest.raises(SystemExit, match="already holds a different run"):
+    with pytest.raises(SystemExit, match="already holds another run"):
         keep.keep(str(other), str(dst))
     assert (dst / "fp32" / "seed1" / "log.jsonl.gz").read_bytes() == first, "nothing lost"
     assert not (dst / "bf16").exists(), "nothing written before the refusal"
@@ -70,3 +70,44 @@ def test_keeping_twice_gives_the_same_bytes_and_a_different_run_is_refused(tmp_p
 def test_cli_refuses_a_missing_folder_in_one_line(tmp_path, capsys):
     with pytest.raises(SystemExit, match="is not a folder"):
         keep.main([str(tmp_path / "nowhere"), str(tmp_path / "results")])
+
+
+@pytest.mark.parametrize("which", ["config.json", "fault_size.json"])
+def test_a_different_runs_config_or_fault_size_is_refused_even_with_the_same_log(tmp_path, which):
+    """A keep that compared only the gzipped log would write over these: the same log, another run."""
+    src, dst = tmp_path / "runs", tmp_path / "results"
+    fake_run(src, "fp32", 1)
+    (src / "fault_size.json").write_text('{"error_ratio": 0.003}')
+    keep.keep(str(src), str(dst))
+    before = {p: p.read_bytes() for p in dst.rglob("*") if p.is_file()}
+    other = tmp_path / "other"
+    fake_run(other, "fp32", 1)                                  # the same log bytes
+    (other / "fault_size.json").write_text('{"error_ratio": 0.003}')
+    if which == "config.json":
+        (other / "fp32" / "seed1" / "config.json").write_text(json.dumps({"args": {"seed": 1, "max_steps": 99}}))
+    else:
+        (other / "fault_size.json").write_text('{"error_ratio": 0.5}')
+    with pytest.raises(SystemExit, match=f"already holds another run's {which}"):
+        keep.keep(str(other), str(dst))
+    assert {p: p.read_bytes() for p in dst.rglob("*") if p.is_file()} == before, "nothing written over"
+
+
+def test_a_run_whose_config_cannot_be_read_is_left_out_not_kept(tmp_path):
+    src, dst = tmp_path / "runs", tmp_path / "results"
+    fake_run(src, "fp32", 1)
+    fake_run(src, "fp32", 2)
+    (src / "fp32" / "seed2" / "config.json").write_text('{"args": {"seed"')   # cut short
+    kept, left = keep.keep(str(src), str(dst))
+    assert [os.path.relpath(k, dst) for k in kept] == ["fp32/seed1"]
+    assert left == ["fp32/seed2: config.json missing or not JSON"]
+    assert not (dst / "fp32" / "seed2").exists()
+
+
+def test_a_keep_leaves_no_temporary_files_and_refuses_a_file_for_the_destination(tmp_path):
+    src, dst = tmp_path / "runs", tmp_path / "results"
+    fake_run(src, "fp32", 1)
+    keep.keep(str(src), str(dst))
+    assert not list(dst.rglob("*.tmp"))
+    (tmp_path / "afile").write_text("x")
+    with pytest.raises(SystemExit, match="is a file"):
+        keep.main([str(src), str(tmp_path / "afile")])

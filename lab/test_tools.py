@@ -1929,3 +1929,34 @@ def test_dose_ratios_give_the_figures_scale(tmp_path):
     assert ratios["mlp-out", "coherence 1 + QK-only fix"][3.0] == [0.5] * 8
     assert ratios["mlp-out", "coherence 1"][10.0] == [3.0] * 7, "the unfinished run left out"
     assert ratios["delta", "coherence 0.5"][3.0] == []
+
+
+def test_a_log_cut_mid_line_keeps_the_resume_fused_onto_it_and_skips_non_objects(tmp_path):
+    """kill -9 or a full disk cuts a line; the resumed process's first record then shares that line. The
+    reader must keep the resume (else the replayed steps count twice) and skip JSON that is no object."""
+    import json as _json
+    lines = [_json.dumps({"event": "start", "step": 0}), _json.dumps({"step": 9, "loss": 3.0}),
+             '{"step": 19, "loss": 2.', _json.dumps({"event": "resume", "step": 10}), "[1, 2]", "7",
+             _json.dumps({"step": 19, "loss": 2.5}), _json.dumps({"event": "end", "step": 20, "status": "completed"})]
+    text = lines[0] + "\n" + lines[1] + "\n" + lines[2] + lines[3] + "\n" + "\n".join(lines[4:]) + "\n"
+    (tmp_path / "log.jsonl").write_text(text)
+    records = sweep.read_log(str(tmp_path))
+    assert [r.get("event", r.get("step")) for r in records] == ["start", 9, "resume", 19, "end"]
+    assert sweep.run_state(str(tmp_path)) == "completed"
+
+
+def test_a_markdown_report_of_an_empty_folder_is_refused_and_the_file_kept(tmp_path):
+    """`lab.report <empty folder> --markdown RESULTS.md` once replaced the committed file with "not run" lines."""
+    results = tmp_path / "RESULTS.md"
+    results.write_text("the committed verdicts\n")
+    (tmp_path / "empty").mkdir()
+    out = report_cmd(tmp_path / "empty", "--markdown", results)
+    assert out.returncode != 0 and "Traceback" not in out.stderr and "no runs under" in out.stderr
+    assert results.read_text() == "the committed verdicts\n"
+
+
+def test_the_sweep_takes_no_abbreviation_of_its_own_flags(capsys):
+    """`lab.sweep ... --seed 3` (a train.py flag put before `--`) was read as --seeds 3."""
+    with pytest.raises(SystemExit):
+        sweep.main(["--claims", "2", "--seed", "3", "--dry-run"])
+    assert "unrecognized arguments: --seed 3" in capsys.readouterr().err

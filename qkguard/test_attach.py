@@ -1,4 +1,4 @@
-"""attach.py: QK-Guard on models it does not own, one adapter at a time.
+"""qkguard (hooks.py, example.py): QK-Guard on models it does not own, one adapter at a time.
 
 Each adapter's signal is checked against the logits the model itself computes: a spy on
 F.scaled_dot_product_attention, through which every model here attends, records the q and k that
@@ -18,68 +18,15 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-import attach
 import model as model_lib
+import qkguard                            # the public API: qkguard.attach(...), qkguard.Layer, ...
+from qkguard import example, hooks        # hooks: the signals' internals (sample_rows, sampled_max_logit)
+from qkguard.example import NanoGPT
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
 README = os.path.join(HERE, "README.md")
-VOCAB, T, BATCH = 64, 32, 2
-
-
-# --------------------------------------------------------------------------------------------------
-# A nanoGPT-style GPT (lab/attach_demo.py trains it too): one fused c_attn Linear per attention, SDPA
-
-class NanoAttention(nn.Module):
-    def __init__(self, n_embd, n_head, dropout):
-        super().__init__()
-        self.c_attn = nn.Linear(n_embd, 3 * n_embd)          # q, k, v in one projection
-        self.c_proj = nn.Linear(n_embd, n_embd)
-        self.n_head, self.n_embd, self.dropout = n_head, n_embd, dropout
-        self.resid_dropout = nn.Dropout(dropout)
-
-    def forward(self, x):
-        B, T_, C = x.shape
-        q, k, v = (t.view(B, T_, self.n_head, C // self.n_head).transpose(1, 2)
-                   for t in self.c_attn(x).split(self.n_embd, dim=2))
-        y = F.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True)
-        return self.resid_dropout(self.c_proj(y.transpose(1, 2).reshape(B, T_, C)))
-
-
-class NanoBlock(nn.Module):
-    def __init__(self, n_embd, n_head, dropout):
-        super().__init__()
-        self.ln_1, self.ln_2 = nn.LayerNorm(n_embd), nn.LayerNorm(n_embd)
-        self.attn = NanoAttention(n_embd, n_head, dropout)
-        self.mlp = nn.Sequential(nn.Linear(n_embd, 4 * n_embd), nn.GELU(), nn.Linear(4 * n_embd, n_embd),
-                                 nn.Dropout(dropout))
-
-    def forward(self, x):
-        x = x + self.attn(self.ln_1(x))
-        return x + self.mlp(self.ln_2(x))
-
-
-class NanoGPT(nn.Module):
-    """nanoGPT's layout (transformer.wte/wpe/h/ln_f, tied lm_head); forward(idx, targets) -> (logits, loss)."""
-
-    def __init__(self, vocab_size=VOCAB, block_size=T, n_layer=2, n_head=4, n_embd=64, dropout=0.0):
-        super().__init__()
-        self.transformer = nn.ModuleDict(dict(
-            wte=nn.Embedding(vocab_size, n_embd), wpe=nn.Embedding(block_size, n_embd), drop=nn.Dropout(dropout),
-            h=nn.ModuleList(NanoBlock(n_embd, n_head, dropout) for _ in range(n_layer)), ln_f=nn.LayerNorm(n_embd)))
-        self.lm_head = nn.Linear(n_embd, vocab_size, bias=False)
-        self.lm_head.weight = self.transformer.wte.weight
-        for module in self.modules():
-            if isinstance(module, (nn.Linear, nn.Embedding)):
-                nn.init.normal_(module.weight, std=0.02)
-
-    def forward(self, idx, targets=None):
-        x = self.transformer.wte(idx) + self.transformer.wpe(torch.arange(idx.shape[1], device=idx.device))
-        x = self.transformer.drop(x)
-        for block in self.transformer.h:
-            x = block(x)
-        logits = self.lm_head(self.transformer.ln_f(x))
-        loss = None if targets is None else F.cross_entropy(logits.flatten(0, 1), targets.flatten())
-        return logits, loss
+VOCAB, T, BATCH = example.VOCAB, example.BLOCK, 2
 
 
 # --------------------------------------------------------------------------------------------------
@@ -174,7 +121,7 @@ def train_steps(model, loss_of, guard, steps, lr=1e-3):
 def test_the_max_logit_over_all_rows_is_the_models_own(name, monkeypatch):
     model, loss_of = build(name)
     inflate_qk(model, 10.0)                          # logits well away from 0, so relative error means something
-    guard = attach.attach(model, ADAPTER[name], seqs=None)
+    guard = qkguard.attach(model, ADAPTER[name], seqs=None)
     assert len(guard.layers) == 2
     with spied_attention(monkeypatch) as calls:
         loss_of(model, *batch()).backward()
@@ -190,7 +137,7 @@ def test_the_rotation_is_part_of_the_signal(name, monkeypatch):
     """Without the rotary step the measured logits differ from the model's: the check above can fail."""
     model, loss_of = build(name)
     inflate_qk(model, 10.0)
-    guard = attach.attach(model, ADAPTER[name], seqs=None)
+    guard = qkguard.attach(model, ADAPTER[name], seqs=None)
     for layer in guard.layers:
         layer.rotary = None
     with spied_attention(monkeypatch) as calls:
@@ -206,7 +153,7 @@ def test_a_sampled_sequence_is_rotated_by_its_own_positions(monkeypatch):
     took sequence 0's positions for every sequence would pass on it alone."""
     model, _ = build("hf-llama")
     inflate_qk(model, 10.0)
-    guard = attach.attach(model, "hf-llama", seqs=1)
+    guard = qkguard.attach(model, "hf-llama", seqs=1)
     x = batch()[0]
     positions = torch.arange(T)[None] * torch.tensor([[1], [3]])        # the second sequence's positions 0, 3, 6, ...
     drawn = []
@@ -227,7 +174,7 @@ def test_a_model_in_eval_mode_is_measured_on_its_forwards_with_gradients(name, m
     model, loss_of = build(name)
     inflate_qk(model, 10.0)
     model.eval()
-    guard = attach.attach(model, ADAPTER[name], seqs=None)
+    guard = qkguard.attach(model, ADAPTER[name], seqs=None)
     with spied_attention(monkeypatch) as calls:
         loss_of(model, *batch()).backward()
     guard.step()
@@ -240,7 +187,7 @@ def test_a_forward_under_no_grad_is_not_part_of_the_steps_signal(name, monkeypat
     model, loss_of = build(name)
     inflate_qk(model, 10.0)
     model.train()
-    guard = attach.attach(model, ADAPTER[name], seqs=None)
+    guard = qkguard.attach(model, ADAPTER[name], seqs=None)
     with spied_attention(monkeypatch) as calls:
         loss_of(model, *batch(seed=1)).backward()
     with torch.no_grad(), spied_attention(monkeypatch) as val_calls:
@@ -256,15 +203,15 @@ def test_a_sampled_max_logit_is_the_dense_max_over_the_rows_it_drew():
     q, k = torch.randn(5, 4, 40, 8), torch.randn(5, 2, 40, 8)          # GQA: 4 query heads, 2 key heads
     dense = dense_logits(q.double(), k.double().repeat_interleave(2, dim=1), 0.3)    # (B, H, T, T)
     for seqs, rows in ((2, 7), (2, None), (None, 7)):
-        sample = attach.sample_rows(5, 40, seqs, rows, torch.Generator().manual_seed(5))
+        sample = hooks.sample_rows(5, 40, seqs, rows, torch.Generator().manual_seed(5))
         seq, pos = (torch.arange(n) if i is None else i for n, i in zip((5, 40), sample))
         assert len(set(seq.tolist())) == (seqs or 5) and len(set(pos.tolist())) == (rows or 40)
-        sampled = attach.sampled_max_logit(q, k, 0.3, sample)
+        sampled = hooks.sampled_max_logit(q, k, 0.3, sample)
         torch.testing.assert_close(sampled.double(), dense[seq][:, :, pos].amax(dim=(0, 2, 3)), rtol=1e-6, atol=1e-6)
         assert (sampled.double() <= dense.amax(dim=(0, 2, 3)) + 1e-6).all()
-    full = attach.sampled_max_logit(q, k, 0.3)
+    full = hooks.sampled_max_logit(q, k, 0.3)
     torch.testing.assert_close(full.double(), dense.amax(dim=(0, 2, 3)), rtol=1e-6, atol=1e-6)
-    assert attach.sample_rows(5, 40, 9, 40, None) == (None, None), "a sample of everything is all rows"
+    assert hooks.sample_rows(5, 40, 9, 40, None) == (None, None), "a sample of everything is all rows"
 
 
 def test_the_max_logit_goes_a_chunk_of_rows_at_a_time_to_the_same_value(monkeypatch):
@@ -280,15 +227,15 @@ def test_the_max_logit_goes_a_chunk_of_rows_at_a_time_to_the_same_value(monkeypa
         sizes.append(out.numel())
         return out
     for seqs, rows in ((None, None), (2, 13)):
-        sample = attach.sample_rows(3, 50, seqs, rows, torch.Generator().manual_seed(5))
+        sample = hooks.sample_rows(3, 50, seqs, rows, torch.Generator().manual_seed(5))
         seq, pos = (torch.arange(n) if i is None else i for n, i in zip((3, 50), sample))
-        whole = attach.sampled_max_logit(q, k, 0.3, sample, chunk=1 << 30)
+        whole = hooks.sampled_max_logit(q, k, 0.3, sample, chunk=1 << 30)
         torch.testing.assert_close(whole.double(), dense[seq][:, :, pos].amax(dim=(0, 2, 3)), rtol=1e-6, atol=1e-6)
         one_row = len(seq) * 4 * 50                                        # a query row's logits, all heads and keys
         monkeypatch.setattr(torch, "matmul", spy)
         for chunk in (1, 3 * one_row, 3 * one_row + 7, 7 * one_row):
             sizes.clear()
-            chunked = attach.sampled_max_logit(q, k, 0.3, sample, chunk=chunk)
+            chunked = hooks.sampled_max_logit(q, k, 0.3, sample, chunk=chunk)
             assert len(sizes) == math.ceil(len(pos) / max(1, chunk // one_row)) > 1, (chunk, len(sizes))
             assert max(sizes) <= max(chunk, one_row), (chunk, max(sizes))
             torch.testing.assert_close(chunked, whole, rtol=1e-6, atol=1e-6)
@@ -298,7 +245,7 @@ def test_the_max_logit_goes_a_chunk_of_rows_at_a_time_to_the_same_value(monkeypa
 @pytest.mark.parametrize("name", MODELS)
 def test_sigma_per_head_is_the_top_singular_value_of_each_heads_rows(name):
     model, _ = build(name)
-    guard = attach.attach(model, ADAPTER[name])
+    guard = qkguard.attach(model, ADAPTER[name])
     sigma_head = guard._measure_sigma(iters=300)
     for i, layer in enumerate(guard.layers):
         for which, role in enumerate(("q", "k")):
@@ -320,7 +267,7 @@ def test_sigma_per_head_is_the_top_singular_value_of_each_heads_rows(name):
 def test_qknorm_bounds_every_logit_once_the_guard_fires_one_step_late(name, monkeypatch):
     model, loss_of = build(name)
     inflate_qk(model)
-    guard = attach.attach(model, ADAPTER[name], threshold=1.0)
+    guard = qkguard.attach(model, ADAPTER[name], threshold=1.0)
     with spied_attention(monkeypatch) as calls:
         loss_of(model, *batch()).backward()
     bound = max(s for _, _, s in calls) * guard.layers[0].head_dim
@@ -359,7 +306,7 @@ def test_qkclip_caps_the_offending_heads_at_tau_and_keeps_the_others(name, monke
         for n, p in model.named_parameters():
             if n.endswith(("c_attn.bias", "q_proj.bias", "k_proj.bias")):
                 p.normal_(0.0, 0.1, generator=torch.Generator().manual_seed(2))
-    guard = attach.attach(model, ADAPTER[name], threshold=1.0, action="qkclip")
+    guard = qkguard.attach(model, ADAPTER[name], threshold=1.0, action="qkclip")
     for _ in range(2):                              # the crossing at step 0 acts at step 1
         loss_of(model, *batch()).backward()
         guard.step()
@@ -398,7 +345,7 @@ def test_the_first_qkclip_step_brings_every_heads_max_over_all_rows_to_tau(name,
     layer's attention with the clipped weights has every head's max logit at tau at most."""
     model, loss_of = build(name)
     inflate_qk(model, 12.0)
-    guard = attach.attach(model, ADAPTER[name], threshold=1.0, action="qkclip")   # seqs=1: one of 2 sampled
+    guard = qkguard.attach(model, ADAPTER[name], threshold=1.0, action="qkclip")   # seqs=1: one of 2 sampled
     with spied_attention(monkeypatch) as calls:
         loss_of(model, *batch()).backward()
     full = dense_max_logit(calls)
@@ -433,7 +380,7 @@ def test_the_first_qkclip_step_brings_every_heads_max_over_all_rows_to_tau(name,
 def test_the_latch_survives_a_checkpoint_and_the_resumed_guard_still_acts(name, tmp_path, monkeypatch):
     model, loss_of = build(name)
     inflate_qk(model)
-    guard = attach.attach(model, ADAPTER[name], threshold=1.0)
+    guard = qkguard.attach(model, ADAPTER[name], threshold=1.0)
     _, optimizer = train_steps(model, loss_of, guard, 2)
     assert guard.triggered
     path = tmp_path / "ckpt.pt"
@@ -441,7 +388,7 @@ def test_the_latch_survives_a_checkpoint_and_the_resumed_guard_still_acts(name, 
     state = torch.load(path, weights_only=True)     # plain tensors and lists: no pickled code
     resumed, _ = build(name, seed=1)
     resumed.load_state_dict(state["model"])
-    fresh = attach.attach(resumed, ADAPTER[name], threshold=1.0)
+    fresh = qkguard.attach(resumed, ADAPTER[name], threshold=1.0)
     fresh.load_state_dict(state["guard"])
     assert fresh.triggered and fresh.qkguard.trigger == guard.qkguard.trigger and fresh.steps == 2
     optimizer = torch.optim.AdamW(resumed.parameters(), lr=1e-3)
@@ -460,12 +407,12 @@ def test_a_queued_crossing_travels_in_the_checkpoint():
     """A crossing at the last step before a save acts at the first step after the resume."""
     model, loss_of = build("nanogpt")
     inflate_qk(model)
-    guard = attach.attach(model, "nanogpt", threshold=1.0)
+    guard = qkguard.attach(model, "nanogpt", threshold=1.0)
     train_steps(model, loss_of, guard, 1)
     assert not guard.triggered and guard.qkguard.pending_crossing() == 0
     resumed, _ = build("nanogpt")
     resumed.load_state_dict(model.state_dict())
-    fresh = attach.attach(resumed, "nanogpt", threshold=1.0)
+    fresh = qkguard.attach(resumed, "nanogpt", threshold=1.0)
     fresh.load_state_dict(guard.state_dict())
     loss_of(resumed, *batch()).backward()
     assert fresh.step()["step"] == 0 and fresh.triggered
@@ -476,17 +423,17 @@ def test_a_second_guard_on_a_model_is_refused_and_the_resume_in_one_process_work
     guard reading the other's output). Detached, the first leaves the model to a resumed one."""
     model, loss_of = build("nanogpt")
     inflate_qk(model)
-    guard = attach.attach(model, "nanogpt", threshold=1.0)
+    guard = qkguard.attach(model, "nanogpt", threshold=1.0)
     train_steps(model, loss_of, guard, 2)
     assert guard.triggered
     for kwargs in ({"threshold": 1.0}, {"enabled": False}):
         with pytest.raises(ValueError, match=r"NanoGPT already has a QK-Guard attached.*call the first one's detach\(\)"):
-            attach.attach(model, "nanogpt", **kwargs)
+            qkguard.attach(model, "nanogpt", **kwargs)
     c_attn = model.transformer.h[0].attn.c_attn
     assert len(c_attn._forward_hooks) == 1
     state = guard.state_dict()
     guard.detach()
-    resumed = attach.attach(model, "nanogpt", threshold=1.0)
+    resumed = qkguard.attach(model, "nanogpt", threshold=1.0)
     resumed.load_state_dict(state)
     assert len(c_attn._forward_hooks) == 1 and resumed.triggered
     _, loss = model(*batch())
@@ -494,7 +441,8 @@ def test_a_second_guard_on_a_model_is_refused_and_the_resume_in_one_process_work
     assert resumed.step() is None and math.isfinite(loss.item())
     # watchers (enabled=False) never act, so two of them may share a model, as the example's unguarded run does
     other, _ = build("nanogpt")
-    watchers = [attach.attach(other, "nanogpt", enabled=False), attach.attach(other, "nanogpt", enabled=False, seqs=None)]
+    watchers = [qkguard.attach(other, "nanogpt", enabled=False),
+                qkguard.attach(other, "nanogpt", enabled=False, seqs=None)]
     _, loss = other(*batch())
     loss.backward()
     assert all(w.step() is None and w.max_logit is not None for w in watchers)
@@ -504,9 +452,9 @@ def test_a_second_guard_on_a_model_is_refused_and_the_resume_in_one_process_work
                                      {"threshold": 2.0}, {"scope": "crossed"}])
 def test_a_resume_under_other_settings_is_refused_in_one_line(changed):
     model, _ = build("nanogpt")
-    state = attach.attach(model, "nanogpt", threshold=1.0).state_dict()
+    state = qkguard.attach(model, "nanogpt", threshold=1.0).state_dict()
     other, _ = build("nanogpt")
-    resumed = attach.attach(other, "nanogpt", **{"threshold": 1.0, **changed})
+    resumed = qkguard.attach(other, "nanogpt", **{"threshold": 1.0, **changed})
     key = next(iter(changed))                 # the setting that differs (sigma-product keeps threshold 1.0)
     with pytest.raises(ValueError, match=rf"this state was saved by a guard with .*{key}=.*: attach with the saved run's "
                                          rf"settings"):
@@ -522,7 +470,7 @@ def test_a_dormant_guard_leaves_training_bit_for_bit_as_without_it(name):
         model, loss_of = build(name, dropout=0.1)
         model.train()
         torch.manual_seed(123)
-        guard = attach.attach(model, ADAPTER[name], threshold=1e9, seqs=1, rows=8) if guarded else None
+        guard = qkguard.attach(model, ADAPTER[name], threshold=1e9, seqs=1, rows=8) if guarded else None
         losses, _ = train_steps(model, loss_of, guard, 3)
         runs.append((losses, [p.detach().clone() for p in model.parameters()]))
         if guarded:
@@ -534,7 +482,7 @@ def test_a_dormant_guard_leaves_training_bit_for_bit_as_without_it(name):
 
 def test_the_sigma_product_signal_fires_on_the_weights():
     model, loss_of = build("hf-llama" if _has("transformers") else "qkguard-gpt-llama")
-    guard = attach.attach(model, signal="sigma-product", threshold=1e9)
+    guard = qkguard.attach(model, signal="sigma-product", threshold=1e9)
     product = guard.sigma_head[:, 0] * guard.sigma_head[:, 1]
     guard.qkguard.threshold = float(product.max()) * 0.999          # the top head crosses, no other
     train_steps(model, loss_of, guard, 2, lr=1e-9)                   # weights (and so sigma) held still
@@ -548,14 +496,14 @@ def test_the_sigma_product_signal_fires_on_the_weights():
 def test_an_unguarded_watch_measures_and_never_acts():
     model, loss_of = build("nanogpt")
     inflate_qk(model)
-    guard = attach.attach(model, "nanogpt", threshold=1.0, enabled=False)
+    guard = qkguard.attach(model, "nanogpt", threshold=1.0, enabled=False)
     train_steps(model, loss_of, guard, 3)
     assert not guard.triggered and guard.record()["guard"] == "off" and guard.max_logit.max() > 1.0
 
 
 def test_a_monitor_interval_measures_only_every_nth_update():
     model, loss_of = build("nanogpt")
-    guard = attach.attach(model, "nanogpt", interval=3)
+    guard = qkguard.attach(model, "nanogpt", interval=3)
     seen = []
     for step in range(5):
         loss_of(model, *batch()).backward()
@@ -569,7 +517,7 @@ def _two_ranks(rank, port, out):
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     torch.set_num_threads(1)
     model, loss_of = build("nanogpt")
-    guard = attach.attach(model, "nanogpt", seqs=None)
+    guard = qkguard.attach(model, "nanogpt", seqs=None)
     loss_of(model, *batch(seed=rank)).backward()            # each rank its own batch, so its own max logit
     local = torch.stack([v.clone() for v in guard._running])
     guard.step()
@@ -596,13 +544,13 @@ def test_under_data_parallel_every_rank_sees_the_max_over_ranks(tmp_path):
 
 def test_bad_input_ends_in_one_clear_line():
     with pytest.raises(ValueError, match="found no attention layer in Sequential"):
-        attach.attach(nn.Sequential(nn.Linear(4, 4)))
+        qkguard.attach(nn.Sequential(nn.Linear(4, 4)))
     model, loss_of = build("nanogpt")
     with pytest.raises(ValueError, match="choose one of qknorm, qkclip"):
-        attach.attach(model, action="softcap")
+        qkguard.attach(model, action="softcap")
     with pytest.raises(ValueError, match="unknown adapter 'llama'"):
-        attach.attach(model, "llama")
-    guard = attach.attach(model)
+        qkguard.attach(model, "llama")
+    guard = qkguard.attach(model)
     with torch.no_grad():
         model.eval()
         model(batch()[0])
@@ -610,11 +558,11 @@ def test_bad_input_ends_in_one_clear_line():
         guard.step()
     guard.detach()
     with pytest.raises(ValueError, match="2 attention layers, not 4"):
-        attach.attach(NanoGPT(n_layer=4)).load_state_dict(guard.state_dict())
-    wrong = lambda m: [attach.Layer(attn=b.attn, q=b.attn.c_attn, k=b.attn.c_attn, n_head=3, head_dim=16,
-                                    q_cols=slice(0, 64), k_cols=slice(64, 128)) for b in m.transformer.h]
+        qkguard.attach(NanoGPT(n_layer=4)).load_state_dict(guard.state_dict())
+    wrong = lambda m: [qkguard.Layer(attn=b.attn, q=b.attn.c_attn, k=b.attn.c_attn, n_head=3, head_dim=16,
+                                     q_cols=slice(0, 64), k_cols=slice(64, 128)) for b in m.transformer.h]
     with pytest.raises(ValueError, match="W_q has 64 rows, not 3 heads x 16: fix the adapter's head count"):
-        attach.attach(model, wrong)
+        qkguard.attach(model, wrong)
 
 
 class SelfNormedAttention(nn.Module):
@@ -642,7 +590,7 @@ def test_a_model_that_normalizes_q_and_k_itself_is_refused_in_one_line(which):
         with pytest.raises(ValueError, match=rf"^attach: {attention} normalizes q and k itself \(q_norm, k_norm, after "
                                              rf"q_proj and k_proj\).*already has QK-norm.*write an adapter whose q and k "
                                              rf"are read after the model's own norm"):
-            attach.attach(model, adapter)
+            qkguard.attach(model, adapter)
 
 
 def test_auto_finds_each_models_adapter():
@@ -650,7 +598,7 @@ def test_auto_finds_each_models_adapter():
         if name.startswith("hf-") and not _has("transformers"):
             continue
         model, _ = build(name)
-        layers, named = attach.find_layers(model), attach.ADAPTERS[ADAPTER[name]](model)
+        layers, named = qkguard.find_layers(model), qkguard.ADAPTERS[ADAPTER[name]](model)
         key = lambda ls: [(l.attn, l.q, l.k, l.cols("q"), l.cols("k"), l.transposed, l.n_kv_head) for l in ls]
         assert len(layers) == 2 and key(layers) == key(named), name
         assert layers[0].transposed == (name == "hf-gpt2") and layers[0].n_kv_head == (2 if name == "hf-llama" else 4)
@@ -668,7 +616,7 @@ def test_a_user_adapter_is_a_few_lines():
             return F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).flatten(-2)
 
     model = nn.Sequential(Attn(), Attn())
-    guard = attach.attach(model, lambda m: [attach.Layer(attn=a, q=a.wq, k=a.wk, n_head=2, head_dim=8) for a in m])
+    guard = qkguard.attach(model, lambda m: [qkguard.Layer(attn=a, q=a.wq, k=a.wk, n_head=2, head_dim=8) for a in m])
     model(torch.randn(2, 5, 16)).sum().backward()
     guard.step()
     assert guard.max_logit.shape == (2, 2)
@@ -683,25 +631,25 @@ def _has(package):
 
 
 def test_attach_imports_and_guards_without_transformers():
-    """transformers hidden (an import of it fails): attach, the project's GPT and a nanoGPT-style one work."""
+    """transformers hidden (an import of it fails): qkguard, the project's GPT and a nanoGPT-style one work."""
     code = ("import sys; sys.modules['transformers'] = None\n"
-            "import torch, attach, test_attach as t\n"
+            "import torch, qkguard, qkguard.test_attach as t\n"
             "for name in ('qkguard-gpt', 'nanogpt'):\n"
             "    model, loss_of = t.build(name)\n"
-            "    guard = attach.attach(model)\n"
+            "    guard = qkguard.attach(model)\n"
             "    loss_of(model, *t.batch()).backward(); guard.step()\n"
             "    assert guard.max_logit.shape == (2, 4)\n"
             "assert sys.modules['transformers'] is None\n"
             "print('ok')\n")
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    result = subprocess.run([sys.executable, "-c", code], cwd=HERE, env=env, capture_output=True, text=True, timeout=120)
+    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr[-2000:]
 
 
 def test_tensorboard_logging_writes_the_signals(tmp_path):
     pytest.importorskip("tensorboard")
     model, loss_of = build("nanogpt")
-    guard = attach.attach(model, "nanogpt", tensorboard=str(tmp_path / "tb"), log_every=1)
+    guard = qkguard.attach(model, "nanogpt", tensorboard=str(tmp_path / "tb"), log_every=1)
     train_steps(model, loss_of, guard, 2)
     guard.detach()
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -721,8 +669,8 @@ def test_tensorboard_logs_each_signal_only_at_the_steps_it_was_measured(tmp_path
     logged = {}
     for signal in ("max-logit", "sigma-product"):
         model, loss_of = build("nanogpt")
-        guard = attach.attach(model, "nanogpt", signal=signal, threshold=1e9, interval=2, log_every=1,
-                              tensorboard=str(tmp_path / signal))
+        guard = qkguard.attach(model, "nanogpt", signal=signal, threshold=1e9, interval=2, log_every=1,
+                               tensorboard=str(tmp_path / signal))
         maxes = []
         for step in range(4):
             loss_of(model, *batch(seed=step)).backward()
@@ -743,28 +691,40 @@ def test_tensorboard_missing_is_one_clear_line(monkeypatch):
     monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)
     model, _ = build("nanogpt")
     with pytest.raises(ImportError, match="needs the tensorboard package: pip install tensorboard"):
-        attach.attach(model, tensorboard="runs/tb")
+        qkguard.attach(model, tensorboard="runs/tb")
 
 
 # --------------------------------------------------------------------------------------------------
-# The README's section on attach.py
+# The example and the documentation
 
-def readme_section(path=README, title="## Guard your own model"):
-    """The section, from its title to the next one (or the end of the file)."""
-    with open(path) as f:
-        text = f.read()
-    start = text.index(title + "\n")
-    end = text.find("\n## ", start + len(title))
-    return text[start:] if end < 0 else text[start:end]
+def test_the_example_guard_fires_once_and_bounds_the_logits_it_would_have_let_run_away():
+    """qkguard/example.py, guarded and watched only, from one init: the same run until the guard acts,
+    then every logit within QK-norm's bound, where the watched run's pass the threshold."""
+    runs = {guarded: example.train(steps=60, guarded=guarded, report=lambda line: None) for guarded in (True, False)}
+    (guard, on), (watcher, off) = runs[True], runs[False]
+    assert len(guard.events) == 1 and watcher.events == [] and not watcher.triggered
+    event = guard.events[0]
+    assert event["threshold"] == 200.0 and event["value"] > 200.0            # the default threshold, crossed
+    start = event["active_from"]
+    assert on[:start] == off[:start], "the dormant guard changed the run before it acted"
+    bound = guard.layers[0].scale * guard.layers[0].head_dim
+    assert max(m for _, m in on[start:]) <= bound * (1 + 1e-5) < 200.0 < max(m for _, m in off[start:])
+
+
+def test_the_example_refuses_bad_flags_in_one_line(capsys):
+    with pytest.raises(SystemExit):
+        example.main(["--steps", "0"])
+    assert "--steps must be >= 1, --lr and --threshold > 0" in capsys.readouterr().err
 
 
 def test_the_readme_snippets_run_as_written(tmp_path):
-    """Each python block of "Guard your own model", run on its own, as a reader would paste it (at toy
-    size, a few steps). A block that needs transformers is skipped without it."""
-    blocks = re.findall(r"```python\n(.*?)```", readme_section(), re.S)
-    assert len(blocks) >= 3, "the section's examples: a Hugging Face model, a nanoGPT-style one, an adapter"
+    """Each python block of qkguard/README.md, run on its own, as a reader would paste it (at toy size, a
+    few steps), with the repository root on the path. A block that needs transformers is skipped without it."""
+    with open(README) as f:
+        blocks = re.findall(r"```python\n(.*?)```", f.read(), re.S)
+    assert len(blocks) >= 3, "the README's examples: a Hugging Face model, a nanoGPT-style one, an adapter"
     env = {**os.environ, "OMP_NUM_THREADS": "1",
-           "PYTHONPATH": os.pathsep.join(p for p in (HERE, os.environ.get("PYTHONPATH")) if p)}
+           "PYTHONPATH": os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p)}
     ran = 0
     for i, code in enumerate(blocks):
         if "transformers" in code and not _has("transformers"):

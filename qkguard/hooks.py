@@ -1,7 +1,8 @@
 """
 QK-Guard for anyone's model: guard.py's dormant controller attached to a PyTorch model by hooks.
+`from qkguard import attach` gives attach() below (qkguard/README.md documents it; qkguard/example.py runs it).
 
-    guard = attach(model, threshold=200.0)       # the adapter is found from the model's structure
+    guard = attach(model)                        # the adapter is found from the model's structure
     for step in range(max_steps):
         loss = model(x, labels=y).loss           # the hooks measure forwards with gradients on monitored steps
         loss.backward(); optimizer.step(); optimizer.zero_grad()
@@ -171,11 +172,11 @@ def hf_llama(model):
             raise ValueError(f"attach: {type(m).__name__} normalizes q and k itself ({', '.join(norms)}, after q_proj "
                              f"and k_proj), so the hf-llama adapter would measure them before that norm: this model "
                              f"already has QK-norm; to watch its logits anyway, write an adapter whose q and k are "
-                             f"read after the model's own norm (README: Guard your own model)")
+                             f"read after the model's own norm (qkguard/README.md: Another model's adapter)")
         rotate = getattr(sys.modules[type(m).__module__], "apply_rotary_pos_emb", None)
         if rotate is None:
             raise ValueError(f"attach: {type(m).__name__}'s module has no apply_rotary_pos_emb: write an adapter "
-                             f"whose rotary applies this model's rotation (README: Guard your own model)")
+                             f"whose rotary applies this model's rotation (qkguard/README.md: Another model's adapter)")
         layers.append(Layer(attn=m, q=q_proj, k=k_proj, n_head=q_proj.out_features // m.head_dim,
                             head_dim=m.head_dim, n_kv_head=k_proj.out_features // m.head_dim,
                             scale=getattr(m, "scaling", None), rotary=_hf_rotary(rotate)))
@@ -208,7 +209,7 @@ def find_layers(model, adapter="auto"):
                          f"a function model -> [Layer]")
     if not layers:
         raise ValueError(f"attach: {name} found no attention layer in {type(model).__name__}: pass adapter= one of "
-                         f"{', '.join(ADAPTERS)}, or write one (README: Guard your own model)")
+                         f"{', '.join(ADAPTERS)}, or write one (qkguard/README.md: Another model's adapter)")
     return layers
 
 
@@ -580,7 +581,8 @@ def attach(model, adapter="auto", *, threshold=None, signal="max-logit", action=
     """Attach QK-Guard to `model`; returns an AttachedGuard (call its step() after each update).
 
     adapter    "auto", a name in ADAPTERS, or a function model -> [Layer]
-    threshold  in the signal's units; None: guard.DEFAULT_THRESHOLD (max-logit 200)
+    threshold  in the signal's units; None: the signal's default (guard.DEFAULT_THRESHOLD: max-logit 200,
+               sigma-product 50)
     signal     "max-logit" (sampled from q and k) or "sigma-product" (sigma(W_q,h) sigma(W_k,h))
     action     "qknorm" or "qkclip" (tau: QK-Clip's cap); scope "all" or "crossed", as in guard.py
     enabled    False: watch and log, never act (the unguarded run of a comparison)
@@ -600,7 +602,8 @@ def attach(model, adapter="auto", *, threshold=None, signal="max-logit", action=
         raise ValueError(f"attach: interval ({interval!r}) must be an integer >= 1, seqs ({seqs!r}) and rows "
                          f"({rows!r}) integers >= 1 or None")
     layers = find_layers(model, adapter)
-    qkguard = QKGuard(threshold=DEFAULT_THRESHOLD[signal] if threshold is None else threshold, enabled=enabled,
-                      signal=signal, action=action, scope=scope, tau=tau)
+    # MERGE: once guard.QKGuard reads threshold=None as its signal's default, pass `threshold` as it is
+    threshold = DEFAULT_THRESHOLD[signal] if threshold is None else threshold
+    qkguard = QKGuard(threshold=threshold, enabled=enabled, signal=signal, action=action, scope=scope, tau=tau)
     return AttachedGuard(model, layers, qkguard, interval=interval, seqs=seqs, rows=rows, seed=seed,
                          tensorboard=tensorboard, log_every=log_every)
