@@ -1958,12 +1958,13 @@ def runs_title(runs):
     """What a few runs share, for their figure's title: the learning rate, preset and softmax state, and
     "a max-logit runaway" only where one of them ran away; the marks drawn, only where there are some."""
     shared = lambda key: "/".join(dict.fromkeys(format(a[key], "g") if isinstance(a[key], float) else str(a[key])
-                                                for r in runs for a in [r.config.get("args", {})] if key in a)) or "?"
+                                                for r in runs for a in [r.config.get("args", {})] if key in a))
+    setting = ", ".join(f"{shared(key)} {word}" for key, word in (("preset", "preset"), ("accum", "state"))
+                        if shared(key))   # what another script's runs (lab.attach_demo) do not record, left out
     marks = [("dotted line: the guard's trigger", any(r.trigger is not None for r in runs)),
              ("x: a collapse", any(r.collapse_step is not None for r in runs))]
-    return (f"{'a max-logit runaway at' if any(map(ran_away, runs)) else 'training at'} lr {shared('lr')} "
-            f"({shared('preset')} preset, {shared('accum')} state)"
-            + "".join(f"; {words}" for words, drawn in marks if drawn))
+    return (f"{'a max-logit runaway at' if any(map(ran_away, runs)) else 'training at'} lr {shared('lr') or '?'}"
+            + (f" ({setting})" if setting else "") + "".join(f"; {words}" for words, drawn in marks if drawn))
 
 
 def plot_some_runs(paths, png, labels=None):

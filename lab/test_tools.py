@@ -1393,6 +1393,8 @@ def test_a_few_runs_figure_says_what_drives_them(tmp_path):
     assert report.runs_title([fell]) == ("a max-logit runaway at lr 0.003 (demo preset, bf16 state); x: a collapse")
     calm = report.Run(write_run(tmp_path, "calm", 1, args={**demo, "guard": "off"}))
     assert report.runs_title([calm]) == "training at lr 0.03 (demo preset, bf16 state)"
+    other = report.Run(write_run(tmp_path, "other", 1, trigger=5, args={"lr": 0.03, "guard": "on"}))   # no preset
+    assert report.runs_title([other]) == "training at lr 0.03; dotted line: the guard's trigger"
 
 
 def test_report_survives_nothing(tmp_path, capsys):
