@@ -1878,6 +1878,17 @@ def test_results_md_opens_with_one_row_per_claim():
     assert not re.search(r"\*\*[^*]*: (reproduced|not reproduced|inconclusive|refuted)\*\*", text)
 
 
+def test_the_readme_claims_table_says_what_results_md_says():
+    # the README's table of the claims: every rule of RESULTS.md's opening rows, with its verdict
+    with open(os.path.join(ROOT, "RESULTS.md")) as f:
+        results = {m.group(1): m.group(2) for m in SUMMARY_ROW.finditer(opening(f.read()))}
+    with open(os.path.join(ROOT, "README.md")) as f:
+        table = f.read().split("## The claims this code tests")[1].split("\n\n| claim |")[1].split("\n\n")[0]
+    readme = {label: cells[2] for line in table.splitlines()[2:] for cells in [line.strip("| ").split(" | ")]
+              for label in cells[0].split(", ")}
+    assert readme == results
+
+
 @pytest.mark.parametrize("arms, verdict, key, why", [
     param({**RULE1, "bf16-safemax": arm(1, COLLAPSE)}, "REPRODUCED",   # over fp32: 6 vs 0, p = 0.016
           "`bf16` over `bf16-safemax` in 5 of 8 seeds, the reverse in 0: sign test p = 0.031 (< 0.05)",
