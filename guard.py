@@ -90,10 +90,11 @@ class SpectralMonitor:
 
 
 class Action:
-    """An action the guard switches on: hooks train.py's loop calls once the guard has fired, each a
-    no-op here; an action overrides those it needs. Its settings are class attributes (the defaults)
-    named as QKGuard's keywords. kind, for the lab's claim 6: "qk" acts on the query-key channel,
-    "non-qk" is a control that acts elsewhere, "source" removes the error where it starts."""
+    """What the guard switches on once it fires: the hooks below, each where train.py's loop calls it
+    (no-ops here; an action overrides those it needs). A subclass registers itself in ACTIONS by name.
+    Its settings are class attributes (the defaults) named as QKGuard's keywords. kind, for the lab's
+    claim 6: "qk" acts on the query-key channel, "non-qk" is a control that acts elsewhere, "source"
+    removes the error where it starts."""
     name = kind = words = None         # words: the action in the lab's reports and plots
 
     def __init_subclass__(cls):        # every action is registered by its name
