@@ -1,9 +1,10 @@
 """
 QK-Guard: watch the query-key channel, stay dormant, and switch an action on at the first crossing.
 
-Three parts, one screen each:
+Four parts, one screen each:
   SpectralMonitor   the top singular value of every weight matrix per layer, and of W_q, W_k per
                     head, by power iteration carried across steps (never a full SVD)
+  the actions       one class each (QK-norm, QK-Clip, the non-QK controls, the fix at the source)
   QKGuard           the dormant controller: first crossing -> an action on for the rest of the run
   CollapseDetector  a non-finite loss, or a loss stuck above its running minimum by a margin
 
@@ -19,20 +20,14 @@ from model import WEIGHT_KINDS
 SIGNALS = ("max-logit", "sigma-product")
 # Default thresholds, between healthy runs and runaways: max-logit's from SOURCES.md's H200 runs,
 # sigma-product's from lab/MEASUREMENTS.md's CPU runs; the latter scales with the model, so set it from
-# a healthy run's log.
+# a healthy run's log. QKGuard(threshold=None) takes its signal's.
 DEFAULT_THRESHOLD = {"max-logit": 200.0, "sigma-product": 50.0}
-# What each action does once triggered, and where train.py's loop applies it.
-ACTIONS = {
-    "qknorm":     "attention: parameter-free QK-norm in the covered layers (the paper's action)",
-    "qkclip":     "weights, after each update: an offending head's W_q, W_k rows times sqrt(tau / S_max) (Kimi K2)",
-    "lr-drop":    "optimizer: the learning rate times --lr-drop-factor (non-QK control)",
-    "clip":       "optimizer: gradient-norm clip at --clip-tight (non-QK control; Adam rescales a clipped "
-                  "gradient back, so this acts mostly through the moments)",
-    "softcap":    "attention: logits soft-capped at --softcap-value (non-QK control; in bf16 the capped logits "
-                  "pile up at the cap, making ties of their own)",
-    "fp32-accum": "attention: fp32 softmax state in the covered layers (the fix at the source)",
-}
 SCOPES = ("all", "crossed")
+# The actions by name, one class each below: a new one is a subclass of Action there, and
+# --guard-action's choices and the lab's claim 6 arms follow. The lab imports this registry, so its
+# report needs torch too (installed where the runs ran): one list, not a copy kept in step by a test.
+ACTIONS = {}
+DEFAULT_ACTION = "qknorm"
 
 
 class SpectralMonitor:
@@ -94,6 +89,94 @@ class SpectralMonitor:
         self.sigma_head = state["sigma_head"].to(device)
 
 
+class Action:
+    """What the guard switches on once it fires: the hooks below, each where train.py's loop calls it
+    (no-ops here; an action overrides those it needs). A subclass registers itself in ACTIONS by name.
+    Its settings are class attributes (the defaults) named as QKGuard's keywords. kind, for the lab's
+    claim 6: "qk" acts on the query-key channel, "non-qk" is a control that acts elsewhere, "source"
+    removes the error where it starts."""
+    name = kind = words = None         # words: the action in the lab's reports and plots
+
+    def __init_subclass__(cls):        # every action is registered by its name
+        ACTIONS[cls.name] = cls
+
+    def __init__(self, **settings):    # QKGuard passes every action's settings: keep ours, None: default
+        for key, value in settings.items():
+            if value is not None and hasattr(self, key):
+                setattr(self, key, value)
+
+    def apply_to_layer(self, attn): pass                # each covered attention layer, at switch-on and resume
+    def lr_scale(self): return 1.0                      # where the loop sets the learning rate
+    def grad_clip(self, base_clip): return base_clip    # where it clips the gradient (base_clip 0: no clip)
+    def after_optimizer_step(self, model, layers, max_logit): return 0    # after each update; heads changed
+
+
+class QKNorm(Action):
+    """The paper's action: parameter-free QK-norm, q and k RMS-normalized per head (|logit| <= scale * head_dim)."""
+    name, kind, words = "qknorm", "qk", "QK-norm"
+
+    def apply_to_layer(self, attn):
+        attn.qk_norm = True
+
+
+class QKClip(Action):
+    """Kimi K2's QK-Clip: after each update, the W_q and W_k rows of each covered head whose max logit
+    S_max passed tau, each times sqrt(tau / S_max), so that the head's logits shrink by tau / S_max."""
+    name, kind, words = "qkclip", "qk", "QK-Clip"
+    tau = 100.0                        # --qkclip-tau
+
+    @torch.no_grad()
+    def after_optimizer_step(self, model, layers, max_logit):
+        clipped = 0
+        for layer in layers:
+            over = max_logit[layer] > self.tau
+            if over.any():
+                factor = torch.where(over, (self.tau / max_logit[layer].clamp_min(1e-30)).sqrt(), 1.0)
+                for w in model.attentions[layer].head_weights():    # W_q, W_k: (n_head, head_dim, n_embd)
+                    w.mul_(factor.to(w.dtype)[:, None, None])
+                clipped += int(over.sum())
+        return clipped
+
+
+class LrDrop(Action):
+    """A non-QK control: the learning rate times lr_factor."""
+    name, kind = "lr-drop", "non-qk"
+    lr_factor = 0.1                    # --lr-drop-factor
+    words = f"the lr cut {1 / lr_factor:g}x"
+
+    def lr_scale(self):
+        return self.lr_factor
+
+
+class Clip(Action):
+    """A non-QK control: the gradient norm clipped at clip_norm, or at the run's own clip if tighter
+    (Adam rescales a clipped gradient back, so this acts mostly through the moments)."""
+    name, kind, words = "clip", "non-qk", "tight gradient clipping"
+    clip_norm = 0.1                    # --clip-tight
+
+    def grad_clip(self, base_clip):
+        return min(base_clip, self.clip_norm) if base_clip > 0 else self.clip_norm
+
+
+class Softcap(Action):
+    """A non-QK control, Gemma 2's: logits capped at c = softcap as c * tanh(logit / c) (in bf16 the
+    capped logits pile up at the cap, making ties of their own)."""
+    name, kind, words = "softcap", "non-qk", "a logit softcap"
+    softcap = 50.0                     # --softcap-value
+
+    def apply_to_layer(self, attn):
+        attn.softcap = self.softcap
+
+
+class FP32Accum(Action):
+    """The fix at the source of the prior work's fault (Qiu & Yao 2025: a bf16 softmax state): that
+    state in fp32, so the biased rounding that starts the runaway is gone."""
+    name, kind, words = "fp32-accum", "source", "fp32 state"
+
+    def apply_to_layer(self, attn):
+        attn.accum = "fp32"
+
+
 class Pending(NamedTuple):
     """A check queued by observe_deferred; `crossed` reaches the host while the next steps run."""
     step: int
@@ -114,16 +197,18 @@ class QKGuard:
     background while the next step runs, so the GPU never waits for it.
     """
 
-    def __init__(self, *, threshold, enabled=False, signal="max-logit", action="qknorm", scope="all",
-                 tau=100.0, lr_factor=0.1, clip_norm=0.1, softcap=50.0):
+    def __init__(self, *, threshold=None, enabled=False, signal="max-logit", action=DEFAULT_ACTION, scope="all",
+                 tau=None, lr_factor=None, clip_norm=None, softcap=None):
         for name, value, valid in (("signal", signal, SIGNALS), ("action", action, ACTIONS),
                                    ("scope", scope, SCOPES)):
             if value not in valid:
                 raise ValueError(f"unknown guard {name} {value!r}: choose one of {', '.join(valid)}")
         self.enabled, self.signal = enabled, signal
-        self.threshold = threshold   # in the signal's units (train.py's default: DEFAULT_THRESHOLD)
-        self.action, self.scope = action, scope
-        self.tau, self.lr_factor, self.clip_norm, self.softcap = tau, lr_factor, clip_norm, softcap
+        # in the signal's units; None: its DEFAULT_THRESHOLD, resolved here only
+        self.threshold = DEFAULT_THRESHOLD[signal] if threshold is None else threshold
+        self.action, self.scope = action, scope      # action: the name, for logs
+        # the action's hooks, with its own setting (None: the action's default)
+        self.act = ACTIONS[action](tau=tau, lr_factor=lr_factor, clip_norm=clip_norm, softcap=softcap)
         self.trigger = None      # {"step", "layer", "head", "value"} of the first crossing
         self.layers = []         # layers the action covers, sorted
         self.pending = None      # observe_deferred's queued check: a Pending
@@ -140,19 +225,17 @@ class QKGuard:
     def triggered(self):
         return self.trigger is not None
 
-    def signal_values(self, max_logit, sigma_head):
-        """(n_layer, n_head) values of the watched signal."""
-        if self.signal == "max-logit":
-            return max_logit
-        return sigma_head[:, 0] * sigma_head[:, 1]
+    # QK-Clip's cap, which attach.py's own clip reads (and its tests set)
+    tau = property(lambda self: self.act.tau, lambda self, value: setattr(self.act, "tau", value))
 
     def watching(self):
         return self.enabled and not (self.triggered and self.scope == "all")
 
     def watched_values(self, max_logit, sigma_head):
-        """The signal of the layers the action does not cover yet; covered layers get -inf, or a
-        signal the action does not lower (sigma-product under qknorm) would cross at every check."""
-        values = self.signal_values(max_logit, sigma_head).float().clone()
+        """The signal (n_layer, n_head) of the layers the action does not cover yet; covered layers get
+        -inf, or a signal the action does not lower (sigma-product under qknorm) would cross each check."""
+        values = max_logit if self.signal == "max-logit" else sigma_head[:, 0] * sigma_head[:, 1]
+        values = values.float().clone()
         values[self.layers] = -math.inf
         return values
 
@@ -189,11 +272,9 @@ class QKGuard:
 
     def switch_on(self, step, values, model):
         """The signal crossed at `step`: extend the action to the new layers; returns the event."""
-        crossed = values > self.threshold
-        crossed_layers = crossed.any(dim=1).nonzero().flatten().tolist()
-        n_layer = values.shape[0]
-        new_layers = list(range(n_layer)) if self.scope == "all" else crossed_layers
-        new_layers = [layer for layer in new_layers if layer not in self.layers]
+        crossed_layers = (values > self.threshold).any(dim=1).nonzero().flatten().tolist()
+        candidates = range(values.shape[0]) if self.scope == "all" else crossed_layers
+        new_layers = [layer for layer in candidates if layer not in self.layers]
         if not new_layers:
             return None
         # report the largest crossing among the layers the action now takes on
@@ -209,46 +290,22 @@ class QKGuard:
         self.apply_to_model(model)
         return event
 
-    # The actions, by where train.py's loop applies them (see ACTIONS).
+    # Where train.py's loop applies the action (its class's hooks), once the guard has fired.
 
     def apply_to_model(self, model):
-        """The attention-side actions, switched on in the covered layers (also after a resume)."""
+        """In the covered attention layers, at the switch-on and again after a resume."""
         for layer in self.layers:
-            attn = model.attentions[layer]
-            if self.action == "qknorm":
-                attn.qk_norm = True
-            elif self.action == "softcap":
-                attn.softcap = self.softcap
-            elif self.action == "fp32-accum":
-                attn.accum = "fp32"
+            self.act.apply_to_layer(model.attentions[layer])
 
     def lr_scale(self):
-        """lr-drop: applied where the loop sets the learning rate."""
-        return self.lr_factor if self.triggered and self.action == "lr-drop" else 1.0
+        return self.act.lr_scale() if self.triggered else 1.0
 
     def grad_clip(self, base_clip):
-        """clip: applied where the loop clips the gradient."""
-        if self.triggered and self.action == "clip":
-            return min(base_clip, self.clip_norm) if base_clip > 0 else self.clip_norm
-        return base_clip
+        return self.act.grad_clip(base_clip) if self.triggered else base_clip
 
-    @torch.no_grad()
     def after_optimizer_step(self, model, max_logit):
-        """qkclip after the update (Kimi K2's QK-Clip): scale the W_q, W_k rows of each covered head
-        with max logit S_max > tau by sqrt(tau / S_max), so its logits shrink by tau / S_max."""
-        if not (self.triggered and self.action == "qkclip"):
-            return 0
-        clipped = 0
-        for layer in self.layers:
-            over = max_logit[layer] > self.tau
-            if not over.any():
-                continue
-            factor = torch.where(over, (self.tau / max_logit[layer].clamp_min(1e-30)).sqrt(), 1.0)
-            w_q, w_k = model.attentions[layer].head_weights()
-            w_q.mul_(factor.to(w_q.dtype)[:, None, None])
-            w_k.mul_(factor.to(w_k.dtype)[:, None, None])
-            clipped += int(over.sum())
-        return clipped
+        """Returns how many heads the action changed (QK-Clip's clipped heads)."""
+        return self.act.after_optimizer_step(model, self.layers, max_logit) if self.triggered else 0
 
     def state_dict(self):
         # a queued check travels too, so a resumed run acts on it when an uninterrupted one would

@@ -274,6 +274,56 @@ def test_qkclip_caps_the_offending_heads_and_nothing_else():
             assert torch.equal(value, before[name]), f"qkclip changed {name}"
 
 
+def test_a_threshold_of_none_is_the_signals_default():
+    from guard import DEFAULT_THRESHOLD
+    assert {s: QKGuard(signal=s).threshold for s in DEFAULT_THRESHOLD} == DEFAULT_THRESHOLD
+    assert QKGuard(threshold=None, signal="sigma-product").threshold == DEFAULT_THRESHOLD["sigma-product"]
+    assert QKGuard(threshold=0.0).threshold == 0.0, "0 is a threshold like any other"
+    model, guard, sig = tiny_model(), QKGuard(enabled=True, threshold=None), torch.ones(2, 2, 2)
+    limit = DEFAULT_THRESHOLD["max-logit"]
+    assert observe(guard, 0, torch.full((2, 2), limit - 1), sig, model) is None
+    assert observe(guard, 1, torch.full((2, 2), limit + 1), sig, model)["threshold"] == limit
+
+
+def test_each_actions_setting_reaches_its_hook_and_defaults_to_train_pys_flag():
+    import config
+    import guard
+    model, sig = tiny_model(), torch.ones(2, 2, 2)
+    guards = {a: QKGuard(enabled=True, threshold=1.0, action=a, tau=7.0, lr_factor=0.25, clip_norm=0.3, softcap=9.0)
+              for a in ("qkclip", "lr-drop", "clip", "softcap")}
+    for g in guards.values():
+        observe(g, 0, torch.full((2, 2), 5.0), sig, model)
+    assert guards["lr-drop"].lr_scale() == 0.25 and guards["clip"].grad_clip(1.0) == 0.3
+    assert [a.softcap for a in model.attentions] == [9.0, 9.0] and guards["qkclip"].tau == 7.0
+    guards["qkclip"].tau = 3.0                          # qkguard/attach.py's tests set it so
+    assert guards["qkclip"].act.tau == 3.0
+    args = config.parse_args([])[0]
+    assert (args.qkclip_tau, args.lr_drop_factor, args.clip_tight, args.softcap_value) == (
+        guard.ACTIONS["qkclip"].tau, guard.ACTIONS["lr-drop"].lr_factor, guard.ACTIONS["clip"].clip_norm,
+        guard.ACTIONS["softcap"].softcap) == (QKGuard(action="qkclip").tau, 0.1, 0.1, 50.0)
+
+
+def test_a_new_action_is_one_class():
+    import guard
+
+    class Halve(guard.Action):
+        """A made-up control: the learning rate halved."""
+        name, kind, words = "halve", "non-qk", "the lr halved"
+
+        def lr_scale(self):
+            return 0.5
+    try:
+        assert guard.ACTIONS["halve"] is Halve
+        g = QKGuard(enabled=True, threshold=1.0, action="halve")
+        assert g.lr_scale() == 1.0 and g.grad_clip(1.0) == 1.0
+        event = observe(g, 0, torch.full((2, 2), 5.0), torch.ones(2, 2, 2), tiny_model())
+        assert event["action"] == "halve" and g.lr_scale() == 0.5 and g.grad_clip(1.0) == 1.0
+    finally:
+        del guard.ACTIONS["halve"]
+    with pytest.raises(ValueError, match="unknown guard action 'halve'"):
+        QKGuard(action="halve")
+
+
 def test_inductor_compiled_model_matches_eager():
     # Inductor, torch.compile's real backend, plans memory from the custom ops' fakes, which promise
     # o, dq, dk, dv in q's transposed layout; a broken promise shows as an error or wrong numbers.

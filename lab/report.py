@@ -25,9 +25,10 @@ import shlex
 import statistics
 import sys
 
+from guard import ACTIONS, DEFAULT_THRESHOLD
 from lab.sweep import (CLAIM3_SITE, CLAIM4_SITES, CLAIMS, COHERENCES, DONE, DOSES, LR_STUDY_ARMS, NO_ERROR,
-                       LONG_STEPS, QKNORM_ALONE, SITES, SOURCES, Unreadable, action_arms, experiments, inject_arm,
-                       long_arms, lr_name, probe_arms, read_log, split_lr)
+                       LONG_STEPS, QKNORM_ALONE, SITES, SOURCES, Unreadable, action_arms, actions_of, experiments,
+                       inject_arm, long_arms, lr_name, probe_arms, read_log, split_lr)
 
 # --------------------------------------------------------------------------------------------------
 # The verdict rules' constants.
@@ -39,8 +40,8 @@ SIGMA_RATIO = 2.0        # "through the QK channel": sigma(W_q or W_k) grew SIGM
                          # much as any other weight matrix's, and as the no-error run's
 LOGIT_RATIO = 10.0       # "beyond the no-error run": max logit >= LOGIT_RATIO x that run's
 LOGIT_GAP = 2.0          # claim 4: one error's max logit "higher" than the other's only by this factor
-GUARD_THRESHOLD = 200.0  # the guard's default max-logit threshold (guard.py; a test keeps them in step)
-LR_DROP_FACTOR = 0.1     # the lr-drop action's default factor (config.py's --lr-drop-factor; a test too)
+GUARD_THRESHOLD = DEFAULT_THRESHOLD["max-logit"]     # the guard's default, for a run that gave none
+LR_DROP_FACTOR = ACTIONS["lr-drop"].lr_factor        # the lr-drop's default (config.py's too; a test checks)
 FIX_TOL = 0.1            # nat: a QK-only fix ends at most FIX_TOL above the no-error run's val loss
 # config.json's flags in which the runs a rule compares may differ: where a run ran and how it logged,
 # not what it trained. config.RESUMABLE_CHANGES (a resume may change them) but max_steps, which arms
@@ -652,8 +653,10 @@ def judged_actions(c, source):
     QK-norm at LONG_STEPS where those ran (sweep.long_arms), else both at the usual horizon."""
     qknorm, (long_qknorm, long_lr_drop) = f"{source}-guard", long_arms(source)
     ran = c.runs.get(long_lr_drop) or c.runs.get(long_qknorm)     # either: the other, missing, counts against
-    lr_drop = (long_lr_drop, long_qknorm) if ran else (f"{source}-guard-lr-drop", qknorm)
-    return [lr_drop, (f"{source}-guard-clip", qknorm), (f"{source}-guard-softcap", qknorm)]
+    pairs = {a: (f"{source}-guard-{a}", qknorm) for a in actions_of("non-qk")}
+    if ran:
+        pairs["lr-drop"] = (long_lr_drop, long_qknorm)
+    return list(pairs.values())
 
 
 def judgeable(c, source, qknorm):
@@ -729,18 +732,20 @@ def non_qk_actions_fail(c, source):
                             else ""))
         lines.append(f"sign test, {arm} over {ref}: {k} seeds one way, {j} the other, p = {p:.3g} -> "
                      f"{'holds' if p < ALPHA else 'fails'}")
-    qkclip = f"{source}-guard-qkclip"
-    line, out = c.count(qkclip, "broke down", broke_down, False)
-    holds, lines = holds and not any(out), lines + [line + " (a QK-side action: the claim wants none)"]
-    if not holds and holds_if_short_failed and not any(out):
+    qk_broke = False
+    for action in actions_of("qk"):
+        line, out = c.count(f"{source}-guard-{action}", "broke down", broke_down, False)
+        qk_broke, lines = qk_broke or any(out), lines + [line + " (a QK-side action: the claim wants none)"]
+    holds = holds and not qk_broke
+    if not holds and holds_if_short_failed and not qk_broke:
         holds = "inconclusive"
         lines.append("inconclusive: it fails only by actions that held over too few steps to tell (had they "
                      "failed, it would hold)")
-    if c.runs.get(f"{source}-guard-fp32-accum"):
-        lines.append(c.count(f"{source}-guard-fp32-accum", "broke down", broke_down, False)[0]
+    for arm in (f"{source}-guard-{a}" for a in actions_of("source") if c.runs.get(f"{source}-guard-{a}")):
+        lines.append(c.count(arm, "broke down", broke_down, False)[0]
                      + " (the source's own fix, for comparison, not judged)")
     gaps, growths, climbs = [], [], []
-    shown = [(f"{source}-guard-{a}", qknorm) for a in ("lr-drop", "clip", "softcap", "qkclip")] + [(qknorm, qknorm)]
+    shown = [(f"{source}-guard-{a}", qknorm) for a in actions_of("non-qk") + actions_of("qk")] + [(qknorm, qknorm)]
     if c.runs.get(long_lr_drop) or c.runs.get(long_qknorm):
         shown += [(long_lr_drop, long_qknorm), (long_qknorm, long_qknorm)]
     for arm, ref in shown:
@@ -855,8 +860,8 @@ RULES = [
           f"inconclusive); the lr-drop is judged at "
           f"{LONG_STEPS} steps against QK-norm at {LONG_STEPS} where those arms ran. "
           "Adam rescales a clipped gradient back, so clip acts mostly through the moments",
-     lambda source: [source, *(a for a in action_arms(source) if not a.endswith("fp32-accum")
-                               and a not in long_arms(source))],
+     lambda source: [source, *(a for a in action_arms(source) if a not in long_arms(source)
+                               and a not in [f"{source}-guard-{s}" for s in actions_of("source")])],
      non_qk_actions_fail),
     ("7", "the same on llama: llama-bf16 collapses where llama-fp32 does not, llama-bf16-guard prevents it within "
           "LOSS_TOL of always-on QK-norm, and llama-fp32-guard stays dormant",
@@ -1784,8 +1789,10 @@ NAMED_ARMS = {"bf16-safemax": "bf16 state with safemax (the prior work's fix)",
               "bf16-all": "bf16 state, logits, P V and the backward rounded"}
 
 
-ACTION_WORDS = {"lr-drop": "the lr cut 10x", "clip": "tight gradient clipping", "softcap": "a logit softcap",
-                "qkclip": "QK-Clip", "fp32-accum": "fp32 state"}   # claim 6's actions (guard.py's ACTIONS)
+def action_words(rest):
+    """'guard-<action>' in words, from guard.py's registry (claim 6's actions); else rest as it is."""
+    action = ACTIONS.get(rest[len("guard-"):])
+    return action.words if action else rest
 
 
 def arm_words(name):
@@ -1814,7 +1821,7 @@ def arm_words(name):
                     "probe-equal": "equal energy removed elsewhere", "probe-fixed": "a fixed random QK subspace "
                     "removed", "probe-shrink": "the whole update shrunk as much",
                     "probe-nextk": "QK's next k directions removed", "probe-v-topk": "W_v's top-k removed", "probe-mlp-topk": "the MLP's top-k removed"}.get(
-                        rest, f"QK-Guard's trigger, then {ACTION_WORDS.get(rest[len('guard-'):], rest)}")
+                        rest, f"QK-Guard's trigger, then {action_words(rest)}")
             short = {"bf16": "bf16 state", "assay": "injected delta error", "lr": "lr 3e-2"}.get(source, source)
             return f"{short}: {rest}"
     return name

@@ -24,6 +24,8 @@ import sys
 import time
 import zlib
 
+from guard import ACTIONS, DEFAULT_ACTION   # claim 6's actions: guard.py's registry, not a copy
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))   # the reference: train.py, prepare_data.py
 
 # Seeds per arm. report.py compares two arms by an exact sign test over the seeds where they
@@ -91,12 +93,17 @@ SOFTCAP = 500
 LONG_STEPS = 2500
 
 
+def actions_of(kind):
+    """guard.py's actions of a kind ("non-qk", "qk", "source"), in its order, less the guard's own."""
+    return [name for name, action in ACTIONS.items() if action.kind == kind and name != DEFAULT_ACTION]
+
+
 def action_arms(source):
     """Claim 6: the source (the rule judges only seeds where it runs away), QK-Guard's own action
-    (QK-norm) and the others at its trigger; fp32-accum only where the state is bf16 (fp32 state has
-    nothing to switch)."""
+    (QK-norm) and the others at its trigger: the non-QK controls, the other QK-side ones, and the fixes
+    at the source only where the state is bf16 (fp32 state has nothing to switch)."""
     base = f"{SOURCES[source]} --guard on"
-    actions = ["lr-drop", "clip", "softcap", "qkclip"] + (["fp32-accum"] if "--accum bf16" in base else [])
+    actions = actions_of("non-qk") + actions_of("qk") + (actions_of("source") if "--accum bf16" in base else [])
     extra = {"softcap": f" --softcap-value {SOFTCAP}"}
     return {source: SOURCES[source], f"{source}-guard": base,
             **{f"{source}-guard-{a}": f"{base} --guard-action {a}{extra.get(a, '')}" for a in actions},

@@ -873,9 +873,33 @@ def test_run_reads_the_lr_studys_numbers(tmp_path):
     assert report.Run(str(path)).final_val == 3.5 and report.Run(str(path)).init_val == 5.0
 
 
-def test_the_guard_threshold_is_the_guards_default():
+@pytest.fixture
+def new_action():
+    """A made-up non-QK control, added the one way a new action is: a subclass of guard.Action."""
     import guard
-    assert report.GUARD_THRESHOLD == guard.DEFAULT_THRESHOLD["max-logit"]
+
+    class Halve(guard.Action):
+        name, kind, words = "halve", "non-qk", "the lr halved"
+
+        def lr_scale(self):
+            return 0.5
+    yield Halve
+    del guard.ACTIONS["halve"]
+
+
+def test_claim_6s_actions_are_guard_pys_registry(tmp_path, new_action):
+    import guard
+    arms = sweep.action_arms("bf16")
+    assert {a for a in arms if a.startswith("bf16-guard-") and not a.endswith("-long")} == \
+        {f"bf16-guard-{a}" for a in guard.ACTIONS if a != guard.DEFAULT_ACTION} >= {"bf16-guard-halve"}
+    assert arms["bf16-guard-halve"] == "--accum bf16 --guard on --guard-action halve"
+    assert "assay-guard-halve" in sweep.action_arms("assay") and "assay-guard-fp32-accum" not in sweep.action_arms(
+        "assay"), "a fix at the source runs only where the state is bf16"
+    assert report.arm_words("bf16-guard-halve") == "bf16 state: QK-Guard's trigger, then the lr halved"
+    # rule 6 judges it as it does the other non-QK controls: it must fail too
+    assert judge(tmp_path / "held", "6", {**RULE6, "bf16-guard-halve": arm(0, TRIG)}) == "not reproduced"
+    assert judge(tmp_path / "failed", "6", {**RULE6, "bf16-guard-halve": arm(7, COLLAPSED_AFTER, rest=TRIG)}) == \
+        "reproduced"
 
 
 def test_the_lr_drop_factor_is_train_pys_default():
@@ -1264,9 +1288,6 @@ def test_the_flags_a_rules_arms_may_differ_in():
     assert report.OWN_FLAGS["lr-guard-clip"] == {"accum", "lr", "min_lr", "warmup_steps", "schedule", "guard",
                                                  "guard_action"}
     assert set(report.OWN_FLAGS) >= {n for s in sweep.SOURCES for n in sweep.experiments([5, 6], source=s)}
-    out = subprocess.run([sys.executable, "-c", "import sys, lab.report; print('torch' in sys.modules)"],
-                         capture_output=True, text=True, timeout=60, cwd=ROOT)
-    assert out.stdout == "False\n", "report.py reads the runs without torch"
 
 
 @pytest.mark.parametrize("root", ["lab", "lr"])
