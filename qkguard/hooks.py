@@ -577,14 +577,15 @@ def _tensorboard_writer(logdir):
 
 
 def attach(model, adapter="auto", *, threshold=None, signal="max-logit", action="qknorm", scope="all",
-           enabled=True, tau=100.0, interval=1, seqs=1, rows=None, seed=0, tensorboard=None, log_every=10):
+           enabled=True, tau=None, interval=1, seqs=1, rows=None, seed=0, tensorboard=None, log_every=10):
     """Attach QK-Guard to `model`; returns an AttachedGuard (call its step() after each update).
 
     adapter    "auto", a name in ADAPTERS, or a function model -> [Layer]
     threshold  in the signal's units; None: the signal's default (guard.DEFAULT_THRESHOLD: max-logit 200,
                sigma-product 50)
     signal     "max-logit" (sampled from q and k) or "sigma-product" (sigma(W_q,h) sigma(W_k,h))
-    action     "qknorm" or "qkclip" (tau: QK-Clip's cap); scope "all" or "crossed", as in guard.py
+    action     "qknorm" or "qkclip" (tau: QK-Clip's cap; None: guard.QKClip's); scope "all" or "crossed", as
+               in guard.py
     enabled    False: watch and log, never act (the unguarded run of a comparison)
     interval   monitor one update in N (updates 0, N, 2N, ...: a spike on the updates between is not seen),
                reading `seqs` sequences of the batch and `rows` positions of each (drawn anew each step;
@@ -602,8 +603,6 @@ def attach(model, adapter="auto", *, threshold=None, signal="max-logit", action=
         raise ValueError(f"attach: interval ({interval!r}) must be an integer >= 1, seqs ({seqs!r}) and rows "
                          f"({rows!r}) integers >= 1 or None")
     layers = find_layers(model, adapter)
-    # MERGE: once guard.QKGuard reads threshold=None as its signal's default, pass `threshold` as it is
-    threshold = DEFAULT_THRESHOLD[signal] if threshold is None else threshold
     qkguard = QKGuard(threshold=threshold, enabled=enabled, signal=signal, action=action, scope=scope, tau=tau)
     return AttachedGuard(model, layers, qkguard, interval=interval, seqs=seqs, rows=rows, seed=seed,
                          tensorboard=tensorboard, log_every=log_every)
