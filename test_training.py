@@ -466,11 +466,12 @@ def _files(folder):
 
 def test_sigterm_then_resume_matches_an_uninterrupted_run(tmp_path, data_dir):
     # mid-interval stops (log every 4 steps), dropout, a guard that fires, and (where lab/ is) an injected
-    # error and the probe: every piece of state the checkpoint must carry
+    # error and the probe: every piece of state the checkpoint must carry. A stop between monitor checks
+    # (--monitor-interval 3) keeps the unchecked max logit.
     assay = ["--inject-site", "mlp-out", "--inject-scale", "0.1", "--inject-coherence", "0.8", "--probe", "qk-topk"]
     common = ["--max-steps", "150", "--eval-interval", "1000", "--ckpt-interval", "1000", "--dropout", "0.1",
               "--on-collapse", "continue", "--log-interval", "4", "--guard", "on", "--guard-threshold", "0.15",
-              *(assay if LAB else []), "--monitor-interval", "3"]  # a stop between checks keeps the unchecked max logit
+              *(assay if LAB else []), "--monitor-interval", "3"]
     full = train(tmp_path / "full", data_dir, *common)
     assert full.returncode == 0, full.stderr
     cut = tmp_path / "cut"
@@ -775,7 +776,8 @@ def test_resume_with_repeated_flags_and_a_sparse_monitor(tmp_path, data_dir):
     still sees every step's max logit, and a resume between monitored steps has sigmas to log."""
     out = tmp_path / "run"
     flags = [*(["--inject-site", "mlp-out", "--inject-scale", "0.05"] if LAB else []), "--monitor-interval", "3",
-             "--guard", "on", "--guard-threshold", "1.5", "--lr", "1e-2", "--warmup-steps", "1", "--schedule", "constant"]
+             "--guard", "on", "--guard-threshold", "1.5", "--lr", "1e-2", "--warmup-steps", "1",
+             "--schedule", "constant"]
     assert train(out, data_dir, "--max-steps", "4", *flags).returncode == 0
     result = train(out, data_dir, "--max-steps", "30", "--resume", *flags)
     assert result.returncode == 0, result.stderr

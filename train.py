@@ -73,14 +73,9 @@ def main(argv=None):
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             assay.after_update(model)
-            # (6) watch W_q's and W_k's top singular values and the max logit. The guard's check is
-            # deferred: a crossing acts one monitored step later, so the GPU never waits for it.
+            # (6) watch W_q's and W_k's top singular values and the max logit; the guard checks them
             if step % args.monitor_interval == 0:
-                monitor.measure(model, args.power_iters, kinds=QK_KINDS)
-                event = guard.observe_deferred(step, totals.take_monitor_max_logit(), monitor.sigma_head, model)
-                if event:
-                    detector.pause(event["active_from"] + args.collapse_grace)   # the switch is not a collapse
-                    log.write(event, trigger_line(event, guard))
+                watch(step, model, monitor, guard, detector, totals, args, log)
             # (7) act after the update: QK-Clip scales the offending heads' W_q, W_k
             guard.after_optimizer_step(model, out.max_logit)
 
@@ -106,10 +101,7 @@ def main(argv=None):
     except BaseException as e:
         log.write({"event": "end", "status": "error", "step": step, "error": f"{type(e).__name__}: {e}"})
         raise
-    # guard_pending: a crossing at the last check, left without a step to act on
-    end = {"event": "end", "status": status, "step": step, "collapse_step": detector.collapsed_at,
-           "guard_trigger": guard.trigger, "guard_pending": guard.pending_crossing(), "val_loss": val_loss}
-    log.write(end, end_line(end, guard, args.out_dir))
+    write_end_record(status, step, val_loss, detector, guard, args, log)
     dist.close()
 
 
@@ -215,6 +207,17 @@ def validation_loss(eval_model, batches, step, args, dist, autocast, log):
     return val_loss
 
 
+def watch(step, model, monitor, guard, detector, totals, args, log):
+    """Measure W_q's and W_k's top singular values, and give them and the max logit since the last
+    check to the guard. Its check is deferred: a crossing acts one monitored step later, so the GPU
+    never waits for it."""
+    monitor.measure(model, args.power_iters, kinds=QK_KINDS)
+    event = guard.observe_deferred(step, totals.take_monitor_max_logit(), monitor.sigma_head, model)
+    if event:
+        detector.pause(event["active_from"] + args.collapse_grace)   # the switch is not a collapse
+        log.write(event, trigger_line(event, guard))
+
+
 def write_interval_record(step, lr, grad_norm, model, args, dist, log, totals, monitor, guard, assay):
     """Write the record of the interval that ends at `step` (mean loss, max logit and sigmas since the
     last record, at the last update, step - 1) and start the next interval; returns the record."""
@@ -316,20 +319,23 @@ def trigger_line(event, guard):
             f"{event['layers']} from step {event['active_from']}")
 
 
-def end_line(end, guard, out_dir):
-    """The run's last console line, from its end record: what happened, and when."""
-    what = [f"run {end['status']} at step {end['step']}"]
+def write_end_record(status, step, val_loss, detector, guard, args, log):
+    """The end record, and the run's last console line: what happened, and when. guard_pending: a
+    crossing at the last check, left without a step to act on."""
+    end = {"event": "end", "status": status, "step": step, "collapse_step": detector.collapsed_at,
+           "guard_trigger": guard.trigger, "guard_pending": guard.pending_crossing(), "val_loss": val_loss}
+    what = [f"run {status} at step {step}"]
     if guard.trigger:
         what.append(f"QK-Guard fired at step {guard.trigger['step']} ({guard.signal} {guard.trigger['value']:.1f} > "
                     f"{guard.threshold:g}, layer {guard.trigger['layer']} head {guard.trigger['head']}) and "
                     f"{guard.action} stayed on")
     elif guard.enabled:
         what.append(f"QK-Guard stayed dormant ({guard.signal} never crossed {guard.threshold:g})")
-    if end["collapse_step"] is not None:
-        what.append(f"the loss collapsed from step {end['collapse_step']}")
-    if end["val_loss"] is not None:
-        what.append(f"val loss {end['val_loss']:.4f}")
-    return "; ".join(what) + f". Log and checkpoint in {out_dir}"
+    if detector.collapsed_at is not None:
+        what.append(f"the loss collapsed from step {detector.collapsed_at}")
+    if val_loss is not None:
+        what.append(f"val loss {val_loss:.4f}")
+    log.write(end, "; ".join(what) + f". Log and checkpoint in {args.out_dir}")
 
 
 def vocabulary(args, typed, windows):
