@@ -394,7 +394,7 @@ class Probe:
         return {**stats, "removed_fraction_min": self.fraction_min}
 
     def reset_interval(self):
-        """Start the next interval's removed_fraction_min (train.py calls it after each record)."""
+        """Start the next interval's removed_fraction_min (Assay.log_stats, at each log record)."""
         self.fraction_min = 1.0
 
     def state_dict(self):
