@@ -110,10 +110,10 @@ class GPT2Tokenizer:
 
 
 def get_tokenizer(name):
-    """The tokenizer a meta.json names ('r50k_base': GPT-2's, as older datasets name it)."""
+    """The tokenizer a meta.json names."""
     if name == "byte":
         return ByteTokenizer()
-    if name in ("gpt2", GPT2_ENCODING):
+    if name == "gpt2":
         return GPT2Tokenizer()
     raise DataError(f"unknown tokenizer {name!r}: choose one of {', '.join(TOKENIZERS)}")
 
@@ -496,8 +496,7 @@ class TokenWindows:
         if not isinstance(meta, dict):
             raise SystemExit(f"error: {meta_path} is not a dataset description: {redo}")
         self.content_hash = meta.get("content_sha256")
-        # what the model is sized for; older datasets name GPT-2's BPE r50k_base
-        self.tokenizer = "gpt2" if meta.get("tokenizer") == GPT2_ENCODING else meta.get("tokenizer")
+        self.tokenizer = meta.get("tokenizer")           # what the model is sized for
         self.vocab_size = meta.get("vocab_size")
         if self.tokenizer not in TOKENIZERS or not isinstance(self.vocab_size, int):
             raise SystemExit(f"error: {meta_path} names no known tokenizer and vocabulary (tokenizer "

@@ -13,10 +13,9 @@ import os
 
 import torch
 
-import config
 import model as model_lib
 import prepare_data
-import runtime
+import run
 from guard import QKGuard
 
 
@@ -25,26 +24,26 @@ def main(argv=None):
     p.add_argument("run_dir", help="a run directory that holds ckpt.pt")
     p.add_argument("--prompt", default="\n", help="text to continue (default: a newline; empty: from the "
                    "end-of-text token, as at the start of a document)")
-    p.add_argument("--num-samples", type=config.COUNT, default=3)
-    p.add_argument("--max-new-tokens", type=config.COUNT, default=200)
-    p.add_argument("--temperature", type=config.POSITIVE, default=0.8)
-    p.add_argument("--top-k", type=config.COUNT, default=200)
-    p.add_argument("--seed", type=config.SIZE, default=0)
+    p.add_argument("--num-samples", type=run.COUNT, default=3)
+    p.add_argument("--max-new-tokens", type=run.COUNT, default=200)
+    p.add_argument("--temperature", type=run.POSITIVE, default=0.8)
+    p.add_argument("--top-k", type=run.COUNT, default=200)
+    p.add_argument("--seed", type=run.SIZE, default=0)
     p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N")
     args = p.parse_args(argv)
     path = os.path.join(args.run_dir, "ckpt.pt")
     if not os.path.exists(path):
         p.error(f"{path} does not exist: give a run directory that saved a checkpoint")
-    device = torch.device(runtime.device_name(args.device))
-    run, state, model, guard = load_run(path, device)
-    enc = prepare_data.get_tokenizer(run.tokenizer)
+    device = torch.device(run.device_name(args.device))
+    saved, state, model, guard = load_run(path, device)
+    enc = prepare_data.get_tokenizer(saved.tokenizer)
     # an empty prompt starts at a document boundary, the end-of-text token, as every file ends with
     idx = torch.tensor([enc.encode(args.prompt) or [enc.eot_token]] * args.num_samples, device=device)
     torch.manual_seed(args.seed)
     with torch.autocast(device.type, dtype=torch.bfloat16) if device.type == "cuda" else contextlib.nullcontext():
         out = model.generate(idx, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k)
-    what = f"step {state['step']}, accum {run.accum}, guard " + (
-        f"fired at step {guard.trigger['step']} ({guard.action} on)" if guard.triggered else run.guard)
+    what = f"step {state['step']}, accum {saved.accum}, guard " + (
+        f"fired at step {guard.trigger['step']} ({guard.action} on)" if guard.triggered else saved.guard)
     for i, row in enumerate(out.tolist()):
         text = enc.decode(row)
         print(f"---------------- sample {i + 1} of {args.run_dir} ({what})\n{text}")
@@ -52,14 +51,14 @@ def main(argv=None):
 
 def load_run(path, device):
     """(the run's flags, its checkpoint, the model in eval mode as it was when it stopped, its guard)."""
-    state = runtime.load_checkpoint(path)
-    run = argparse.Namespace(**{**runtime.OLD_RUN_VOCABULARY, **state["args"]})
-    model = model_lib.GPT(config.model_config(run)).to(device)
+    state = run.load_checkpoint(path)
+    saved = argparse.Namespace(**state["args"])
+    model = model_lib.GPT(run.model_config(saved)).to(device)
     model.load_state_dict(state["model"])
-    guard = QKGuard.from_args(run)
+    guard = QKGuard.from_args(saved)
     guard.load_state_dict(state["guard"])
     guard.apply_to_model(model)   # a fired guard's attention-side action stays on
-    return run, state, model.eval(), guard
+    return saved, state, model.eval(), guard
 
 
 if __name__ == "__main__":

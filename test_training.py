@@ -18,11 +18,12 @@ import torch
 import model as model_lib
 from guard import CollapseDetector, QKGuard, SpectralMonitor
 from model import WEIGHT_KINDS
-from test_assay import topk_removed
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 TINY = ["--preset", "cpu", "--n-layer", "2", "--n-head", "2", "--n-embd", "32", "--block-size", "32",
         "--batch-size", "4", "--attn-impl", "torch", "--device", "cpu", "--eval-iters", "2", "--log-interval", "1"]
+LAB = importlib.util.find_spec("lab") is not None   # lab/assay.py's flags (--inject-*, --qk-fix, --probe*) need it
+needs_lab = pytest.mark.skipif(not LAB, reason="the assay's flags live in lab/, which is absent")
 
 
 def tiny_model(arch="gpt2", **kw):
@@ -286,7 +287,7 @@ def test_a_threshold_of_none_is_the_signals_default():
 
 
 def test_each_actions_setting_reaches_its_hook_and_defaults_to_train_pys_flag():
-    import config
+    import run
     import guard
     model, sig = tiny_model(), torch.ones(2, 2, 2)
     guards = {a: QKGuard(enabled=True, threshold=1.0, action=a, tau=7.0, lr_factor=0.25, clip_norm=0.3, softcap=9.0)
@@ -297,7 +298,7 @@ def test_each_actions_setting_reaches_its_hook_and_defaults_to_train_pys_flag():
     assert [a.softcap for a in model.attentions] == [9.0, 9.0] and guards["qkclip"].tau == 7.0
     guards["qkclip"].tau = 3.0                          # qkguard/attach.py's tests set it so
     assert guards["qkclip"].act.tau == 3.0
-    args = config.parse_args([])[0]
+    args = run.parse_args([])[0]
     assert (args.qkclip_tau, args.lr_drop_factor, args.clip_tight, args.softcap_value) == (
         guard.ACTIONS["qkclip"].tau, guard.ACTIONS["lr-drop"].lr_factor, guard.ACTIONS["clip"].clip_norm,
         guard.ACTIONS["softcap"].softcap) == (QKGuard(action="qkclip").tau, 0.1, 0.1, 50.0)
@@ -514,12 +515,13 @@ def _files(folder):
 
 
 def test_sigterm_then_resume_matches_an_uninterrupted_run(tmp_path, data_dir):
-    # mid-interval stops (log every 4 steps), dropout, a guard that fires, an injected error and the
-    # probe: every piece of state the checkpoint must carry
+    # mid-interval stops (log every 4 steps), dropout, a guard that fires, and (where lab/ is) an injected
+    # error and the probe: every piece of state the checkpoint must carry. A stop between monitor checks
+    # (--monitor-interval 3) keeps the unchecked max logit.
+    assay = ["--inject-site", "mlp-out", "--inject-scale", "0.1", "--inject-coherence", "0.8", "--probe", "qk-topk"]
     common = ["--max-steps", "150", "--eval-interval", "1000", "--ckpt-interval", "1000", "--dropout", "0.1",
               "--on-collapse", "continue", "--log-interval", "4", "--guard", "on", "--guard-threshold", "0.15",
-              "--inject-site", "mlp-out", "--inject-scale", "0.1", "--inject-coherence", "0.8", "--probe", "qk-topk",
-              "--monitor-interval", "3"]  # a stop between checks keeps the unchecked max logit
+              *(assay if LAB else []), "--monitor-interval", "3"]
     full = train(tmp_path / "full", data_dir, *common)
     assert full.returncode == 0, full.stderr
     cut = tmp_path / "cut"
@@ -727,7 +729,7 @@ def _numeric_flags(parser):
 
 
 # Flags that accept 0, with the meaning their help gives (or plain: a seed, a rate of 0, no warmup).
-ZERO_MEANS = {"--block-n", "--softcap", "--attn-scale", "--guard-threshold", "--decay-steps", "--grad-clip",
+ZERO_MEANS = {"--block-n", "--softcap", "--attn-scale", "--decay-steps", "--grad-clip",
               "--seed", "--warmup-steps", "--weight-decay", "--dropout", "--min-lr", "--beta1", "--beta2",
               "--collapse-smoothing", "--collapse-grace", "--inject-coherence", "--workers", "--warmup"}
 
@@ -735,15 +737,15 @@ ZERO_MEANS = {"--block-n", "--softcap", "--attn-scale", "--guard-threshold", "--
 def test_every_numeric_flag_refuses_nonsense_in_one_line():
     """0, -1, nan and inf through each numeric flag of train.py and prepare_data.py: a one-line error
     or (0 only) a value its help gives a meaning. Never a traceback. (lab/test_tools.py: the lab's.)"""
-    import config
-    cases = [("train.py", config.build_parser(), [])]
+    import run
+    cases = [("train.py", run.build_parser(), [])]
     checked = 0
     for name, parser, base in cases:
         for action in _numeric_flags(parser):
             flag = action.option_strings[0]
             for value in ("0", "-1", "nan", "inf"):
                 try:
-                    config.parse_args([flag, value]) if name == "train.py" else parser.parse_args(base + [flag, value])
+                    run.parse_args([flag, value]) if name == "train.py" else parser.parse_args(base + [flag, value])
                     accepted = True
                 except SystemExit as e:
                     accepted = e.code == 0
@@ -769,113 +771,32 @@ def assert_numeric_flags_refuse_nonsense(scripts, cwd):
                 assert len(result.stderr.strip().splitlines()[-1]) > 0 and "error" in result.stderr, result.stderr
 
 
-# --------------------------------------------------------------------------------------------------
-# The assay wired into train.py
-
-def test_qk_fix_clean_grad_replaces_only_the_qk_gradients():
-    import assay
-    from assay import ErrorInjector
-    torch.manual_seed(0)
-    model = tiny_model(accum="bf16")
-    injector = ErrorInjector("delta", 0.5, 1.0, 2, 2, 32, seed=0).attach(model)  # two faults
-    injector.begin_step(0)
-    idx = torch.randint(0, 128, (4, 16))
-    x, y = idx[:, :-1], idx[:, 1:]
-    model(x, y)[1].backward()                           # the unmodified, faulty step
-    faulty = {name: p.grad.clone() for name, p in model.named_parameters()}
-    clean = assay.clean_qk_grads(model, x, y, contextlib.nullcontext, 1.0, injector)
-    for name, p in model.named_parameters():           # nothing but the returned tensors changed
-        assert torch.equal(p.grad, faulty[name]), name
-    assert all(a.accum == "bf16" and a.delta_error is not None for a in model.attentions), "faults restored"
-    model.zero_grad()
-    with assay.fault_free(model, injector):
-        model(x, y)[1].backward()
-    for w, g in zip(model.qk_weights(), clean):
-        assert torch.allclose(g, w.grad, rtol=1e-5, atol=1e-8), "clean-grad must equal the fault-free gradient"
-    names = {id(p): n for n, p in model.named_parameters()}
-    assert all(not torch.allclose(faulty[names[id(w)]], w.grad) for w in model.qk_weights()), \
-        "the fault should change the QK gradient, or the test shows nothing"
+def test_the_guard_threshold_defaults_to_the_signals_own_and_the_run_records_the_number():
+    import run
+    from guard import DEFAULT_THRESHOLD
+    for argv, threshold in (([], DEFAULT_THRESHOLD["max-logit"]), (["--guard-signal", "sigma-product"],
+                            DEFAULT_THRESHOLD["sigma-product"]), (["--guard-threshold", "7"], 7.0)):
+        assert run.parse_args(argv)[0].guard_threshold == threshold, argv   # config.json records args as parsed
+    with pytest.raises(SystemExit):
+        run.parse_args(["--guard-threshold", "0"])      # no sentinel: a threshold of 0 would fire at once
 
 
-def top_part(dW, W, k):
-    """dW's part in W's top-k singular directions, on either side (test_assay.topk_removed)."""
-    U, _, Vh = torch.linalg.svd(W)
-    return topk_removed(dW, U[:, :k], Vh[:k].T)
-
-
-@pytest.mark.parametrize("argv", [
-    ["--inject-site", "attn-out", "--inject-scale", "0.1"],
-    ["--inject-site", "mlp-out", "--inject-scale", "0.1", "--inject-coherence", "0.5", "--qk-fix", "qknorm"],
-    ["--inject-site", "delta", "--inject-scale", "0.3", "--qk-fix", "clean-grad"],
-    ["--inject-site", "grad-wv", "--inject-scale", "0.2", "--inject-layers", "1"],
-    ["--inject-site", "residual", "--inject-scale", "matched", "--probe", "qk-topk"],
-    ["--accum", "bf16", "--probe", "equal-energy", "--probe-k", "4"],  # k != 3 (default) or n_layer
-    ["--accum", "bf16", "--probe", "qk-fixed"],
-])
-def test_assay_runs_log_what_they_did(tmp_path, data_dir, argv):
-    out = tmp_path / "run"
-    result = train(out, data_dir, "--max-steps", "3", "--ckpt-interval", "1", *argv)
-    assert result.returncode == 0, result.stderr
-    steps = [r for r in read_log(out) if "loss" in r and "event" not in r]
-    assert len(steps) == 3
-    if "--inject-site" in argv:
-        assert all(r["inject_rms_ratio"] > 0 for r in steps)
-        assert all(len(r["inject_signs"]) == (1 if "--inject-layers" in argv else 2) for r in steps)
-    if "--probe" in argv:
-        # the last update, ckpt.pt.prev (after step 2) to ckpt.pt, against an SVD done here
-        k = int(argv[argv.index("--probe-k") + 1]) if "--probe-k" in argv else 3
-        before, after = (torch.load(out / name, weights_only=False)["model"] for name in ("ckpt.pt.prev", "ckpt.pt"))
-        probe = steps[-1]["probe"]
-        for name in ("q", "k"):
-            assert len(probe[f"{name}_target"]) == 2
-            for layer, target in enumerate(probe[f"{name}_target"]):
-                W = before[f"blocks.{layer}.attn.{name}_proj.weight"]
-                dW = after[f"blocks.{layer}.attn.{name}_proj.weight"] - W
-                if "qk-topk" in argv:   # nothing left in the top k; the (k+1)-th still moves
-                    assert top_part(dW, W, k).norm() < 1e-3 * dW.norm()
-                    assert top_part(dW, W, k + 1).norm() > 0.05 * dW.norm()
-                elif "qk-fixed" in argv:   # its own subspace, not the top k: they keep moving
-                    assert top_part(dW, W, k).norm() > 0.05 * dW.norm() and probe[f"{name}_removed"][layer] > 0
-                else:                   # the control: the top k keep what qk-topk removes
-                    assert top_part(dW, W, k).norm().item() == pytest.approx(target, rel=1e-3)
-                    assert probe[f"{name}_removed"][layer] > 0
-
-
-def test_clean_grad_and_inject_layers_move_exactly_the_weights_they_should(tmp_path, data_dir):
-    # One step, same seed, no clipping (it would couple all gradients). clean-grad: W_q, W_k as in
-    # the fault-free run, all else as in the faulty run (the delta site's error is backward-side, so
-    # its clean gradient is the fault-free one). --inject-layers 1: only layer 1's W_v moves.
-    def one_step(name, *argv):
-        result = train(tmp_path / name, data_dir, "--max-steps", "1", "--grad-clip", "0", *argv)
-        assert result.returncode == 0, result.stderr
-        return torch.load(tmp_path / name / "ckpt.pt", weights_only=False)["model"]
-
-    fault = ["--inject-site", "delta", "--inject-scale", "0.5"]
-    clean, faulty = one_step("clean"), one_step("faulty", *fault)
-    fixed = one_step("fixed", *fault, "--qk-fix", "clean-grad")
-    qk = {name for name in clean if name.endswith(("q_proj.weight", "k_proj.weight"))}
-    assert len(qk) == 4
-    for name in clean:
-        torch.testing.assert_close(fixed[name], (clean if name in qk else faulty)[name], rtol=0, atol=1e-7, msg=name)
-    assert all(not torch.allclose(faulty[name], clean[name], rtol=0, atol=1e-6) for name in qk), \
-        "the fault should change the QK update, or the test shows nothing"
-    wv = one_step("wv", "--inject-site", "grad-wv", "--inject-scale", "0.5", "--inject-layers", "1")
-    assert {name for name in clean if not torch.equal(wv[name], clean[name])} == {"blocks.1.attn.v_proj.weight"}
-
-
-@pytest.mark.parametrize("argv, flag", [
-    (["--inject-site", "attn-out"], "--inject-scale"),
-    (["--inject-site", "mlp-out", "--inject-scale", "-1"], "--inject-scale"),
-    (["--inject-site", "mlp-out", "--inject-scale", "0.1", "--inject-coherence", "1.5"], "--inject-coherence"),
-    (["--inject-scale", "0.1"], "--inject-scale"),
-    (["--qk-fix", "clean-grad"], "--qk-fix"),
-    (["--inject-site", "mlp-out", "--inject-scale", "0.1", "--qk-fix", "clean-grad"], "--qk-fix qknorm"),
-    (["--probe", "qk-topk", "--probe-k", "0"], "--probe-k"),
-    (["--inject-site", "mlp-out", "--inject-scale", "0.1", "--inject-layers", "1,x"], "--inject-layers"),
-])
-def test_assay_flag_combinations_that_make_no_sense_are_refused(tmp_path, data_dir, argv, flag):
-    result = train(tmp_path / "run", data_dir, *argv)
-    assert result.returncode != 0 and flag in result.stderr, result.stderr
+@needs_lab
+def test_without_lab_a_run_that_used_the_assay_is_refused_on_resume_in_one_line(tmp_path, data_dir):
+    reference = tmp_path / "reference"     # the root's files alone: `rm -r lab`
+    reference.mkdir()
+    for name in os.listdir(ROOT):
+        if name.endswith(".py"):
+            shutil.copy(os.path.join(ROOT, name), reference / name)
+    for name, argv in (("plain", []), ("probed", ["--probe", "qk-topk"])):
+        assert train(tmp_path / name, data_dir, "--max-steps", "1", *argv).returncode == 0
+    resume = lambda name: subprocess.run(
+        [sys.executable, str(reference / "train.py"), "--data-dir", data_dir, "--out-dir", str(tmp_path / name),
+         "--max-steps", "2", "--resume"], capture_output=True, text=True, timeout=300, cwd=reference)
+    assert resume("plain").returncode == 0, "a run that used no assay flag goes on without lab/"
+    result = resume("probed")
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode != 0 and len(lines) == 1 and "--probe qk-topk" in lines[0] and "lab/" in lines[0], lines
 
 
 def test_resuming_a_finished_run_asks_for_more_steps(tmp_path, data_dir):
@@ -904,8 +825,9 @@ def test_resume_with_repeated_flags_and_a_sparse_monitor(tmp_path, data_dir):
     """Repeating the run's own flags on --resume is fine (a sweep does); monitoring every 3rd step
     still sees every step's max logit, and a resume between monitored steps has sigmas to log."""
     out = tmp_path / "run"
-    flags = ["--inject-site", "mlp-out", "--inject-scale", "0.05", "--monitor-interval", "3", "--guard", "on",
-             "--guard-threshold", "1.5", "--lr", "1e-2", "--warmup-steps", "1", "--schedule", "constant"]
+    flags = [*(["--inject-site", "mlp-out", "--inject-scale", "0.05"] if LAB else []), "--monitor-interval", "3",
+             "--guard", "on", "--guard-threshold", "1.5", "--lr", "1e-2", "--warmup-steps", "1",
+             "--schedule", "constant"]
     assert train(out, data_dir, "--max-steps", "4", *flags).returncode == 0
     result = train(out, data_dir, "--max-steps", "30", "--resume", *flags)
     assert result.returncode == 0, result.stderr
@@ -921,11 +843,13 @@ def test_resume_with_repeated_flags_and_a_sparse_monitor(tmp_path, data_dir):
 @pytest.mark.parametrize("argv, message", [
     (["--resume"], "--resume needs the --out-dir"),
     (["--log-interval", "0"], "argument --log-interval: 0 is too small"),
-    (["--inject-site", "mlp-out", "--inject-scale", "0.1", "--inject-layers", "5"], "layers 0..1"),
+    pytest.param(["--inject-site", "mlp-out", "--inject-scale", "0.1", "--inject-layers", "5"], "layers 0..1",
+                 marks=needs_lab),
     (["--guard", "on", "--qknorm", "always", "--guard-action", "qkclip"], "--guard-signal sigma-product"),
     (["--guard", "on", "--guard-scope", "crossed", "--guard-action", "lr-drop"], "--guard-scope all"),
-    (["--probe-k", "2"], "--probe-k has no effect"),
-    (["--inject-site", "grad-wv", "--inject-scale", "0.1", "--qk-fix", "clean-grad"], "never touches the forward"),
+    pytest.param(["--probe-k", "2"], "--probe-k has no effect", marks=needs_lab),
+    pytest.param(["--inject-site", "grad-wv", "--inject-scale", "0.1", "--qk-fix", "clean-grad"],
+                 "never touches the forward", marks=needs_lab),
 ])
 def test_flags_that_would_silently_do_nothing_or_crash_later_are_refused(tmp_path, data_dir, argv, message):
     cmd = [sys.executable, os.path.join(ROOT, "train.py"), "--data-dir", data_dir, *TINY, *argv]
@@ -959,17 +883,17 @@ def test_the_model_vocabulary_follows_the_datas_tokenizer(tmp_path, data_dir):
 
 
 def test_the_cpu_presets_read_bytes_and_the_gpu_presets_gpt2_bpe():
-    import config
     import prepare_data
+    import run
     cpu = torch.device("cpu")
     for preset, tokenizer in [("demo", "byte"), ("cpu", "byte"), ("lab", "byte"), ("assay", "gpt2"),
                               ("gpt2", "gpt2"), ("gpt2-medium", "gpt2")]:
-        args, typed, parser = config.parse_args(["--preset", preset])
-        args = config.resolve(args, cpu, parser)
+        args, typed, parser = run.parse_args(["--preset", preset])
+        args = run.resolve(args, cpu, parser)
         assert args.tokenizer == tokenizer and args.data_dir == prepare_data.default_out_dir("pycode", tokenizer)
-    args, typed, parser = config.parse_args(["--preset", "assay", "--tokenizer", "byte"])
-    assert config.resolve(args, cpu, parser).data_dir.endswith(os.path.join("data", "pycode-byte"))
-    assert config.padded_vocab(257) == 320 and config.padded_vocab(50257) == 50304 and config.padded_vocab(64) == 64
+    args, typed, parser = run.parse_args(["--preset", "assay", "--tokenizer", "byte"])
+    assert run.resolve(args, cpu, parser).data_dir.endswith(os.path.join("data", "pycode-byte"))
+    assert run.padded_vocab(257) == 320 and run.padded_vocab(50257) == 50304 and run.padded_vocab(64) == 64
 
 
 def test_resuming_on_data_of_another_tokenizer_is_refused_in_one_line(tmp_path, data_dir):
@@ -1033,7 +957,7 @@ def fork_example():
     block = readme.split("## Fork it", 1)[1].split("```python\n", 1)[1].split("```", 1)[0]
     lines = [line.strip() for line in block.splitlines() if line.strip() and not line.startswith("#")]
     flag, field, acts = lines
-    return [("config.py", 'add(g, "--attn-scale",', flag, "before"),
+    return [("run.py", 'add(g, "--attn-scale",', flag, "before"),
             ("model.py", "    attn_scale: float = 0.0", field, "after"),
             ("model.py", "        self.scale = config.attn_scale or None", acts, "replace")]
 
@@ -1149,20 +1073,6 @@ def test_a_token_outside_the_vocabulary_is_refused_before_training(tmp_path, dat
     tokens.tofile(bad / "val.bin")
     result = train(tmp_path / "run", str(bad), "--max-steps", "2")
     assert result.returncode != 0 and "holds token 300" in result.stderr and "val.bin" in result.stderr
-
-
-@pytest.mark.parametrize("probe", ["qk-topk", "qk-shrink", "qk-fixed", "equal-energy", "v-topk", "mlp-topk"])
-def test_a_probe_k_as_large_as_the_matrix_is_refused(tmp_path, data_dir, probe):
-    result = train(tmp_path / "run", data_dir, "--probe", probe, "--probe-k", "32", "--max-steps", "2")
-    assert result.returncode != 0 and "--probe-k 32" in result.stderr and "Traceback" not in result.stderr
-    assert train(tmp_path / "ok", data_dir, "--probe", probe, "--probe-k", "31", "--max-steps", "1").returncode == 0
-
-
-def test_qk_nextk_needs_2k_directions(tmp_path, data_dir):
-    # directions k+1..2k of the 32-wide test model: k = 17 asks for 18..34
-    result = train(tmp_path / "run", data_dir, "--probe", "qk-nextk", "--probe-k", "17", "--max-steps", "2")
-    assert result.returncode != 0 and "--probe-k of at most 16" in result.stderr.splitlines()[-1]
-    assert train(tmp_path / "ok", data_dir, "--probe", "qk-nextk", "--probe-k", "16", "--max-steps", "1").returncode == 0
 
 
 def test_sample_with_an_empty_prompt_starts_at_end_of_text(tmp_path, data_dir):

@@ -5,9 +5,10 @@ Train a GPT and watch (or guard) the query-key channel.
     python train.py --accum bf16 --guard off         # ... and without it
     torchrun --nproc_per_node=8 train.py --preset gpt2 --accum bf16 --guard on
 
-Every choice is a flag (`python train.py --help`; config.py defines them and the presets).
-runtime.py keeps the run directory (--out-dir: config.json, log.jsonl, ckpt.pt). The loop's
-numbered comments mark where the guard acts and where the assay's errors enter.
+Every choice is a flag (`python train.py --help`); run.py defines them and the presets, and keeps the
+run directory (--out-dir: config.json, log.jsonl, ckpt.pt). The loop's numbered comments mark where
+the guard acts; at its `assay.` lines, lab/assay.py's extension (injected errors, the QK-only fix,
+the probe) acts where lab/ is present, and nothing happens where it is not.
 """
 import contextlib
 import math
@@ -16,69 +17,42 @@ from typing import NamedTuple
 
 import torch
 
-import config
 import model as model_lib
 import prepare_data
-import runtime
-from assay import ErrorInjector, Probe, clean_qk_grads
+import run
 from guard import CollapseDetector, QKGuard, SpectralMonitor
 from model import NON_QK_KINDS, QK_KINDS
-from runtime import moved, running_max
 
 
 def main(argv=None):
-    # -------------------------------------------------------------------------------- configuration
-    args, typed, parser = config.parse_args(argv)
-    dist = runtime.Dist(args.device)
-    args = config.resolve(args, dist.device, parser)
-    args, state, changed = runtime.start_run(args, typed)       # --resume: the saved run's flags
-    if args.grad_accum % dist.world:
-        raise SystemExit(f"error: --grad-accum {args.grad_accum} must be a multiple of the {dist.world} processes")
-    runtime.check_memory(args, dist.device)
-    device = dist.device
-    if device.type == "cpu":
-        runtime.tune_cpu_allocator()
-    use_bf16 = args.dtype == "bf16" or (args.dtype == "auto" and device.type == "cuda")
-    autocast = (lambda: torch.autocast(device.type, dtype=torch.bfloat16)) if use_bf16 else contextlib.nullcontext
-
-    # -------------------------------------------------------------------------------- data
-    runtime.ensure_data(args, dist)
-    batches = Batches(args, device)
-    args.tokenizer, args.vocab_size = vocabulary(args, typed, batches.windows)
+    # -------------------------------------------------------------------------------- configuration, data
+    args, typed, dist, state, changed = configure(argv)
+    use_bf16 = args.dtype == "bf16" or (args.dtype == "auto" and dist.device.type == "cuda")
+    autocast = (lambda: torch.autocast(dist.device.type, dtype=torch.bfloat16)) if use_bf16 else contextlib.nullcontext
+    batches = load_data(args, typed, dist)
 
     # -------------------------------------------------------------------------------- model, optimizer, watchers
-    torch.manual_seed(args.seed)                 # the same initial weights on every rank
-    model = model_lib.GPT(config.model_config(args)).to(device)
-    check_attention_settings(model, device, args, use_bf16)
-    torch.manual_seed(args.seed + dist.rank)     # dropout masks differ per rank
-    optimizer = model.configure_optimizer(args.lr, args.weight_decay, (args.beta1, args.beta2))
+    model, optimizer = build_model(args, dist, use_bf16)
     monitor = SpectralMonitor(model, seed=args.seed)
     guard = QKGuard.from_args(args)
     detector = CollapseDetector(args.collapse_margin, args.collapse_patience, args.collapse_smoothing)
-    probe = Probe(args.probe, k=args.probe_k, seed=args.seed)
-    injector = None if args.inject_site == "none" else \
-        ErrorInjector.from_args(args, model, lambda: batches.get("train", 0, 0)[0], autocast)
-    parts = dict(model=model, optimizer=optimizer, monitor=monitor, detector=detector, probe=probe,
-                 injector=injector, guard=guard)
-    run_dir, totals = runtime.RunDir(args, dist, batches.windows.identity), Totals()
-    step = 0
+    assay = run.extension(args, model, lambda: batches.get("train", 0, 0)[0], autocast)   # lab/assay.py, or none
+    parts = dict(model=model, optimizer=optimizer, monitor=monitor, detector=detector, guard=guard, **assay.parts())
+    run_dir, totals, step = run.RunDir(args, dist, batches.windows.identity), Totals(), 0
     if state is None:
         monitor.measure(model, iters=30)         # converged before step 0
     else:
         step = run_dir.restore(state, parts, totals)
         guard.apply_to_model(model)              # a latched action stays on
     saved_step = step                            # nothing to save before the first update
-    eval_model = train_model = torch.compile(model) if args.compile else model
-    if dist.world > 1:   # eval skips DDP: a rank with no eval batch must owe no collective
-        train_model = torch.nn.parallel.DistributedDataParallel(
-            train_model, device_ids=[device.index] if device.type == "cuda" else None)
+    train_model, eval_model = compiled(model, args, dist)
     log = run_dir.start_log(model.num_params(), step, resumed=state is not None, changed=changed)
     evaluate = lambda: validation_loss(eval_model, batches, step, args, dist, autocast, log)
 
     # -------------------------------------------------------------------------------- the loop
     # A record's "step" counts the updates before it: a step record's loss and max logit come from
     # update `step`'s forward; an eval at `step` sees the weights after `step` updates.
-    stop, status, val_loss = runtime.StopSignal(), "completed", None
+    stop, status, val_loss = run.StopSignal(), "completed", None
     totals.start_clock()
     try:
         if state is None:
@@ -88,38 +62,30 @@ def main(argv=None):
             lr = lr_at(step, args) * guard.lr_scale()
             for group in optimizer.param_groups:
                 group["lr"] = lr
-            # (2) forward and backward; an injected error enters in the model, (3) and in the gradients
-            out = forward_backward(train_model, model, batches, step, args, dist, autocast, injector)
+            # (2) forward and backward; an assay error enters in the model, (3) or in the gradients
+            out = forward_backward(train_model, model, batches, step, args, dist, autocast, assay)
             totals.add(out.loss, out.max_logit)
             # (4) clip; the clip action tightens it
             clip = guard.grad_clip(args.grad_clip)
             grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip if clip > 0 else math.inf)
-            # (5) the update; the probe projects it
-            probe.before_step(model)
+            # (5) the update; the assay's probe projects it
+            assay.before_update(model)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
-            probe_stats = probe.after_step(model)
-            # (6) watch W_q's and W_k's top singular values and the max logit. The guard's check is
-            # deferred: a crossing acts one monitored step later, so the GPU never waits for it.
+            assay.after_update(model)
+            # (6) watch W_q's and W_k's top singular values and the max logit; the guard checks them
             if step % args.monitor_interval == 0:
-                monitor.measure(model, args.power_iters, kinds=QK_KINDS)
-                event = guard.observe_deferred(step, totals.take_monitor_max_logit(), monitor.sigma_head, model)
-                if event:
-                    detector.pause(event["active_from"] + args.collapse_grace)   # the switch is not a collapse
-                    log.write(event, trigger_line(event, guard))
+                watch(step, model, monitor, guard, detector, totals, args, log)
             # (7) act after the update: QK-Clip scales the offending heads' W_q, W_k
             guard.after_optimizer_step(model, out.max_logit)
 
             step += 1
             if step % args.log_interval == 0 or step == args.max_steps:
-                record = log_interval(step, lr, grad_norm, probe_stats, model, args, dist, log, totals,
-                                      monitor=monitor, guard=guard, injector=injector, probe=probe)
-                if detector.update(record["step"], record["loss"]):
-                    log.write({"event": "collapse", "step": detector.collapsed_at, "loss": record["loss"]},
-                              f"step {record['step']:6d} | COLLAPSE detected (first bad step {detector.collapsed_at})")
-                    if args.on_collapse == "stop":
-                        status = "collapsed"
-                        break
+                record = write_interval_record(step, lr, grad_norm, model, args, dist, log, totals, monitor, guard,
+                                               assay)
+                if collapsed(detector, record, log) and args.on_collapse == "stop":
+                    status = "collapsed"
+                    break
             if step % args.eval_interval == 0 or step == args.max_steps:
                 val_loss = evaluate()
             if step % args.ckpt_interval == 0 and saved_step != step:
@@ -135,11 +101,52 @@ def main(argv=None):
     except BaseException as e:
         log.write({"event": "end", "status": "error", "step": step, "error": f"{type(e).__name__}: {e}"})
         raise
-    # guard_pending: a crossing at the last check, left without a step to act on
-    end = {"event": "end", "status": status, "step": step, "collapse_step": detector.collapsed_at,
-           "guard_trigger": guard.trigger, "guard_pending": guard.pending_crossing(), "val_loss": val_loss}
-    log.write(end, end_line(end, guard, args.out_dir))
+    write_end_record(status, step, val_loss, detector, guard, args, log)
     dist.close()
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Setting up: the flags, the data, the model
+
+def configure(argv):
+    """(args, the flags typed, the processes, the checkpoint to resume or None, the flags a resume changed)."""
+    args, typed, parser = run.parse_args(argv)
+    dist = run.Dist(args.device)
+    args = run.resolve(args, dist.device, parser)
+    args, state, changed = run.start_run(args, typed)       # --resume: the saved run's flags
+    if args.grad_accum % dist.world:
+        raise SystemExit(f"error: --grad-accum {args.grad_accum} must be a multiple of the {dist.world} processes")
+    run.check_memory(args, dist.device)
+    if dist.device.type == "cpu":
+        run.tune_cpu_allocator()
+    return args, typed, dist, state, changed
+
+
+def load_data(args, typed, dist):
+    """The batches (prepared on first use); the model's vocabulary follows the data's tokenizer."""
+    run.ensure_data(args, dist)
+    batches = Batches(args, dist.device)
+    args.tokenizer, args.vocab_size = vocabulary(args, typed, batches.windows)
+    return batches
+
+
+def build_model(args, dist, use_bf16):
+    """The model, the same on every rank and checked against the kernel, and its optimizer."""
+    torch.manual_seed(args.seed)                 # the same initial weights on every rank
+    model = model_lib.GPT(run.model_config(args)).to(dist.device)
+    check_attention_settings(model, dist.device, args, use_bf16)
+    torch.manual_seed(args.seed + dist.rank)     # dropout masks differ per rank
+    return model, model.configure_optimizer(args.lr, args.weight_decay, (args.beta1, args.beta2))
+
+
+def compiled(model, args, dist):
+    """(the model to train, the model to evaluate): torch.compile'd with --compile; training under DDP
+    with several processes (eval skips DDP: a rank with no eval batch must owe no collective)."""
+    eval_model = train_model = torch.compile(model) if args.compile else model
+    if dist.world > 1:
+        train_model = torch.nn.parallel.DistributedDataParallel(
+            train_model, device_ids=[dist.device.index] if dist.device.type == "cuda" else None)
+    return train_model, eval_model
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -167,11 +174,10 @@ class StepOut(NamedTuple):
     max_logit: torch.Tensor      # (n_layer, n_head), the max over micro-batches and ranks
 
 
-def forward_backward(train_model, model, batches, step, args, dist, autocast, injector):
+def forward_backward(train_model, model, batches, step, args, dist, autocast, assay):
     """The gradients of one step, summed over its micro-batches (DDP syncs the last one only)."""
-    if injector is not None:
-        injector.begin_step(step)
-    micro_steps, loss, max_logit, clean = args.grad_accum // dist.world, 0.0, None, None
+    assay.begin_step(step)
+    micro_steps, loss, max_logit = args.grad_accum // dist.world, 0.0, None
     for micro in range(micro_steps):
         x, y = batches.get("train", step, micro * dist.world + dist.rank)
         sync = dist.world == 1 or micro == micro_steps - 1
@@ -180,14 +186,8 @@ def forward_backward(train_model, model, batches, step, args, dist, autocast, in
         (micro_loss / micro_steps).backward()
         loss += micro_loss.detach().float() / micro_steps
         max_logit = running_max(max_logit, micro_max_logit)
-        if args.qk_fix == "clean-grad":    # (3) QK-only fix: W_q, W_k learn fault-free
-            grads = clean_qk_grads(model, x, y, autocast, 1.0 / micro_steps, injector)
-            clean = grads if clean is None else [a + b for a, b in zip(clean, grads)]
-    if clean is not None:
-        for weight, grad in zip(model.qk_weights(), clean):
-            weight.grad = dist.all_reduce(grad)
-    if injector is not None:               # (3) an error in a weight's gradient
-        injector.inject_grads(model)
+        assay.after_micro_backward(model, x, y, autocast, micro_steps)   # (3) the QK-only fix's clean gradient
+    assay.after_backward(model, dist)                                    # (3) an error in a weight's gradient
     return StepOut(loss, dist.all_reduce(max_logit.float(), "max"))
 
 
@@ -207,20 +207,39 @@ def validation_loss(eval_model, batches, step, args, dist, autocast, log):
     return val_loss
 
 
-def log_interval(step, lr, grad_norm, probe_stats, model, args, dist, log, totals, *, monitor, guard, injector,
-                 probe):
-    """Write the record of the interval that ends at `step` (loss, logits and sigmas since the last
-    record) and start the next interval; returns the record."""
+def watch(step, model, monitor, guard, detector, totals, args, log):
+    """Measure W_q's and W_k's top singular values, and give them and the max logit since the last
+    check to the guard. Its check is deferred: a crossing acts one monitored step later, so the GPU
+    never waits for it."""
+    monitor.measure(model, args.power_iters, kinds=QK_KINDS)
+    event = guard.observe_deferred(step, totals.take_monitor_max_logit(), monitor.sigma_head, model)
+    if event:
+        detector.pause(event["active_from"] + args.collapse_grace)   # the switch is not a collapse
+        log.write(event, trigger_line(event, guard))
+
+
+def write_interval_record(step, lr, grad_norm, model, args, dist, log, totals, monitor, guard, assay):
+    """Write the record of the interval that ends at `step` (mean loss, max logit and sigmas since the
+    last record, at the last update, step - 1) and start the next interval; returns the record."""
     # the other weights, for the log only, with the power iterations of every step since the last
     # record (falling behind would understate a growing sigma)
     monitor.measure(model, args.power_iters * args.log_interval, kinds=NON_QK_KINDS)
     interval = totals.take_interval(dist, args.grad_accum * args.batch_size * args.block_size)
-    record = log_record(step, lr, grad_norm, interval, monitor=monitor, guard=guard, injector=injector,
-                        probe_stats=probe_stats)
+    record = {"step": step - 1, "lr": lr, "loss": interval["loss"], "grad_norm": grad_norm.item(),
+              "tokens_per_s": interval["tokens_per_s"], "max_logit": interval["max_logit"], **monitor.record(),
+              "guard": "on" if guard.triggered else ("dormant" if guard.enabled else "off"), **assay.log_stats()}
     log.write(record, console_line(record))
     totals.start_clock()
-    probe.reset_interval()
     return record
+
+
+def collapsed(detector, record, log):
+    """Feed the detector the record's loss; log a collapse when it sees one."""
+    if not detector.update(record["step"], record["loss"]):
+        return False
+    log.write({"event": "collapse", "step": detector.collapsed_at, "loss": record["loss"]},
+              f"step {record['step']:6d} | COLLAPSE detected (first bad step {detector.collapsed_at})")
+    return True
 
 
 class Totals:
@@ -252,7 +271,7 @@ class Totals:
         self.loss_sum, self.steps, self.max_logit = 0.0, 0, None
         return interval
 
-    # In the checkpoint, under the keys "interval" and "monitor_max_logit" (format 2).
+    # In the checkpoint, under the keys "interval" and "monitor_max_logit".
     def state_dict(self):
         return {"interval": {"loss_sum": float(self.loss_sum), "steps": self.steps,
                              "max_logit": moved(self.max_logit, "cpu")},
@@ -265,6 +284,16 @@ class Totals:
         self.monitor_max_logit = moved(state["monitor_max_logit"], device)
 
 
+def running_max(running, new):
+    """The elementwise max so far, on the device (None before the first value)."""
+    return new if running is None else torch.maximum(running, new)
+
+
+def moved(x, device):
+    """x on device; None stays None (the running maxima are None between intervals)."""
+    return None if x is None else x.to(device)
+
+
 def lr_at(step, args):
     """Linear warmup to --lr, then constant or a cosine down to --min-lr at --decay-steps."""
     if step < args.warmup_steps:
@@ -273,18 +302,6 @@ def lr_at(step, args):
         return args.lr
     progress = min(1.0, (step - args.warmup_steps) / max(1, args.decay_steps - args.warmup_steps))
     return args.min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (args.lr - args.min_lr)
-
-
-def log_record(step, lr, grad_norm, interval, *, monitor, guard, injector, probe_stats):
-    """Mean loss, max logit and last sigmas since the last record, at the last update (step - 1)."""
-    record = {"step": step - 1, "lr": lr, "loss": interval["loss"], "grad_norm": grad_norm.item(),
-              "tokens_per_s": interval["tokens_per_s"], "max_logit": interval["max_logit"],
-              **monitor.record(), "guard": "on" if guard.triggered else ("dormant" if guard.enabled else "off")}
-    if injector is not None:
-        record.update(injector.last_stats)
-    if probe_stats:
-        record["probe"] = probe_stats
-    return record
 
 
 def console_line(record):
@@ -302,26 +319,29 @@ def trigger_line(event, guard):
             f"{event['layers']} from step {event['active_from']}")
 
 
-def end_line(end, guard, out_dir):
-    """The run's last console line, from its end record: what happened, and when."""
-    what = [f"run {end['status']} at step {end['step']}"]
+def write_end_record(status, step, val_loss, detector, guard, args, log):
+    """The end record, and the run's last console line: what happened, and when. guard_pending: a
+    crossing at the last check, left without a step to act on."""
+    end = {"event": "end", "status": status, "step": step, "collapse_step": detector.collapsed_at,
+           "guard_trigger": guard.trigger, "guard_pending": guard.pending_crossing(), "val_loss": val_loss}
+    what = [f"run {status} at step {step}"]
     if guard.trigger:
         what.append(f"QK-Guard fired at step {guard.trigger['step']} ({guard.signal} {guard.trigger['value']:.1f} > "
                     f"{guard.threshold:g}, layer {guard.trigger['layer']} head {guard.trigger['head']}) and "
                     f"{guard.action} stayed on")
     elif guard.enabled:
         what.append(f"QK-Guard stayed dormant ({guard.signal} never crossed {guard.threshold:g})")
-    if end["collapse_step"] is not None:
-        what.append(f"the loss collapsed from step {end['collapse_step']}")
-    if end["val_loss"] is not None:
-        what.append(f"val loss {end['val_loss']:.4f}")
-    return "; ".join(what) + f". Log and checkpoint in {out_dir}"
+    if detector.collapsed_at is not None:
+        what.append(f"the loss collapsed from step {detector.collapsed_at}")
+    if val_loss is not None:
+        what.append(f"val loss {val_loss:.4f}")
+    log.write(end, "; ".join(what) + f". Log and checkpoint in {args.out_dir}")
 
 
 def vocabulary(args, typed, windows):
     """(tokenizer, model vocabulary) from the data's meta.json. Refused: data of another tokenizer
     than --tokenizer names or the resumed run trained on (its embedding would not fit)."""
-    vocab = config.padded_vocab(windows.vocab_size)
+    vocab = run.padded_vocab(windows.vocab_size)
     holds = f"{args.data_dir} holds {windows.tokenizer} tokens (its meta.json)"
     if args.resume and (args.tokenizer, args.vocab_size) != (windows.tokenizer, vocab):
         raise SystemExit(f"error: this run was trained on {args.tokenizer} tokens (vocabulary {args.vocab_size}) and "
@@ -338,10 +358,10 @@ def check_attention_settings(model, device, args, use_bf16):
     """Fail before training, in the kernel's words, on a setting it cannot run (head dim, impl)."""
     attn = model.attentions[0]
     dtype = torch.bfloat16 if use_bf16 or attn.attn_dtype is not None else torch.float32   # what q, k, v will be
-    probe = torch.zeros(1, 1, 1, attn.head_dim, device=device, dtype=dtype)
+    qkv = torch.zeros(1, 1, 1, attn.head_dim, device=device, dtype=dtype)
     softcap = args.softcap_value if args.guard == "on" and args.guard_action == "softcap" else attn.softcap
     try:
-        attn.attend(probe, probe, probe, softcap=softcap, return_max_logit=False)
+        attn.attend(qkv, qkv, qkv, softcap=softcap, return_max_logit=False)
     except ValueError as e:
         raise SystemExit(f"error: the attention settings cannot run: {e}")
 

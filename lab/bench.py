@@ -41,7 +41,7 @@ import torch.nn.functional as F
 import triton
 
 import attention_kernel as ak
-import runtime
+import run
 from guard import DEFAULT_THRESHOLD, QKGuard, SpectralMonitor
 from model import MODEL_SIZES, QK_KINDS, GPT, GPTConfig
 
@@ -279,7 +279,7 @@ def cpu_step(steps=30, warmup=3, rounds=3):
     rounded to bf16 at attention, monitor every step): byte vocabulary against GPT-2's, and the twin
     with bf16 state against SDPA, alternating in `rounds` blocks so drift hits all alike. Prints the
     min, median and max of the steps' milliseconds (MEASUREMENTS.md, 2026-12-01, holds a run)."""
-    runtime.tune_cpu_allocator()     # as train.py does on a CPU
+    run.tune_cpu_allocator()     # as train.py does on a CPU
     args = argparse.Namespace(device=torch.device("cpu"), compile=False, size=MODEL_SIZES["cpu"], batch_size=8)
     configs = {  # name: (attention impl, numerics)
         "twin, bf16 state, byte vocabulary (320)": ("torch", dict(accum="bf16", vocab_size=320)),

@@ -6,7 +6,7 @@ dose of claims 3 and 4 sits.
     python -m lab.fault_size --preset lab --device cpu --ckpt runs/x/ckpt.pt   # a trained model
     python -m lab.fault_size --preset lab --device cpu --out lab/results/lab/fault_size.json
 
-A dose is an injected error's rms over the rms of the signal it joins (assay.py). assay.measure_fault runs
+A dose is an injected error's rms over the rms of the signal it joins (lab/assay.py). measure_fault runs
 each layer's attention twice on the same q, k, v, with bf16 and with fp32 state, and gives the same ratio for
 the fault itself: error_ratio = rms(O_bf16 - O_fp32) / rms(O_fp32), per layer and head, and bias_ratio, the
 rms of its mean over tokens (the part that keeps its sign). So a dose d is d / error_ratio times the fault's
@@ -20,24 +20,23 @@ import sys
 
 import torch
 
-import config
 import model as model_lib
-import runtime
-from assay import measure_fault
+import run
+from lab.assay import measure_fault
 from train import Batches, vocabulary
 
 
 def measure(args, typed, seeds, ckpt=None, batches_per_seed=4):
     """Per seed: the median and max over layers and heads of error_ratio and bias_ratio, each the mean
     over `batches_per_seed` training batches of that seed's first steps."""
-    runtime.ensure_data(args, runtime.Dist(args.device))
+    run.ensure_data(args, run.Dist(args.device))
     out = []
     for seed in seeds:
         args.seed = seed
         batches = Batches(args, torch.device(args.device))
         args.tokenizer, args.vocab_size = vocabulary(args, typed, batches.windows)
         torch.manual_seed(seed)    # train.py's initial weights for this seed
-        model = model_lib.GPT(config.model_config(args))
+        model = model_lib.GPT(run.model_config(args))
         if ckpt:
             model.load_state_dict(torch.load(ckpt, map_location="cpu", weights_only=False)["model"])
         model.eval()
@@ -57,8 +56,8 @@ def main(argv=None):
     ours, rest = p.parse_known_args(argv)
     if ours.seeds < 1:
         p.error("--seeds must be at least 1")
-    args, typed, parser = config.parse_args(rest)
-    args = config.resolve(args, torch.device(args.device if args.device != "auto" else "cpu"), parser)
+    args, typed, parser = run.parse_args(rest)
+    args = run.resolve(args, torch.device(args.device if args.device != "auto" else "cpu"), parser)
     rows = measure(args, typed, range(1, ours.seeds + 1) if not ours.ckpt else [args.seed], ours.ckpt)
     summary = {key: statistics.median(r[key] for r in rows) for key in rows[0] if key != "seed"}
     print(f"{'seed':>6} {'error ratio median':>19} {'max':>9} {'bias ratio median':>18} {'max':>9}")

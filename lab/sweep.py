@@ -308,14 +308,14 @@ def prepare_data_once(extra):
     the tokenizer train.py picks (--tokenizer, else the preset's; preset auto is demo on a CPU)."""
     if flag_value(extra, "--data-dir"):
         return
-    import config    # only here, as torch below: report.py imports this file and needs neither
+    import run       # only here, as torch below: report.py imports this file and needs neither
     import prepare_data
     import torch
     dataset, preset = flag_value(extra, "--dataset", "pycode"), flag_value(extra, "--preset", "auto")
     if preset == "auto":
         on_gpu = torch.cuda.is_available() and not flag_value(extra, "--device", "auto").startswith("cpu")
-        preset = config.auto_preset("cuda" if on_gpu else "cpu")
-    tokenizer = flag_value(extra, "--tokenizer", config.PRESETS.get(preset, {}).get("tokenizer", "gpt2"))
+        preset = run.auto_preset("cuda" if on_gpu else "cpu")
+    tokenizer = flag_value(extra, "--tokenizer", run.PRESETS.get(preset, {}).get("tokenizer", "gpt2"))
     out = prepare_data.default_out_dir(dataset, tokenizer)
     if dataset in ("pycode", "shakespeare") and not os.path.exists(os.path.join(out, "meta.json")):
         print(f"preparing {out} ({tokenizer} tokens) once before the runs start", flush=True)

@@ -903,8 +903,8 @@ def test_claim_6s_actions_are_guard_pys_registry(tmp_path, new_action):
 
 
 def test_the_lr_drop_factor_is_train_pys_default():
-    import config
-    assert report.LR_DROP_FACTOR == config.parse_args([])[0].lr_drop_factor
+    import run
+    assert report.LR_DROP_FACTOR == run.parse_args([])[0].lr_drop_factor
 
 
 def test_an_lr_arms_own_flags_are_its_base_arms_and_the_lr():
@@ -1279,10 +1279,10 @@ def test_a_refusal_is_one_line_and_names_every_mixed_rule(tmp_path):
 
 
 def test_the_flags_a_rules_arms_may_differ_in():
-    import config
-    # a resume may change these (config.py's list); max_steps, though, the arms must share
-    assert report.RUN_SPECIFIC == (config.RESUMABLE_CHANGES - {"max_steps"}) | {"seed"}
-    flags = set(config.build_parser().flag_defaults)   # train.py's flags as config.json names them
+    import run
+    # a resume may change these (run.py's list); max_steps, though, the arms must share
+    assert report.RUN_SPECIFIC == (run.RESUMABLE_CHANGES - {"max_steps"}) | {"seed"}
+    flags = set(run.build_parser().flag_defaults)   # train.py's flags as config.json names them
     assert all(report.OWN_FLAGS[name] <= flags for name in report.OWN_FLAGS)
     assert report.OWN_FLAGS["fp32-guard"] == {"accum", "guard"}
     assert report.OWN_FLAGS["lr-guard-clip"] == {"accum", "lr", "min_lr", "warmup_steps", "schedule", "guard",
@@ -1637,7 +1637,7 @@ def test_sweep_launches_every_arm_the_lr_rules_read():
 def test_experiment_table_is_valid_train_flags():
     """Every experiment's flags parse in train.py (so no run of the GPU session dies on a typo)."""
     import train
-    parse_args = train.config.parse_args    # train.py's own flag parser
+    parse_args = train.run.parse_args    # train.py's own flag parser
     for number in sweep.CLAIMS:
         for name, flags in sweep.experiments([number]).items():
             args = parse_args(flags + ["--max-steps", "1"])[0]

@@ -6,9 +6,10 @@ import pytest
 import torch
 
 import model
-import config
-from assay import ACTIVATION_SITES, ErrorInjector, Probe, clean_qk_grads, measure_fault
+import run
 from attention_kernel import attention
+from lab.assay import ACTIVATION_SITES, ErrorInjector, Probe, clean_qk_grads, fault_free, measure_fault
+from test_training import data_dir, read_log, tiny_model, train  # noqa: F401 (data_dir: a fixture)
 
 
 def tiny_gpt(**kw):
@@ -424,7 +425,7 @@ def test_measure_fault_and_matched_injector():
 
 
 # --------------------------------------------------------------------------------------------------
-# Flag checks (train.py's parser: argparse's choices and types, then config.refusals).
+# Flag checks (train.py's parser, lab/assay.py's flags in it: argparse's choices and types, then the refusals).
 
 ASSAY_FLAGS = dict(site="--inject-site", scale="--inject-scale", coherence="--inject-coherence", probe="--probe",
                    probe_k="--probe-k", qk_fix="--qk-fix", accum="--accum")
@@ -452,7 +453,7 @@ def assay_argv(flags):
 ])
 def test_assay_flags_reject_nonsense(flags, names, capsys):
     with pytest.raises(SystemExit):
-        config.parse_args(assay_argv(flags))
+        run.parse_args(assay_argv(flags))
     assert names in capsys.readouterr().err.strip().splitlines()[-1]
 
 
@@ -467,4 +468,132 @@ def test_assay_flags_reject_nonsense(flags, names, capsys):
     dict(probe="qk-shrink"),
 ])
 def test_assay_flags_accept_sense(flags):
-    config.parse_args(assay_argv(flags))
+    run.parse_args(assay_argv(flags))
+
+
+def test_run_py_knows_the_assays_switches_off_as_their_flags_default():
+    # run.ASSAY_OFF: what a run without lab/ reads a saved run's assay switches against
+    defaults = run.build_parser().flag_defaults
+    assert run.ASSAY_OFF == {name: defaults[name] for name in run.ASSAY_OFF}
+    assert isinstance(run.extension(run.parse_args([])[0], None, None, None), run.Extension)
+
+
+# --------------------------------------------------------------------------------------------------
+# The assay wired into train.py (run.Extension): end to end, through train.py's command line
+
+def test_qk_fix_clean_grad_replaces_only_the_qk_gradients():
+    torch.manual_seed(0)
+    model = tiny_model(accum="bf16")
+    injector = ErrorInjector("delta", 0.5, 1.0, 2, 2, 32, seed=0).attach(model)  # two faults
+    injector.begin_step(0)
+    idx = torch.randint(0, 128, (4, 16))
+    x, y = idx[:, :-1], idx[:, 1:]
+    model(x, y)[1].backward()                           # the unmodified, faulty step
+    faulty = {name: p.grad.clone() for name, p in model.named_parameters()}
+    clean = clean_qk_grads(model, x, y, contextlib.nullcontext, 1.0, injector)
+    for name, p in model.named_parameters():           # nothing but the returned tensors changed
+        assert torch.equal(p.grad, faulty[name]), name
+    assert all(a.accum == "bf16" and a.delta_error is not None for a in model.attentions), "faults restored"
+    model.zero_grad()
+    with fault_free(model, injector):
+        model(x, y)[1].backward()
+    for w, g in zip(model.qk_weights(), clean):
+        assert torch.allclose(g, w.grad, rtol=1e-5, atol=1e-8), "clean-grad must equal the fault-free gradient"
+    names = {id(p): n for n, p in model.named_parameters()}
+    assert all(not torch.allclose(faulty[names[id(w)]], w.grad) for w in model.qk_weights()), \
+        "the fault should change the QK gradient, or the test shows nothing"
+
+
+def top_part(dW, W, k):
+    """dW's part in W's top-k singular directions, on either side (topk_removed)."""
+    U, _, Vh = torch.linalg.svd(W)
+    return topk_removed(dW, U[:, :k], Vh[:k].T)
+
+
+@pytest.mark.parametrize("argv", [
+    ["--inject-site", "attn-out", "--inject-scale", "0.1"],
+    ["--inject-site", "mlp-out", "--inject-scale", "0.1", "--inject-coherence", "0.5", "--qk-fix", "qknorm"],
+    ["--inject-site", "delta", "--inject-scale", "0.3", "--qk-fix", "clean-grad"],
+    ["--inject-site", "grad-wv", "--inject-scale", "0.2", "--inject-layers", "1"],
+    ["--inject-site", "residual", "--inject-scale", "matched", "--probe", "qk-topk"],
+    ["--accum", "bf16", "--probe", "equal-energy", "--probe-k", "4"],  # k != 3 (default) or n_layer
+    ["--accum", "bf16", "--probe", "qk-fixed"],
+])
+def test_assay_runs_log_what_they_did(tmp_path, data_dir, argv):
+    out = tmp_path / "run"
+    result = train(out, data_dir, "--max-steps", "3", "--ckpt-interval", "1", *argv)
+    assert result.returncode == 0, result.stderr
+    steps = [r for r in read_log(out) if "loss" in r and "event" not in r]
+    assert len(steps) == 3
+    if "--inject-site" in argv:
+        assert all(r["inject_rms_ratio"] > 0 for r in steps)
+        assert all(len(r["inject_signs"]) == (1 if "--inject-layers" in argv else 2) for r in steps)
+    if "--probe" in argv:
+        # the last update, ckpt.pt.prev (after step 2) to ckpt.pt, against an SVD done here
+        k = int(argv[argv.index("--probe-k") + 1]) if "--probe-k" in argv else 3
+        before, after = (torch.load(out / name, weights_only=False)["model"] for name in ("ckpt.pt.prev", "ckpt.pt"))
+        probe = steps[-1]["probe"]
+        for name in ("q", "k"):
+            assert len(probe[f"{name}_target"]) == 2
+            for layer, target in enumerate(probe[f"{name}_target"]):
+                W = before[f"blocks.{layer}.attn.{name}_proj.weight"]
+                dW = after[f"blocks.{layer}.attn.{name}_proj.weight"] - W
+                if "qk-topk" in argv:   # nothing left in the top k; the (k+1)-th still moves
+                    assert top_part(dW, W, k).norm() < 1e-3 * dW.norm()
+                    assert top_part(dW, W, k + 1).norm() > 0.05 * dW.norm()
+                elif "qk-fixed" in argv:   # its own subspace, not the top k: they keep moving
+                    assert top_part(dW, W, k).norm() > 0.05 * dW.norm() and probe[f"{name}_removed"][layer] > 0
+                else:                   # the control: the top k keep what qk-topk removes
+                    assert top_part(dW, W, k).norm().item() == pytest.approx(target, rel=1e-3)
+                    assert probe[f"{name}_removed"][layer] > 0
+
+
+def test_clean_grad_and_inject_layers_move_exactly_the_weights_they_should(tmp_path, data_dir):
+    # One step, same seed, no clipping (it would couple all gradients). clean-grad: W_q, W_k as in
+    # the fault-free run, all else as in the faulty run (the delta site's error is backward-side, so
+    # its clean gradient is the fault-free one). --inject-layers 1: only layer 1's W_v moves.
+    def one_step(name, *argv):
+        result = train(tmp_path / name, data_dir, "--max-steps", "1", "--grad-clip", "0", *argv)
+        assert result.returncode == 0, result.stderr
+        return torch.load(tmp_path / name / "ckpt.pt", weights_only=False)["model"]
+
+    fault = ["--inject-site", "delta", "--inject-scale", "0.5"]
+    clean, faulty = one_step("clean"), one_step("faulty", *fault)
+    fixed = one_step("fixed", *fault, "--qk-fix", "clean-grad")
+    qk = {name for name in clean if name.endswith(("q_proj.weight", "k_proj.weight"))}
+    assert len(qk) == 4
+    for name in clean:
+        torch.testing.assert_close(fixed[name], (clean if name in qk else faulty)[name], rtol=0, atol=1e-7, msg=name)
+    assert all(not torch.allclose(faulty[name], clean[name], rtol=0, atol=1e-6) for name in qk), \
+        "the fault should change the QK update, or the test shows nothing"
+    wv = one_step("wv", "--inject-site", "grad-wv", "--inject-scale", "0.5", "--inject-layers", "1")
+    assert {name for name in clean if not torch.equal(wv[name], clean[name])} == {"blocks.1.attn.v_proj.weight"}
+
+
+@pytest.mark.parametrize("argv, flag", [
+    (["--inject-site", "attn-out"], "--inject-scale"),
+    (["--inject-site", "mlp-out", "--inject-scale", "-1"], "--inject-scale"),
+    (["--inject-site", "mlp-out", "--inject-scale", "0.1", "--inject-coherence", "1.5"], "--inject-coherence"),
+    (["--inject-scale", "0.1"], "--inject-scale"),
+    (["--qk-fix", "clean-grad"], "--qk-fix"),
+    (["--inject-site", "mlp-out", "--inject-scale", "0.1", "--qk-fix", "clean-grad"], "--qk-fix qknorm"),
+    (["--probe", "qk-topk", "--probe-k", "0"], "--probe-k"),
+    (["--inject-site", "mlp-out", "--inject-scale", "0.1", "--inject-layers", "1,x"], "--inject-layers"),
+])
+def test_assay_flag_combinations_that_make_no_sense_are_refused(tmp_path, data_dir, argv, flag):
+    result = train(tmp_path / "run", data_dir, *argv)
+    assert result.returncode != 0 and flag in result.stderr, result.stderr
+
+
+@pytest.mark.parametrize("probe", ["qk-topk", "qk-shrink", "qk-fixed", "equal-energy", "v-topk", "mlp-topk"])
+def test_a_probe_k_as_large_as_the_matrix_is_refused(tmp_path, data_dir, probe):
+    result = train(tmp_path / "run", data_dir, "--probe", probe, "--probe-k", "32", "--max-steps", "2")
+    assert result.returncode != 0 and "--probe-k 32" in result.stderr and "Traceback" not in result.stderr
+    assert train(tmp_path / "ok", data_dir, "--probe", probe, "--probe-k", "31", "--max-steps", "1").returncode == 0
+
+
+def test_qk_nextk_needs_2k_directions(tmp_path, data_dir):
+    # directions k+1..2k of the 32-wide test model: k = 17 asks for 18..34
+    result = train(tmp_path / "run", data_dir, "--probe", "qk-nextk", "--probe-k", "17", "--max-steps", "2")
+    assert result.returncode != 0 and "--probe-k of at most 16" in result.stderr.splitlines()[-1]
+    assert train(tmp_path / "ok", data_dir, "--probe", "qk-nextk", "--probe-k", "16", "--max-steps", "1").returncode == 0

@@ -9,6 +9,9 @@ The assay: move a controlled error to other sources, and probe the QK channel ca
                     random subspace, W_v's or the MLP's top-k, equal energy elsewhere)
     clean_qk_grads  --qk-fix clean-grad: fault-free W_q, W_k gradients; all else stays faulty
 
+    Assay           all of it as train.py's extension (run.Extension): its flags (--inject-*, --qk-fix,
+                    --probe*), their refusals, and the hooks the loop calls; a no-op without those flags
+
 The paper's claim under test: wherever an error enters, if its per-head sign persists from step
 to step (temporal sign-coherence), it drives the same W_q/W_k spectral runaway.
 """
@@ -17,11 +20,14 @@ import math
 
 import torch
 
+import run
+
 
 INJECT_SITES = ("none", "attn-out", "mlp-in", "mlp-out", "residual", "delta", "grad-wv", "grad-mlp")
 ACTIVATION_SITES = ("attn-out", "mlp-in", "mlp-out", "residual")   # forward: changes the model
 GRAD_SITES = ("grad-wv", "grad-mlp")
 PROBE_MODES = ("off", "qk-topk", "qk-shrink", "qk-nextk", "qk-fixed", "v-topk", "mlp-topk", "equal-energy")
+QK_FIXES = ("off", "clean-grad", "qknorm")
 
 
 def _rms(x):
@@ -388,7 +394,7 @@ class Probe:
         return {**stats, "removed_fraction_min": self.fraction_min}
 
     def reset_interval(self):
-        """Start the next interval's removed_fraction_min (train.py calls it after each record)."""
+        """Start the next interval's removed_fraction_min (Assay.log_stats, at each log record)."""
         self.fraction_min = 1.0
 
     def state_dict(self):
@@ -425,3 +431,120 @@ def clean_qk_grads(model, x, y, autocast, scale, injector=None):
     with fault_free(model, injector), autocast():
         _, loss, _ = model(x, y)
     return torch.autograd.grad(loss * scale, model.qk_weights())
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# train.py's extension: the assay's flags, their refusals, and the hooks its loop calls (run.Extension).
+
+def injection_scale(text):
+    """--inject-scale: a number > 0, or 'matched'."""
+    return text if text == "matched" else run.POSITIVE(text)
+
+
+def add_flags(parser, add):
+    """The assay's flags in train.py's parser (run.build_parser's add: None means unset)."""
+    g = parser.add_argument_group("the assay: a controlled error at any source, the QK-only fix, the causal probe "
+                                  "(lab/assay.py)")
+    add(g, "--inject-site", "none", "where the error enters: attn-out, mlp-in, mlp-out, residual "
+        "(the forward: the model changes), delta (the backward: only dq, dk change), grad-wv, "
+        "grad-mlp (W_v's, W_up's gradient)", choices=list(INJECT_SITES))
+    add(g, "--inject-scale", None, "error rms over the rms of the signal it joins, or 'matched' "
+        "(the bf16 fault's bias, per head, measured on the first batch)", type=injection_scale)
+    add(g, "--inject-coherence", None, "probability that a head's error sign persists to the next "
+        "step (1, the default: sign-coherent; 0.5: a random sign each step)", type=run.PROBABILITY)
+    add(g, "--inject-layers", "all", "comma-separated layer indices, or all")
+    add(g, "--qk-fix", "off", "QK-only fix, the fault left on: clean-grad (fault-free W_q, W_k "
+        "gradients; backward sites) or qknorm (from step 0; forward sites)", choices=list(QK_FIXES))
+    add(g, "--probe", "off", "project each step's W_q/W_k update off its top-k singular directions "
+        "(qk-topk); controls: the whole update shrunk to the norm qk-topk leaves (qk-shrink), the next "
+        "k directions (qk-nextk), a fixed random subspace (qk-fixed), W_v's or the MLP's top-k "
+        "(v-topk, mlp-topk), equal energy elsewhere (equal-energy)", choices=list(PROBE_MODES))
+    add(g, "--probe-k", 3, "singular directions the probe removes", type=run.COUNT)
+
+
+def refusals(args, typed):
+    """(refused, why and what to do instead), as run.refusals: assay settings that would do nothing."""
+    site, scale, fix = args.inject_site, args.inject_scale, args.qk_fix
+    return [
+        (site == "none" and scale is not None,
+         "--inject-scale was given with --inject-site none: pick a site or drop the scale"),
+        (site == "none" and args.inject_coherence is not None,
+         "--inject-coherence was given with --inject-site none: pick a site or drop it"),
+        (site != "none" and scale is None,
+         f"--inject-site {site} needs --inject-scale (error rms / signal rms, or 'matched')"),
+        (fix == "clean-grad" and site in GRAD_SITES and args.accum == "fp32",
+         f"--qk-fix clean-grad recomputes the forward without the fault, but --inject-site {site} never touches "
+         "the forward: the clean QK gradient would be the faulty one"),
+        (fix == "clean-grad" and site in ACTIVATION_SITES,
+         f"--qk-fix clean-grad with --inject-site {site} trains W_q, W_k on the model without the error, a "
+         "different objective rather than a QK-only fix: use --qk-fix qknorm for a forward site (clean-grad is "
+         "for the backward sites delta, grad-wv, grad-mlp)"),
+        (fix != "off" and site == "none" and args.accum == "fp32",
+         "--qk-fix corrects the QK channel while a fault is active, but there is none: set --inject-site or a "
+         "faulty --accum"),
+        (args.inject_layers != "all" and not all(i.strip().isdigit() for i in args.inject_layers.split(",")),
+         f"--inject-layers {args.inject_layers!r}: give comma-separated layer indices, or all"),
+        ("probe_k" in typed and args.probe == "off",
+         "--probe-k has no effect with --probe off: choose a --probe mode"),
+        ("inject_layers" in typed and args.inject_site == "none",
+         "--inject-layers has no effect with --inject-site none"),
+    ]
+
+
+def check_sizes(args, parser):
+    """What needs the model's sizes (run.resolve calls it once the preset filled them)."""
+    if args.inject_layers != "all" and max(map(int, args.inject_layers.split(","))) >= args.n_layer:
+        parser.error(f"--inject-layers {args.inject_layers}: the model has layers 0..{args.n_layer - 1}")
+    if args.probe != "off" and args.probe_k >= args.n_embd:   # every probed matrix has n_embd columns
+        parser.error(f"--probe-k {args.probe_k} would remove every direction of the {args.n_embd}-wide weights "
+                     f"(the whole update, freezing them): give a k below --n-embd {args.n_embd}")
+    if args.probe == "qk-nextk" and 2 * args.probe_k > args.n_embd:   # directions k+1..2k must exist
+        parser.error(f"--probe qk-nextk removes directions {args.probe_k + 1}..{2 * args.probe_k}, past the "
+                     f"{args.n_embd}-wide weights: give a --probe-k of at most {args.n_embd // 2}")
+
+
+class Assay(run.Extension):
+    """The injector, the QK-only fix and the probe at the places train.py's loop calls (run.Extension)."""
+
+    def __init__(self, injector, probe, clean_grad):
+        self.injector, self.probe, self.clean_grad = injector, probe, clean_grad
+        self.clean, self.probe_stats = None, {}   # this step's summed clean W_q, W_k grads; the last probe log
+
+    @classmethod
+    def from_args(cls, args, model, first_batch, autocast):
+        injector = None if args.inject_site == "none" else ErrorInjector.from_args(args, model, first_batch, autocast)
+        return cls(injector, Probe(args.probe, k=args.probe_k, seed=args.seed), args.qk_fix == "clean-grad")
+
+    def begin_step(self, step):
+        if self.injector is not None:
+            self.injector.begin_step(step)
+
+    def after_micro_backward(self, model, x, y, autocast, micro_steps):
+        if self.clean_grad:                # (3) QK-only fix: W_q, W_k learn fault-free
+            grads = clean_qk_grads(model, x, y, autocast, 1.0 / micro_steps, self.injector)
+            self.clean = grads if self.clean is None else [a + b for a, b in zip(self.clean, grads)]
+
+    def after_backward(self, model, dist):
+        if self.clean is not None:
+            for weight, grad in zip(model.qk_weights(), self.clean):
+                weight.grad = dist.all_reduce(grad)
+            self.clean = None
+        if self.injector is not None:      # (3) an error in a weight's gradient
+            self.injector.inject_grads(model)
+
+    def before_update(self, model):
+        self.probe.before_step(model)
+
+    def after_update(self, model):
+        self.probe_stats = self.probe.after_step(model)
+
+    def log_stats(self):
+        """The injected error's size and signs, the probe's last update; starts the probe's next interval."""
+        stats = dict(self.injector.last_stats) if self.injector is not None else {}
+        if self.probe_stats:
+            stats["probe"] = self.probe_stats
+        self.probe.reset_interval()
+        return stats
+
+    def parts(self):
+        return {"probe": self.probe, "injector": self.injector}
