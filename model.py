@@ -110,7 +110,7 @@ class CausalSelfAttention(nn.Module):
         self.accum = config.accum
         self.qk_norm = config.qk_norm
         self.softcap = config.softcap
-        self.delta_error = None   # the assay's delta error, set by assay.py: see attention()
+        self.delta_error = None   # the assay's delta error, set by lab/assay.py: see attention()
 
     def head_weights(self):
         """W_q and W_k viewed per head: two (n_head, head_dim, n_embd) views of the live weights."""

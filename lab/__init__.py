@@ -7,5 +7,6 @@
     python -m lab.attach_demo   # QK-Guard attached to other models (qkguard/), unguarded and guarded
 
 It imports the reference (model.py, attention_kernel.py, ...) from the repository root, where these
-commands run; the reference never imports the lab, so `rm -r lab` leaves it whole.
+commands run. The reference imports one file of the lab, lab/assay.py, and only where the folder is there
+(run.extension_module): `rm -r lab` leaves it whole.
 """

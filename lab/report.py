@@ -41,11 +41,11 @@ SIGMA_RATIO = 2.0        # "through the QK channel": sigma(W_q or W_k) grew SIGM
 LOGIT_RATIO = 10.0       # "beyond the no-error run": max logit >= LOGIT_RATIO x that run's
 LOGIT_GAP = 2.0          # claim 4: one error's max logit "higher" than the other's only by this factor
 GUARD_THRESHOLD = DEFAULT_THRESHOLD["max-logit"]     # the guard's default, for a run that gave none
-LR_DROP_FACTOR = ACTIONS["lr-drop"].lr_factor        # the lr-drop's default (config.py's too; a test checks)
+LR_DROP_FACTOR = ACTIONS["lr-drop"].lr_factor        # the lr-drop's default (run.py's flag too; a test checks)
 FIX_TOL = 0.1            # nat: a QK-only fix ends at most FIX_TOL above the no-error run's val loss
 # config.json's flags in which the runs a rule compares may differ: where a run ran and how it logged,
-# not what it trained. config.RESUMABLE_CHANGES (a resume may change them) but max_steps, which arms
-# must share, and the seed; written out, as config.py imports torch (a test keeps them in step)
+# not what it trained: run.RESUMABLE_CHANGES (a resume may change them) but max_steps, which arms
+# must share, and the seed (a test keeps the two lists in step)
 RUN_SPECIFIC = {"seed", "out_dir", "resume", "device", "compile", "on_collapse", "log_interval", "eval_interval",
                 "eval_iters", "ckpt_interval"}
 
@@ -58,7 +58,7 @@ def own_flags():
         table.update(experiments([5, 6], source=source))
     owned = {name: {flag[2:].split("=")[0].replace("-", "_") for flag in flags if flag.startswith("--")}
              for name, flags in table.items()}
-    # an arm's own --max-steps also sets decay_steps (config.py: 0 means --max-steps), which config.json records
+    # an arm's own --max-steps also sets decay_steps (run.py: 0 means --max-steps), which config.json records
     return {name: keys | ({"decay_steps"} if "max_steps" in keys else set()) for name, keys in owned.items()}
 
 

@@ -32,7 +32,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))   # the refer
 # differ: p < 0.05 needs 5 such seeds all one way (1/32), the dose grid's Bonferroni 0.05 / 3
 # needs 6 (1/64). 8 leave room for seeds where both arms agree.
 SEEDS = 8
-# Claims 3 and 4: the injected error's size (its rms / that of the signal it joins; see assay.py)
+# Claims 3 and 4: the injected error's size (its rms / that of the signal it joins; see lab/assay.py)
 # and sign-coherence (1: coherent; 0.5: a fresh random sign each step). The range was fixed in
 # advance from a pilot on seed 101 (RESULTS.md, "Pilot"); half-decades since the first sweep's
 # decades hid where the two coherences cross (claim 4 is judged dose by dose).
