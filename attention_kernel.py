@@ -116,20 +116,11 @@ def _safemax_shift_torch(s, block_max, beta):
     return torch.where(tied & (_round(shift) <= block_max + SAFEMAX_MAX_SHIFT), shift, block_max)
 
 
-def _causal_seen(row0, row1, key0, key1, device):
-    """The causal mask, bool (rows, keys): True where query row i sees key j (j <= i). The twin, the
-    reference and the sdpa max logit all use it; the kernels have their own (_causal_hide)."""
-    return torch.arange(key0, key1, device=device)[None, :] <= torch.arange(row0, row1, device=device)[:, None]
-
-
-def _causal_mask(rows, keys, device):
-    """(hidden, seen) for slices (rows, keys): 0, 1 where a row sees a key; -inf, 0 where not."""
-    return _causal_mask_of(rows.start, rows.stop, keys.start, keys.stop, device)
-
-
 @functools.lru_cache(maxsize=64)   # the same few blocks each layer and step; callers only read them
-def _causal_mask_of(row0, row1, key0, key1, device):
-    seen = _causal_seen(row0, row1, key0, key1, device)
+def _causal_mask(row0, row1, key0, key1, device):
+    """(hidden, seen) for query rows row0..row1-1 and keys key0..key1-1: 0, 1 where row i sees key j
+    (j <= i); -inf, 0 where not. The kernels' form is _causal_hide."""
+    seen = (torch.arange(key0, key1, device=device)[None, :] <= torch.arange(row0, row1, device=device)[:, None])
     return seen.float().log(), seen.float()   # log(1) = 0, log(0) = -inf
 
 
@@ -152,8 +143,9 @@ def _fwd_torch(q, k, v, scale, softcap, accum, rounding, beta, block_n):
     acc = torch.zeros((B, H, T, D), device=q.device)             # running sum of P V
     top = torch.full((B, H, T), float("-inf"), device=q.device)  # true max logit (never the shift)
     for j in range(0, T, block_n):
-        keys, rows = slice(j, min(j + block_n, T)), slice(j, T)     # rows < j see none of these
-        hidden, seen = _causal_mask(rows, keys, q.device)
+        j1 = min(j + block_n, T)
+        keys, rows = slice(j, j1), slice(j, T)                       # rows < j see none of these
+        hidden, seen = _causal_mask(j, T, j, j1, q.device)
         s, _ = _logits_torch(qf[:, :, rows] @ kf[:, :, keys].mT, scale, softcap, "logits" in rounding)
         s_seen = s + hidden                                          # -inf past the row's last key
         block_max = s_seen.amax(-1)
@@ -173,52 +165,43 @@ def _fwd_torch(q, k, v, scale, softcap, accum, rounding, beta, block_n):
 
 
 def _bwd_torch(do, q, k, v, o, lse, scale, softcap, rounding, block_n):
-    """The fp32 backward: recompute S (the forward's rounding) and P = exp(S - lse); dV = P^T dO;
-    dP = dO V^T; dS = P * (dP - delta) [softcap: * (1 - tanh^2)]; dQ = dS K scale;
-    dK = dS^T Q scale; delta = rowsum(dO * O) of the stored o (in bf16 modes the biased O enters the
-    gradient here). P and dS are cast to the input dtype for the matmuls."""
-    if "backward" in rounding:
-        return _bwd_torch_bf16(do, q, k, v, o, lse, scale, softcap, rounding)
+    """Recompute S (the forward's rounding) and P = exp(S - lse); dV = P^T dO; dP = dO V^T;
+    dS = P * (dP - delta) [softcap: * (1 - tanh^2)]; dQ = dS K scale; dK = dS^T Q scale, with
+    delta = rowsum(dO * O) of the stored o (in bf16 modes the biased O enters the gradient here).
+    P and dS are cast to the input dtype for the matmuls. With "backward" on, the prior work's bf16
+    backward: r() at every step (lse came rounded), the scale inside dS, and dq, dk, dv summed in bf16
+    one BF16_BWD_BLOCK tile at a time (dq over key blocks in order, dk and dv over query blocks, as
+    the Triton kernels loop); off, sums stay fp32 and each key block takes all its rows at once."""
     T, dtype = q.shape[2], q.dtype
+    bf16 = "backward" in rounding
+    r = _round if bf16 else _no_round
+    block_m, block_n = (BF16_BWD_BLOCK, BF16_BWD_BLOCK) if bf16 else (T, block_n)
     qf, kf, vf, dof = q.float(), k.float(), v.float(), do.float()
-    delta = (dof * o.float()).sum(-1)
+    delta = r(r(dof * o.float()).sum(-1))
     dq = torch.zeros(qf.shape, device=q.device)
-    dk, dv = new_buffer(q.shape, dtype, q.device), new_buffer(q.shape, dtype, q.device)   # set per block
+    # fp32: one tile per key block lands on dk, dv; -0.0 + x is x bit for bit (+0.0 + -0.0 is not)
+    dk, dv = (torch.full(qf.shape, 0.0 if bf16 else -0.0, device=q.device) for _ in range(2))
     for j in range(0, T, block_n):
-        keys, rows = slice(j, min(j + block_n, T)), slice(j, T)
-        s, t = _logits_torch(qf[:, :, rows] @ kf[:, :, keys].mT, scale, softcap, "logits" in rounding)
-        p = _exp_seen(s - lse[..., rows, None], _causal_mask(rows, keys, q.device)[1])
-        dv[:, :, keys] = (_round_to(p, dtype).mT @ dof[:, :, rows]).to(dtype)
-        ds = p * (dof[:, :, rows] @ vf[:, :, keys].mT - delta[..., rows, None])
-        if softcap > 0:
-            ds = ds * (1.0 - t * t)
-        ds = _round_to(ds, dtype)
-        dk[:, :, keys] = (ds.mT @ qf[:, :, rows] * scale).to(dtype)
-        dq[:, :, rows] += ds @ kf[:, :, keys]
-    return (dq * scale).to(dtype), dk, dv
-
-
-def _bwd_torch_bf16(do, q, k, v, o, lse, scale, softcap, rounding):
-    """The prior work's bf16 backward: every tensor rounded as it is made (lse came rounded), the
-    scale inside dS, and dq, dk, dv summed in bf16 one BF16_BWD_BLOCK tile at a time: dq over key
-    blocks in order, dk and dv over query blocks in order (as the Triton kernels loop)."""
-    T, dtype, block = q.shape[2], q.dtype, BF16_BWD_BLOCK
-    qf, kf, vf, dof = q.float(), k.float(), v.float(), do.float()
-    delta = _round(_round(dof * o.float()).sum(-1))
-    dq, dk, dv = (torch.zeros(qf.shape, device=q.device) for _ in range(3))
-    for j in range(0, T, block):
-        keys = slice(j, min(j + block, T))
-        for i in range(j, T, block):                 # the query blocks that see key block j
-            rows = slice(i, min(i + block, T))
+        j1 = min(j + block_n, T)
+        keys = slice(j, j1)
+        for i in range(j, T, block_m):                 # the query blocks that see key block j
+            i1 = min(i + block_m, T)
+            rows = slice(i, i1)
             s, t = _logits_torch(qf[:, :, rows] @ kf[:, :, keys].mT, scale, softcap, "logits" in rounding)
-            p = _exp_seen(_round(s - lse[..., rows, None]), _causal_mask(rows, keys, q.device)[1], _round)
-            dv[:, :, keys] = _round(dv[:, :, keys] + _round(p.mT @ dof[:, :, rows]))
-            dp = _round(dof[:, :, rows] @ vf[:, :, keys].mT)
-            ds = _round(_round(p * scale) * _round(dp - delta[..., rows, None]))
+            p = _exp_seen(r(s - lse[..., rows, None]), _causal_mask(i, i1, j, j1, q.device)[1], r)
+            dv[:, :, keys] = r(dv[:, :, keys] + r(_round_to(p, dtype).mT @ dof[:, :, rows]))
+            dp = r(dof[:, :, rows] @ vf[:, :, keys].mT)
+            if bf16:   # the prior work's order: the scale inside dS
+                ds = r(r(p * scale) * r(dp - delta[..., rows, None]))
+            else:
+                ds = p * (dp - delta[..., rows, None])
             if softcap > 0:
-                ds = _round(ds * (1.0 - t * t))
-            dq[:, :, rows] = _round(dq[:, :, rows] + _round(ds @ kf[:, :, keys]))
-            dk[:, :, keys] = _round(dk[:, :, keys] + _round(ds.mT @ qf[:, :, rows]))
+                ds = r(ds * (1.0 - t * t))
+            ds = _round_to(ds, dtype)
+            dq[:, :, rows] = r(dq[:, :, rows] + r(ds @ kf[:, :, keys]))
+            dk[:, :, keys] = r(dk[:, :, keys] + r(ds.mT @ qf[:, :, rows]))
+    if not bf16:
+        dq, dk = dq * scale, dk * scale
     return dq.to(dtype), dk.to(dtype), dv.to(dtype)
 
 
@@ -278,7 +261,7 @@ def _load_block(ptrs, in_range, MASK: tl.constexpr):
 
 @triton.jit
 def _causal_hide(s, keys, rows):
-    # _causal_seen's in-kernel form (a kernel cannot call torch): -inf where a key is past the row.
+    # _causal_mask's in-kernel form (a kernel cannot call torch): -inf where a key is past the row.
     return tl.where(keys <= rows, s, float("-inf"))
 
 
@@ -785,7 +768,7 @@ def _attn_reference(q, k, v, scale, softcap):
     s = q.double() @ k.double().mT * scale
     if softcap > 0:
         s = softcap * torch.tanh(s / softcap)
-    s = s.masked_fill(~_causal_seen(0, T, 0, T, q.device), float("-inf"))
+    s = s.masked_fill(_causal_mask(0, T, 0, T, q.device)[1] == 0, float("-inf"))
     return torch.softmax(s, dim=-1) @ v.double(), s.detach().amax(dim=(-2, -1)).float()
 
 
@@ -797,7 +780,7 @@ def _max_logit_chunked(q, k, scale, chunk=256):
         j = min(i + chunk, T)
         with _no_autocast(q):
             s = q[:, :, i:j].float() @ k[:, :, :j].float().mT * scale
-        s = s.masked_fill(~_causal_seen(i, j, 0, j, q.device), float("-inf"))
+        s = s.masked_fill(_causal_mask(i, j, 0, j, q.device)[1] == 0, float("-inf"))
         best = torch.maximum(best, s.amax(dim=(-2, -1)))
     return best
 
