@@ -33,7 +33,7 @@ Two implementations of one algorithm with the same rounding points, behind torch
 (a model calling attention() compiles with fullgraph=True):
   - the PyTorch twin, first below: the algorithm to read (CPU training, and the kernels' check);
   - Triton kernels: the same, fast (CUDA, or CPU tensors with TRITON_INTERPRET=1 set before import).
-"sdpa" (PyTorch's fused kernels) and "reference" (float64, materialized) are for comparison.
+"sdpa" (PyTorch's fused kernels) is for comparison; the tests' float64 reference is materialized.
 
     python -m lab.bench --only check  # errors against the float64 reference on this device
     (speed: lab/bench.py also times, tunes and compiles these kernels for a GPU)
@@ -51,7 +51,7 @@ import triton.language as tl
 ACCUM_MODES = ("fp32", "bf16", "bf16-safemax")   # the softmax state
 ROUNDING_SOURCES = ("logits", "pv", "backward")   # the other rounding points, each on its own
 DEFAULT_ROUNDING = ("logits", "pv")               # rounding=None with bf16 inputs
-IMPLS = ("auto", "triton", "torch", "sdpa", "reference")
+IMPLS = ("auto", "triton", "torch", "sdpa")
 TRITON_HEAD_DIMS = (16, 32, 64, 128)
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # The state and the separate PV product are rounded once per key block, so the block is part of the
@@ -116,20 +116,11 @@ def _safemax_shift_torch(s, block_max, beta):
     return torch.where(tied & (_round(shift) <= block_max + SAFEMAX_MAX_SHIFT), shift, block_max)
 
 
-def _causal_seen(row0, row1, key0, key1, device):
-    """The causal mask, bool (rows, keys): True where query row i sees key j (j <= i). The twin, the
-    reference and the sdpa max logit all use it; the kernels have their own (_causal_hide)."""
-    return torch.arange(key0, key1, device=device)[None, :] <= torch.arange(row0, row1, device=device)[:, None]
-
-
-def _causal_mask(rows, keys, device):
-    """(hidden, seen) for slices (rows, keys): 0, 1 where a row sees a key; -inf, 0 where not."""
-    return _causal_mask_of(rows.start, rows.stop, keys.start, keys.stop, device)
-
-
 @functools.lru_cache(maxsize=64)   # the same few blocks each layer and step; callers only read them
-def _causal_mask_of(row0, row1, key0, key1, device):
-    seen = _causal_seen(row0, row1, key0, key1, device)
+def _causal_mask(row0, row1, key0, key1, device):
+    """(hidden, seen) for query rows row0..row1-1 and keys key0..key1-1: 0, 1 where row i sees key j
+    (j <= i); -inf, 0 where not. The kernels' form is _causal_hide."""
+    seen = (torch.arange(key0, key1, device=device)[None, :] <= torch.arange(row0, row1, device=device)[:, None])
     return seen.float().log(), seen.float()   # log(1) = 0, log(0) = -inf
 
 
@@ -152,8 +143,9 @@ def _fwd_torch(q, k, v, scale, softcap, accum, rounding, beta, block_n):
     acc = torch.zeros((B, H, T, D), device=q.device)             # running sum of P V
     top = torch.full((B, H, T), float("-inf"), device=q.device)  # true max logit (never the shift)
     for j in range(0, T, block_n):
-        keys, rows = slice(j, min(j + block_n, T)), slice(j, T)     # rows < j see none of these
-        hidden, seen = _causal_mask(rows, keys, q.device)
+        j1 = min(j + block_n, T)
+        keys, rows = slice(j, j1), slice(j, T)                       # rows < j see none of these
+        hidden, seen = _causal_mask(j, T, j, j1, q.device)
         s, _ = _logits_torch(qf[:, :, rows] @ kf[:, :, keys].mT, scale, softcap, "logits" in rounding)
         s_seen = s + hidden                                          # -inf past the row's last key
         block_max = s_seen.amax(-1)
@@ -173,52 +165,43 @@ def _fwd_torch(q, k, v, scale, softcap, accum, rounding, beta, block_n):
 
 
 def _bwd_torch(do, q, k, v, o, lse, scale, softcap, rounding, block_n):
-    """The fp32 backward: recompute S (the forward's rounding) and P = exp(S - lse); dV = P^T dO;
-    dP = dO V^T; dS = P * (dP - delta) [softcap: * (1 - tanh^2)]; dQ = dS K scale;
-    dK = dS^T Q scale; delta = rowsum(dO * O) of the stored o (in bf16 modes the biased O enters the
-    gradient here). P and dS are cast to the input dtype for the matmuls."""
-    if "backward" in rounding:
-        return _bwd_torch_bf16(do, q, k, v, o, lse, scale, softcap, rounding)
+    """Recompute S (the forward's rounding) and P = exp(S - lse); dV = P^T dO; dP = dO V^T;
+    dS = P * (dP - delta) [softcap: * (1 - tanh^2)]; dQ = dS K scale; dK = dS^T Q scale, with
+    delta = rowsum(dO * O) of the stored o (in bf16 modes the biased O enters the gradient here).
+    P and dS are cast to the input dtype for the matmuls. With "backward" on, the prior work's bf16
+    backward: r() at every step (lse came rounded), the scale inside dS, and dq, dk, dv summed in bf16
+    one BF16_BWD_BLOCK tile at a time (dq over key blocks in order, dk and dv over query blocks, as
+    the Triton kernels loop); off, sums stay fp32 and each key block takes all its rows at once."""
     T, dtype = q.shape[2], q.dtype
+    bf16 = "backward" in rounding
+    r = _round if bf16 else _no_round
+    block_m, block_n = (BF16_BWD_BLOCK, BF16_BWD_BLOCK) if bf16 else (T, block_n)
     qf, kf, vf, dof = q.float(), k.float(), v.float(), do.float()
-    delta = (dof * o.float()).sum(-1)
+    delta = r(r(dof * o.float()).sum(-1))
     dq = torch.zeros(qf.shape, device=q.device)
-    dk, dv = new_buffer(q.shape, dtype, q.device), new_buffer(q.shape, dtype, q.device)   # set per block
+    # fp32: one tile per key block lands on dk, dv; -0.0 + x is x bit for bit (+0.0 + -0.0 is not)
+    dk, dv = (torch.full(qf.shape, 0.0 if bf16 else -0.0, device=q.device) for _ in range(2))
     for j in range(0, T, block_n):
-        keys, rows = slice(j, min(j + block_n, T)), slice(j, T)
-        s, t = _logits_torch(qf[:, :, rows] @ kf[:, :, keys].mT, scale, softcap, "logits" in rounding)
-        p = _exp_seen(s - lse[..., rows, None], _causal_mask(rows, keys, q.device)[1])
-        dv[:, :, keys] = (_round_to(p, dtype).mT @ dof[:, :, rows]).to(dtype)
-        ds = p * (dof[:, :, rows] @ vf[:, :, keys].mT - delta[..., rows, None])
-        if softcap > 0:
-            ds = ds * (1.0 - t * t)
-        ds = _round_to(ds, dtype)
-        dk[:, :, keys] = (ds.mT @ qf[:, :, rows] * scale).to(dtype)
-        dq[:, :, rows] += ds @ kf[:, :, keys]
-    return (dq * scale).to(dtype), dk, dv
-
-
-def _bwd_torch_bf16(do, q, k, v, o, lse, scale, softcap, rounding):
-    """The prior work's bf16 backward: every tensor rounded as it is made (lse came rounded), the
-    scale inside dS, and dq, dk, dv summed in bf16 one BF16_BWD_BLOCK tile at a time: dq over key
-    blocks in order, dk and dv over query blocks in order (as the Triton kernels loop)."""
-    T, dtype, block = q.shape[2], q.dtype, BF16_BWD_BLOCK
-    qf, kf, vf, dof = q.float(), k.float(), v.float(), do.float()
-    delta = _round(_round(dof * o.float()).sum(-1))
-    dq, dk, dv = (torch.zeros(qf.shape, device=q.device) for _ in range(3))
-    for j in range(0, T, block):
-        keys = slice(j, min(j + block, T))
-        for i in range(j, T, block):                 # the query blocks that see key block j
-            rows = slice(i, min(i + block, T))
+        j1 = min(j + block_n, T)
+        keys = slice(j, j1)
+        for i in range(j, T, block_m):                 # the query blocks that see key block j
+            i1 = min(i + block_m, T)
+            rows = slice(i, i1)
             s, t = _logits_torch(qf[:, :, rows] @ kf[:, :, keys].mT, scale, softcap, "logits" in rounding)
-            p = _exp_seen(_round(s - lse[..., rows, None]), _causal_mask(rows, keys, q.device)[1], _round)
-            dv[:, :, keys] = _round(dv[:, :, keys] + _round(p.mT @ dof[:, :, rows]))
-            dp = _round(dof[:, :, rows] @ vf[:, :, keys].mT)
-            ds = _round(_round(p * scale) * _round(dp - delta[..., rows, None]))
+            p = _exp_seen(r(s - lse[..., rows, None]), _causal_mask(i, i1, j, j1, q.device)[1], r)
+            dv[:, :, keys] = r(dv[:, :, keys] + r(_round_to(p, dtype).mT @ dof[:, :, rows]))
+            dp = r(dof[:, :, rows] @ vf[:, :, keys].mT)
+            if bf16:   # the prior work's order: the scale inside dS
+                ds = r(r(p * scale) * r(dp - delta[..., rows, None]))
+            else:
+                ds = p * (dp - delta[..., rows, None])
             if softcap > 0:
-                ds = _round(ds * (1.0 - t * t))
-            dq[:, :, rows] = _round(dq[:, :, rows] + _round(ds @ kf[:, :, keys]))
-            dk[:, :, keys] = _round(dk[:, :, keys] + _round(ds.mT @ qf[:, :, rows]))
+                ds = r(ds * (1.0 - t * t))
+            ds = _round_to(ds, dtype)
+            dq[:, :, rows] = r(dq[:, :, rows] + r(ds @ kf[:, :, keys]))
+            dk[:, :, keys] = r(dk[:, :, keys] + r(ds.mT @ qf[:, :, rows]))
+    if not bf16:
+        dq, dk = dq * scale, dk * scale
     return dq.to(dtype), dk.to(dtype), dv.to(dtype)
 
 
@@ -226,6 +209,13 @@ def _bwd_torch_bf16(do, q, k, v, o, lse, scale, softcap, rounding):
 # The same algorithm as Triton kernels, one program per (query or key block, batch*head). A call's
 # (B, H, T, D) tensors share a layout, passed as (batch, head, time) strides (head_dim unit-stride):
 # the model's transposed views as they are. Key blocks left of the diagonal skip the causal mask.
+# The switches are constexpr, so each combination compiles to its own kernel: BF16_STATE and SAFEMAX
+# (accum), ROUND_LOGITS, ROUND_PV and BWD_BF16 (rounding), SOFTCAP (softcap > 0); see kernel_flags.
+
+# The interpreter's tl.dot is wrong on bf16/fp16 operands (triton issue 11584): there _dot upcasts
+# them, losing nothing (their products are exact in fp32).
+_DOT_FP32 = tl.constexpr(INTERPRET)
+
 
 @triton.jit
 def _round_bf16(x):
@@ -278,19 +268,18 @@ def _load_block(ptrs, in_range, MASK: tl.constexpr):
 
 @triton.jit
 def _causal_hide(s, keys, rows):
-    # _causal_seen's in-kernel form (a kernel cannot call torch): -inf where a key is past the row.
+    # _causal_mask's in-kernel form (a kernel cannot call torch): -inf where a key is past the row.
     return tl.where(keys <= rows, s, float("-inf"))
 
 
 @triton.jit
-def _dot(a, b, acc, DOT_FP32: tl.constexpr, IEEE: tl.constexpr):
-    # acc + a @ b, accumulated in fp32. DOT_FP32: the interpreter's tl.dot is wrong on bf16/fp16
-    # operands (triton issue 11584); their products are exact in fp32, so upcasting loses nothing.
-    # IEEE: no TF32 for fp32 operands on the GPU (it would break a 1e-4 tolerance).
-    if DOT_FP32:
+def _dot(a, b, acc):
+    # acc + a @ b, accumulated in fp32. Operands are the input dtype; fp32 ones get IEEE products
+    # (TF32 on the GPU would break a 1e-4 tolerance).
+    if _DOT_FP32:
         a = a.to(tl.float32)
         b = b.to(tl.float32)
-    if IEEE:
+    if a.dtype == tl.float32:
         acc = tl.dot(a, b, acc, input_precision="ieee")
     else:
         acc = tl.dot(a, b, acc)
@@ -298,9 +287,9 @@ def _dot(a, b, acc, DOT_FP32: tl.constexpr, IEEE: tl.constexpr):
 
 
 @triton.jit
-def _mm(a, b, DOT_FP32: tl.constexpr, IEEE: tl.constexpr):
+def _mm(a, b):
     # a @ b in fp32
-    return _dot(a, b, tl.zeros([a.shape[0], b.shape[1]], tl.float32), DOT_FP32=DOT_FP32, IEEE=IEEE)
+    return _dot(a, b, tl.zeros([a.shape[0], b.shape[1]], tl.float32))
 
 
 @triton.jit
@@ -311,11 +300,11 @@ def _tanh_tl(x):
 @triton.jit
 def _logits(qk, scale, softcap, ROUND_LOGITS: tl.constexpr, SOFTCAP: tl.constexpr):
     # As _logits_torch: S = r(r(q k^T) * scale) [softcap: r(c tanh(S / c))]; tanh for the backward.
-    s = _r_if(_r_if(qk, ON=ROUND_LOGITS) * scale, ON=ROUND_LOGITS)
+    s = _r_if(_r_if(qk, ROUND_LOGITS) * scale, ROUND_LOGITS)
     t = s
     if SOFTCAP:
         t = _tanh_tl(s / softcap)
-        s = _r_if(softcap * t, ON=ROUND_LOGITS)
+        s = _r_if(softcap * t, ROUND_LOGITS)
     return s, t
 
 
@@ -329,16 +318,14 @@ def _safemax_shift(s, block_max, beta):
 
 @triton.jit
 def _fwd_block(q, K, V, start_n, offs_m, m_i, l_i, acc, top, stride_t, scale, softcap, beta, T,
-               HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL_MASK: tl.constexpr,
-               BF16_STATE: tl.constexpr, SAFEMAX: tl.constexpr, ROUND_LOGITS: tl.constexpr,
-               ROUND_PV: tl.constexpr, SOFTCAP: tl.constexpr, DOT_FP32: tl.constexpr, IEEE: tl.constexpr):
+               HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BF16_STATE: tl.constexpr, SAFEMAX: tl.constexpr,
+               ROUND_LOGITS: tl.constexpr, ROUND_PV: tl.constexpr, SOFTCAP: tl.constexpr, CAUSAL_MASK: tl.constexpr):
     # One streaming-softmax step (_fwd_torch's loop body): fold key block start_n into (m, l, acc).
     offs_n = start_n + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
     kT = _load_block(K + _rows(offs_n, stride_t)[None, :] + offs_d[:, None], offs_n[None, :] < T, CAUSAL_MASK)
     v = _load_block(V + _rows(offs_n, stride_t)[:, None] + offs_d[None, :], offs_n[:, None] < T, CAUSAL_MASK)
-    s, t = _logits(_mm(q, kT, DOT_FP32=DOT_FP32, IEEE=IEEE), scale, softcap, ROUND_LOGITS=ROUND_LOGITS,
-                   SOFTCAP=SOFTCAP)
+    s, t = _logits(_mm(q, kT), scale, softcap, ROUND_LOGITS, SOFTCAP)
     if CAUSAL_MASK:   # for a valid row this also hides keys past T (key <= row < T)
         s = _causal_hide(s, offs_n[None, :], offs_m[:, None])
 
@@ -347,28 +334,27 @@ def _fwd_block(q, K, V, start_n, offs_m, m_i, l_i, acc, top, stride_t, scale, so
     shift = block_max
     if SAFEMAX:
         shift = _safemax_shift(s, block_max, beta)
-    m_new = _r_if(tl.maximum(m_i, shift), ON=BF16_STATE)
-    alpha = _r_if(tl.exp(_r_if(m_i - m_new, ON=BF16_STATE)), ON=BF16_STATE)   # rescales l and acc
-    p = _r_if(tl.exp(_r_if(s - m_new[:, None], ON=BF16_STATE)), ON=BF16_STATE)
+    m_new = _r_if(tl.maximum(m_i, shift), BF16_STATE)
+    alpha = _r_if(tl.exp(_r_if(m_i - m_new, BF16_STATE)), BF16_STATE)   # rescales l and acc
+    p = _r_if(tl.exp(_r_if(s - m_new[:, None], BF16_STATE)), BF16_STATE)
     block_sum = tl.sum(p, 1)
     if BF16_STATE:   # clamped where the row sees the block (elsewhere the step must stay a no-op)
         block_sum = _round_bf16(block_sum)
         block_sum = tl.where(block_max > float("-inf"), tl.maximum(block_sum, 1e-10), block_sum)
-    l_i = _r_if(_r_if(l_i * alpha, ON=BF16_STATE) + block_sum, ON=BF16_STATE)
+    l_i = _r_if(_r_if(l_i * alpha, BF16_STATE) + block_sum, BF16_STATE)
     if BF16_STATE or ROUND_PV:
-        pv = _mm(_cast(p, V), v, DOT_FP32=DOT_FP32, IEEE=IEEE)
-        acc = _r_if(_r_if(acc * alpha[:, None], ON=BF16_STATE) + _r_if(pv, ON=ROUND_PV), ON=BF16_STATE)
+        pv = _mm(_cast(p, V), v)
+        acc = _r_if(_r_if(acc * alpha[:, None], BF16_STATE) + _r_if(pv, ROUND_PV), BF16_STATE)
     else:            # a standard fp32-state kernel: P V accumulates straight into acc
-        acc = _dot(_cast(p, V), v, acc * alpha[:, None], DOT_FP32=DOT_FP32, IEEE=IEEE)
+        acc = _dot(_cast(p, V), v, acc * alpha[:, None])
     return m_new, l_i, acc, top
 
 
 @triton.jit
 def attn_fwd(Q, K, V, O, LSE, ROWMAX, stride_b, stride_h, stride_t, H, T, scale, softcap, beta,
-              HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-              BF16_STATE: tl.constexpr, SAFEMAX: tl.constexpr, ROUND_LOGITS: tl.constexpr,
-              ROUND_PV: tl.constexpr, BWD_BF16: tl.constexpr, SOFTCAP: tl.constexpr,
-              DOT_FP32: tl.constexpr, IEEE: tl.constexpr):
+             HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BF16_STATE: tl.constexpr,
+             SAFEMAX: tl.constexpr, ROUND_LOGITS: tl.constexpr, ROUND_PV: tl.constexpr, BWD_BF16: tl.constexpr,
+             SOFTCAP: tl.constexpr):
     # One query block per program: fold in the key blocks it sees, then store o, lse, the row max.
     pid_m = tl.program_id(0)
     bh = tl.program_id(1)
@@ -391,17 +377,15 @@ def attn_fwd(Q, K, V, O, LSE, ROWMAX, stride_b, stride_h, stride_t, H, T, scale,
     # sees key 0, so m_i is finite after the first block; a later block a row cannot see is a no-op.
     diag = pid_m * BLOCK_M // BLOCK_N * BLOCK_N
     for start_n in range(0, diag, BLOCK_N):
-        m_i, l_i, acc, top = _fwd_block(
-            q, K, V, start_n, offs_m, m_i, l_i, acc, top, stride_t, scale, softcap, beta, T,
-            HEAD_DIM=HEAD_DIM, BLOCK_N=BLOCK_N, CAUSAL_MASK=False, BF16_STATE=BF16_STATE, SAFEMAX=SAFEMAX,
-            ROUND_LOGITS=ROUND_LOGITS, ROUND_PV=ROUND_PV, SOFTCAP=SOFTCAP, DOT_FP32=DOT_FP32, IEEE=IEEE)
+        m_i, l_i, acc, top = _fwd_block(q, K, V, start_n, offs_m, m_i, l_i, acc, top, stride_t, scale, softcap,
+                                        beta, T, HEAD_DIM, BLOCK_N, BF16_STATE, SAFEMAX, ROUND_LOGITS, ROUND_PV,
+                                        SOFTCAP, CAUSAL_MASK=False)
     for start_n in range(diag, (pid_m + 1) * BLOCK_M, BLOCK_N):
-        m_i, l_i, acc, top = _fwd_block(
-            q, K, V, start_n, offs_m, m_i, l_i, acc, top, stride_t, scale, softcap, beta, T,
-            HEAD_DIM=HEAD_DIM, BLOCK_N=BLOCK_N, CAUSAL_MASK=True, BF16_STATE=BF16_STATE, SAFEMAX=SAFEMAX,
-            ROUND_LOGITS=ROUND_LOGITS, ROUND_PV=ROUND_PV, SOFTCAP=SOFTCAP, DOT_FP32=DOT_FP32, IEEE=IEEE)
+        m_i, l_i, acc, top = _fwd_block(q, K, V, start_n, offs_m, m_i, l_i, acc, top, stride_t, scale, softcap,
+                                        beta, T, HEAD_DIM, BLOCK_N, BF16_STATE, SAFEMAX, ROUND_LOGITS, ROUND_PV,
+                                        SOFTCAP, CAUSAL_MASK=True)
 
-    o = _r_if(acc / l_i[:, None], ON=BF16_STATE)    # the O that the backward's delta sees
+    o = _r_if(acc / l_i[:, None], BF16_STATE)    # the O that the backward's delta sees
     lse = m_i + tl.log(l_i)
     if BWD_BF16:
         lse = _round_bf16(_round_bf16(tl.log(l_i)) + m_i)
@@ -414,7 +398,7 @@ def attn_fwd(Q, K, V, O, LSE, ROWMAX, stride_b, stride_h, stride_t, H, T, scale,
 
 @triton.jit
 def attn_bwd_delta(O, DO, DELTA, stride_b, stride_h, stride_t, H, T, HEAD_DIM: tl.constexpr,
-                    BLOCK_M: tl.constexpr, BWD_BF16: tl.constexpr):
+                   BLOCK_M: tl.constexpr, BWD_BF16: tl.constexpr):
     # delta = rowsum(dO * O) of the stored O: biased in bf16 modes, as in the prior work.
     pid_m = tl.program_id(0)
     bh = tl.program_id(1)
@@ -424,7 +408,7 @@ def attn_bwd_delta(O, DO, DELTA, stride_b, stride_h, stride_t, H, T, HEAD_DIM: t
     ptrs = head + _rows(offs_m, stride_t)[:, None] + offs_d[None, :]
     o = tl.load(O + ptrs, mask=offs_m[:, None] < T, other=0.0).to(tl.float32)
     do = tl.load(DO + ptrs, mask=offs_m[:, None] < T, other=0.0).to(tl.float32)
-    delta = _r_if(tl.sum(_r_if(o * do, ON=BWD_BF16), 1), ON=BWD_BF16)
+    delta = _r_if(tl.sum(_r_if(o * do, BWD_BF16), 1), BWD_BF16)
     tl.store(DELTA + bh.to(tl.int64) * T + offs_m, delta, mask=offs_m < T)
 
 
@@ -436,25 +420,24 @@ def _ds(p, dp, delta, t, scale, SOFTCAP: tl.constexpr, BWD_BF16: tl.constexpr):
     else:
         ds = p * (dp - delta)
     if SOFTCAP:
-        ds = _r_if(ds * (1.0 - t * t), ON=BWD_BF16)
+        ds = _r_if(ds * (1.0 - t * t), BWD_BF16)
     return ds
 
 
 @triton.jit
-def _add_tile(acc, a, b, DOT_FP32: tl.constexpr, IEEE: tl.constexpr, BWD_BF16: tl.constexpr):
+def _add_tile(acc, a, b, BWD_BF16: tl.constexpr):
     # acc + a @ b: accumulated in fp32, or (bf16 backward) r(acc + r(a @ b)) once per tile.
     if BWD_BF16:
-        acc = _round_bf16(acc + _round_bf16(_mm(a, b, DOT_FP32=DOT_FP32, IEEE=IEEE)))
+        acc = _round_bf16(acc + _round_bf16(_mm(a, b)))
     else:
-        acc = _dot(a, b, acc, DOT_FP32=DOT_FP32, IEEE=IEEE)
+        acc = _dot(a, b, acc)
     return acc
 
 
 @triton.jit
 def _dkdv_block(k, v, dk, dv, Q, DO, LSE, DELTA, start_m, offs_n, stride_t, scale, softcap, T,
-                HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, CAUSAL_MASK: tl.constexpr,
-                ROUND_LOGITS: tl.constexpr, BWD_BF16: tl.constexpr, SOFTCAP: tl.constexpr,
-                DOT_FP32: tl.constexpr, IEEE: tl.constexpr):
+                HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, ROUND_LOGITS: tl.constexpr, BWD_BF16: tl.constexpr,
+                SOFTCAP: tl.constexpr, CAUSAL_MASK: tl.constexpr):
     # Add query block start_m's share to dk and dv, computed transposed (keys x queries).
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)
@@ -463,23 +446,21 @@ def _dkdv_block(k, v, dk, dv, Q, DO, LSE, DELTA, start_m, offs_n, stride_t, scal
     do = tl.load(DO + _rows(offs_m, stride_t)[:, None] + offs_d[None, :], mask=row_ok[:, None], other=0.0)
     lse = tl.load(LSE + offs_m, mask=row_ok, other=float("inf"))   # rows past T: p = 0
     delta = tl.load(DELTA + offs_m, mask=row_ok, other=0.0)
-    sT, tT = _logits(_mm(k, qT, DOT_FP32=DOT_FP32, IEEE=IEEE), scale, softcap, ROUND_LOGITS=ROUND_LOGITS,
-                     SOFTCAP=SOFTCAP)
+    sT, tT = _logits(_mm(k, qT), scale, softcap, ROUND_LOGITS, SOFTCAP)
     if CAUSAL_MASK:
         sT = _causal_hide(sT, offs_n[:, None], offs_m[None, :])
-    pT = _r_if(tl.exp(_r_if(sT - lse[None, :], ON=BWD_BF16)), ON=BWD_BF16)
-    dv = _add_tile(dv, _cast(pT, DO), do, DOT_FP32=DOT_FP32, IEEE=IEEE, BWD_BF16=BWD_BF16)
-    dpT = _r_if(_mm(v, tl.trans(do), DOT_FP32=DOT_FP32, IEEE=IEEE), ON=BWD_BF16)
-    dsT = _ds(pT, dpT, delta[None, :], tT, scale, SOFTCAP=SOFTCAP, BWD_BF16=BWD_BF16)
-    dk = _add_tile(dk, _cast(dsT, Q), tl.trans(qT), DOT_FP32=DOT_FP32, IEEE=IEEE, BWD_BF16=BWD_BF16)
+    pT = _r_if(tl.exp(_r_if(sT - lse[None, :], BWD_BF16)), BWD_BF16)
+    dv = _add_tile(dv, _cast(pT, DO), do, BWD_BF16)
+    dpT = _r_if(_mm(v, tl.trans(do)), BWD_BF16)
+    dsT = _ds(pT, dpT, delta[None, :], tT, scale, SOFTCAP, BWD_BF16)
+    dk = _add_tile(dk, _cast(dsT, Q), tl.trans(qT), BWD_BF16)
     return dk, dv
 
 
 @triton.jit
 def attn_bwd_dkdv(Q, K, V, DO, LSE, DELTA, DK, DV, stride_b, stride_h, stride_t, H, T, scale, softcap,
-                   HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                   ROUND_LOGITS: tl.constexpr, BWD_BF16: tl.constexpr, SOFTCAP: tl.constexpr,
-                   DOT_FP32: tl.constexpr, IEEE: tl.constexpr):
+                  HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                  ROUND_LOGITS: tl.constexpr, BWD_BF16: tl.constexpr, SOFTCAP: tl.constexpr):
     # One key block per program, dk and dv in registers; loop over the query blocks that see it.
     pid_n = tl.program_id(0)
     bh = tl.program_id(1)
@@ -500,12 +481,10 @@ def attn_bwd_dkdv(Q, K, V, DO, LSE, DELTA, DK, DV, stride_b, stride_h, stride_t,
     full = ((pid_n + 1) * BLOCK_N + BLOCK_M - 1) // BLOCK_M * BLOCK_M  # later queries see them all
     for start_m in range(lo, full, BLOCK_M):
         dk, dv = _dkdv_block(k, v, dk, dv, Q, DO, LSE, DELTA, start_m, offs_n, stride_t, scale, softcap, T,
-                             HEAD_DIM=HEAD_DIM, BLOCK_M=BLOCK_M, CAUSAL_MASK=True, ROUND_LOGITS=ROUND_LOGITS,
-                             BWD_BF16=BWD_BF16, SOFTCAP=SOFTCAP, DOT_FP32=DOT_FP32, IEEE=IEEE)
+                             HEAD_DIM, BLOCK_M, ROUND_LOGITS, BWD_BF16, SOFTCAP, CAUSAL_MASK=True)
     for start_m in range(full, T, BLOCK_M):
         dk, dv = _dkdv_block(k, v, dk, dv, Q, DO, LSE, DELTA, start_m, offs_n, stride_t, scale, softcap, T,
-                             HEAD_DIM=HEAD_DIM, BLOCK_M=BLOCK_M, CAUSAL_MASK=False, ROUND_LOGITS=ROUND_LOGITS,
-                             BWD_BF16=BWD_BF16, SOFTCAP=SOFTCAP, DOT_FP32=DOT_FP32, IEEE=IEEE)
+                             HEAD_DIM, BLOCK_M, ROUND_LOGITS, BWD_BF16, SOFTCAP, CAUSAL_MASK=False)
 
     if not BWD_BF16:      # the bf16 backward has the scale inside dS
         dk = dk * scale
@@ -515,30 +494,27 @@ def attn_bwd_dkdv(Q, K, V, DO, LSE, DELTA, DK, DV, stride_b, stride_h, stride_t,
 
 @triton.jit
 def _dq_block(q, do, lse, delta, dq, K, V, start_n, offs_m, stride_t, scale, softcap, T,
-              HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL_MASK: tl.constexpr,
-              ROUND_LOGITS: tl.constexpr, BWD_BF16: tl.constexpr, SOFTCAP: tl.constexpr,
-              DOT_FP32: tl.constexpr, IEEE: tl.constexpr):
+              HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, ROUND_LOGITS: tl.constexpr, BWD_BF16: tl.constexpr,
+              SOFTCAP: tl.constexpr, CAUSAL_MASK: tl.constexpr):
     # Add key block start_n's share to dq.
     offs_n = start_n + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
     kT_offs = _rows(offs_n, stride_t)[None, :] + offs_d[:, None]
     kT = _load_block(K + kT_offs, offs_n[None, :] < T, CAUSAL_MASK)
     vT = _load_block(V + kT_offs, offs_n[None, :] < T, CAUSAL_MASK)
-    s, t = _logits(_mm(q, kT, DOT_FP32=DOT_FP32, IEEE=IEEE), scale, softcap, ROUND_LOGITS=ROUND_LOGITS,
-                   SOFTCAP=SOFTCAP)
+    s, t = _logits(_mm(q, kT), scale, softcap, ROUND_LOGITS, SOFTCAP)
     if CAUSAL_MASK:
         s = _causal_hide(s, offs_n[None, :], offs_m[:, None])
-    p = _r_if(tl.exp(_r_if(s - lse[:, None], ON=BWD_BF16)), ON=BWD_BF16)
-    dp = _r_if(_mm(do, vT, DOT_FP32=DOT_FP32, IEEE=IEEE), ON=BWD_BF16)
-    ds = _ds(p, dp, delta[:, None], t, scale, SOFTCAP=SOFTCAP, BWD_BF16=BWD_BF16)
-    return _add_tile(dq, _cast(ds, K), tl.trans(kT), DOT_FP32=DOT_FP32, IEEE=IEEE, BWD_BF16=BWD_BF16)
+    p = _r_if(tl.exp(_r_if(s - lse[:, None], BWD_BF16)), BWD_BF16)
+    dp = _r_if(_mm(do, vT), BWD_BF16)
+    ds = _ds(p, dp, delta[:, None], t, scale, SOFTCAP, BWD_BF16)
+    return _add_tile(dq, _cast(ds, K), tl.trans(kT), BWD_BF16)
 
 
 @triton.jit
 def attn_bwd_dq(Q, K, V, DO, LSE, DELTA, DQ, stride_b, stride_h, stride_t, H, T, scale, softcap,
-                 HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                 ROUND_LOGITS: tl.constexpr, BWD_BF16: tl.constexpr, SOFTCAP: tl.constexpr,
-                 DOT_FP32: tl.constexpr, IEEE: tl.constexpr):
+                HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                ROUND_LOGITS: tl.constexpr, BWD_BF16: tl.constexpr, SOFTCAP: tl.constexpr):
     # One query block per program, looping over the key blocks it sees as the forward does.
     pid_m = tl.program_id(0)
     bh = tl.program_id(1)
@@ -558,12 +534,10 @@ def attn_bwd_dq(Q, K, V, DO, LSE, DELTA, DQ, stride_b, stride_h, stride_t, H, T,
     diag = pid_m * BLOCK_M // BLOCK_N * BLOCK_N
     for start_n in range(0, diag, BLOCK_N):
         dq = _dq_block(q, do, lse, delta, dq, K, V, start_n, offs_m, stride_t, scale, softcap, T,
-                       HEAD_DIM=HEAD_DIM, BLOCK_N=BLOCK_N, CAUSAL_MASK=False, ROUND_LOGITS=ROUND_LOGITS,
-                       BWD_BF16=BWD_BF16, SOFTCAP=SOFTCAP, DOT_FP32=DOT_FP32, IEEE=IEEE)
+                       HEAD_DIM, BLOCK_N, ROUND_LOGITS, BWD_BF16, SOFTCAP, CAUSAL_MASK=False)
     for start_n in range(diag, (pid_m + 1) * BLOCK_M, BLOCK_N):
         dq = _dq_block(q, do, lse, delta, dq, K, V, start_n, offs_m, stride_t, scale, softcap, T,
-                       HEAD_DIM=HEAD_DIM, BLOCK_N=BLOCK_N, CAUSAL_MASK=True, ROUND_LOGITS=ROUND_LOGITS,
-                       BWD_BF16=BWD_BF16, SOFTCAP=SOFTCAP, DOT_FP32=DOT_FP32, IEEE=IEEE)
+                       HEAD_DIM, BLOCK_N, ROUND_LOGITS, BWD_BF16, SOFTCAP, CAUSAL_MASK=True)
 
     if not BWD_BF16:
         dq = dq * scale
@@ -607,75 +581,47 @@ def bwd_configs(D, dtype, rounding=()):
     return config, config
 
 
-def kernel_flags(accum, rounding, q):
-    """The forward kernel's constexpr switches: rounding sources, and how this machine runs dots."""
-    return dict(BF16_STATE=accum != "fp32", ROUND_PV="pv" in rounding, **_bwd_flags(rounding, q))
+def kernel_flags(accum, rounding, softcap):
+    """The kernels' constexpr switches; each kernel takes those among them it has."""
+    return dict(BF16_STATE=accum != "fp32", SAFEMAX=accum == "bf16-safemax", ROUND_LOGITS="logits" in rounding,
+                ROUND_PV="pv" in rounding, BWD_BF16="backward" in rounding, SOFTCAP=softcap > 0)
 
 
-def _bwd_flags(rounding, q):
-    """The switches the backward kernels take too (the state's rounding is the forward's alone)."""
-    return dict(ROUND_LOGITS="logits" in rounding, BWD_BF16="backward" in rounding, DOT_FP32=INTERPRET,
-                IEEE=q.dtype == torch.float32 or INTERPRET)
-
-
-def _layout_args(x):
-    """The kernels' layout arguments: (batch, head, time) strides of x, and the number of heads."""
-    return (*x.stride()[:3], x.shape[1])
-
-
-# One launcher per kernel, each taking its configuration: the tuner times them alone.
-
-def launch_fwd(config, q, k, v, o, lse, row_max, scale, softcap, accum, rounding, beta):
-    B, H, T, D = q.shape
+def launch(kernel, config, tensors, scalars, flags):
+    """Runs attn_fwd, attn_bwd_dkdv or attn_bwd_dq with config on tensors (q first; every (B, H, T, D)
+    one shares q's layout): a program per query block (per key block for dk, dv) and head. The tuner
+    times it alone."""
+    B, H, T, D = tensors[0].shape
     block_m, block_n, warps, stages = config
-    attn_fwd[(triton.cdiv(T, block_m), B * H)](
-        q, k, v, o, lse, row_max, *_layout_args(q), T, scale, softcap, beta, HEAD_DIM=D, BLOCK_M=block_m,
-        BLOCK_N=block_n, SAFEMAX=accum == "bf16-safemax", SOFTCAP=softcap > 0, **kernel_flags(accum, rounding, q),
-        num_warps=warps, num_stages=stages)
-
-
-def launch_dkdv(config, q, k, v, do, lse, delta, dk, dv, scale, softcap, rounding):
-    B, H, T, D = q.shape
-    block_m, block_n, warps, stages = config
-    attn_bwd_dkdv[(triton.cdiv(T, block_n), B * H)](
-        q, k, v, do, lse, delta, dk, dv, *_layout_args(q), T, scale, softcap, HEAD_DIM=D, BLOCK_M=block_m,
-        BLOCK_N=block_n, SOFTCAP=softcap > 0, **_bwd_flags(rounding, q), num_warps=warps,
-        num_stages=stages)
-
-
-def launch_dq(config, q, k, v, do, lse, delta, dq, scale, softcap, rounding):
-    B, H, T, D = q.shape
-    block_m, block_n, warps, stages = config
-    attn_bwd_dq[(triton.cdiv(T, block_m), B * H)](
-        q, k, v, do, lse, delta, dq, *_layout_args(q), T, scale, softcap, HEAD_DIM=D, BLOCK_M=block_m,
-        BLOCK_N=block_n, SOFTCAP=softcap > 0, **_bwd_flags(rounding, q), num_warps=warps,
-        num_stages=stages)
+    blocks = triton.cdiv(T, block_n if kernel is attn_bwd_dkdv else block_m)
+    kernel[(blocks, B * H)](*tensors, *tensors[0].stride()[:3], H, T, *scalars, HEAD_DIM=D, BLOCK_M=block_m,
+                            BLOCK_N=block_n, **{k: on for k, on in flags.items() if k in kernel.arg_names},
+                            num_warps=warps, num_stages=stages)
 
 
 def fwd_triton(q, k, v, o, scale, softcap, accum, rounding, beta, block_n):
     """Writes o (q's layout, as are k and v); returns lse and the row max logit, (B, H, T) fp32."""
-    B, H, T, D = q.shape
-    lse = new_buffer((B, H, T), torch.float32, q.device)
-    row_max = new_buffer((B, H, T), torch.float32, q.device)
-    launch_fwd(fwd_config(D, q.dtype, block_n, accum, rounding), q, k, v, o, lse, row_max, scale, softcap,
-                accum, rounding, beta)
+    lse, row_max = (new_buffer(q.shape[:3], torch.float32, q.device) for _ in range(2))
+    launch(attn_fwd, fwd_config(q.shape[3], q.dtype, block_n, accum, rounding), (q, k, v, o, lse, row_max),
+           (scale, softcap, beta), kernel_flags(accum, rounding, softcap))
     return lse, row_max
 
 
 def bwd_delta(o, do, rounding):
     B, H, T, D = o.shape
     delta = new_buffer((B, H, T), torch.float32, o.device)
-    attn_bwd_delta[(triton.cdiv(T, 64), B * H)](o, do, delta, *_layout_args(o), T, HEAD_DIM=D, BLOCK_M=64,
+    attn_bwd_delta[(triton.cdiv(T, 64), B * H)](o, do, delta, *o.stride()[:3], H, T, HEAD_DIM=D, BLOCK_M=64,
                                                  BWD_BF16="backward" in rounding)
     return delta
 
 
-def _bwd_triton(do, q, k, v, o, lse, dq, dk, dv, scale, softcap, rounding):
+def bwd_triton(do, q, k, v, o, lse, dq, dk, dv, scale, softcap, rounding):
     """Writes dq, dk, dv; every (B, H, T, D) tensor here shares q's layout."""
     delta = bwd_delta(o, do, rounding)
     dkdv_config, dq_config = bwd_configs(q.shape[3], q.dtype, rounding)
-    launch_dkdv(dkdv_config, q, k, v, do, lse, delta, dk, dv, scale, softcap, rounding)
-    launch_dq(dq_config, q, k, v, do, lse, delta, dq, scale, softcap, rounding)
+    flags = kernel_flags("fp32", rounding, softcap)    # the state's rounding is the forward's alone
+    launch(attn_bwd_dkdv, dkdv_config, (q, k, v, do, lse, delta, dk, dv), (scale, softcap), flags)
+    launch(attn_bwd_dq, dq_config, (q, k, v, do, lse, delta, dq), (scale, softcap), flags)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -746,7 +692,7 @@ def _attn_bwd_op(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Te
     do, q, k, v, o = _in_layout(dq, do, q, k, v, o)
     sources = _sources(rounding)
     if impl == "triton":
-        _bwd_triton(do, q, k, v, o, lse, dq, dk, dv, scale, softcap, sources)
+        bwd_triton(do, q, k, v, o, lse, dq, dk, dv, scale, softcap, sources)
         return dq, dk, dv
     block_n = BF16_STATE_BLOCK_N if block_n is None else block_n
     with _no_autocast(q):
@@ -779,16 +725,6 @@ _attn_fwd_op.register_autograd(_backward, setup_context=_setup_context)
 # --------------------------------------------------------------------------------------------------
 # Comparison implementations and the public entry point.
 
-def _attn_reference(q, k, v, scale, softcap):
-    """float64 materialized causal softmax, with autograd. Returns o float64, max_logit float32."""
-    T = q.shape[2]
-    s = q.double() @ k.double().mT * scale
-    if softcap > 0:
-        s = softcap * torch.tanh(s / softcap)
-    s = s.masked_fill(~_causal_seen(0, T, 0, T, q.device), float("-inf"))
-    return torch.softmax(s, dim=-1) @ v.double(), s.detach().amax(dim=(-2, -1)).float()
-
-
 @torch.no_grad()
 def _max_logit_chunked(q, k, scale, chunk=256):
     T = q.shape[2]
@@ -797,7 +733,7 @@ def _max_logit_chunked(q, k, scale, chunk=256):
         j = min(i + chunk, T)
         with _no_autocast(q):
             s = q[:, :, i:j].float() @ k[:, :, :j].float().mT * scale
-        s = s.masked_fill(~_causal_seen(i, j, 0, j, q.device), float("-inf"))
+        s = s.masked_fill(_causal_mask(i, j, 0, j, q.device)[1] == 0, float("-inf"))
         best = torch.maximum(best, s.amax(dim=(-2, -1)))
     return best
 
@@ -812,7 +748,7 @@ def resolve_rounding(rounding, dtype, impl="auto"):
     """rounding as a tuple of ROUNDING_SOURCES in their order; None: DEFAULT_ROUNDING for bf16
     inputs of the streaming kernel, else none."""
     if rounding is None:
-        return DEFAULT_ROUNDING if dtype == torch.bfloat16 and impl not in ("sdpa", "reference") else ()
+        return DEFAULT_ROUNDING if dtype == torch.bfloat16 and impl != "sdpa" else ()
     if isinstance(rounding, str):
         raise ValueError(f"rounding={rounding!r}: give a tuple of sources such as ('logits', 'pv'), () or None")
     unknown = [s for s in rounding if s not in ROUNDING_SOURCES]
@@ -831,9 +767,8 @@ def _validate(q, k, v, accum, impl, softcap, safemax_beta, block_n, rounding, de
                          f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
     if q.shape[2] < 1:
         raise ValueError("time dimension is empty")
-    dtypes = DTYPES + ((torch.float64,) if impl == "reference" else ())   # float64 gradients too
-    if q.dtype not in dtypes or k.dtype != q.dtype or v.dtype != q.dtype:
-        raise ValueError(f"q, k, v must share one dtype among {dtypes}; got {q.dtype}, {k.dtype}, {v.dtype}")
+    if q.dtype not in DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
+        raise ValueError(f"q, k, v must share one dtype among {DTYPES}; got {q.dtype}, {k.dtype}, {v.dtype}")
     if not softcap >= 0 or math.isinf(softcap):
         raise ValueError(f"softcap must be finite and >= 0 (0 = off); got {softcap}")
     if accum == "bf16-safemax" and not (safemax_beta > 1 and math.isfinite(safemax_beta)):
@@ -856,24 +791,23 @@ def _validate(q, k, v, accum, impl, softcap, safemax_beta, block_n, rounding, de
             raise ValueError(f"impl='triton' needs block_n a power of two in [16, 128]; got {block_n}")
     if block_n is not None and block_n < 1:
         raise ValueError(f"block_n must be a positive integer; got {block_n}")
-    if impl in ("sdpa", "reference") and (accum != "fp32" or softcap > 0 and impl == "sdpa" or rounding
-                                          or delta_error is not None):
-        raise ValueError(f"impl={impl!r} supports only accum='fp32', no rounding sources and no delta_error"
-                         f"{' or softcap' if impl == 'sdpa' else ''}; use impl='triton' or 'torch'")
+    if impl == "sdpa" and (accum != "fp32" or softcap > 0 or rounding or delta_error is not None):
+        raise ValueError("impl='sdpa' supports only accum='fp32', no rounding sources and no delta_error or softcap; "
+                         "use impl='triton' or 'torch'")
     return impl
 
 
 def attention(q, k, v, accum="fp32", qk_norm=False, return_max_logit=False, *, scale=None, softcap=0.0,
               safemax_beta=2.0, impl="auto", block_n=None, rounding=None, delta_error=None):
     """Causal multi-head attention. q, k, v: (batch, heads, time, head_dim), one dtype (bf16, fp16,
-    fp32; also float64 for impl="reference"). Returns o (q's shape and dtype), or (o, max_logit).
+    fp32). Returns o (q's shape and dtype), or (o, max_logit).
 
     accum: the streaming-softmax state, one of ACCUM_MODES.
     rounding: some of ROUNDING_SOURCES (module docstring); None: ("logits", "pv") for bf16, else ().
     qk_norm: parameter-free RMS norm of q and k (scale unchanged, so |logit| <= scale * head_dim).
     softcap > 0: logits <- softcap * tanh(logits / softcap).
     max_logit: (batch, heads) float32, the max of the logits entering the softmax; no gradient.
-    impl: one of IMPLS ("reference" returns float64). block_n: the streaming loop's key block.
+    impl: one of IMPLS. block_n: the streaming loop's key block.
     delta_error: (heads, head_dim), the assay's error in the O that the backward's delta sees, in
         units of each head's rms(O); the forward is unchanged.
     """
@@ -882,9 +816,7 @@ def attention(q, k, v, accum="fp32", qk_norm=False, return_max_logit=False, *, s
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     if qk_norm:
         q, k = _rms_norm(q), _rms_norm(k)
-    if impl == "reference":
-        o, max_logit = _attn_reference(q, k, v, scale, softcap)
-    elif impl == "sdpa":
+    if impl == "sdpa":
         o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
         max_logit = _max_logit_chunked(q, k, scale) if return_max_logit else None
     else:
