@@ -30,13 +30,10 @@ source on, forward and backward agree bit for bit with a bf16 transcription of t
 algorithm (test_numerics.py). train.py's --accum is accum; its --round auto is None, none is ().
 
 Two implementations of one algorithm with the same rounding points, behind torch.library custom ops
-(a model calling attention() compiles with fullgraph=True):
-  - the PyTorch twin, first below: the algorithm to read (CPU training, and the kernels' check);
-  - Triton kernels: the same, fast (CUDA, or CPU tensors with TRITON_INTERPRET=1 set before import).
-"sdpa" (PyTorch's fused kernels) is for comparison; the tests' float64 reference is materialized.
-
-    python -m lab.bench --only check  # errors against the float64 reference on this device
-    (speed: lab/bench.py also times, tunes and compiles these kernels for a GPU)
+(a model calling attention() compiles with fullgraph=True): the PyTorch twin, first below, is the
+algorithm to read (CPU training, and the kernels' check); the Triton kernels do the same fast (CUDA,
+or CPU tensors with TRITON_INTERPRET=1 set before import). "sdpa" (PyTorch's own) is for comparison.
+`python -m lab.bench --only check` prints errors against float64 on this device (speed: lab/bench.py).
 """
 import functools
 import math
@@ -69,8 +66,10 @@ BF16_BWD_BLOCK = 64
 SAFEMAX_TIE = 1e-3
 SAFEMAX_MAX_SHIFT = 16.0
 _TIE, _MAX_SHIFT = tl.constexpr(SAFEMAX_TIE), tl.constexpr(SAFEMAX_MAX_SHIFT)  # the kernels' copies
-# triton.jit picks the interpreter when the decorator runs, so this is read once, at import.
+# triton.jit picks the interpreter when the decorator runs, so this is read once, at import. The
+# interpreter's tl.dot is wrong on bf16/fp16 operands (triton issue 11584): there _dot upcasts them.
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+_DOT_FP32 = tl.constexpr(INTERPRET)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -92,17 +91,12 @@ def _round_to(x, dtype):
     return x.to(dtype).float()
 
 
-def _tanh(x):
-    """tanh in the form the Triton kernel uses (no portable tl.tanh): saturates cleanly to +-1."""
-    return 1.0 - 2.0 / (torch.exp(2.0 * x) + 1.0)
-
-
 def _logits_torch(qk, scale, softcap, round_logits):
     """S = r(r(q k^T) * scale) [softcap: r(c tanh(S / c))], r if rounded; -> (S, tanh or None)."""
     round_s = _round if round_logits else _no_round
     s, t = round_s(round_s(qk) * scale), None
-    if softcap > 0:
-        t = _tanh(s / softcap)
+    if softcap > 0:   # t = tanh(s / c) as Triton can (no portable tl.tanh): saturates cleanly
+        t = 1.0 - 2.0 / (torch.exp(2.0 * (s / softcap)) + 1.0)
         s = round_s(softcap * t)
     return s, t
 
@@ -143,9 +137,8 @@ def _fwd_torch(q, k, v, scale, softcap, accum, rounding, beta, block_n):
     acc = torch.zeros((B, H, T, D), device=q.device)             # running sum of P V
     top = torch.full((B, H, T), float("-inf"), device=q.device)  # true max logit (never the shift)
     for j in range(0, T, block_n):
-        j1 = min(j + block_n, T)
-        keys, rows = slice(j, j1), slice(j, T)                       # rows < j see none of these
-        hidden, seen = _causal_mask(j, T, j, j1, q.device)
+        keys, rows = slice(j, min(j + block_n, T)), slice(j, T)     # rows < j see none of these
+        hidden, seen = _causal_mask(j, T, j, keys.stop, q.device)
         s, _ = _logits_torch(qf[:, :, rows] @ kf[:, :, keys].mT, scale, softcap, "logits" in rounding)
         s_seen = s + hidden                                          # -inf past the row's last key
         block_max = s_seen.amax(-1)
@@ -168,27 +161,24 @@ def _bwd_torch(do, q, k, v, o, lse, scale, softcap, rounding, block_n):
     """Recompute S (the forward's rounding) and P = exp(S - lse); dV = P^T dO; dP = dO V^T;
     dS = P * (dP - delta) [softcap: * (1 - tanh^2)]; dQ = dS K scale; dK = dS^T Q scale, with
     delta = rowsum(dO * O) of the stored o (in bf16 modes the biased O enters the gradient here).
-    P and dS are cast to the input dtype for the matmuls. With "backward" on, the prior work's bf16
-    backward: r() at every step (lse came rounded), the scale inside dS, and dq, dk, dv summed in bf16
-    one BF16_BWD_BLOCK tile at a time (dq over key blocks in order, dk and dv over query blocks, as
-    the Triton kernels loop); off, sums stay fp32 and each key block takes all its rows at once."""
+    P and dS are cast to the input dtype for the matmuls. "backward" on: the prior work's, r() at each
+    step (lse came rounded), the scale inside dS, dq, dk, dv summed in bf16 per BF16_BWD_BLOCK tile
+    (dq over key blocks in order, dk and dv over query blocks, as the Triton kernels loop)."""
     T, dtype = q.shape[2], q.dtype
     bf16 = "backward" in rounding
     r = _round if bf16 else _no_round
-    block_m, block_n = (BF16_BWD_BLOCK, BF16_BWD_BLOCK) if bf16 else (T, block_n)
+    block_m, block_n = (BF16_BWD_BLOCK, BF16_BWD_BLOCK) if bf16 else (T, block_n)   # fp32: all rows at once
     qf, kf, vf, dof = q.float(), k.float(), v.float(), do.float()
     delta = r(r(dof * o.float()).sum(-1))
     dq = torch.zeros(qf.shape, device=q.device)
     # fp32: one tile per key block lands on dk, dv; -0.0 + x is x bit for bit (+0.0 + -0.0 is not)
     dk, dv = (torch.full(qf.shape, 0.0 if bf16 else -0.0, device=q.device) for _ in range(2))
     for j in range(0, T, block_n):
-        j1 = min(j + block_n, T)
-        keys = slice(j, j1)
+        keys = slice(j, min(j + block_n, T))
         for i in range(j, T, block_m):                 # the query blocks that see key block j
-            i1 = min(i + block_m, T)
-            rows = slice(i, i1)
+            rows = slice(i, min(i + block_m, T))
             s, t = _logits_torch(qf[:, :, rows] @ kf[:, :, keys].mT, scale, softcap, "logits" in rounding)
-            p = _exp_seen(r(s - lse[..., rows, None]), _causal_mask(i, i1, j, j1, q.device)[1], r)
+            p = _exp_seen(r(s - lse[..., rows, None]), _causal_mask(i, rows.stop, j, keys.stop, q.device)[1], r)
             dv[:, :, keys] = r(dv[:, :, keys] + r(_round_to(p, dtype).mT @ dof[:, :, rows]))
             dp = r(dof[:, :, rows] @ vf[:, :, keys].mT)
             if bf16:   # the prior work's order: the scale inside dS
@@ -212,25 +202,14 @@ def _bwd_torch(do, q, k, v, o, lse, scale, softcap, rounding, block_n):
 # The switches are constexpr, so each combination compiles to its own kernel: BF16_STATE and SAFEMAX
 # (accum), ROUND_LOGITS, ROUND_PV and BWD_BF16 (rounding), SOFTCAP (softcap > 0); see kernel_flags.
 
-# The interpreter's tl.dot is wrong on bf16/fp16 operands (triton issue 11584): there _dot upcasts
-# them, losing nothing (their products are exact in fp32).
-_DOT_FP32 = tl.constexpr(INTERPRET)
-
-
 @triton.jit
-def _round_bf16(x):
-    # r(x) in integer ops: the interpreter's float cast truncates, so x.to(tl.bfloat16) would differ
-    # between CPU and GPU. Exact for +-inf; NaN is not expected.
-    bits = x.to(tl.int32, bitcast=True)
-    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536
-    return bits.to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _r_if(x, ON: tl.constexpr):
-    # r(x) where this rounding source is on, else x
+def _r(x, ON: tl.constexpr = True):
+    # r(x), or x where this rounding source is off. Integer ops: the interpreter's float cast truncates,
+    # so x.to(tl.bfloat16) would differ between CPU and GPU. Exact for +-inf; NaN is not expected.
     if ON:
-        x = _round_bf16(x)
+        bits = x.to(tl.int32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536
+        x = bits.to(tl.float32, bitcast=True)
     return x
 
 
@@ -238,9 +217,7 @@ def _r_if(x, ON: tl.constexpr):
 def _cast(x, P):
     # fp32 x to P's element type (the input dtype). bf16 is rounded first, so the cast is exact and
     # the interpreter (which truncates) agrees with the GPU.
-    if P.dtype.element_ty == tl.bfloat16:
-        x = _round_bf16(x)
-    return x.to(P.dtype.element_ty)
+    return _r(x, P.dtype.element_ty == tl.bfloat16).to(P.dtype.element_ty)
 
 
 @triton.jit
@@ -251,8 +228,7 @@ def _head(bh, H, stride_b, stride_h):
 
 @triton.jit
 def _rows(offs, stride_t):
-    # Element offsets of time rows, in int64: the model's stride_t is n_embd, so T * stride_t passes
-    # 2**31 for long sequences of wide models.
+    # Element offsets of time rows, in int64: T * stride_t (n_embd in the model) may pass 2**31.
     return offs.to(tl.int64) * stride_t
 
 
@@ -274,11 +250,10 @@ def _causal_hide(s, keys, rows):
 
 @triton.jit
 def _dot(a, b, acc):
-    # acc + a @ b, accumulated in fp32. Operands are the input dtype; fp32 ones get IEEE products
-    # (TF32 on the GPU would break a 1e-4 tolerance).
+    # acc + a @ b, accumulated in fp32 (_DOT_FP32: upcast for the interpreter). Operands are the input
+    # dtype; fp32 ones get IEEE products (TF32 on the GPU would break a 1e-4 tolerance).
     if _DOT_FP32:
-        a = a.to(tl.float32)
-        b = b.to(tl.float32)
+        a, b = a.to(tl.float32), b.to(tl.float32)
     if a.dtype == tl.float32:
         acc = tl.dot(a, b, acc, input_precision="ieee")
     else:
@@ -288,32 +263,18 @@ def _dot(a, b, acc):
 
 @triton.jit
 def _mm(a, b):
-    # a @ b in fp32
     return _dot(a, b, tl.zeros([a.shape[0], b.shape[1]], tl.float32))
-
-
-@triton.jit
-def _tanh_tl(x):
-    return 1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0)
 
 
 @triton.jit
 def _logits(qk, scale, softcap, ROUND_LOGITS: tl.constexpr, SOFTCAP: tl.constexpr):
     # As _logits_torch: S = r(r(q k^T) * scale) [softcap: r(c tanh(S / c))]; tanh for the backward.
-    s = _r_if(_r_if(qk, ROUND_LOGITS) * scale, ROUND_LOGITS)
+    s = _r(_r(qk, ROUND_LOGITS) * scale, ROUND_LOGITS)
     t = s
     if SOFTCAP:
-        t = _tanh_tl(s / softcap)
-        s = _r_if(softcap * t, ROUND_LOGITS)
+        t = 1.0 - 2.0 / (tl.exp(2.0 * (s / softcap)) + 1.0)   # tanh(s / c), as in _logits_torch
+        s = _r(softcap * t, ROUND_LOGITS)
     return s, t
-
-
-@triton.jit
-def _safemax_shift(s, block_max, beta):
-    # As _safemax_shift_torch. block_max = -inf (a row that sees none of these keys) keeps the no-op.
-    tied = (tl.sum((s >= (block_max - _TIE)[:, None]).to(tl.int32), 1) > 1) & (block_max > float("-inf"))
-    shift = block_max + tl.minimum(tl.where(block_max > 0, (beta - 1.0) * block_max, -block_max), _MAX_SHIFT)
-    return tl.where(tied & (_round_bf16(shift) <= block_max + _MAX_SHIFT), shift, block_max)
 
 
 @triton.jit
@@ -332,19 +293,21 @@ def _fwd_block(q, K, V, start_n, offs_m, m_i, l_i, acc, top, stride_t, scale, so
     block_max = tl.max(s, 1)
     top = tl.maximum(top, block_max)   # the true max logit (never the shift)
     shift = block_max
-    if SAFEMAX:
-        shift = _safemax_shift(s, block_max, beta)
-    m_new = _r_if(tl.maximum(m_i, shift), BF16_STATE)
-    alpha = _r_if(tl.exp(_r_if(m_i - m_new, BF16_STATE)), BF16_STATE)   # rescales l and acc
-    p = _r_if(tl.exp(_r_if(s - m_new[:, None], BF16_STATE)), BF16_STATE)
+    if SAFEMAX:   # as _safemax_shift_torch; a row that sees none of these keys (max -inf) stays a no-op
+        tied = (tl.sum((s >= (block_max - _TIE)[:, None]).to(tl.int32), 1) > 1) & (block_max > float("-inf"))
+        shift = block_max + tl.minimum(tl.where(block_max > 0, (beta - 1.0) * block_max, -block_max), _MAX_SHIFT)
+        shift = tl.where(tied & (_r(shift) <= block_max + _MAX_SHIFT), shift, block_max)
+    m_new = _r(tl.maximum(m_i, shift), BF16_STATE)
+    alpha = _r(tl.exp(_r(m_i - m_new, BF16_STATE)), BF16_STATE)   # rescales l and acc
+    p = _r(tl.exp(_r(s - m_new[:, None], BF16_STATE)), BF16_STATE)
     block_sum = tl.sum(p, 1)
     if BF16_STATE:   # clamped where the row sees the block (elsewhere the step must stay a no-op)
-        block_sum = _round_bf16(block_sum)
+        block_sum = _r(block_sum)
         block_sum = tl.where(block_max > float("-inf"), tl.maximum(block_sum, 1e-10), block_sum)
-    l_i = _r_if(_r_if(l_i * alpha, BF16_STATE) + block_sum, BF16_STATE)
+    l_i = _r(_r(l_i * alpha, BF16_STATE) + block_sum, BF16_STATE)
     if BF16_STATE or ROUND_PV:
         pv = _mm(_cast(p, V), v)
-        acc = _r_if(_r_if(acc * alpha[:, None], BF16_STATE) + _r_if(pv, ROUND_PV), BF16_STATE)
+        acc = _r(_r(acc * alpha[:, None], BF16_STATE) + _r(pv, ROUND_PV), BF16_STATE)
     else:            # a standard fp32-state kernel: P V accumulates straight into acc
         acc = _dot(_cast(p, V), v, acc * alpha[:, None])
     return m_new, l_i, acc, top
@@ -356,13 +319,9 @@ def attn_fwd(Q, K, V, O, LSE, ROWMAX, stride_b, stride_h, stride_t, H, T, scale,
              SAFEMAX: tl.constexpr, ROUND_LOGITS: tl.constexpr, ROUND_PV: tl.constexpr, BWD_BF16: tl.constexpr,
              SOFTCAP: tl.constexpr):
     # One query block per program: fold in the key blocks it sees, then store o, lse, the row max.
-    pid_m = tl.program_id(0)
-    bh = tl.program_id(1)
+    pid_m, bh = tl.program_id(0), tl.program_id(1)
     head = _head(bh, H, stride_b, stride_h)
-    Q += head
-    K += head
-    V += head
-    O += head
+    Q, K, V, O = Q + head, K + head, V + head, O + head
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)
     q = tl.load(Q + _rows(offs_m, stride_t)[:, None] + offs_d[None, :], mask=offs_m[:, None] < T, other=0.0)
@@ -385,10 +344,10 @@ def attn_fwd(Q, K, V, O, LSE, ROWMAX, stride_b, stride_h, stride_t, H, T, scale,
                                         beta, T, HEAD_DIM, BLOCK_N, BF16_STATE, SAFEMAX, ROUND_LOGITS, ROUND_PV,
                                         SOFTCAP, CAUSAL_MASK=True)
 
-    o = _r_if(acc / l_i[:, None], BF16_STATE)    # the O that the backward's delta sees
+    o = _r(acc / l_i[:, None], BF16_STATE)    # the O that the backward's delta sees
     lse = m_i + tl.log(l_i)
     if BWD_BF16:
-        lse = _round_bf16(_round_bf16(tl.log(l_i)) + m_i)
+        lse = _r(_r(tl.log(l_i)) + m_i)
     row_ok = offs_m < T
     rows = bh.to(tl.int64) * T + offs_m                       # LSE, ROWMAX: contiguous (B, H, T)
     tl.store(O + _rows(offs_m, stride_t)[:, None] + offs_d[None, :], _cast(o, O), mask=row_ok[:, None])
@@ -400,15 +359,14 @@ def attn_fwd(Q, K, V, O, LSE, ROWMAX, stride_b, stride_h, stride_t, H, T, scale,
 def attn_bwd_delta(O, DO, DELTA, stride_b, stride_h, stride_t, H, T, HEAD_DIM: tl.constexpr,
                    BLOCK_M: tl.constexpr, BWD_BF16: tl.constexpr):
     # delta = rowsum(dO * O) of the stored O: biased in bf16 modes, as in the prior work.
-    pid_m = tl.program_id(0)
-    bh = tl.program_id(1)
+    pid_m, bh = tl.program_id(0), tl.program_id(1)
     head = _head(bh, H, stride_b, stride_h)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)
     ptrs = head + _rows(offs_m, stride_t)[:, None] + offs_d[None, :]
     o = tl.load(O + ptrs, mask=offs_m[:, None] < T, other=0.0).to(tl.float32)
     do = tl.load(DO + ptrs, mask=offs_m[:, None] < T, other=0.0).to(tl.float32)
-    delta = _r_if(tl.sum(_r_if(o * do, BWD_BF16), 1), BWD_BF16)
+    delta = _r(tl.sum(_r(o * do, BWD_BF16), 1), BWD_BF16)
     tl.store(DELTA + bh.to(tl.int64) * T + offs_m, delta, mask=offs_m < T)
 
 
@@ -416,11 +374,11 @@ def attn_bwd_delta(O, DO, DELTA, stride_b, stride_h, stride_t, H, T, HEAD_DIM: t
 def _ds(p, dp, delta, t, scale, SOFTCAP: tl.constexpr, BWD_BF16: tl.constexpr):
     # dS = P * (dP - delta) [* (1 - tanh^2)]; the bf16 backward rounds each product, scale inside.
     if BWD_BF16:
-        ds = _round_bf16(_round_bf16(p * scale) * _round_bf16(dp - delta))
+        ds = _r(_r(p * scale) * _r(dp - delta))
     else:
         ds = p * (dp - delta)
     if SOFTCAP:
-        ds = _r_if(ds * (1.0 - t * t), BWD_BF16)
+        ds = _r(ds * (1.0 - t * t), BWD_BF16)
     return ds
 
 
@@ -428,7 +386,7 @@ def _ds(p, dp, delta, t, scale, SOFTCAP: tl.constexpr, BWD_BF16: tl.constexpr):
 def _add_tile(acc, a, b, BWD_BF16: tl.constexpr):
     # acc + a @ b: accumulated in fp32, or (bf16 backward) r(acc + r(a @ b)) once per tile.
     if BWD_BF16:
-        acc = _round_bf16(acc + _round_bf16(_mm(a, b)))
+        acc = _r(acc + _r(_mm(a, b)))
     else:
         acc = _dot(a, b, acc)
     return acc
@@ -449,9 +407,9 @@ def _dkdv_block(k, v, dk, dv, Q, DO, LSE, DELTA, start_m, offs_n, stride_t, scal
     sT, tT = _logits(_mm(k, qT), scale, softcap, ROUND_LOGITS, SOFTCAP)
     if CAUSAL_MASK:
         sT = _causal_hide(sT, offs_n[:, None], offs_m[None, :])
-    pT = _r_if(tl.exp(_r_if(sT - lse[None, :], BWD_BF16)), BWD_BF16)
+    pT = _r(tl.exp(_r(sT - lse[None, :], BWD_BF16)), BWD_BF16)
     dv = _add_tile(dv, _cast(pT, DO), do, BWD_BF16)
-    dpT = _r_if(_mm(v, tl.trans(do)), BWD_BF16)
+    dpT = _r(_mm(v, tl.trans(do)), BWD_BF16)
     dsT = _ds(pT, dpT, delta[None, :], tT, scale, SOFTCAP, BWD_BF16)
     dk = _add_tile(dk, _cast(dsT, Q), tl.trans(qT), BWD_BF16)
     return dk, dv
@@ -462,20 +420,16 @@ def attn_bwd_dkdv(Q, K, V, DO, LSE, DELTA, DK, DV, stride_b, stride_h, stride_t,
                   HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                   ROUND_LOGITS: tl.constexpr, BWD_BF16: tl.constexpr, SOFTCAP: tl.constexpr):
     # One key block per program, dk and dv in registers; loop over the query blocks that see it.
-    pid_n = tl.program_id(0)
-    bh = tl.program_id(1)
+    pid_n, bh = tl.program_id(0), tl.program_id(1)
     head = _head(bh, H, stride_b, stride_h)
-    Q += head
-    DO += head
-    LSE += bh.to(tl.int64) * T
-    DELTA += bh.to(tl.int64) * T
+    Q, DO = Q + head, DO + head
+    LSE, DELTA = LSE + bh.to(tl.int64) * T, DELTA + bh.to(tl.int64) * T
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
     kv_ptrs = head + _rows(offs_n, stride_t)[:, None] + offs_d[None, :]
     k = tl.load(K + kv_ptrs, mask=offs_n[:, None] < T, other=0.0)
     v = tl.load(V + kv_ptrs, mask=offs_n[:, None] < T, other=0.0)
-    dk = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
-    dv = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
+    dk, dv = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32), tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
 
     lo = pid_n * BLOCK_N // BLOCK_M * BLOCK_M                          # earlier queries see none
     full = ((pid_n + 1) * BLOCK_N + BLOCK_M - 1) // BLOCK_M * BLOCK_M  # later queries see them all
@@ -505,8 +459,8 @@ def _dq_block(q, do, lse, delta, dq, K, V, start_n, offs_m, stride_t, scale, sof
     s, t = _logits(_mm(q, kT), scale, softcap, ROUND_LOGITS, SOFTCAP)
     if CAUSAL_MASK:
         s = _causal_hide(s, offs_n[None, :], offs_m[:, None])
-    p = _r_if(tl.exp(_r_if(s - lse[:, None], BWD_BF16)), BWD_BF16)
-    dp = _r_if(_mm(do, vT), BWD_BF16)
+    p = _r(tl.exp(_r(s - lse[:, None], BWD_BF16)), BWD_BF16)
+    dp = _r(_mm(do, vT), BWD_BF16)
     ds = _ds(p, dp, delta[:, None], t, scale, SOFTCAP, BWD_BF16)
     return _add_tile(dq, _cast(ds, K), tl.trans(kT), BWD_BF16)
 
@@ -516,11 +470,9 @@ def attn_bwd_dq(Q, K, V, DO, LSE, DELTA, DQ, stride_b, stride_h, stride_t, H, T,
                 HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                 ROUND_LOGITS: tl.constexpr, BWD_BF16: tl.constexpr, SOFTCAP: tl.constexpr):
     # One query block per program, looping over the key blocks it sees as the forward does.
-    pid_m = tl.program_id(0)
-    bh = tl.program_id(1)
+    pid_m, bh = tl.program_id(0), tl.program_id(1)
     head = _head(bh, H, stride_b, stride_h)
-    K += head
-    V += head
+    K, V = K + head, V + head
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)
     q_ptrs = head + _rows(offs_m, stride_t)[:, None] + offs_d[None, :]
@@ -572,12 +524,11 @@ def fwd_config(D, dtype, block_n, accum, rounding):
 
 def bwd_configs(D, dtype, rounding=()):
     """The dk/dv kernel's configuration, then the dq kernel's."""
-    if "backward" in rounding:   # the bf16 sums are rounded once per tile: the tile is fixed
-        config = (BF16_BWD_BLOCK, BF16_BWD_BLOCK, 8 if D >= 128 else 4, 1)
-        return config, config
-    if dtype == torch.float32:   # IEEE dots on the FMA units, as in fwd_config
-        return (16, 32, 8, 1), (16, 32, 8, 1)
     config = (64, 64, 8 if D >= 128 else 4, 2)
+    if "backward" in rounding:     # the bf16 sums are rounded once per tile: the tile is fixed
+        config = (BF16_BWD_BLOCK, BF16_BWD_BLOCK, 8 if D >= 128 else 4, 1)
+    elif dtype == torch.float32:   # IEEE dots on the FMA units, as in fwd_config
+        config = (16, 32, 8, 1)
     return config, config
 
 
@@ -588,40 +539,21 @@ def kernel_flags(accum, rounding, softcap):
 
 
 def launch(kernel, config, tensors, scalars, flags):
-    """Runs attn_fwd, attn_bwd_dkdv or attn_bwd_dq with config on tensors (q first; every (B, H, T, D)
-    one shares q's layout): a program per query block (per key block for dk, dv) and head. The tuner
-    times it alone."""
+    """Runs one of the kernels with config on tensors (the first (B, H, T, D); every such one shares
+    its layout): a program per query block (per key block for dk, dv) and head. The tuner times it."""
     B, H, T, D = tensors[0].shape
     block_m, block_n, warps, stages = config
-    blocks = triton.cdiv(T, block_n if kernel is attn_bwd_dkdv else block_m)
-    kernel[(blocks, B * H)](*tensors, *tensors[0].stride()[:3], H, T, *scalars, HEAD_DIM=D, BLOCK_M=block_m,
-                            BLOCK_N=block_n, **{k: on for k, on in flags.items() if k in kernel.arg_names},
-                            num_warps=warps, num_stages=stages)
-
-
-def fwd_triton(q, k, v, o, scale, softcap, accum, rounding, beta, block_n):
-    """Writes o (q's layout, as are k and v); returns lse and the row max logit, (B, H, T) fp32."""
-    lse, row_max = (new_buffer(q.shape[:3], torch.float32, q.device) for _ in range(2))
-    launch(attn_fwd, fwd_config(q.shape[3], q.dtype, block_n, accum, rounding), (q, k, v, o, lse, row_max),
-           (scale, softcap, beta), kernel_flags(accum, rounding, softcap))
-    return lse, row_max
+    constexprs = dict(HEAD_DIM=D, BLOCK_M=block_m, BLOCK_N=block_n, **flags)
+    kernel[(triton.cdiv(T, block_n if kernel is attn_bwd_dkdv else block_m), B * H)](
+        *tensors, *tensors[0].stride()[:3], H, T, *scalars, num_warps=warps, num_stages=stages,
+        **{name: x for name, x in constexprs.items() if name in kernel.arg_names})
 
 
 def bwd_delta(o, do, rounding):
-    B, H, T, D = o.shape
-    delta = new_buffer((B, H, T), torch.float32, o.device)
-    attn_bwd_delta[(triton.cdiv(T, 64), B * H)](o, do, delta, *o.stride()[:3], H, T, HEAD_DIM=D, BLOCK_M=64,
-                                                 BWD_BF16="backward" in rounding)
+    delta = new_buffer(o.shape[:3], torch.float32, o.device)
+    # 4 warps, 3 stages: what Triton defaults to (BLOCK_N unused)
+    launch(attn_bwd_delta, (64, 64, 4, 3), (o, do, delta), (), kernel_flags("fp32", rounding, 0.0))
     return delta
-
-
-def bwd_triton(do, q, k, v, o, lse, dq, dk, dv, scale, softcap, rounding):
-    """Writes dq, dk, dv; every (B, H, T, D) tensor here shares q's layout."""
-    delta = bwd_delta(o, do, rounding)
-    dkdv_config, dq_config = bwd_configs(q.shape[3], q.dtype, rounding)
-    flags = kernel_flags("fp32", rounding, softcap)    # the state's rounding is the forward's alone
-    launch(attn_bwd_dkdv, dkdv_config, (q, k, v, do, lse, delta, dk, dv), (scale, softcap), flags)
-    launch(attn_bwd_dq, dq_config, (q, k, v, do, lse, delta, dq), (scale, softcap), flags)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -653,30 +585,26 @@ def _no_autocast(x):
     return torch.autocast(x.device.type, enabled=False)
 
 
-def _sources(rounding):
-    """The ops take the rounding sources comma-joined: an op schema has no tuple of strings."""
-    return tuple(rounding.split(",")) if rounding else ()
-
-
 @torch.library.custom_op("qkguard::attn_fwd", mutates_args=())
 def _attn_fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, delta_error: Optional[torch.Tensor],
                  scale: float, softcap: float, accum: str, rounding: str, beta: float, impl: str,
                  block_n: Optional[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     o = new_like(q)
     q, k, v = _in_layout(o, q, k, v)
-    sources = _sources(rounding)
-    if impl == "triton":
-        return o, *fwd_triton(q, k, v, o, scale, softcap, accum, sources, beta, block_n)
-    block_n = BF16_STATE_BLOCK_N if block_n is None else block_n   # the twin always has a key block
-    with _no_autocast(q):
-        out, lse, row_max = _fwd_torch(q, k, v, scale, softcap, accum, sources, beta, block_n)
+    sources = tuple(rounding.split(",")) if rounding else ()   # joined: a schema has no tuple of str
+    if impl == "triton":   # o in q's layout, as are k and v; lse and the row max logit (B, H, T) fp32
+        lse, row_max = (new_buffer(q.shape[:3], torch.float32, q.device) for _ in range(2))
+        launch(attn_fwd, fwd_config(q.shape[3], q.dtype, block_n, accum, sources), (q, k, v, o, lse, row_max),
+               (scale, softcap, beta), kernel_flags(accum, sources, softcap))
+        return o, lse, row_max
+    with _no_autocast(q):   # the twin always has a key block
+        out, lse, row_max = _fwd_torch(q, k, v, scale, softcap, accum, sources, beta, block_n or BF16_STATE_BLOCK_N)
     return o.copy_(out), lse, row_max
 
 
 @_attn_fwd_op.register_fake
 def _(q, k, v, delta_error, scale, softcap, accum, rounding, beta, impl, block_n):
-    rows = q.shape[:3]
-    return new_like(q), q.new_empty(rows, dtype=torch.float32), q.new_empty(rows, dtype=torch.float32)
+    return new_like(q), *(q.new_empty(q.shape[:3], dtype=torch.float32) for _ in range(2))   # o, lse, row max
 
 
 @torch.library.custom_op("qkguard::attn_bwd", mutates_args=())
@@ -690,13 +618,16 @@ def _attn_bwd_op(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Te
         rms = o.float().pow(2).mean(dim=(0, 2, 3)).sqrt()                              # (H,)
         o = (o.float() + (delta_error.float() * rms[:, None])[None, :, None, :]).to(o.dtype)
     do, q, k, v, o = _in_layout(dq, do, q, k, v, o)
-    sources = _sources(rounding)
+    sources = tuple(rounding.split(",")) if rounding else ()
     if impl == "triton":
-        bwd_triton(do, q, k, v, o, lse, dq, dk, dv, scale, softcap, sources)
+        delta = bwd_delta(o, do, sources)
+        dkdv_config, dq_config = bwd_configs(q.shape[3], q.dtype, sources)
+        flags = kernel_flags("fp32", sources, softcap)    # the state's rounding is the forward's alone
+        launch(attn_bwd_dkdv, dkdv_config, (q, k, v, do, lse, delta, dk, dv), (scale, softcap), flags)
+        launch(attn_bwd_dq, dq_config, (q, k, v, do, lse, delta, dq), (scale, softcap), flags)
         return dq, dk, dv
-    block_n = BF16_STATE_BLOCK_N if block_n is None else block_n
     with _no_autocast(q):
-        grads = _bwd_torch(do, q, k, v, o, lse, scale, softcap, sources, block_n)
+        grads = _bwd_torch(do, q, k, v, o, lse, scale, softcap, sources, block_n or BF16_STATE_BLOCK_N)
     return tuple(buffer.copy_(g) for buffer, g in zip((dq, dk, dv), grads))
 
 
@@ -707,10 +638,9 @@ def _(do, q, k, v, o, lse, delta_error, scale, softcap, rounding, impl, block_n)
 
 def _setup_context(ctx, inputs, output):
     q, k, v, delta_error, scale, softcap, accum, rounding, beta, impl, block_n = inputs
-    o, lse, row_max = output
-    ctx.save_for_backward(q, k, v, o, lse, delta_error)
+    ctx.save_for_backward(q, k, v, *output[:2], delta_error)         # o, lse
     ctx.args = (scale, softcap, rounding, impl, block_n)
-    ctx.mark_non_differentiable(lse, row_max)
+    ctx.mark_non_differentiable(*output[1:])                         # lse, row max
 
 
 def _backward(ctx, do, _dlse, _drow_max):
@@ -744,29 +674,24 @@ def _rms_norm(x, eps=1e-6):
     return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
 
 
-def resolve_rounding(rounding, dtype, impl="auto"):
-    """rounding as a tuple of ROUNDING_SOURCES in their order; None: DEFAULT_ROUNDING for bf16
-    inputs of the streaming kernel, else none."""
-    if rounding is None:
-        return DEFAULT_ROUNDING if dtype == torch.bfloat16 and impl != "sdpa" else ()
+def _checked(q, k, v, accum, impl, softcap, safemax_beta, block_n, rounding, delta_error):
+    """(impl, rounding) resolved, or a ValueError that says what to do. "auto": Triton on CUDA, else
+    the twin. rounding: ROUNDING_SOURCES in order; None: DEFAULT_ROUNDING for bf16 (not sdpa), else ()."""
     if isinstance(rounding, str):
         raise ValueError(f"rounding={rounding!r}: give a tuple of sources such as ('logits', 'pv'), () or None")
-    unknown = [s for s in rounding if s not in ROUNDING_SOURCES]
+    unknown = [s for s in rounding or () if s not in ROUNDING_SOURCES]
     if unknown:
         raise ValueError(f"unknown rounding source {unknown[0]!r}; use some of {ROUNDING_SOURCES}, or () for none")
-    return tuple(s for s in ROUNDING_SOURCES if s in rounding)     # one canonical order
-
-
-def _validate(q, k, v, accum, impl, softcap, safemax_beta, block_n, rounding, delta_error):
+    if rounding is None:
+        rounding = DEFAULT_ROUNDING if q.dtype == torch.bfloat16 and impl != "sdpa" else ()
+    rounding = tuple(s for s in ROUNDING_SOURCES if s in rounding)     # one canonical order
     if accum not in ACCUM_MODES:
         raise ValueError(f"unknown accum={accum!r}; use one of {ACCUM_MODES}")
     if impl not in IMPLS:
         raise ValueError(f"unknown impl={impl!r}; use one of {IMPLS}")
-    if q.dim() != 4 or q.shape != k.shape or q.shape != v.shape:
-        raise ValueError(f"q, k, v must be 4-D (batch, heads, time, head_dim) of one shape; got "
+    if q.dim() != 4 or q.shape != k.shape or q.shape != v.shape or q.shape[2] < 1:
+        raise ValueError(f"q, k, v must be 4-D (batch, heads, time, head_dim) of one shape, time >= 1; got "
                          f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
-    if q.shape[2] < 1:
-        raise ValueError("time dimension is empty")
     if q.dtype not in DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
         raise ValueError(f"q, k, v must share one dtype among {DTYPES}; got {q.dtype}, {k.dtype}, {v.dtype}")
     if not softcap >= 0 or math.isinf(softcap):
@@ -778,8 +703,7 @@ def _validate(q, k, v, accum, impl, softcap, safemax_beta, block_n, rounding, de
     if delta_error is not None and tuple(delta_error.shape) != (q.shape[1], q.shape[3]):
         raise ValueError(f"delta_error must be (heads, head_dim) = {(q.shape[1], q.shape[3])}; got "
                          f"{tuple(delta_error.shape)}")
-    if impl == "auto":
-        impl = "triton" if q.is_cuda else "torch"
+    impl = ("triton" if q.is_cuda else "torch") if impl == "auto" else impl
     if impl == "triton":
         if q.shape[3] not in TRITON_HEAD_DIMS:
             raise ValueError(f"impl='triton' needs head_dim in {TRITON_HEAD_DIMS}; got {q.shape[3]}. "
@@ -794,7 +718,7 @@ def _validate(q, k, v, accum, impl, softcap, safemax_beta, block_n, rounding, de
     if impl == "sdpa" and (accum != "fp32" or softcap > 0 or rounding or delta_error is not None):
         raise ValueError("impl='sdpa' supports only accum='fp32', no rounding sources and no delta_error or softcap; "
                          "use impl='triton' or 'torch'")
-    return impl
+    return impl, rounding
 
 
 def attention(q, k, v, accum="fp32", qk_norm=False, return_max_logit=False, *, scale=None, softcap=0.0,
@@ -811,8 +735,7 @@ def attention(q, k, v, accum="fp32", qk_norm=False, return_max_logit=False, *, s
     delta_error: (heads, head_dim), the assay's error in the O that the backward's delta sees, in
         units of each head's rms(O); the forward is unchanged.
     """
-    rounding = resolve_rounding(rounding, q.dtype, impl)
-    impl = _validate(q, k, v, accum, impl, softcap, safemax_beta, block_n, rounding, delta_error)
+    impl, rounding = _checked(q, k, v, accum, impl, softcap, safemax_beta, block_n, rounding, delta_error)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     if qk_norm:
         q, k = _rms_norm(q), _rms_norm(k)

@@ -167,6 +167,84 @@ def test_block_n_is_honoured(seed):
 
 
 # --------------------------------------------------------------------------------------------------
+# Equalities the code guarantees bit for bit: one backward serves the fp32 and the bf16 rounding, one
+# launcher every kernel, and the call's options reach the same arithmetic by any spelling.
+
+def fp32_backward(do, q, k, v, o, lse, scale, softcap, round_logits):
+    """The fp32 backward over all (query, key) pairs at once, op for op as the twin's with one key
+    block: recompute S and P = exp(S - lse), dV = P^T dO, dS = P (dO V^T - delta) [* (1 - tanh^2)],
+    dQ = dS K scale, dK = dS^T Q scale; P and dS enter the matmuls in the input dtype."""
+    dtype, T = q.dtype, q.shape[2]
+    qf, kf, vf, dof = (x.float() for x in (q, k, v, do))
+    r = (lambda x: x.to(BF16).float()) if round_logits else (lambda x: x)
+    s, t = r(r(qf @ kf.mT) * scale), None
+    if softcap > 0:
+        t = 1.0 - 2.0 / (torch.exp(2.0 * (s / softcap)) + 1.0)
+        s = r(softcap * t)
+    seen = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()
+    p = torch.where(seen, torch.exp(s - lse[..., None]), 0.0)
+    ds = p * (dof @ vf.mT - (dof * o.float()).sum(-1)[..., None])
+    if softcap > 0:
+        ds = ds * (1.0 - t * t)
+    ds = ds.to(dtype).float()
+    dv = (p.to(dtype).float().mT @ dof).to(dtype)
+    return (ds @ kf * scale).to(dtype), (ds.mT @ qf * scale).to(dtype), dv
+
+
+@pytest.mark.parametrize("dtype,rounding", [(BF16, ""), (BF16, "logits,pv"), (FP32, "")])
+@pytest.mark.parametrize("softcap", [0.0, 3.0])
+def test_twin_backward_without_its_rounding_is_the_fp32_backward(dtype, rounding, softcap, seed):
+    # The twin has one backward for both: with "backward" off its rounding points are identities, its
+    # tiles one key block by all the rows that see it, its sums fp32. With one key block it must be the
+    # materialized fp32 backward exactly (for the bf16 state's o and lse too: delta reads the stored o).
+    q, k, v, do = (randn(1, 2, 90, 32, dtype=dtype, scale=2.0) for _ in range(4))
+    scale = 32 ** -0.5
+    for accum in ("fp32", "bf16"):
+        o, lse, _ = torch.ops.qkguard.attn_fwd(q, k, v, None, scale, softcap, accum, rounding, 2.0, "torch", 128)
+        got = torch.ops.qkguard.attn_bwd(do, q, k, v, o, lse, None, scale, softcap, rounding, "torch", 128)
+        want = fp32_backward(do, q, k, v, o, lse, scale, softcap, "logits" in rounding)
+        for name, a, b in zip(("dq", "dk", "dv"), got, want):
+            assert torch.equal(a, b), f"seed {seed}: {accum}: {name} differs in {(a != b).sum().item()} elements"
+
+
+@pytest.mark.parametrize("impl", ["torch", "triton"])
+def test_bf16_backward_tiles_do_not_follow_block_n(impl, seed):
+    # The bf16 backward rounds its sums once per BF16_BWD_BLOCK tile, whatever the forward's key block:
+    # from one forward's o and lse, every block_n gives the same gradients bit for bit.
+    need_triton(impl)
+    q, k, v, do = (randn(1, 2, 150, 32, scale=2.0) for _ in range(4))
+    scale, sources = 32 ** -0.5, "logits,pv,backward"
+    o, lse, _ = torch.ops.qkguard.attn_fwd(q, k, v, None, scale, 0.0, "bf16", sources, 2.0, impl, 64)
+    grads = [torch.ops.qkguard.attn_bwd(do, q, k, v, o, lse, None, scale, 0.0, sources, impl, n)
+             for n in (None, 32, 128)]
+    assert all_finite((o, grads[0]))
+    for other in grads[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(grads[0], other)), f"seed {seed}"
+
+
+@pytest.mark.parametrize("impl", ["torch", "triton"])
+def test_equivalent_calls_agree_bit_for_bit(impl, seed):
+    # Each pair spells one computation two ways: the default rounding and its sources named (in any
+    # order), for bf16 and for fp32 inputs; auto and the twin on a CPU; qk_norm and the normed q, k
+    # handed in (output and max logit), with and without the max logit.
+    need_triton(impl)
+    q, k, v, do = (randn(1, 2, 70, 32, scale=2.0) for _ in range(4))
+    for accum in ACCUM_MODES:
+        kw = dict(accum=accum, impl=impl, block_n=32)
+        f32 = [x.float() for x in (q, k, v, do)]
+        same = [(run(q, k, v, do, **kw), run(q, k, v, do, rounding=("pv", "logits"), **kw)),
+                (run(*f32, **kw), run(*f32, rounding=(), **kw))]
+        if impl == "torch" and DEV == "cpu":
+            same.append((run(q, k, v, do, **kw), run(q, k, v, do, **{**kw, "impl": "auto"})))
+        for i, (a, b) in enumerate(same):
+            assert all(torch.equal(x, y) for x, y in zip((a[0], *a[1]), (b[0], *b[1]))), f"seed {seed}: {accum}: {i}"
+        o, ml = attention(q, k, v, return_max_logit=True, qk_norm=True, **kw)
+        o2, ml2 = attention(ak._rms_norm(q), ak._rms_norm(k), v, return_max_logit=True, **kw)
+        assert torch.equal(o, attention(q, k, v, qk_norm=True, **kw)) and torch.equal(o, o2) and torch.equal(ml, ml2), \
+            f"seed {seed}: {accum}: qk_norm, or the max logit, moved o"
+
+
+# --------------------------------------------------------------------------------------------------
 # The fault is emulated for real.
 
 def test_bf16_state_error_is_larger_at_T1024(seed):
