@@ -4,7 +4,7 @@ The streaming softmax folds each key block into a running max m, a running sum l
 accumulator O. Qiu & Yao (arXiv 2510.04212, github.com/ucker/why-low-precision-training-fails) keep
 all of it in bf16 and their training collapses; fp32 state repairs it. Each of their rounding points
 is a switch here, r(x) meaning "round to bf16 (nearest even)". This table is the one full account
-(README.md and config.py's --round help point here). The state and pv are rounded once per key block,
+(README.md and run.py's --round help point here). The state and pv are rounded once per key block,
 so block_n is part of the fault (BF16_STATE_BLOCK_N where unset):
 
   source    rounded to bf16 when on                                        switched by

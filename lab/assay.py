@@ -262,7 +262,7 @@ def measure_fault(model, idx, accum="bf16", dtype=torch.bfloat16):
     for attn in model.attentions:
         x, rotary = inputs[attn.layer_idx]
         q, k, v = (t.to(dtype) for t in attn.project(x.float(), rotary))
-        impl = "auto" if attn.impl in ("sdpa", "reference") else attn.impl   # no softmax state
+        impl = "auto" if attn.impl == "sdpa" else attn.impl   # no softmax state
         run = lambda mode: attn.attend(q, k, v, accum=mode, impl=impl, return_max_logit=False,
                                        delta_error=None).float()
         o_ref = run("fp32")
