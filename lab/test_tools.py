@@ -2125,3 +2125,53 @@ def test_the_sweep_refuses_a_file_for_its_out_root(tmp_path):
         out = sweep_cmd("--dry-run", "--claims", "1", "--seeds", "1", "--out-root", str(root))
         assert out.returncode == 2 and "Traceback" not in out.stderr and out.stderr.splitlines()[-1] == (
             f"sweep.py: error: --out-root {root}: {tmp_path / 'file'} is a file, not a folder: give a folder")
+
+
+def test_a_markdown_that_judges_fewer_claims_than_the_file_it_replaces_is_refused_unless_forced(tmp_path, capsys):
+    """A report of a folder holding part of the runs (a typo in the root, a half-kept sweep) replaced the committed
+    RESULTS.md with one that judges fewer claims: the opening table's judged rows are counted in both."""
+    with open(os.path.join(ROOT, "RESULTS.md")) as f:
+        committed = f.read()
+    judged = report.judged_claims(committed)
+    assert judged == sum(row[1] != "NOT RUN" for row in markdown_summary(committed)) >= 2
+    results = tmp_path / "RESULTS.md"
+    results.write_text(committed)
+    write_arms(tmp_path / "runs", RULE1)      # rule 1's runs alone
+    argv = [str(tmp_path / "runs"), "--markdown", str(results), "--plots", str(tmp_path / "plots")]
+    with pytest.raises(SystemExit):
+        report.main(argv)
+    assert capsys.readouterr().err.splitlines()[-1].endswith(
+        f"error: --markdown {results}: it judges {judged} claims, this report 1: left as it is; give the folders its "
+        f"opening line names, or pass --force to write it anyway")
+    assert results.read_text() == committed
+    assert report.main([*argv, "--force"]) == 0 and report.judged_claims(str(results)) == 1
+    assert report.main(argv) == 0             # as many claims as the file: written without --force
+
+
+def markdown_summary(text):
+    """The opening table's rows, split into cells."""
+    lines = text.split("| claim | verdict |", 1)[1].split("\n\n", 1)[0].splitlines()[2:]
+    return [[cell.strip() for cell in line.strip("|").split("|")] for line in lines]
+
+
+def test_the_report_says_in_one_line_where_a_folder_is_a_file_and_makes_a_missing_png_folder(tmp_path, capsys):
+    write_arms(tmp_path / "runs", RULE2)
+    write_run(tmp_path / "one", "bf16", 1)
+    (tmp_path / "file").write_text("")
+    for argv, message in [
+            (["--plots", tmp_path / "file"], f"--plots {tmp_path / 'file'}: {tmp_path / 'file'} is a file"),
+            (["--plots", tmp_path / "file" / "below"], f"--plots {tmp_path / 'file' / 'below'}: {tmp_path / 'file'} is a file"),
+            (["--pilot", tmp_path / "file"], f"--pilot {tmp_path / 'file'} is not a folder"),
+            (["--lr-study", tmp_path / "file"], f"--lr-study {tmp_path / 'file'} is not a folder"),
+            (["--runs", tmp_path / "one" / "bf16" / "seed1", "--png", tmp_path / "file" / "x.png"],
+             f"--png {tmp_path / 'file' / 'x.png'}: {tmp_path / 'file'} is a file")]:
+        with pytest.raises(SystemExit):
+            report.main([str(tmp_path / "runs"), *map(str, argv)])
+        err = capsys.readouterr().err
+        assert message in err.splitlines()[-1] and "Traceback" not in err, argv
+    with pytest.raises(SystemExit):
+        report.main([str(tmp_path / "file")])
+    assert f"{tmp_path / 'file'} is not a folder" in capsys.readouterr().err
+    png = tmp_path / "new" / "folder" / "runs.png"    # a folder not made yet is made
+    assert report.main(["--runs", str(tmp_path / "one" / "bf16" / "seed1"), "--png", str(png)]) == 0
+    assert png.parent.is_dir() and (png.exists() or report._pyplot(quiet=True) is None)
