@@ -359,6 +359,14 @@ def not_a_folder(path):
     return None if os.path.isdir(path) else path
 
 
+def output_problem(path, folder=False):
+    """Why the lab's tools cannot write `path` as a file (or as a folder): one clause, or None."""
+    if not folder and os.path.isdir(path):
+        return f"{path} is a folder: give a file's name"
+    above = not_a_folder(path if folder else os.path.dirname(os.path.abspath(path)))
+    return f"{above} is a file, not a folder: give another path" if above else None
+
+
 def ended_writing(out_dir):
     try:
         os.remove(os.path.join(out_dir, PID_FILE))

@@ -1814,6 +1814,15 @@ def test_fault_size_measures_the_bf16_states_error_and_report_prints_the_doses_i
     assert "The doses in units" in text and "The doses in units" not in broken
 
 
+def test_fault_size_without_a_device_measures_on_the_cpu(tmp_path, data_dir):
+    """--device auto (the default) reached torch as the device "auto": a traceback."""
+    from lab import fault_size
+    out = tmp_path / "made" / "fault_size.json"          # its folder made
+    fault_size.main(["--seeds", "1", "--out", str(out), "--n-layer", "1", "--n-head", "2", "--n-embd", "32",
+                     "--block-size", "32", "--batch-size", "2", "--attn-impl", "torch", "--data-dir", data_dir])
+    assert [r["seed"] for r in json.loads(out.read_text())["per_seed"]] == [1]
+
+
 def test_pilot_rows_give_the_steps_a_horizon_is_chosen_from(tmp_path):
     # the max logit climbs 100 a step: past the guard's 200 first at step 3, at RUNAWAY_LOGIT (1000) at 10
     write_run(tmp_path, "assay", 101, steps=20, logit=lambda s: 100.0 * s)
@@ -2175,3 +2184,25 @@ def test_the_report_says_in_one_line_where_a_folder_is_a_file_and_makes_a_missin
     png = tmp_path / "new" / "folder" / "runs.png"    # a folder not made yet is made
     assert report.main(["--runs", str(tmp_path / "one" / "bf16" / "seed1"), "--png", str(png)]) == 0
     assert png.parent.is_dir() and (png.exists() or report._pyplot(quiet=True) is None)
+
+
+def test_the_lab_tools_output_flags_refuse_a_file_for_a_folder_before_the_work(tmp_path, capsys):
+    """lab.fault_size --out, lab.bench --json, lab.attach_demo --out-dir/--png/--json: a traceback at the end of
+    the work once; now one line before it, and a missing folder above an output file is made."""
+    from lab import attach_demo, bench, fault_size
+    (tmp_path / "file").write_text("")
+    below, folder = str(tmp_path / "file" / "x.json"), str(tmp_path)
+    cases = [(fault_size.main, ["--out", below], f"--out {below}: {tmp_path / 'file'} is a file, not a folder"),
+             (fault_size.main, ["--out", folder], f"--out {folder}: {folder} is a folder: give a file's name"),
+             (bench.main, ["--smoke", "--json", below], f"--json {below}: {tmp_path / 'file'} is a file, not a folder"),
+             (attach_demo.main, ["--out-dir", str(tmp_path / "file")],
+              f"--out-dir {tmp_path / 'file'}: {tmp_path / 'file'} is a file, not a folder"),
+             (attach_demo.main, ["--png", below], f"--png {below}: {tmp_path / 'file'} is a file, not a folder"),
+             (attach_demo.main, ["--json", folder], f"--json {folder}: {folder} is a folder: give a file's name")]
+    for main, argv, message in cases:
+        with pytest.raises(SystemExit):
+            main(argv)
+        assert f"error: {message}" in capsys.readouterr().err.splitlines()[-1], argv
+    assert sweep.output_problem(str(tmp_path / "new" / "x.json")) is None
+    assert sweep.output_problem(str(tmp_path / "file" / "d"), folder=True) == \
+        f"{tmp_path / 'file'} is a file, not a folder: give another path"
