@@ -10,8 +10,9 @@ Launch the paper's claims as a batch of train.py runs, side by side on one GPU (
 Every arm of every claim runs the same seeds (seed k passes --seed k: the same initial weights and batch order),
 so report.py compares arms seed by seed. Each run is one train.py subprocess with its stdout.log / stderr.log in
 its own folder; at most --parallel run at once. A run whose log already ends with a completed or collapsed "end"
-record is skipped, so launching the same sweep again only runs what is left. Read the results with
-`python -m lab.report runs/claims`.
+record is skipped, so launching the same sweep again only runs what is left; a run made with other flags than
+those planned now is refused, naming them, and one that a live train.py still writes (a killed sweep's orphan)
+is not launched a second time. Read the results with `python -m lab.report runs/claims`.
 """
 import argparse
 import gzip
