@@ -1199,8 +1199,8 @@ def test_markdown_with_the_lr_study(tmp_path):
     if importlib.util.find_spec("matplotlib"):
         assert "![lr-gpt2](plots/lr-gpt2.png)" in section and (plots / "lr-gpt2.png").exists()
         assert not (plots / "lr-llama.png").exists()
-    # without the study: no section, and the command as before
-    assert report.main([str(tmp_path / "runs"), "--markdown", str(md), "--plots", str(plots)]) == 0
+    # without the study: no section, and the command as before (--force: it judges the study's rules no more)
+    assert report.main([str(tmp_path / "runs"), "--markdown", str(md), "--plots", str(plots), "--force"]) == 0
     assert "Learning-rate study" not in md.read_text() and "--lr-study" not in md.read_text()
 
 
