@@ -35,6 +35,7 @@ import torch
 
 import prepare_data
 import qkguard
+from lab.sweep import output_problem
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 MODELS = ("hf-gpt2", "hf-llama", "nanogpt")
@@ -253,6 +254,12 @@ def main(argv=None):
            *args.cost_intervals) < 1 or min(args.seqs, args.rows) < 0 or args.lr <= 0 or bad_threshold:
         p.error("--steps, --batch-size, --block-size, --interval, --cost-*, --warmup-steps must be >= 1, "
                 "--seqs and --rows >= 0, --threshold and --lr > 0")
+    for flag, path, folder in (("--out-dir", args.out_dir, True), ("--png", args.png, False),
+                               ("--json", args.json, False)):
+        if path and output_problem(path, folder):    # before the runs, not after them
+            p.error(f"{flag} {path}: {output_problem(path, folder)}")
+        if path and not folder:
+            os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     build(args.model, args.block_size, args.seed)        # fails now, in one line, without transformers
     data = Data(args)
     summary = {"model": args.model, "args": vars(args)}

@@ -43,6 +43,7 @@ import triton
 import attention_kernel as ak
 import run
 from guard import DEFAULT_THRESHOLD, QKGuard, SpectralMonitor
+from lab.sweep import output_problem
 from model import MODEL_SIZES, QK_KINDS, GPT, GPTConfig
 
 H200_BF16_PEAK = 989e12    # dense bf16 FLOP/s, the MFU denominator (SOURCES.md, speed anchors)
@@ -79,6 +80,8 @@ def parse_args(argv=None):
             setattr(args, name, smoke if args.smoke else full)
     if args.steps < 1 or args.warmup < 0 or args.batch_size < 1:
         p.error("--steps and --batch-size must be at least 1, --warmup at least 0")
+    if args.json and output_problem(args.json):   # before the benchmark, not after it
+        p.error(f"--json {args.json}: {output_problem(args.json)}")
     args.device = torch.device("cuda" if cuda else "cpu")
     args.compile = cuda if args.compile is None else args.compile
     args.size = dict(n_layer=2, n_head=2, n_embd=64, block_size=64) if args.smoke else MODEL_SIZES["gpt2"]

@@ -15,6 +15,7 @@ Other flags are train.py's (the model, the data, --seed is replaced by --seeds).
 """
 import argparse
 import json
+import os
 import statistics
 import sys
 
@@ -23,6 +24,7 @@ import torch
 import model as model_lib
 import run
 from lab.assay import measure_fault
+from lab.sweep import output_problem
 from train import Batches, vocabulary
 
 
@@ -56,8 +58,11 @@ def main(argv=None):
     ours, rest = p.parse_known_args(argv)
     if ours.seeds < 1:
         p.error("--seeds must be at least 1")
+    if ours.out and output_problem(ours.out):   # before the measurement, not after it
+        p.error(f"--out {ours.out}: {output_problem(ours.out)}")
     args, typed, parser = run.parse_args(rest)
-    args = run.resolve(args, torch.device(args.device if args.device != "auto" else "cpu"), parser)
+    args.device = "cpu" if args.device == "auto" else args.device   # the CPU lab's measurement, unless told
+    args = run.resolve(args, torch.device(args.device), parser)
     rows = measure(args, typed, range(1, ours.seeds + 1) if not ours.ckpt else [args.seed], ours.ckpt)
     summary = {key: statistics.median(r[key] for r in rows) for key in rows[0] if key != "seed"}
     print(f"{'seed':>6} {'error ratio median':>19} {'max':>9} {'bias ratio median':>18} {'max':>9}")
@@ -65,6 +70,7 @@ def main(argv=None):
         print(f"{r['seed']:>6} {r['error_ratio_median']:>19.3g} {r['error_ratio_max']:>9.3g} "
               f"{r['bias_ratio_median']:>18.3g} {r['bias_ratio_max']:>9.3g}")
     if ours.out:
+        os.makedirs(os.path.dirname(os.path.abspath(ours.out)), exist_ok=True)
         with open(ours.out, "w") as f:
             json.dump({"command": ["python", "-m", "lab.fault_size", *sys.argv[1:]] if argv is None else
                        ["python", "-m", "lab.fault_size", *argv], "ckpt": ours.ckpt, "per_seed": rows,

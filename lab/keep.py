@@ -10,17 +10,20 @@ against its claim, so with --whole-seeds only the seeds that finished in every a
 """
 
 import argparse
+import glob
 import gzip
 import io
 import json
 import os
 import shutil
 import sys
+import zlib
 
-from lab.sweep import run_state
+from lab.sweep import not_a_folder, run_state
 
 DONE = ("completed", "collapsed")
 ROOT_FILES = ("fault_size.json",)   # a sweep root's own measurements the report reads beside the runs
+KEPT_NAMES = ("config.json", "log.jsonl.gz", *ROOT_FILES)   # every file a keep writes
 
 
 def runs_in(root):
@@ -46,6 +49,19 @@ def kept_bytes(run_dir):
     with open(plain, "rb") as f, gzip.GzipFile(fileobj=buf, mode="wb", mtime=0, filename="") as g:
         shutil.copyfileobj(f, g)
     return {"config.json": config, "log.jsonl.gz": buf.getvalue()}
+
+
+def damaged(path, data):
+    """Why a kept file cannot be read (a gzip cut short, a config that is not JSON), or None."""
+    try:
+        json.loads(gzip.decompress(data) if path.endswith(".gz") else data)
+    except (OSError, EOFError, zlib.error) as e:   # BadGzipFile is an OSError
+        return f"not a whole gzip: {e or type(e).__name__}"
+    except ValueError as e:
+        if path.endswith(".gz"):   # a log is JSON lines, not one JSON value: readable is enough
+            return None
+        return f"not JSON: {e}"
+    return None
 
 
 def readable_config(run_dir):
@@ -83,14 +99,25 @@ def keep(src, dst, whole_seeds=False):
     for path, data in plan.items():   # every kept file is compared (config, log, fault size), not the log alone
         if os.path.exists(path):
             with open(path, "rb") as f:
-                if f.read() != data:
-                    sys.exit(f"error: {path} already holds another run's {os.path.basename(path)}; keep into a new "
-                             f"folder, or remove that run's folder first")
-    for path, data in plan.items():   # each file whole or not at all: a kill mid-keep leaves no half file
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        with open(path + ".tmp", "wb") as f:
-            f.write(data)
-        os.replace(path + ".tmp", path)
+                held = f.read()
+            if held != data and damaged(path, held):
+                sys.exit(f"error: {path} is damaged ({damaged(path, held)}), by an interrupted keep or copy perhaps: "
+                         f"remove it (or restore it from git) and keep again")
+            if held != data:
+                sys.exit(f"error: {path} already holds another run's {os.path.basename(path)}; keep into a new "
+                         f"folder, or remove that run's folder first")
+    for leftover in glob.glob(os.path.join(glob.escape(dst), "**", "*.tmp"), recursive=True):
+        if os.path.basename(leftover)[:-len(".tmp")] in KEPT_NAMES:   # an interrupted keep's own temp file
+            os.remove(leftover)
+    try:
+        for path, data in plan.items():   # each file whole or not at all: a kill mid-keep leaves no half file
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            with open(path + ".tmp", "wb") as f:
+                f.write(data)
+            os.replace(path + ".tmp", path)
+    except OSError as e:   # a full or read-only disk, a file where a folder goes
+        sys.exit(f"error: cannot write {e.filename or path} ({e.strerror or e}): the files kept before it are whole; "
+                 f"free the space or fix the path, and keep again")
     return sorted({os.path.dirname(p) for p in plan if p.endswith("log.jsonl.gz")}), left
 
 
@@ -103,8 +130,9 @@ def main(argv=None):
     args = p.parse_args(argv)
     if not os.path.isdir(args.src):
         sys.exit(f"{args.src} is not a folder; pass a sweep's --out-root")
-    if os.path.exists(args.dst) and not os.path.isdir(args.dst):
-        sys.exit(f"error: {args.dst} is a file; pass the folder results are kept in, e.g. lab/results/lab")
+    if not_a_folder(args.dst):
+        sys.exit(f"error: {args.dst}: {not_a_folder(args.dst)} is a file; pass the folder results are kept in, e.g. "
+                 f"lab/results/lab")
     kept, left = keep(args.src, args.dst, args.whole_seeds)
     print(f"kept {len(kept)} runs in {args.dst}; left out {len(left)}" + "".join(f"\n  {w}" for w in left))
 

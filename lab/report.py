@@ -28,7 +28,7 @@ import sys
 from guard import ACTIONS, DEFAULT_THRESHOLD
 from lab.sweep import (CLAIM3_SITE, CLAIM4_SITES, CLAIMS, COHERENCES, DONE, DOSES, LR_STUDY_ARMS, NO_ERROR,
                        LONG_STEPS, QKNORM_ALONE, SITES, SOURCES, Unreadable, action_arms, actions_of, experiments,
-                       inject_arm, long_arms, lr_name, probe_arms, read_log, split_lr)
+                       inject_arm, long_arms, lr_name, not_a_folder, probe_arms, read_log, split_lr)
 
 # --------------------------------------------------------------------------------------------------
 # The verdict rules' constants.
@@ -2003,6 +2003,20 @@ def plot_some_runs(paths, png, labels=None):
     return png
 
 
+def judged_claims(markdown):
+    """How many rows of a report's opening table (summary) have a verdict other than NOT RUN; markdown: its
+    text, or the path of a file (0 if there is none)."""
+    if "\n" not in markdown:
+        try:
+            with open(markdown, errors="replace") as f:
+                markdown = f.read()
+        except OSError:
+            return 0
+    rows = markdown.split("\n| claim | verdict |", 1)[1:]
+    table = rows[0].split("\n\n", 1)[0].splitlines()[2:] if rows else []   # less the header's rest and | --- |
+    return sum(line.split("|")[2].strip() != VERDICT_WORDS["not run"] for line in table if line.count("|") > 2)
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("root", nargs="?", help="the sweep's --out-root, e.g. runs/claims")
@@ -2017,6 +2031,8 @@ def main(argv=None):
     p.add_argument("--png", default="runs.png", help="--runs: the figure's file (default runs.png)")
     p.add_argument("--labels", nargs="+", metavar="TEXT",
                    help="--runs: the legend's words, one per run (default: from each run's config)")
+    p.add_argument("--force", action="store_true",
+                   help="--markdown: write it even if it judges fewer claims than the file it replaces")
     args = p.parse_args(argv)
     if args.runs:
         missing = [d for d in args.runs if not any(os.path.exists(os.path.join(d, name))
@@ -2025,6 +2041,10 @@ def main(argv=None):
             p.error(f"no log.jsonl in {', '.join(missing)}: give run folders that train.py wrote")
         if args.labels and len(args.labels) != len(args.runs):
             p.error(f"--labels: give one per run ({len(args.runs)}), got {len(args.labels)}")
+        if not_a_folder(os.path.dirname(os.path.abspath(args.png))):
+            p.error(f"--png {args.png}: {not_a_folder(os.path.dirname(os.path.abspath(args.png)))} is a file, not a "
+                    f"folder: give another path")
+        os.makedirs(os.path.dirname(os.path.abspath(args.png)), exist_ok=True)
         png = plot_some_runs(args.runs, args.png, args.labels)
         if png:
             print(f"plot: {png}")
@@ -2048,6 +2068,10 @@ def main(argv=None):
             why = "not a folder" if isinstance(e, (FileExistsError, NotADirectoryError)) else e.strerror or str(e)
             where = f": {e.filename}" if e.filename else ""
             p.error(f"--markdown {args.markdown}: cannot write it ({why}{where}): give a writable path")
+    plots_dir = args.plots or (os.path.join(os.path.dirname(os.path.abspath(args.markdown)), "plots")
+                               if args.markdown else args.root)
+    if not_a_folder(plots_dir):
+        p.error(f"--plots {plots_dir}: {not_a_folder(plots_dir)} is a file, not a folder: give another path")
     groups = load_runs(args.root)
     if not groups:
         if args.markdown:   # a report of nothing would replace the file with "not run" lines
@@ -2058,16 +2082,20 @@ def main(argv=None):
     study = (args.lr_study, load_runs(args.lr_study)) if args.lr_study is not None else None
     print(build(groups, args.root, markdown=False, pilots=pilots, study=study))
     markdown_dir = os.path.dirname(os.path.abspath(args.markdown)) if args.markdown else None
-    plots_dir = args.plots or (os.path.join(markdown_dir, "plots") if args.markdown else args.root)
     plots = plot_claims(groups, plots_dir)
     study_plots = plot_lr_study(study[1], plots_dir, quiet=True) if study else []
     for path in plots + study_plots:
         print(f"plot: {path}")
     if args.markdown:
+        text = build(groups, args.root, markdown=args.markdown, plots=plots, markdown_dir=markdown_dir, pilots=pilots,
+                     plots_flag=args.plots, study=study, study_plots=study_plots)
+        old = judged_claims(args.markdown)
+        if judged_claims(text) < old and not args.force:   # the folders given hold less than the file's
+            p.error(f"--markdown {args.markdown}: it judges {old} claims, this report {judged_claims(text)}: left as it "
+                    f"is; give the folders its opening line names, or pass --force to write it anyway")
         os.makedirs(markdown_dir, exist_ok=True)
         with open(args.markdown, "w") as f:
-            f.write(build(groups, args.root, markdown=args.markdown, plots=plots, markdown_dir=markdown_dir,
-                          pilots=pilots, plots_flag=args.plots, study=study, study_plots=study_plots))
+            f.write(text)
         print(f"markdown: {args.markdown}")
     return 0
 

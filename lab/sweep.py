@@ -10,13 +10,15 @@ Launch the paper's claims as a batch of train.py runs, side by side on one GPU (
 Every arm of every claim runs the same seeds (seed k passes --seed k: the same initial weights and batch order),
 so report.py compares arms seed by seed. Each run is one train.py subprocess with its stdout.log / stderr.log in
 its own folder; at most --parallel run at once. A run whose log already ends with a completed or collapsed "end"
-record is skipped, so launching the same sweep again only runs what is left. Read the results with
-`python -m lab.report runs/claims`.
+record is skipped, so launching the same sweep again only runs what is left; a run made with other flags than
+those planned now is refused, naming them, and one that a live train.py still writes (a killed sweep's orphan)
+is not launched a second time. Read the results with `python -m lab.report runs/claims`.
 """
 import argparse
 import gzip
 import json
 import os
+import re
 import shlex
 import signal
 import subprocess
@@ -264,9 +266,10 @@ def run_state(out_dir):
     return records[-1].get("status", "unknown") if records[-1].get("event") == "end" else "no end record"
 
 
-def plan(names_flags, seeds, out_root, extra, resume):
+def plan(names_flags, seeds, out_root, extra, resume, train_parser=None):
     """The runs to launch, seed-major (each experiment's seed 1 before any seed 2, so a sweep cut
-    short still covers them all), and the ones skipped with the reason."""
+    short still covers them all), and the ones skipped with the reason. With train_parser (train.py's),
+    a run made with other flags than planned is refused (SystemExit), not skipped or resumed."""
     train = os.path.relpath(os.path.join(ROOT, "train.py"))
     todo, skipped = [], []
     for seed in range(1, seeds + 1):
@@ -274,7 +277,13 @@ def plan(names_flags, seeds, out_root, extra, resume):
             out_dir = os.path.join(out_root, name, f"seed{seed}")
             state = run_state(out_dir)
             cmd = [sys.executable, train, *flags, *extra, "--seed", str(seed), "--out-dir", out_dir]
-            if state in DONE:
+            writer = live_writer(out_dir) if state not in DONE else None
+            if train_parser is not None and state != "new" and not state.startswith("unreadable"):
+                refuse_other_flags(out_dir, typed_flags(train_parser, cmd[2:]), finished=state in DONE)
+            if writer:   # orphaned by a killed sweep, say: a second writer would log every step twice
+                skipped.append((out_dir, f"unfinished: process {writer} is still writing it; wait for it, or stop "
+                                         f"it (kill -INT {writer}) and launch again"))
+            elif state in DONE:
                 skipped.append((out_dir, state))
             elif state == "new":
                 todo.append((out_dir, cmd))
@@ -287,6 +296,102 @@ def plan(names_flags, seeds, out_root, extra, resume):
     return todo, skipped
 
 
+# ----------------------------------------------------------------------------------------------------------------
+# The flags as train.py reads them: argparse would take --inject-sc for --inject-scale, so the extra flags are
+# checked by name and compared by what they set (their dest), and a finished run's config.json by value.
+
+def train_flag_parser(sweep_parser):
+    """train.py's parser (run.build_parser: the assay's flags too), its errors reported as the sweep's."""
+    import run      # only here: it imports torch, which report.py (importing this file) does not need
+    parser = run.build_parser()
+    parser.error = lambda message: sweep_parser.error(f"after `--`: {message}")
+    return parser
+
+
+def typed_flags(parser, flags):
+    """{dest: value} of the flags in a train.py flag list, as train.py would read them."""
+    return {k: v for k, v in vars(parser.parse_args(flags)).items() if v is not None}
+
+
+def unknown_flag(parser, flags):
+    """A line on the first flag that is not one of train.py's by its exact name (a prefix of one too), or None."""
+    names = {s for action in parser._actions for s in action.option_strings}
+    for token in flags:
+        name = token.split("=", 1)[0]
+        if not name.startswith("-") or name in names or re.fullmatch(r"-[\d.]+(e-?\d+)?", name):
+            continue
+        full = sorted(n for n in names if n.startswith(name) and name.startswith("--"))
+        return (f"{name} after `--` is not a train.py flag" + (f" (it abbreviates {' or '.join(full)}): give the "
+                f"flag's full name" if full else ": see python train.py --help"))
+    return None
+
+
+def refuse_other_flags(out_dir, planned, finished):
+    """SystemExit naming the flags a run in out_dir was made with that differ from the planned ones. A
+    resume may change what train.py lets it (run.RESUMABLE_CHANGES); a finished run only how it ran, not
+    its --max-steps. A config.json without the flag (an older run) is not held against it."""
+    import run
+    try:
+        with open(os.path.join(out_dir, "config.json")) as f:
+            saved = json.load(f)["args"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return   # no config.json yet (killed at start-up): train.py --resume starts over and says so
+    free = run.RESUMABLE_CHANGES - ({"max_steps"} if finished else set())
+    planned = json.loads(json.dumps(planned))    # tuples as config.json holds them: lists
+    differ = [f"--{k.replace('_', '-')} {v} (the run's: {saved[k]})" for k, v in planned.items()
+              if k not in free and isinstance(saved, dict) and k in saved and saved[k] != v and v != "auto"]
+    if differ:
+        raise SystemExit(f"error: {out_dir} was run with other flags than planned: {'; '.join(differ)}. Give the "
+                         f"flags it was run with, or another --out-root (or delete it to run it again)")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# One writer per run folder: the sweep records each child's pid in its folder, so that a sweep launched again
+# (after kill -9 of the last one, whose children live on) does not start a second writer beside one.
+
+PID_FILE = "sweep.pid"
+
+
+def not_a_folder(path):
+    """The file at `path` or above it where a folder is needed (the first that exists), or None."""
+    path = os.path.abspath(path)
+    while not os.path.exists(path) and os.path.dirname(path) != path:
+        path = os.path.dirname(path)
+    return None if os.path.isdir(path) else path
+
+
+def output_problem(path, folder=False):
+    """Why the lab's tools cannot write `path` as a file (or as a folder): one clause, or None."""
+    if not folder and os.path.isdir(path):
+        return f"{path} is a folder: give a file's name"
+    above = not_a_folder(path if folder else os.path.dirname(os.path.abspath(path)))
+    return f"{above} is a file, not a folder: give another path" if above else None
+
+
+def ended_writing(out_dir):
+    try:
+        os.remove(os.path.join(out_dir, PID_FILE))
+    except FileNotFoundError:
+        pass
+
+
+def live_writer(out_dir):
+    """The pid of a live train.py a sweep started to write out_dir, or None."""
+    try:
+        with open(os.path.join(out_dir, PID_FILE)) as f:
+            pid = int(f.read())
+        os.kill(pid, 0) if pid > 0 else None    # signal 0: only whether it exists
+    except PermissionError:                     # it exists, under another user
+        return pid
+    except (OSError, ValueError):               # no pid file, or no such process
+        return None
+    try:   # a pid since reused by another program is no writer
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return pid if pid > 0 and b"train.py" in f.read() else None
+    except OSError:     # no /proc (macOS): trust the pid
+        return pid if pid > 0 else None
+
+
 def flag_value(flags, name, default=None):
     """`name`'s value in a train.py flag list: the last wins, as in argparse; --name=value too."""
     value = default
@@ -296,11 +401,6 @@ def flag_value(flags, name, default=None):
         elif flag.startswith(name + "="):
             value = flag.split("=", 1)[1]
     return value
-
-
-def flag_names(flags):
-    """The --flags in a train.py flag list (--name=value as --name)."""
-    return [f.split("=", 1)[0] for f in flags if f.startswith("--")]
 
 
 def prepare_data_once(extra):
@@ -365,6 +465,8 @@ def stop(running):
             if proc.poll() is None:
                 proc.kill()
     for proc, (out_dir, _) in running.items():
+        if proc.poll() is not None:
+            ended_writing(out_dir)
         print(f"  {out_dir}: {run_state(out_dir)}", flush=True)
 
 
@@ -382,11 +484,14 @@ def launch(todo, parallel):
                     # own session: a terminal's Ctrl-C reaches only us, and we pass on one SIGINT
                     proc = subprocess.Popen(cmd, stdout=out, stderr=err, start_new_session=True,
                                             env=dict(os.environ, PYTHONUNBUFFERED="1"))
+                with open(os.path.join(out_dir, PID_FILE), "w") as f:
+                    f.write(f"{proc.pid}\n")
                 running[proc] = (out_dir, time.time())
                 started += 1
                 print(f"[start {started}/{n}] {out_dir}", flush=True)
             for proc in [p for p in running if p.poll() is not None]:
                 out_dir, t0 = running.pop(proc)
+                ended_writing(out_dir)
                 ok, text = outcome(out_dir, proc.returncode)
                 ended += 1
                 print(f"[end {ended}/{n}] {out_dir}: {text} ({time.time() - t0:.0f} s)", flush=True)
@@ -437,14 +542,21 @@ def main(argv=None):
             p.error(f"--lrs {args.lrs!r}: give learning rates above 0, comma-separated, e.g. 1e-3,3e-3")
         names_flags = at_lrs(names_flags, lrs)
 
+    train_parser = train_flag_parser(p)
+    if unknown_flag(train_parser, extra):
+        p.error(unknown_flag(train_parser, extra))
+    extra_sets = typed_flags(train_parser, extra)
     clash = {name: shared for name, flags in names_flags.items()
-             for shared in [sorted(set(flag_names(flags)) & set(flag_names(extra)))] if shared}
+             for shared in [sorted(set(typed_flags(train_parser, flags)) & set(extra_sets))] if shared}
     if clash:   # the extra flags come last, so they would silently change what the arm is
         name, shared = next(iter(clash.items()))
+        shared = [f"--{dest.replace('_', '-')}" for dest in shared]
         p.error(f"{', '.join(shared)} after `--` would override what arm {name} sets itself"
                 f"{f' (and {len(clash) - 1} more arms)' if len(clash) > 1 else ''}: drop it there, or leave "
                 f"those arms out of --only")
-    todo, skipped = plan(names_flags, args.seeds, args.out_root, extra, args.resume)
+    if not_a_folder(args.out_root):
+        p.error(f"--out-root {args.out_root}: {not_a_folder(args.out_root)} is a file, not a folder: give a folder")
+    todo, skipped = plan(names_flags, args.seeds, args.out_root, extra, args.resume, train_parser)
     for out_dir, why in skipped:
         print(f"skip {out_dir}: {why}")
     if args.dry_run:
@@ -460,7 +572,9 @@ def main(argv=None):
 
     def interrupt(signum, frame):
         raise KeyboardInterrupt
-    for sig in (signal.SIGINT, signal.SIGTERM):     # SIGINT too: background jobs start ignoring it
+    # SIGINT too: background jobs start ignoring it; SIGHUP: the terminal closed (the children, in their own
+    # sessions, would live on unseen)
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, interrupt)
     try:
         errors = launch(todo, parallel)

@@ -111,3 +111,47 @@ def test_a_keep_leaves_no_temporary_files_and_refuses_a_file_for_the_destination
     (tmp_path / "afile").write_text("x")
     with pytest.raises(SystemExit, match="is a file"):
         keep.main([str(src), str(tmp_path / "afile")])
+
+
+def test_a_kept_gzip_cut_short_is_called_damaged_not_another_run(tmp_path):
+    """A keep killed while writing (before writes were atomic), or a copy cut short, left half a gzip; the next
+    keep blamed "a different run" for it."""
+    src, dst = tmp_path / "runs", tmp_path / "results"
+    fake_run(src, "fp32", 1)
+    keep.keep(str(src), str(dst))
+    log = dst / "fp32" / "seed1" / "log.jsonl.gz"
+    log.write_bytes(log.read_bytes()[:len(log.read_bytes()) // 2])
+    with pytest.raises(SystemExit) as e:
+        keep.keep(str(src), str(dst))
+    assert str(e.value).startswith(f"error: {log} is damaged (not a whole gzip: ") and "another run" not in str(e.value)
+    assert str(e.value).endswith("remove it (or restore it from git) and keep again")
+    (dst / "fp32" / "seed1" / "config.json").write_text('{"args": {"se')      # a config cut short, too
+    log.unlink()
+    with pytest.raises(SystemExit, match=r"config.json is damaged \(not JSON: "):
+        keep.keep(str(src), str(dst))
+
+
+def test_an_interrupted_keeps_temp_files_are_removed_and_no_others(tmp_path):
+    """A keep killed between writing a temp file and renaming it leaves <file>.tmp: keep's own, removed by the next
+    keep, wherever it lies (its run may since be left out); a .tmp keep never writes is not its to remove."""
+    src, dst = tmp_path / "runs", tmp_path / "results"
+    fake_run(src, "fp32", 1)
+    for leftover in ("fp32/seed1/config.json.tmp", "fp32/seed2/log.jsonl.gz.tmp", "fault_size.json.tmp"):
+        (dst / leftover).parent.mkdir(parents=True, exist_ok=True)
+        (dst / leftover).write_bytes(b"half")
+    (dst / "notes.tmp").write_text("someone's")
+    keep.keep(str(src), str(dst))
+    assert [p.relative_to(dst).as_posix() for p in dst.rglob("*.tmp")] == ["notes.tmp"]
+    assert keep.keep(str(src), str(dst))[0] == [str(dst / "fp32" / "seed1")]   # the kept run as it was
+
+
+def test_a_file_above_the_destination_is_one_line(tmp_path):
+    src = tmp_path / "runs"
+    fake_run(src, "fp32", 1)
+    (tmp_path / "afile").write_text("x")
+    with pytest.raises(SystemExit, match=f"error: {tmp_path / 'afile' / 'below'}: {tmp_path / 'afile'} is a file"):
+        keep.main([str(src), str(tmp_path / "afile" / "below")])
+    (tmp_path / "results").mkdir()
+    (tmp_path / "results" / "fp32").write_text("x")          # a file where a run's folder goes
+    with pytest.raises(SystemExit, match="error: cannot write .*results/fp32"):
+        keep.main([str(src), str(tmp_path / "results")])

@@ -1199,8 +1199,8 @@ def test_markdown_with_the_lr_study(tmp_path):
     if importlib.util.find_spec("matplotlib"):
         assert "![lr-gpt2](plots/lr-gpt2.png)" in section and (plots / "lr-gpt2.png").exists()
         assert not (plots / "lr-llama.png").exists()
-    # without the study: no section, and the command as before
-    assert report.main([str(tmp_path / "runs"), "--markdown", str(md), "--plots", str(plots)]) == 0
+    # without the study: no section, and the command as before (--force: it judges the study's rules no more)
+    assert report.main([str(tmp_path / "runs"), "--markdown", str(md), "--plots", str(plots), "--force"]) == 0
     assert "Learning-rate study" not in md.read_text() and "--lr-study" not in md.read_text()
 
 
@@ -1814,6 +1814,15 @@ def test_fault_size_measures_the_bf16_states_error_and_report_prints_the_doses_i
     assert "The doses in units" in text and "The doses in units" not in broken
 
 
+def test_fault_size_without_a_device_measures_on_the_cpu(tmp_path, data_dir):
+    """--device auto (the default) reached torch as the device "auto": a traceback."""
+    from lab import fault_size
+    out = tmp_path / "made" / "fault_size.json"          # its folder made
+    fault_size.main(["--seeds", "1", "--out", str(out), "--n-layer", "1", "--n-head", "2", "--n-embd", "32",
+                     "--block-size", "32", "--batch-size", "2", "--attn-impl", "torch", "--data-dir", data_dir])
+    assert [r["seed"] for r in json.loads(out.read_text())["per_seed"]] == [1]
+
+
 def test_pilot_rows_give_the_steps_a_horizon_is_chosen_from(tmp_path):
     # the max logit climbs 100 a step: past the guard's 200 first at step 3, at RUNAWAY_LOGIT (1000) at 10
     write_run(tmp_path, "assay", 101, steps=20, logit=lambda s: 100.0 * s)
@@ -1994,3 +2003,206 @@ def test_the_sweep_takes_no_abbreviation_of_its_own_flags(capsys):
     with pytest.raises(SystemExit):
         sweep.main(["--claims", "2", "--seed", "3", "--dry-run"])
     assert "unrecognized arguments: --seed 3" in capsys.readouterr().err
+
+
+# --------------------------------------------------------------------------------------------------
+# Issue 44: runs that cannot collide, results that cannot be written over, one line for every bad input
+
+@pytest.mark.parametrize("extra, message", [
+    (["--inject-sc", "99"], "--inject-sc after `--` is not a train.py flag (it abbreviates --inject-scale): give "
+                            "the flag's full name"),
+    (["--max-step=600"], "--max-step after `--` is not a train.py flag (it abbreviates --max-steps): give the "
+                         "flag's full name"),
+    (["--no-such-flag"], "--no-such-flag after `--` is not a train.py flag: see python train.py --help"),
+    (["--lr", "abc"], "after `--`: argument --lr: 'abc' is not a number"),
+])
+def test_the_sweep_refuses_an_extra_flag_that_is_not_a_train_flag_by_its_full_name(tmp_path, capsys, extra, message):
+    """argparse takes a prefix for the flag: `-- --inject-sc 99` ran the "dose 3" arm at dose 99, `-- --max-step
+    600` cut a 2500-step arm to 600, both past the clash check, which compared the names as typed."""
+    with pytest.raises(SystemExit):
+        sweep.main(["--dry-run", "--claims", "3,6", "--source", "assay", "--seeds", "1", "--out-root",
+                    str(tmp_path), "--", *extra])
+    assert capsys.readouterr().err.splitlines()[-1].endswith(f".py: error: {message}")
+
+
+def test_the_sweeps_clash_check_compares_what_the_flags_set(tmp_path, capsys, monkeypatch):
+    """The clash check reads both flag lists through train.py's parser: with abbreviations let through (as
+    argparse's default does), --inject-sc still clashes with the arm's --inject-scale."""
+    parser = sweep.train_flag_parser(sweep.argparse.ArgumentParser(prog="sweep.py"))
+    assert sweep.typed_flags(parser, ["--inject-sc", "99"]) == {"inject_scale": 99.0}   # argparse's prefix
+    monkeypatch.setattr(sweep, "unknown_flag", lambda parser, flags: None)
+    with pytest.raises(SystemExit):
+        sweep.main(["--dry-run", "--claims", "3", "--seeds", "1", "--out-root", str(tmp_path), "--",
+                    "--inject-sc", "99"])
+    assert "--inject-scale after `--` would override what arm inject-mlp-out-0.3-c1 sets itself" in \
+        capsys.readouterr().err
+
+
+def test_the_sweep_refuses_a_finished_run_made_with_other_flags(tmp_path, capsys):
+    """A sweep launched again with another --max-steps or --lr skipped the runs made with the old ones as
+    "completed"; it names the folder and what differs. A --resume may change what train.py lets it."""
+    root = str(tmp_path)
+    write_run(root, "fp32", 1, args={"accum": "fp32", "max_steps": 600, "lr": 1e-3})
+    common = ["--dry-run", "--claims", "1", "--only", "fp32", "--seeds", "1", "--out-root", root, "--"]
+    assert sweep.main([*common, "--max-steps", "600", "--lr", "1e-3"]) == 0
+    assert f"skip {root}/fp32/seed1: completed" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as e:
+        sweep.main([*common, "--max-steps", "300", "--lr", "3e-3"])
+    assert str(e.value) == (f"error: {root}/fp32/seed1 was run with other flags than planned: --max-steps 300 (the "
+                            f"run's: 600); --lr 0.003 (the run's: 0.001). Give the flags it was run with, or another "
+                            f"--out-root (or delete it to run it again)")
+    write_run(root, "bf16", 1, end=None, args={"accum": "bf16", "max_steps": 600, "lr": 1e-3})   # unfinished
+    common[common.index("fp32")] = "bf16"
+    assert sweep.main(["--resume", *common, "--max-steps", "900"]) == 0   # a resume may train on
+    assert "--max-steps 900 --seed 1 --out-dir" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match=r"seed1 was run with other flags than planned: --lr 0.003 \(the run's: "):
+        sweep.main(["--resume", *common, "--lr", "3e-3"])
+
+
+FAKE_TRAIN = """import os, signal, sys, time
+out = sys.argv[sys.argv.index("--out-dir") + 1]
+def stop(*_):
+    open(os.path.join(out, "stopped"), "w").close()
+    sys.exit(0)
+signal.signal(signal.SIGINT, stop)
+with open(os.path.join(out, "log.jsonl"), "w") as f:
+    f.write('{"event": "start", "step": 0}\\n')
+time.sleep(120)
+"""
+
+
+def fake_sweep(tmp_path, *args):
+    """lab.sweep launching a stand-in train.py (it logs a start, sleeps, and notes a SIGINT in <run>/stopped)."""
+    (tmp_path / "fake").mkdir(exist_ok=True)
+    (tmp_path / "fake" / "train.py").write_text(FAKE_TRAIN)
+    code = "import sys; from lab import sweep; sweep.ROOT = sys.argv[1]; sys.exit(sweep.main(sys.argv[2:]))"
+    return subprocess.Popen([sys.executable, "-c", code, str(tmp_path / "fake"), "--claims", "1", "--only", "fp32",
+                             "--seeds", "1", "--parallel", "1", "--out-root", str(tmp_path / "runs"), *args,
+                             "--", "--data-dir", str(tmp_path / "data")], cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+
+
+def wait_for(path, timeout=60):
+    import time
+    deadline = time.time() + timeout
+    while not os.path.exists(path):
+        assert time.time() < deadline, f"{path} did not appear"
+        time.sleep(0.1)
+
+
+def test_the_sweep_stops_its_children_on_sighup(tmp_path):
+    """A closed terminal (SIGHUP) killed the sweep and left its children, in their own sessions, running."""
+    import signal
+    proc = fake_sweep(tmp_path)
+    run = tmp_path / "runs" / "fp32" / "seed1"
+    wait_for(run / "log.jsonl")
+    proc.send_signal(signal.SIGHUP)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130 and "sweep interrupted" in out, err
+    assert (run / "stopped").exists() and not (run / sweep.PID_FILE).exists()
+
+
+def test_a_sweep_launched_again_beside_an_orphaned_run_does_not_start_a_second_writer(tmp_path):
+    """After kill -9 of a sweep its train.py children live on; `lab.sweep --resume` started a second writer
+    of the same folder (96 steps logged twice)."""
+    import signal
+    proc = fake_sweep(tmp_path)
+    run = tmp_path / "runs" / "fp32" / "seed1"
+    wait_for(run / "log.jsonl")
+    wait_for(run / sweep.PID_FILE)
+    proc.kill()
+    proc.communicate(timeout=60)
+    orphan = int((run / sweep.PID_FILE).read_text())
+    try:
+        again = fake_sweep(tmp_path, "--resume")
+        out, err = again.communicate(timeout=120)
+        assert again.returncode == 0, err
+        assert f"skip {run}: unfinished: process {orphan} is still writing it; wait for it, or stop it (kill -INT " \
+               f"{orphan}) and launch again" in out and "[start" not in out
+    finally:
+        os.kill(orphan, signal.SIGKILL)
+    import time
+    deadline = time.time() + 30
+    while sweep.live_writer(str(run)) and time.time() < deadline:   # gone (a zombie until init reaps it)
+        time.sleep(0.1)
+    assert sweep.live_writer(str(run)) is None
+
+
+def test_the_sweep_refuses_a_file_for_its_out_root(tmp_path):
+    (tmp_path / "file").write_text("")
+    for root in (tmp_path / "file", tmp_path / "file" / "below"):
+        out = sweep_cmd("--dry-run", "--claims", "1", "--seeds", "1", "--out-root", str(root))
+        assert out.returncode == 2 and "Traceback" not in out.stderr and out.stderr.splitlines()[-1] == (
+            f"sweep.py: error: --out-root {root}: {tmp_path / 'file'} is a file, not a folder: give a folder")
+
+
+def test_a_markdown_that_judges_fewer_claims_than_the_file_it_replaces_is_refused_unless_forced(tmp_path, capsys):
+    """A report of a folder holding part of the runs (a typo in the root, a half-kept sweep) replaced the committed
+    RESULTS.md with one that judges fewer claims: the opening table's judged rows are counted in both."""
+    with open(os.path.join(ROOT, "RESULTS.md")) as f:
+        committed = f.read()
+    judged = report.judged_claims(committed)
+    assert judged == sum(row[1] != "NOT RUN" for row in markdown_summary(committed)) >= 2
+    results = tmp_path / "RESULTS.md"
+    results.write_text(committed)
+    write_arms(tmp_path / "runs", RULE1)      # rule 1's runs alone
+    argv = [str(tmp_path / "runs"), "--markdown", str(results), "--plots", str(tmp_path / "plots")]
+    with pytest.raises(SystemExit):
+        report.main(argv)
+    assert capsys.readouterr().err.splitlines()[-1].endswith(
+        f"error: --markdown {results}: it judges {judged} claims, this report 1: left as it is; give the folders its "
+        f"opening line names, or pass --force to write it anyway")
+    assert results.read_text() == committed
+    assert report.main([*argv, "--force"]) == 0 and report.judged_claims(str(results)) == 1
+    assert report.main(argv) == 0             # as many claims as the file: written without --force
+
+
+def markdown_summary(text):
+    """The opening table's rows, split into cells."""
+    lines = text.split("| claim | verdict |", 1)[1].split("\n\n", 1)[0].splitlines()[2:]
+    return [[cell.strip() for cell in line.strip("|").split("|")] for line in lines]
+
+
+def test_the_report_says_in_one_line_where_a_folder_is_a_file_and_makes_a_missing_png_folder(tmp_path, capsys):
+    write_arms(tmp_path / "runs", RULE2)
+    write_run(tmp_path / "one", "bf16", 1)
+    (tmp_path / "file").write_text("")
+    for argv, message in [
+            (["--plots", tmp_path / "file"], f"--plots {tmp_path / 'file'}: {tmp_path / 'file'} is a file"),
+            (["--plots", tmp_path / "file" / "below"], f"--plots {tmp_path / 'file' / 'below'}: {tmp_path / 'file'} is a file"),
+            (["--pilot", tmp_path / "file"], f"--pilot {tmp_path / 'file'} is not a folder"),
+            (["--lr-study", tmp_path / "file"], f"--lr-study {tmp_path / 'file'} is not a folder"),
+            (["--runs", tmp_path / "one" / "bf16" / "seed1", "--png", tmp_path / "file" / "x.png"],
+             f"--png {tmp_path / 'file' / 'x.png'}: {tmp_path / 'file'} is a file")]:
+        with pytest.raises(SystemExit):
+            report.main([str(tmp_path / "runs"), *map(str, argv)])
+        err = capsys.readouterr().err
+        assert message in err.splitlines()[-1] and "Traceback" not in err, argv
+    with pytest.raises(SystemExit):
+        report.main([str(tmp_path / "file")])
+    assert f"{tmp_path / 'file'} is not a folder" in capsys.readouterr().err
+    png = tmp_path / "new" / "folder" / "runs.png"    # a folder not made yet is made
+    assert report.main(["--runs", str(tmp_path / "one" / "bf16" / "seed1"), "--png", str(png)]) == 0
+    assert png.parent.is_dir() and (png.exists() or report._pyplot(quiet=True) is None)
+
+
+def test_the_lab_tools_output_flags_refuse_a_file_for_a_folder_before_the_work(tmp_path, capsys):
+    """lab.fault_size --out, lab.bench --json, lab.attach_demo --out-dir/--png/--json: a traceback at the end of
+    the work once; now one line before it, and a missing folder above an output file is made."""
+    from lab import attach_demo, bench, fault_size
+    (tmp_path / "file").write_text("")
+    below, folder = str(tmp_path / "file" / "x.json"), str(tmp_path)
+    cases = [(fault_size.main, ["--out", below], f"--out {below}: {tmp_path / 'file'} is a file, not a folder"),
+             (fault_size.main, ["--out", folder], f"--out {folder}: {folder} is a folder: give a file's name"),
+             (bench.main, ["--smoke", "--json", below], f"--json {below}: {tmp_path / 'file'} is a file, not a folder"),
+             (attach_demo.main, ["--out-dir", str(tmp_path / "file")],
+              f"--out-dir {tmp_path / 'file'}: {tmp_path / 'file'} is a file, not a folder"),
+             (attach_demo.main, ["--png", below], f"--png {below}: {tmp_path / 'file'} is a file, not a folder"),
+             (attach_demo.main, ["--json", folder], f"--json {folder}: {folder} is a folder: give a file's name")]
+    for main, argv, message in cases:
+        with pytest.raises(SystemExit):
+            main(argv)
+        assert f"error: {message}" in capsys.readouterr().err.splitlines()[-1], argv
+    assert sweep.output_problem(str(tmp_path / "new" / "x.json")) is None
+    assert sweep.output_problem(str(tmp_path / "file" / "d"), folder=True) == \
+        f"{tmp_path / 'file'} is a file, not a folder: give another path"
