@@ -15,15 +15,17 @@ nanoGPT does: np.memmap("data/pycode/train.bin", dtype=np.uint16, mode="r"). Eve
 source file; each of shakespeare's two parts) ends with the end-of-text token.
 A folder is complete iff its meta.json exists: outputs are written under temporary names, fsynced
 and renamed into place, meta.json last. Re-runs on unchanged inputs do no work; --force rebuilds.
+A build that is stopped (Ctrl-C, SIGTERM) removes its lock and temporaries; after a kill the next one does.
 """
 import argparse
 import contextlib
+import errno
 import hashlib
 import importlib.util
-import itertools
 import json
 import os
 import platform
+import signal
 import sys
 import time
 import urllib.request
@@ -50,6 +52,9 @@ VOCAB_SIZES = {"gpt2": 50257, "byte": 257}   # each tokenizer's n_vocab (GPT-2's
 GPT2_ENCODING = "r50k_base" # GPT-2's BPE; get_encoding("gpt2") needs two more files: fails offline
 SPLITS = ("train", "val")
 REPLACING = "meta.json.replacing"   # the old meta.json while a rebuild swaps the .bin files
+LOCK = ".lock"
+TEMPORARIES = {name: f".{name}.tmp" for name in ("train.bin", "val.bin", "meta.json", "input.txt")}
+UNWRITABLE = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM}  # say so in one line
 CHUNK_BYTES = 8 << 20       # text per encode batch, whose token lists take ~10x its size in memory
 PROGRESS_SECONDS = 2.0
 SHAKESPEARE_URL = "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"
@@ -95,7 +100,12 @@ class GPT2Tokenizer:
     name = "gpt2"
 
     def __init__(self):
-        self.enc = tiktoken.get_encoding(GPT2_ENCODING)
+        try:
+            self.enc = tiktoken.get_encoding(GPT2_ENCODING)
+        except (OSError, ValueError) as e:  # offline (requests' errors are OSErrors), a damaged download
+            raise DataError(f"GPT-2's BPE is not in tiktoken's cache and could not be downloaded ({type(e).__name__}): "
+                            "point TIKTOKEN_CACHE_DIR at a folder holding its ranks file (README), or use "
+                            "--tokenizer byte") from None
         self.n_vocab, self.eot_token = self.enc.n_vocab, self.enc.eot_token
 
     def encode_batch(self, docs, workers=1):
@@ -111,11 +121,9 @@ class GPT2Tokenizer:
 
 def get_tokenizer(name):
     """The tokenizer a meta.json names."""
-    if name == "byte":
-        return ByteTokenizer()
-    if name == "gpt2":
-        return GPT2Tokenizer()
-    raise DataError(f"unknown tokenizer {name!r}: choose one of {', '.join(TOKENIZERS)}")
+    if name not in TOKENIZERS:
+        raise DataError(f"unknown tokenizer {name!r}: choose one of {', '.join(TOKENIZERS)}")
+    return ByteTokenizer() if name == "byte" else GPT2Tokenizer()
 
 
 def default_out_dir(dataset, tokenizer="gpt2"):
@@ -176,6 +184,8 @@ def text_files(inputs, pattern=TEXT_GLOB):
                 found.setdefault(os.path.realpath(f), (str(f), f.relative_to(p).as_posix()))
         elif p.is_file():
             found.setdefault(os.path.realpath(p), (str(p), p.name))
+        elif p.exists():
+            raise DataError(f"--input {given}: not a regular file or folder (a device or a pipe): give text files")
         else:
             raise DataError(f"--input {given}: no such file or folder")
     return sorted(found.values())
@@ -207,22 +217,18 @@ def read_meta(out_dir, name="meta.json"):
 def _up_to_date(out_dir, meta, fp):
     if meta is None or meta.get("fingerprint") != fp:
         return False
-    itemsize = np.dtype(meta["dtype"]).itemsize
-    for split in SPLITS:
-        path = os.path.join(out_dir, f"{split}.bin")
-        if not os.path.isfile(path) or os.path.getsize(path) != meta["tokens"][split] * itemsize:
-            return False
-    return True
+    paths = {split: os.path.join(out_dir, f"{split}.bin") for split in SPLITS}
+    return all(os.path.isfile(p) and os.path.getsize(p) == meta["tokens"][s] * np.dtype(meta["dtype"]).itemsize
+               for s, p in paths.items())
 
 
 def _file_docs(sources, val_fraction, records, skipped, by_position=False):
     """Yield (split, bytes, nbytes) per source file, recording its hash. by_position (nanoGPT's
     shakespeare): the first 1 - val_fraction of each file to train, the rest to val."""
     for s in sources:
-        try:
+        data = None
+        with contextlib.suppress(OSError):
             data = Path(s["path"]).read_bytes()
-        except OSError:
-            data = None
         if data is None or b"\0" in data:  # unreadable or binary: listed in meta.json
             skipped.append(s["path"])
             continue
@@ -276,9 +282,9 @@ def _download_shakespeare(out_dir):
         except OSError as e:  # URLError and timeouts are OSErrors
             raise DataError(f"could not download tiny Shakespeare ({e}): it needs network access; "
                             f"or put the file at {path} yourself") from None
-        with open(path + ".tmp", "wb") as f:
+        with open(os.path.join(out_dir, TEMPORARIES["input.txt"]), "wb") as f:
             f.write(data)
-        os.replace(path + ".tmp", path)
+        os.replace(f.name, path)
     return path
 
 
@@ -324,7 +330,7 @@ def _tokenize(docs, files, enc, workers, total_docs=None):
 def _publish(out_dir, tmp, meta):
     """Move the finished temporaries into place. meta.json goes first out and last in, so no
     meta.json claims the folder complete while the .bin files are swapped."""
-    with open(tmp["meta"], "w") as f:
+    with open(tmp["meta.json"], "w") as f:
         f.write(_dump_meta(meta))
         f.flush()
         os.fsync(f.fileno())
@@ -333,8 +339,8 @@ def _publish(out_dir, tmp, meta):
     with contextlib.suppress(FileNotFoundError):
         os.replace(os.path.join(out_dir, "meta.json"), os.path.join(out_dir, REPLACING))
     for split in SPLITS:
-        os.replace(tmp[split], os.path.join(out_dir, f"{split}.bin"))
-    os.replace(tmp["meta"], os.path.join(out_dir, "meta.json"))
+        os.replace(tmp[f"{split}.bin"], os.path.join(out_dir, f"{split}.bin"))
+    os.replace(tmp["meta.json"], os.path.join(out_dir, "meta.json"))
     with contextlib.suppress(FileNotFoundError):
         os.remove(os.path.join(out_dir, REPLACING))
     with contextlib.suppress(OSError):  # make the renames durable; Windows cannot open a folder
@@ -352,15 +358,45 @@ def _dump_meta(meta):
 
 @contextlib.contextmanager
 def _lock(out_dir):
-    """One build per folder at a time; the rest (say other ranks of a multi-GPU run) wait."""
-    with open(os.path.join(out_dir, ".lock"), "w") as f:
+    """One build per folder at a time; the rest (say other ranks of a multi-GPU run) wait. However the
+    build ends (SIGTERM too, as Ctrl-C), its temporaries and then its lock file go: a stopped first run
+    leaves the folder as it found it. (A killed one leaves them: see foreign_files.)"""
+    path, previous = os.path.join(out_dir, LOCK), None
+    while True:   # a waiter whose lock file was removed by its holder locks the new one
+        f = open(path, "w")
         if fcntl:
             try:
                 fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
                 print(f"{out_dir}: waiting for another prepare_data run to finish", file=sys.stderr, flush=True)
                 fcntl.flock(f, fcntl.LOCK_EX)
+        with contextlib.suppress(OSError):
+            if not fcntl or os.path.samestat(os.fstat(f.fileno()), os.stat(path)):
+                break
+        f.close()
+    with contextlib.suppress(ValueError):   # ValueError: not the main thread, whose signals are not ours
+        previous = signal.signal(signal.SIGTERM, _stopped)
+    try:
         yield
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+        for name in (*TEMPORARIES.values(), LOCK):    # the lock file last, while it is still held
+            with contextlib.suppress(OSError):
+                os.remove(os.path.join(out_dir, name))
+        f.close()
+
+
+def _stopped(signum, frame):
+    raise SystemExit(128 + signum)   # the exit status SIGTERM gives, after the clean-up
+
+
+def foreign_files(out_dir, dataset):
+    """What in out_dir is not a stopped build's of dataset (its lock and temporaries, shakespeare's
+    download; with REPLACING, everything: a build of ours stopped while publishing), sorted."""
+    names = sorted(os.listdir(out_dir)) if os.path.isdir(out_dir) else []
+    own = {LOCK, *TEMPORARIES.values(), *(["input.txt"] if dataset == "shakespeare" else [])}
+    return [] if REPLACING in names else [n for n in names if n not in own]
 
 
 def prepare(dataset="pycode", out_dir=None, inputs=None, val_fraction=None, workers=None, force=False,
@@ -378,14 +414,22 @@ def prepare(dataset="pycode", out_dir=None, inputs=None, val_fraction=None, work
         raise DataError("--dataset text needs --input PATH [PATH ...]")
     if dataset != "text" and inputs:
         raise DataError(f"--input is only used with --dataset text, not {dataset}")
+    if (workers or 0) < 0:
+        raise DataError(f"--workers {workers}: give 0 (all cores) or a positive number of threads")
     workers = max(1, workers or os.cpu_count() or 1)
     out_dir = out_dir or default_out_dir(dataset, tokenizer)
     if os.path.exists(out_dir) and not os.path.isdir(out_dir):
-        raise DataError(f"--out-dir {out_dir} is a file: give a folder (new, or one this script wrote)")
+        raise DataError(f"{out_dir} is a file: give a folder for the dataset (new, or one this script wrote)")
     check_not_other_data(out_dir, dataset, force)
-    os.makedirs(out_dir, exist_ok=True)
-    with _lock(out_dir):
-        return _build(dataset, out_dir, inputs, val_fraction, workers, force, glob, tokenizer)
+    try:
+        os.makedirs(out_dir, exist_ok=True)
+        with _lock(out_dir):
+            return _build(dataset, out_dir, inputs, val_fraction, workers, force, glob, tokenizer)
+    except OSError as e:
+        if e.errno not in UNWRITABLE:
+            raise
+        raise DataError(f"cannot write the dataset into {out_dir}: {e.strerror}: free space there, or give a "
+                        f"writable folder") from None
 
 
 def check_not_other_data(out_dir, dataset, force=False):
@@ -416,7 +460,7 @@ def _build(dataset, out_dir, inputs, val_fraction, workers, force, glob, tokeniz
         found = [(_download_shakespeare(out_dir), "input.txt")]
     else:
         found = []  # owt: the options alone identify it, so the up-to-date check needs no network
-    sources = [s for s in itertools.starmap(_stat, found) if s]
+    sources = [s for s in (_stat(*f) for f in found) if s]
     if dataset != "owt" and not sources:
         raise DataError(f"no source files for {dataset}" + (f" (inputs {inputs}, glob {glob})" if inputs else ""))
     fp = fingerprint(dataset, options, sources)
@@ -435,35 +479,28 @@ def _build(dataset, out_dir, inputs, val_fraction, workers, force, glob, tokeniz
         docs, total_docs = _file_docs(sources, val_fraction, records, skipped, dataset == "shakespeare"), None
     print(f"tokenizing {dataset} ({len(sources) or total_docs:,} sources, {tokenizer} tokenizer) into {out_dir}"
           + (f" with {workers} threads" if tokenizer == "gpt2" else ""))
-    tmp = {name: os.path.join(out_dir, f".{name}.{'json' if name == 'meta' else 'bin'}.tmp")
-           for name in SPLITS + ("meta",)}
-    try:
-        with contextlib.ExitStack() as stack:
-            files = {s: stack.enter_context(open(tmp[s], "wb")) for s in SPLITS}
-            counts, ndocs = _tokenize(docs, files, enc, workers, total_docs or len(sources))
-            for f in files.values():
-                f.flush()
-                os.fsync(f.fileno())
-        if not sum(ndocs.values()):
-            raise DataError(f"no readable text in the sources of {dataset} (skipped: {len(skipped)})")
-        content = hashlib.sha256("".join(f"{r['sha256']} {r['split']} {r['rel']}\n" for r in records).encode())
-        seconds = max(time.time() - t0, 1e-6)  # coarse clocks (Windows) can give 0
-        meta = {
-            "dataset": dataset, "options": options, "tokens": counts, "documents": ndocs,
-            "tokenizer": tokenizer, "vocab_size": enc.n_vocab, "eot_token": enc.eot_token, "dtype": "uint16",
-            "fingerprint": fp,  # of paths, sizes, mtimes and options: the up-to-date check
-            "content_sha256": content.hexdigest(),  # of the sources' "<sha256> <split> <rel>" lines
-            "created": datetime.now(timezone.utc).isoformat(timespec="seconds"), "seconds": round(seconds, 2),
-            "versions": {"format": FORMAT, "python": platform.python_version(), "numpy": np.__version__,
-                         "tiktoken": version("tiktoken"),
-                         **({"torch": version("torch")} if dataset == "pycode" else {})},
-            "skipped": skipped, "sources": records,
-        }
-        _publish(out_dir, tmp, meta)
-    finally:  # after success they are gone; after a failure they must not linger
-        for path in tmp.values():
-            with contextlib.suppress(FileNotFoundError):
-                os.remove(path)
+    tmp = {name: os.path.join(out_dir, temporary) for name, temporary in TEMPORARIES.items()}
+    with contextlib.ExitStack() as stack:   # _lock removes the temporaries however the build ends
+        files = {s: stack.enter_context(open(tmp[f"{s}.bin"], "wb")) for s in SPLITS}
+        counts, ndocs = _tokenize(docs, files, enc, workers, total_docs or len(sources))
+        for f in files.values():
+            f.flush()
+            os.fsync(f.fileno())
+    if not sum(ndocs.values()):
+        raise DataError(f"no readable text in the sources of {dataset} (skipped: {len(skipped)})")
+    content = hashlib.sha256("".join(f"{r['sha256']} {r['split']} {r['rel']}\n" for r in records).encode())
+    seconds = max(time.time() - t0, 1e-6)  # coarse clocks (Windows) can give 0
+    meta = {
+        "dataset": dataset, "options": options, "tokens": counts, "documents": ndocs,
+        "tokenizer": tokenizer, "vocab_size": enc.n_vocab, "eot_token": enc.eot_token, "dtype": "uint16",
+        "fingerprint": fp,  # of paths, sizes, mtimes and options: the up-to-date check
+        "content_sha256": content.hexdigest(),  # of the sources' "<sha256> <split> <rel>" lines
+        "created": datetime.now(timezone.utc).isoformat(timespec="seconds"), "seconds": round(seconds, 2),
+        "versions": {"format": FORMAT, "python": platform.python_version(), "numpy": np.__version__,
+                     "tiktoken": version("tiktoken"), **({"torch": version("torch")} if dataset == "pycode" else {})},
+        "skipped": skipped, "sources": records,
+    }
+    _publish(out_dir, tmp, meta)
     total = sum(counts.values())
     print(f"{dataset} -> {out_dir}: train {counts['train']:,} tokens ({ndocs['train']:,} docs) | val "
           f"{counts['val']:,} tokens ({ndocs['val']:,} docs) | {seconds:.1f} s, {total / seconds / 1e6:.2f}M tokens/s")
@@ -495,17 +532,12 @@ class TokenWindows:
             raise SystemExit(f"error: cannot read {meta_path} ({type(e).__name__}: {e}): {redo}")
         if not isinstance(meta, dict):
             raise SystemExit(f"error: {meta_path} is not a dataset description: {redo}")
-        self.content_hash = meta.get("content_sha256")
-        self.tokenizer = meta.get("tokenizer")           # what the model is sized for
-        self.vocab_size = meta.get("vocab_size")
-        if self.tokenizer not in TOKENIZERS or not isinstance(self.vocab_size, int):
+        self.tokenizer = meta.get("tokenizer")           # what the model is sized for, and every lookup
+        if (self.tokenizer, meta.get("vocab_size")) not in [*VOCAB_SIZES.items()]:
             raise SystemExit(f"error: {meta_path} names no known tokenizer and vocabulary (tokenizer "
-                             f"{meta.get('tokenizer')!r}, vocab_size {self.vocab_size!r}): {redo}")
-        if self.vocab_size != VOCAB_SIZES[self.tokenizer]:   # the model's size and every lookup follow it
-            raise SystemExit(f"error: {meta_path} gives vocab_size {self.vocab_size}, but the {self.tokenizer} "
-                             f"tokenizer has {VOCAB_SIZES[self.tokenizer]} tokens: {redo}")
-        self.data = {}
-        for split in ("train", "val"):
+                             f"{self.tokenizer!r}, vocab_size {meta.get('vocab_size')!r}; known {VOCAB_SIZES}): {redo}")
+        self.vocab_size, self.data = VOCAB_SIZES[self.tokenizer], {}
+        for split in SPLITS:
             path = os.path.join(data_dir, f"{split}.bin")
             if not os.path.exists(path):
                 raise SystemExit(f"error: {path} is missing although {meta_path} exists: {redo}")
@@ -524,7 +556,7 @@ class TokenWindows:
         self.block_size, self.batch_size, self.seed = block_size, batch_size, seed
         # what a run records of the data it trained on (config.json, log.jsonl's start record)
         self.identity = {"dataset": meta.get("dataset"), "tokenizer": self.tokenizer,
-                         "content_sha256": self.content_hash, "train_tokens": len(self.data["train"]),
+                         "content_sha256": meta.get("content_sha256"), "train_tokens": len(self.data["train"]),
                          "val_tokens": len(self.data["val"]), "torch": meta.get("versions", {}).get("torch")}
 
     def get(self, split, step, index):
@@ -534,13 +566,6 @@ class TokenWindows:
         rng = np.random.default_rng([self.seed, 0 if split == "train" else 1, step, index])
         starts = rng.integers(0, len(data) - T - 1, size=self.batch_size)
         return np.stack([data[s:s + T + 1] for s in starts]).astype(np.int64)
-
-
-def _workers(text):
-    n = int(text)          # argparse reports a non-integer's ValueError in one line
-    if n < 0:
-        raise argparse.ArgumentTypeError(f"{text}: give 0 (all cores) or a positive number of threads")
-    return n
 
 
 def main(argv=None):
@@ -560,7 +585,7 @@ def main(argv=None):
     parser.add_argument("--val-fraction", type=float,
                         help="share of files (for shakespeare, of text) that goes to val; default "
                              + ", ".join(f"{k} {v}" for k, v in VAL_FRACTION.items()))
-    parser.add_argument("--workers", type=_workers, default=os.cpu_count(),
+    parser.add_argument("--workers", type=int, default=os.cpu_count(),
                         help="tokenizer threads (0 or default: os.cpu_count(), %(default)s)")
     parser.add_argument("--force", action="store_true", help="rebuild even if up to date")
     args = parser.parse_args(argv)
@@ -569,6 +594,8 @@ def main(argv=None):
                 args.tokenizer)
     except DataError as e:
         parser.error(str(e.code))
+    except KeyboardInterrupt:   # the build removed what it had begun (_lock)
+        sys.exit("stopped: nothing half-made is left; run the command again to build the dataset")
 
 
 if __name__ == "__main__":
