@@ -4,8 +4,6 @@ numerics and, if its guard fired, with the guard's action on (as the model was w
 
     python sample.py runs/<run>                  # 3 samples of 200 tokens after a newline
     python sample.py runs/<run> --prompt "def " --num-samples 5 --max-new-tokens 100
-
-The run's tokenizer decodes; set TIKTOKEN_CACHE_DIR where GPT-2's BPE cannot be downloaded (README).
 """
 import argparse
 import contextlib
@@ -18,9 +16,9 @@ import prepare_data
 import run
 from guard import QKGuard
 
-# logits / temperature must stay finite in float32 for any logit a model gives; at 1e-3 a logit gap of
-# 0.05 is already a factor e^50, so a lower temperature would sample the most likely token anyway
+# below it logits / temperature can overflow float32, and a logit gap of 0.05 is a factor e^50 already
 MIN_TEMPERATURE = 1e-3
+
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -41,7 +39,6 @@ def main(argv=None):
     device = torch.device(run.device_name(args.device))
     saved, state, model, guard = load_run(path, device)
     enc = prepare_data.get_tokenizer(saved.tokenizer)
-    # an empty prompt starts at a document boundary, the end-of-text token, as every file ends with
     idx = torch.tensor([enc.encode(args.prompt) or [enc.eot_token]] * args.num_samples, device=device)
     torch.manual_seed(args.seed)
     with torch.autocast(device.type, dtype=torch.bfloat16) if device.type == "cuda" else contextlib.nullcontext():
