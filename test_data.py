@@ -367,6 +367,13 @@ def test_a_full_or_read_only_disk_ends_in_one_line_naming_the_folder(tmp_path, m
     assert os.listdir(tmp_path / "out") == [], "nothing half-written is left"
 
 
+def test_an_out_dir_under_a_file_ends_in_one_line(tmp_path):
+    (tmp_path / "file").write_text("mine")
+    with pytest.raises(SystemExit, match=f"cannot write the dataset into {tmp_path / 'file' / 'sub'}"):
+        prep.prepare("text", out_dir=str(tmp_path / "file" / "sub"), inputs=[str(tmp_path)])
+    assert (tmp_path / "file").read_text() == "mine"
+
+
 def test_gpt2_bpe_offline_says_how_to_get_it(tmp_path):
     make_files(tmp_path / "src")
     (tmp_path / "empty_cache").mkdir()
