@@ -4,8 +4,6 @@ numerics and, if its guard fired, with the guard's action on (as the model was w
 
     python sample.py runs/<run>                  # 3 samples of 200 tokens after a newline
     python sample.py runs/<run> --prompt "def " --num-samples 5 --max-new-tokens 100
-
-The run's tokenizer decodes; set TIKTOKEN_CACHE_DIR where GPT-2's BPE cannot be downloaded (README).
 """
 import argparse
 import contextlib
@@ -18,6 +16,9 @@ import prepare_data
 import run
 from guard import QKGuard
 
+# below it logits / temperature can overflow float32, and a logit gap of 0.05 is a factor e^50 already
+MIN_TEMPERATURE = 1e-3
+
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -26,7 +27,8 @@ def main(argv=None):
                    "end-of-text token, as at the start of a document)")
     p.add_argument("--num-samples", type=run.COUNT, default=3)
     p.add_argument("--max-new-tokens", type=run.COUNT, default=200)
-    p.add_argument("--temperature", type=run.POSITIVE, default=0.8)
+    p.add_argument("--temperature", type=run.number(low=MIN_TEMPERATURE), default=0.8,
+                   help=f"at least {MIN_TEMPERATURE:g}; --top-k 1 always takes the most likely token")
     p.add_argument("--top-k", type=run.COUNT, default=200)
     p.add_argument("--seed", type=run.SIZE, default=0)
     p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N")
@@ -37,7 +39,6 @@ def main(argv=None):
     device = torch.device(run.device_name(args.device))
     saved, state, model, guard = load_run(path, device)
     enc = prepare_data.get_tokenizer(saved.tokenizer)
-    # an empty prompt starts at a document boundary, the end-of-text token, as every file ends with
     idx = torch.tensor([enc.encode(args.prompt) or [enc.eot_token]] * args.num_samples, device=device)
     torch.manual_seed(args.seed)
     with torch.autocast(device.type, dtype=torch.bfloat16) if device.type == "cuda" else contextlib.nullcontext():
@@ -45,13 +46,15 @@ def main(argv=None):
     what = f"step {state['step']}, accum {saved.accum}, guard " + (
         f"fired at step {guard.trigger['step']} ({guard.action} on)" if guard.triggered else saved.guard)
     for i, row in enumerate(out.tolist()):
-        text = enc.decode(row)
-        print(f"---------------- sample {i + 1} of {args.run_dir} ({what})\n{text}")
+        print(f"---------------- sample {i + 1} of {args.run_dir} ({what})\n{enc.decode(row)}")
 
 
 def load_run(path, device):
     """(the run's flags, its checkpoint, the model in eval mode as it was when it stopped, its guard)."""
     state = run.load_checkpoint(path)
+    if not all(w.isfinite().all() for w in state["model"].values() if w.is_floating_point()):
+        raise SystemExit(f"error: the model's weights in {path} (step {state['step']}) are not finite (NaN or "
+                         f"inf): the run diverged before it saved them; sample an earlier run or checkpoint")
     saved = argparse.Namespace(**state["args"])
     model = model_lib.GPT(run.model_config(saved)).to(device)
     model.load_state_dict(state["model"])

@@ -2,6 +2,8 @@
 
     TIKTOKEN_CACHE_DIR=/path/to/tiktoken_cache python -m pytest -q test_data.py
 """
+import argparse
+import errno
 import hashlib
 import importlib.util
 import os
@@ -297,6 +299,7 @@ def test_owt_without_datasets_says_what_to_install(tmp_path):
     (["--val-fraction", "1.5"], "must be between 0 and 1"),
     (["--val-fraction", "0"], "must be between 0 and 1"),
     (["--dataset", "text", "--input", ".", "--glob", "/abs/*.txt"], "--glob '/abs/*.txt'"),
+    (["--dataset", "text", "--input", "/dev/zero"], "/dev/zero: not a regular file or folder"),
 ])
 def test_bad_input_exits_with_message(tmp_path, capsys, argv, message):
     with pytest.raises(SystemExit) as e:
@@ -313,3 +316,81 @@ def test_bad_input_from_the_command_line(tmp_path):
         assert r.returncode != 0 and message in r.stderr and "Traceback" not in r.stderr
     with pytest.raises(SystemExit, match="val-fraction"):  # the API too, not only the CLI
         prep.prepare("text", inputs=[str(tmp_path)], val_fraction=1.0)
+
+
+# A build stopped midway: the tokenizer's first write sends the signal to its own process.
+STOP_MIDWAY = """import os, signal, sys
+import prepare_data as prep
+prep._write_tokens = lambda f, tokens: os.kill(os.getpid(), getattr(signal, sys.argv[1]))
+prep.prepare("text", out_dir=sys.argv[2], inputs=[sys.argv[3]], val_fraction=0.3, workers=1)
+"""
+
+
+def stop_midway(tmp_path, sig):
+    out, src = tmp_path / "out", make_files(tmp_path / "src")
+    r = subprocess.run([sys.executable, "-c", STOP_MIDWAY, sig, str(out), str(src)], capture_output=True, text=True,
+                       cwd=os.path.dirname(os.path.abspath(prep.__file__)))
+    assert r.returncode != 0 and out.is_dir(), r.stderr
+    return out
+
+
+@pytest.mark.parametrize("sig", ["SIGTERM", "SIGINT"])
+def test_a_stopped_first_build_leaves_nothing_that_a_later_run_refuses(tmp_path, sig):
+    import run
+    out = stop_midway(tmp_path, sig)
+    assert sorted(os.listdir(out)) == [], "its lock and temporaries are gone: train.py prepares into an empty folder"
+    with pytest.raises(SystemExit, match="no prepared data"):     # not "holds ...: it is left alone"
+        run.ensure_data(argparse.Namespace(data_dir=str(out), dataset="text", tokenizer="gpt2"), None)
+
+
+def test_a_killed_builds_lock_and_temporaries_are_its_own_and_the_next_build_removes_them(tmp_path):
+    out = stop_midway(tmp_path, "SIGKILL")
+    assert ".lock" in os.listdir(out) and prep.foreign_files(str(out), "text") == [], os.listdir(out)
+    (out / "notes.txt").write_text("mine")
+    assert prep.foreign_files(str(out), "text") == ["notes.txt"], "anything else is not prepare_data's"
+    build(tmp_path)
+    assert sorted(os.listdir(out)) == ["meta.json", "notes.txt", "train.bin", "val.bin"]
+    assert (out / "notes.txt").read_text() == "mine"
+    (tmp_path / "shakespeare").mkdir()
+    (tmp_path / "shakespeare" / "input.txt").write_text("To be")       # its download, or the user's copy of it
+    assert prep.foreign_files(str(tmp_path / "shakespeare"), "shakespeare") == []
+    assert prep.foreign_files(str(tmp_path / "shakespeare"), "text") == ["input.txt"]
+
+
+@pytest.mark.parametrize("code", [errno.ENOSPC, errno.EROFS])
+def test_a_full_or_read_only_disk_ends_in_one_line_naming_the_folder(tmp_path, monkeypatch, code):
+    def fail(f, tokens):
+        raise OSError(code, os.strerror(code))
+    monkeypatch.setattr(prep, "_write_tokens", fail)
+    with pytest.raises(SystemExit, match=f"cannot write the dataset into {tmp_path / 'out'}: {os.strerror(code)}"):
+        build(tmp_path)
+    assert os.listdir(tmp_path / "out") == [], "nothing half-written is left"
+
+
+def test_an_out_dir_under_a_file_ends_in_one_line(tmp_path):
+    (tmp_path / "file").write_text("mine")
+    with pytest.raises(SystemExit, match=f"cannot write the dataset into {tmp_path / 'file' / 'sub'}"):
+        prep.prepare("text", out_dir=str(tmp_path / "file" / "sub"), inputs=[str(tmp_path)])
+    assert (tmp_path / "file").read_text() == "mine"
+
+
+def test_gpt2_bpe_offline_says_how_to_get_it(tmp_path):
+    make_files(tmp_path / "src")
+    (tmp_path / "empty_cache").mkdir()
+    env = {**os.environ, "TIKTOKEN_CACHE_DIR": str(tmp_path / "empty_cache"),   # and no network:
+           "HTTPS_PROXY": "http://127.0.0.1:9", "https_proxy": "http://127.0.0.1:9", "NO_PROXY": "", "no_proxy": ""}
+    r = subprocess.run([sys.executable, prep.__file__, "--dataset", "text", "--input", str(tmp_path / "src"),
+                        "--out-dir", str(tmp_path / "out")], capture_output=True, text=True, env=env, timeout=120)
+    assert r.returncode != 0 and "Traceback" not in r.stderr, r.stderr
+    assert "TIKTOKEN_CACHE_DIR" in r.stderr.splitlines()[-1] and "--tokenizer byte" in r.stderr.splitlines()[-1]
+
+
+def test_a_data_dir_that_is_a_file_is_called_a_file_not_an_out_dir(tmp_path):
+    import types
+    import run
+    (tmp_path / "file").write_text("mine")
+    args = argparse.Namespace(data_dir=str(tmp_path / "file"), dataset="pycode", tokenizer="byte")
+    with pytest.raises(SystemExit) as e:     # train.py --data-dir FILE, on its first run
+        run.ensure_data(args, types.SimpleNamespace(local_rank=0, barrier=lambda: None))
+    assert "is a file: give a folder" in str(e.value.code) and "--out-dir" not in str(e.value.code), e.value.code
+    assert (tmp_path / "file").read_text() == "mine"

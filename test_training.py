@@ -1084,6 +1084,21 @@ def test_sample_with_an_empty_prompt_starts_at_end_of_text(tmp_path, data_dir):
     assert result.returncode == 0 and "sample 1 of" in result.stdout, result.stderr
 
 
+def test_sample_refuses_weights_that_are_not_finite_and_a_temperature_that_overflows_in_one_line(tmp_path, data_dir):
+    out = tmp_path / "run"
+    assert train(out, data_dir, "--max-steps", "2").returncode == 0
+    state = torch.load(out / "ckpt.pt", weights_only=True)
+    next(w for w in state["model"].values() if w.is_floating_point()).view(-1)[0] = float("nan")
+    torch.save(state, out / "ckpt.pt")
+    for argv, message in ((["--temperature", "1e-45"], "--temperature: 1e-45 is too small"),
+                          ([], "weights in")):
+        result = subprocess.run([sys.executable, os.path.join(ROOT, "sample.py"), str(out), *argv], text=True,
+                                capture_output=True, timeout=120, cwd=ROOT)
+        lines = result.stderr.strip().splitlines()
+        assert result.returncode != 0 and "Traceback" not in result.stderr and message in lines[-1], result.stderr
+    assert "(step 2) are not finite" in lines[-1] and len(lines) == 1
+
+
 def test_a_run_records_the_data_it_trained_on(tmp_path, data_dir):
     out = tmp_path / "run"
     assert train(out, data_dir, "--max-steps", "2").returncode == 0
