@@ -34,28 +34,20 @@ import prepare_data
 from attention_kernel import ACCUM_MODES, ROUNDING_SOURCES
 from guard import ACTIONS, DEFAULT_THRESHOLD, SCOPES, SIGNALS
 
-# Training defaults per preset; the model sizes are model.MODEL_SIZES[preset["size"]].
-PRESETS = {
+# Training defaults per preset, one column per flag; the model sizes are model.MODEL_SIZES[size].
+PRESET_COLUMNS = ("size", "tokenizer", "batch_size", "grad_accum", "max_steps", "lr", "min_lr", "warmup_steps",
+                  "schedule", "log_interval", "eval_interval", "eval_iters", "ckpt_interval")
+PRESETS = {name: dict(zip(PRESET_COLUMNS, row)) for name, row in {
     # demo (auto's pick on a CPU): the cpu model at an lr that makes its logits run away (README)
-    "demo": dict(size="cpu", tokenizer="byte", batch_size=8, grad_accum=1, max_steps=300, lr=3e-2, min_lr=3e-2,
-                 warmup_steps=20, schedule="constant", log_interval=10, eval_interval=100, eval_iters=4, ckpt_interval=100),
-    "cpu": dict(size="cpu", tokenizer="byte", batch_size=8, grad_accum=1, max_steps=100, lr=3e-3, min_lr=3e-4,
-                warmup_steps=10, schedule="cosine", log_interval=10, eval_interval=50, eval_iters=4, ckpt_interval=50),
+    "demo":        ("cpu", "byte", 8, 1, 300, 3e-2, 3e-2, 20, "constant", 10, 100, 4, 100),
+    "cpu":         ("cpu", "byte", 8, 1, 100, 3e-3, 3e-4, 10, "cosine", 10, 50, 4, 50),
     # lab (the claims sweeps of RESULTS.md): the cpu model at a healthy lr, held constant so that
     # an injected error meets the same optimizer all run long
-    "lab": dict(size="cpu", tokenizer="byte", batch_size=8, grad_accum=1, max_steps=300, lr=3e-3, min_lr=3e-3,
-                warmup_steps=20, schedule="constant", log_interval=10, eval_interval=100, eval_iters=4,
-                ckpt_interval=100),
-    "assay": dict(size="assay", tokenizer="gpt2", batch_size=32, grad_accum=1, max_steps=2000, lr=2e-3, min_lr=2e-3,
-                  warmup_steps=200, schedule="constant", log_interval=10, eval_interval=250, eval_iters=20,
-                  ckpt_interval=500),
-    "gpt2": dict(size="gpt2", tokenizer="gpt2", batch_size=16, grad_accum=32, max_steps=60000, lr=1e-3, min_lr=1e-4,
-                 warmup_steps=2000, schedule="cosine", log_interval=10, eval_interval=1000, eval_iters=50,
-                 ckpt_interval=1000),
-    "gpt2-medium": dict(size="gpt2-medium", tokenizer="gpt2", batch_size=8, grad_accum=64, max_steps=60000, lr=6e-4,
-                        min_lr=6e-5, warmup_steps=2000, schedule="cosine", log_interval=10, eval_interval=1000,
-                        eval_iters=50, ckpt_interval=1000),
-}
+    "lab":         ("cpu", "byte", 8, 1, 300, 3e-3, 3e-3, 20, "constant", 10, 100, 4, 100),
+    "assay":       ("assay", "gpt2", 32, 1, 2000, 2e-3, 2e-3, 200, "constant", 10, 250, 20, 500),
+    "gpt2":        ("gpt2", "gpt2", 16, 32, 60000, 1e-3, 1e-4, 2000, "cosine", 10, 1000, 50, 1000),
+    "gpt2-medium": ("gpt2-medium", "gpt2", 8, 64, 60000, 6e-4, 6e-5, 2000, "cosine", 10, 1000, 50, 1000),
+}.items()}
 PRESET_KEYS = {key for values in (*PRESETS.values(), *model_lib.MODEL_SIZES.values()) for key in values}
 # Flags that may change when a run is resumed; any other difference from the saved run is an error.
 RESUMABLE_CHANGES = {"max_steps", "log_interval", "eval_interval", "eval_iters", "ckpt_interval", "compile",
@@ -63,8 +55,7 @@ RESUMABLE_CHANGES = {"max_steps", "log_interval", "eval_interval", "eval_iters",
 # The lab's assay switches (lab/assay.py adds its flags), off: without lab/, a run that set one cannot resume.
 ASSAY_OFF = {"inject_site": "none", "qk_fix": "off", "probe": "off"}
 CHECKPOINT_FORMAT = "qkguard-checkpoint-2"   # 2: tensors, numbers, strings, lists and dicts only
-# A checkpoint and what save_checkpoint leaves beside it: a crash between its two renames leaves a
-# whole ckpt.pt.tmp (the newest) and ckpt.pt.prev, and no ckpt.pt.
+# ckpt.pt, and what a crash inside save_checkpoint can leave instead (newest_checkpoint reads them)
 CHECKPOINTS = ("ckpt.pt", "ckpt.pt.tmp", "ckpt.pt.prev")
 
 
@@ -121,12 +112,12 @@ def build_parser():
         group.add_argument(flag, default=None, help=help, **kw)
 
     g = p.add_argument_group("data")
-    add(g, "--dataset", "pycode", "dataset name (pycode: this Python's own sources, prepared on "
-        "first use; others: see prepare_data.py)")
-    add(g, "--tokenizer", None, "byte (the CPU presets) or gpt2 (GPT-2's BPE: the GPU presets); "
-        "the vocabulary follows the data's meta.json", choices=list(prepare_data.TOKENIZERS))
-    add(g, "--data-dir", "", "folder of train.bin, val.bin and meta.json, which names the "
-        "tokenizer (empty: data/<dataset>, or data/<dataset>-byte for byte, beside train.py)")
+    add(g, "--dataset", "pycode", "dataset name (pycode: this Python's own sources, prepared on first use; others: "
+        "see prepare_data.py)")
+    add(g, "--tokenizer", None, "byte (the CPU presets) or gpt2 (GPT-2's BPE: the GPU presets); the vocabulary "
+        "follows the data's meta.json", choices=list(prepare_data.TOKENIZERS))
+    add(g, "--data-dir", "", "folder of train.bin, val.bin and meta.json, which names the tokenizer (empty: "
+        "data/<dataset>, or data/<dataset>-byte for byte, beside train.py)")
 
     g = p.add_argument_group("model (sizes come from --preset unless given)")
     add(g, "--preset", "auto", "model and training defaults (auto: demo on a CPU, assay on a GPU)",
@@ -140,35 +131,32 @@ def build_parser():
     add(g, "--dropout", 0.0, "dropout probability", type=FRACTION)
 
     g = p.add_argument_group("attention numerics (attention_kernel.py; its docstring has the rounding table)")
-    add(g, "--attn-impl", "auto", "auto: the Triton kernel on CUDA, its PyTorch twin on a CPU; "
-        "sdpa: PyTorch SDPA (fp32 only)", choices=["auto", "triton", "torch", "sdpa"])
-    add(g, "--accum", "fp32", "the streaming-softmax state (m, l, O): fp32 (the repair), bf16 (the "
-        "fault), bf16-safemax (the prior work's fix at the source)", choices=list(ACCUM_MODES))
-    add(g, "--round", "auto", "the other bf16 rounding points, comma-separated: logits, pv, backward "
-        "(what each rounds: attention_kernel.py's docstring); none; or auto: logits,pv for bf16 "
-        "inputs, so that --accum changes the state alone", type=rounding_sources)
-    add(g, "--attn-dtype", "bf16", "q, k, v enter attention in bf16 (as under a GPU's autocast), "
-        "or native: in the dtype they were computed in", choices=["bf16", "native"])
+    add(g, "--attn-impl", "auto", "auto: the Triton kernel on CUDA, its PyTorch twin on a CPU; sdpa: PyTorch SDPA "
+        "(fp32 only)", choices=["auto", "triton", "torch", "sdpa"])
+    add(g, "--accum", "fp32", "the streaming-softmax state (m, l, O): fp32 (the repair), bf16 (the fault), "
+        "bf16-safemax (the prior work's fix at the source)", choices=list(ACCUM_MODES))
+    add(g, "--round", "auto", "the other bf16 rounding points, comma-separated: logits, pv, backward (what each "
+        "rounds: attention_kernel.py's docstring); none; or auto: logits,pv for bf16 inputs, so that --accum "
+        "changes the state alone", type=rounding_sources)
+    add(g, "--attn-dtype", "bf16", "q, k, v enter attention in bf16 (as under a GPU's autocast), or native: in the "
+        "dtype they were computed in", choices=["bf16", "native"])
     add(g, "--block-n", 0, "key block of the streaming loop (0: the kernel's default)", type=SIZE)
     add(g, "--safemax-beta", 2.0, "bf16-safemax: shift repeated maxima by beta*max", type=number(low=1, above=True))
-    add(g, "--qknorm", "off", "parameter-free QK-norm from step 0 (the always-on baseline)",
-        choices=["off", "always"])
+    add(g, "--qknorm", "off", "parameter-free QK-norm from step 0 (the always-on baseline)", choices=["off", "always"])
     add(g, "--softcap", 0.0, "tanh soft-cap of the logits from step 0 (0: off)", type=NONNEGATIVE)
-    add(g, "--attn-scale", 0.0, "logit scale (0: 1/sqrt(head_dim)), often fixed with QK-norm",
-        type=NONNEGATIVE)
+    add(g, "--attn-scale", 0.0, "logit scale (0: 1/sqrt(head_dim)), often fixed with QK-norm", type=NONNEGATIVE)
 
     g = p.add_argument_group("monitor and QK-Guard (guard.py)")
-    add(g, "--guard", "off", "QK-Guard: dormant until the signal first crosses --guard-threshold, "
-        "then --guard-action stays on", choices=["on", "off"])
+    add(g, "--guard", "off", "QK-Guard: dormant until the signal first crosses --guard-threshold, then "
+        "--guard-action stays on", choices=["on", "off"])
     add(g, "--guard-signal", "max-logit", "the signal, per layer and head", choices=list(SIGNALS))
     add(g, "--guard-threshold", None, "trigger level (default: the signal's, " + ", ".join(
         f"{s} {v:g}" for s, v in DEFAULT_THRESHOLD.items()) + "; see the README)", type=POSITIVE)
-    add(g, "--guard-action", "qknorm", "qknorm (the paper's), qkclip (weight-side QK), or the "
-        "non-QK controls lr-drop, clip, softcap, fp32-accum", choices=list(ACTIONS))
+    add(g, "--guard-action", "qknorm", "qknorm (the paper's), qkclip (weight-side QK), or the non-QK controls "
+        "lr-drop, clip, softcap, fp32-accum", choices=list(ACTIONS))
     add(g, "--guard-scope", "all", "act on every layer, or on crossed layers", choices=list(SCOPES))
     add(g, "--qkclip-tau", 100.0, "qkclip: cap on each head's max logit", type=POSITIVE)
-    add(g, "--lr-drop-factor", 0.1, "lr-drop: multiply the lr by this", type=number(low=0, high=1,
-                                                                                    above=True))
+    add(g, "--lr-drop-factor", 0.1, "lr-drop: multiply the lr by this", type=number(low=0, high=1, above=True))
     add(g, "--clip-tight", 0.1, "clip: gradient-norm clip after the trigger", type=POSITIVE)
     add(g, "--softcap-value", 50.0, "softcap action: the cap c (Gemma 2 uses 50)", type=POSITIVE)
     add(g, "--monitor-interval", 1, "monitor (sigmas, guard check) every N steps", type=COUNT)
@@ -176,8 +164,8 @@ def build_parser():
     add(g, "--collapse-margin", 1.0, "collapse: loss above its running min by this", type=POSITIVE)
     add(g, "--collapse-patience", 5, "... for this many logged steps in a row", type=COUNT)
     add(g, "--collapse-smoothing", 0.9, "EMA factor applied to logged losses first", type=FRACTION)
-    add(g, "--collapse-grace", 100, "steps after the guard acts in which a loss transient is no "
-        "collapse (a non-finite loss always is)", type=SIZE)
+    add(g, "--collapse-grace", 100, "steps after the guard acts in which a loss transient is no collapse (a "
+        "non-finite loss always is)", type=SIZE)
     add(g, "--on-collapse", "stop", "what to do at a collapse", choices=["stop", "continue"])
 
     if extension_module():   # the lab's assay: --inject-*, --qk-fix, --probe*
