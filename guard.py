@@ -1,7 +1,5 @@
 """
 QK-Guard: watch the query-key channel, stay dormant, and switch an action on at the first crossing.
-
-Four parts, one screen each:
   SpectralMonitor   the top singular value of every weight matrix per layer, and of W_q, W_k per
                     head, by power iteration carried across steps (never a full SVD)
   the actions       one class each (QK-norm, QK-Clip, the non-QK controls, the fix at the source)
@@ -18,14 +16,12 @@ import torch
 from model import WEIGHT_KINDS
 
 SIGNALS = ("max-logit", "sigma-product")
-# Default thresholds, between healthy runs and runaways: max-logit's from SOURCES.md's H200 runs,
-# sigma-product's from lab/MEASUREMENTS.md's CPU runs; the latter scales with the model, so set it from
-# a healthy run's log. QKGuard(threshold=None) takes its signal's.
+# Default thresholds, between healthy runs and runaways: max-logit's from SOURCES.md's H200 runs, sigma-product's
+# from lab/MEASUREMENTS.md's CPU runs (it scales with the model: set it from a healthy run's log).
 DEFAULT_THRESHOLD = {"max-logit": 200.0, "sigma-product": 50.0}
 SCOPES = ("all", "crossed")
-# The actions by name, one class each below: a new one is a subclass of Action there, and
-# --guard-action's choices and the lab's claim 6 arms follow. The lab imports this registry, so its
-# report needs torch too (installed where the runs ran): one list, not a copy kept in step by a test.
+# The actions by name, filled by Action's subclasses below: --guard-action's choices and the lab's claim 6
+# arms follow it (the lab imports it: one list, not a copy kept in step by a test).
 ACTIONS = {}
 DEFAULT_ACTION = "qknorm"
 
@@ -199,14 +195,11 @@ class QKGuard:
 
     def __init__(self, *, threshold=None, enabled=False, signal="max-logit", action=DEFAULT_ACTION, scope="all",
                  tau=None, lr_factor=None, clip_norm=None, softcap=None):
-        for name, value, valid in (("signal", signal, SIGNALS), ("action", action, ACTIONS),
-                                   ("scope", scope, SCOPES)):
+        for name, value, valid in (("signal", signal, SIGNALS), ("action", action, ACTIONS), ("scope", scope, SCOPES)):
             if value not in valid:
                 raise ValueError(f"unknown guard {name} {value!r}: choose one of {', '.join(valid)}")
-        self.enabled, self.signal = enabled, signal
-        # in the signal's units; None: its DEFAULT_THRESHOLD, resolved here only
+        self.enabled, self.signal, self.action, self.scope = enabled, signal, action, scope   # action: its name
         self.threshold = DEFAULT_THRESHOLD[signal] if threshold is None else threshold
-        self.action, self.scope = action, scope      # action: the name, for logs
         # the action's hooks, with its own setting (None: the action's default)
         self.act = ACTIONS[action](tau=tau, lr_factor=lr_factor, clip_norm=clip_norm, softcap=softcap)
         self.trigger = None      # {"step", "layer", "head", "value"} of the first crossing
@@ -215,8 +208,7 @@ class QKGuard:
 
     @classmethod
     def from_args(cls, args):
-        """The guard train.py's flags (--guard*, and each action's own) describe; sample.py rebuilds a
-        run's from its saved flags."""
+        """The guard of train.py's flags (--guard*, each action's own); sample.py's, from the saved flags."""
         return cls(enabled=args.guard == "on", signal=args.guard_signal, threshold=args.guard_threshold,
                    action=args.guard_action, scope=args.guard_scope, tau=args.qkclip_tau,
                    lr_factor=args.lr_drop_factor, clip_norm=args.clip_tight, softcap=args.softcap_value)
@@ -234,8 +226,7 @@ class QKGuard:
     def watched_values(self, max_logit, sigma_head):
         """The signal (n_layer, n_head) of the layers the action does not cover yet; covered layers get
         -inf, or a signal the action does not lower (sigma-product under qknorm) would cross each check."""
-        values = max_logit if self.signal == "max-logit" else sigma_head[:, 0] * sigma_head[:, 1]
-        values = values.float().clone()
+        values = (max_logit if self.signal == "max-logit" else sigma_head[:, 0] * sigma_head[:, 1]).float().clone()
         values[self.layers] = -math.inf
         return values
 
@@ -330,10 +321,8 @@ class CollapseDetector:
 
     def __init__(self, margin=1.0, patience=5, smoothing=0.9):
         self.margin, self.patience, self.smoothing = margin, patience, smoothing
-        self.ema, self.best = None, math.inf
-        self.streak_start, self.streak = None, 0
-        self.collapsed_at = None
-        self.paused_until = -1
+        self.ema, self.best, self.streak_start, self.streak = None, math.inf, None, 0
+        self.collapsed_at, self.paused_until = None, -1
 
     def pause(self, until):
         self.paused_until = max(self.paused_until, until)

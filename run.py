@@ -4,13 +4,6 @@ processes, the run folder (config.json, log.jsonl, ckpt.pt, source.diff), exact 
 
 A value comes from the command line, else from --preset (auto: demo on a CPU, assay on a GPU), else
 from the flag's default. Numbers are checked as parsed: a bad one fails in one line naming the flag.
-
-  parse_args, resolve   the flags, checked; then the preset's values and what needs the sizes
-  Dist                  one process, or one per GPU (or CPU worker) under torchrun
-  start_run             a new run refuses a folder holding another; --resume takes the saved flags
-  RunDir                the start record, checkpoints (atomic, weights_only) and the way back
-  StopSignal            a first Ctrl-C (or SIGTERM) stops after the step with a checkpoint
-  Extension             the loop's optional extension points (lab/assay.py fills them)
 """
 import argparse
 import dataclasses
@@ -21,6 +14,7 @@ import math
 import os
 import platform
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -310,14 +304,6 @@ def extension(args, model, first_batch, autocast):
     return module.Assay.from_args(args, model, first_batch, autocast) if module else Extension()
 
 
-def refuse_without_extension(saved):
-    """A saved run that used the assay cannot go on without it: refuse in one line."""
-    used = [f"--{k.replace('_', '-')} {saved[k]}" for k, off in ASSAY_OFF.items() if saved.get(k, off) != off]
-    if used and not extension_module():
-        raise SystemExit(f"error: this run used the lab's assay ({', '.join(used)}), which lab/assay.py holds: "
-                         f"resume it where lab/ is present, or start a new run")
-
-
 # ----------------------------------------------------------------------------------------------------------------
 # Processes, the device, the data
 
@@ -404,9 +390,7 @@ def check_memory(args, device):
     except (ValueError, OSError):
         return
     B, T, L, C = args.batch_size, args.block_size, args.n_layer, args.n_embd
-    scores = 4 * 4 * B * args.n_head * T * min(T, args.block_n or 128)
-    activations = 4 * 20 * B * T * L * C
-    need = scores + activations
+    need = 4 * 4 * B * args.n_head * T * min(T, args.block_n or 128) + 4 * 20 * B * T * L * C   # fp32 bytes
     if need > free:
         raise SystemExit(f"error: --block-size {T} with --batch-size {B} needs about {need / 2**30:.1f} GiB on this "
                          f"CPU, and {free / 2**30:.1f} GiB are free: lower --block-size or --batch-size")
@@ -417,18 +401,15 @@ def ensure_data(args, dist):
     into a folder that is new or empty: one that holds anything else is never written over."""
     if os.path.exists(os.path.join(args.data_dir, "meta.json")):
         return
-    how = (f"`python prepare_data.py --dataset {args.dataset} --tokenizer {args.tokenizer} --out-dir "
-           f"{args.data_dir}`")
     held = sorted(os.listdir(args.data_dir)) if os.path.isdir(args.data_dir) else []
     if held and prepare_data.REPLACING not in held:   # REPLACING: our own build crashed; prepare repairs it
         shown = ", ".join(held[:4]) + (", ..." if len(held) > 4 else "")
-        raise SystemExit(f"error: {args.data_dir} has no meta.json but holds {shown}: it is left alone. Rebuild it "
-                         f"with prepare_data.py and the dataset it holds (e.g. `python prepare_data.py --dataset "
-                         f"text --input YOUR_FILES --tokenizer {args.tokenizer} --out-dir {args.data_dir}`), or "
-                         f"give another --data-dir")
+        raise SystemExit(f"error: {args.data_dir} has no meta.json but holds {shown}, left alone: rebuild it from "
+                         f"its files (`python prepare_data.py --dataset text --input YOUR_FILES --tokenizer "
+                         f"{args.tokenizer} --out-dir {args.data_dir}`), or give another --data-dir")
     if args.dataset not in ("pycode", "shakespeare"):
-        raise SystemExit(f"error: no prepared data in {args.data_dir} (meta.json missing): run {how[:-1]} ...` "
-                         f"first")
+        raise SystemExit(f"error: no prepared data in {args.data_dir} (meta.json missing): run `python prepare_data.py "
+                         f"--dataset {args.dataset} --tokenizer {args.tokenizer} --out-dir {args.data_dir} ...` first")
     if dist.local_rank == 0:
         print(f"no data in {args.data_dir}: preparing the {args.dataset} dataset, {args.tokenizer} tokens (once)")
         try:
@@ -447,11 +428,9 @@ def versions(device):
     commit = git("rev-parse", "HEAD") or None
     return {"python": platform.python_version(), "torch": torch.__version__, "triton": triton.__version__,
             "numpy": np.__version__, "device": str(device),
-            # a CPU's sums follow its thread count: at the demo's lr, 1 and 2 threads end apart
+            # a CPU's sums follow its thread count and the machine (one seed and packages differed by step 9
+            # on two machines: lab/MEASUREMENTS.md); these say whether a replay can be bit for bit
             "torch_threads": torch.get_num_threads(),
-            # ... and the machine: one seed with the same packages and threads differed in the loss's 6th
-            # digit by step 9 in two sessions' machines (lab/MEASUREMENTS.md); the CPU and the vector kernels
-            # torch picked for it say whether a replay can be bit for bit
             "cpu": cpu_name(), "cpu_capability": torch.backends.cpu.get_cpu_capability(),
             "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
             "host": platform.node(), "git_commit": commit,
@@ -483,9 +462,7 @@ def save_source(out_dir, run_versions):
         os.makedirs(os.path.join(out_dir, "source"), exist_ok=True)
         for name in sorted(os.listdir(here)):
             if name.endswith(".py"):
-                with open(os.path.join(here, name), "rb") as src, \
-                        open(os.path.join(out_dir, "source", name), "wb") as dst:
-                    dst.write(src.read())
+                shutil.copyfile(os.path.join(here, name), os.path.join(out_dir, "source", name))
         return
     if not run_versions["git_dirty"]:
         return
@@ -510,16 +487,15 @@ def start_run(args, typed):
             raise SystemExit(f"error: {args.out_dir} already holds a run ({', '.join(held)}): continue it with "
                              f"--resume{how}, or choose another --out-dir")
         return args, None, {}
-    if checkpoints:
-        state = newest_checkpoint(paths["ckpt.pt"])
-        saved = state["args"]
-    elif os.path.exists(paths["config.json"]):
-        state = None
-        saved = read_saved_args(paths["config.json"])
-    else:
+    if not checkpoints and not os.path.exists(paths["config.json"]):
         raise SystemExit(f"error: --resume: {args.out_dir} holds no run (no ckpt.pt, no config.json): start a new "
                          f"run without --resume")
-    refuse_without_extension(saved)
+    state = newest_checkpoint(paths["ckpt.pt"]) if checkpoints else None
+    saved = state["args"] if state else read_saved_args(paths["config.json"])
+    used = [f"--{k.replace('_', '-')} {saved[k]}" for k, off in ASSAY_OFF.items() if saved.get(k, off) != off]
+    if used and not extension_module():   # a run that used the assay cannot go on without it
+        raise SystemExit(f"error: this run used the lab's assay ({', '.join(used)}), which lab/assay.py holds: "
+                         f"resume it where lab/ is present, or start a new run")
     conflicts = [f"--{k.replace('_', '-')} {v} (saved: {saved.get(k)})" for k, v in typed.items()
                  if k not in RESUMABLE_CHANGES and k in saved and saved[k] != v
                  and not (k == "preset" and v == "auto")]
@@ -538,8 +514,7 @@ def start_run(args, typed):
 class RunDir:
     """The run directory (--out-dir) as the loop sees it: start record, checkpoints, way back."""
 
-    def __init__(self, args, dist, data):
-        """data: prepare_data.TokenWindows.identity, the dataset the run trains on."""
+    def __init__(self, args, dist, data):   # data: prepare_data.TokenWindows.identity, what the run trains on
         self.args, self.dist, self.data = args, dist, data
         self.data_hash = data["content_sha256"]
         self.ckpt = os.path.join(args.out_dir, "ckpt.pt")
@@ -567,16 +542,16 @@ class RunDir:
                   f"{args.accum}, guard {args.guard}, on {dist.device} x{dist.world}")
         return log
 
-    def save(self, step, parts, totals):
+    def save(self, step, parts):
         """ckpt.pt: all it takes to go on exactly; all ranks take part (RNG states are gathered)."""
         state = {"format": CHECKPOINT_FORMAT, "step": step, "args": vars(self.args),
                  **{name: part.state_dict() for name, part in parts.items() if part is not None},
-                 **totals.state_dict(), "data_content_sha256": self.data_hash, "rng": rng_state(self.dist)}
+                 "data_content_sha256": self.data_hash, "rng": rng_state(self.dist)}
         if self.dist.master:
             save_checkpoint(self.ckpt, state)
 
-    def restore(self, state, parts, totals):
-        """Load every part and the running totals from the checkpoint; returns its step."""
+    def restore(self, state, parts):
+        """Load every part from the checkpoint; returns its step."""
         if state.get("data_content_sha256") != self.data_hash:
             raise SystemExit(f"error: the data in {self.args.data_dir} is not the data this run started with "
                              f"(content hash {self.data_hash} != {state.get('data_content_sha256')}): resume with "
@@ -584,7 +559,6 @@ class RunDir:
         for name, part in parts.items():
             if part is not None:
                 part.load_state_dict(state[name])
-        totals.load_state_dict(state, self.dist.device)
         set_rng_state(state["rng"], self.dist)
         return state["step"]
 
@@ -663,9 +637,9 @@ def rng_state(dist):
     """Every rank's RNG states (dropout differs per rank), as tensors and numbers."""
     version, internal, gauss = random.getstate()
     kind, keys, pos, has_gauss, cached = np.random.get_state()
-    state = {"python": [version, list(internal), gauss], "numpy": [kind, torch.from_numpy(keys.astype(np.int64)),
-                                                                   pos, has_gauss, cached],
-             "torch": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
+    state = {"python": [version, list(internal), gauss], "torch": torch.get_rng_state(), "cuda": cuda,
+             "numpy": [kind, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss, cached]}
     if dist.world == 1:
         return [state]
     states = [None] * dist.world

@@ -13,7 +13,6 @@ the probe) acts where lab/ is present, and nothing happens where it is not.
 import contextlib
 import math
 import time
-from typing import NamedTuple
 
 import torch
 
@@ -37,12 +36,13 @@ def main(argv=None):
     guard = QKGuard.from_args(args)
     detector = CollapseDetector(args.collapse_margin, args.collapse_patience, args.collapse_smoothing)
     assay = run.extension(args, model, lambda: batches.get("train", 0, 0)[0], autocast)   # lab/assay.py, or none
-    parts = dict(model=model, optimizer=optimizer, monitor=monitor, detector=detector, guard=guard, **assay.parts())
-    run_dir, totals, step = run.RunDir(args, dist, batches.windows.identity), Totals(), 0
+    totals, run_dir, step = Totals(dist.device), run.RunDir(args, dist, batches.windows.identity), 0
+    parts = dict(model=model, optimizer=optimizer, monitor=monitor, detector=detector, guard=guard, totals=totals,
+                 **assay.parts())
     if state is None:
         monitor.measure(model, iters=30)         # converged before step 0
     else:
-        step = run_dir.restore(state, parts, totals)
+        step = run_dir.restore(state, parts)
         guard.apply_to_model(model)              # a latched action stays on
     saved_step = step                            # nothing to save before the first update
     train_model, eval_model = compiled(model, args, dist)
@@ -63,8 +63,8 @@ def main(argv=None):
             for group in optimizer.param_groups:
                 group["lr"] = lr
             # (2) forward and backward; an assay error enters in the model, (3) or in the gradients
-            out = forward_backward(train_model, model, batches, step, args, dist, autocast, assay)
-            totals.add(out.loss, out.max_logit)
+            loss, max_logit = forward_backward(train_model, model, batches, step, args, dist, autocast, assay)
+            totals.add(loss, max_logit)
             # (4) clip; the clip action tightens it
             clip = guard.grad_clip(args.grad_clip)
             grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip if clip > 0 else math.inf)
@@ -77,7 +77,7 @@ def main(argv=None):
             if step % args.monitor_interval == 0:
                 watch(step, model, monitor, guard, detector, totals, args, log)
             # (7) act after the update: QK-Clip scales the offending heads' W_q, W_k
-            guard.after_optimizer_step(model, out.max_logit)
+            guard.after_optimizer_step(model, max_logit)
 
             step += 1
             if step % args.log_interval == 0 or step == args.max_steps:
@@ -89,7 +89,7 @@ def main(argv=None):
             if step % args.eval_interval == 0 or step == args.max_steps:
                 val_loss = evaluate()
             if step % args.ckpt_interval == 0 and saved_step != step:
-                run_dir.save(step, parts, totals)
+                run_dir.save(step, parts)
                 saved_step = step
             if dist.any(stop):
                 status = "interrupted"    # every rank stops at the same step
@@ -97,7 +97,7 @@ def main(argv=None):
         if status == "collapsed":   # the end record's val loss is the collapsed model's
             val_loss = evaluate()
         if saved_step != step:
-            run_dir.save(step, parts, totals)
+            run_dir.save(step, parts)
     except BaseException as e:
         log.write({"event": "end", "status": "error", "step": step, "error": f"{type(e).__name__}: {e}"})
         raise
@@ -168,14 +168,9 @@ class Batches:
         return window[:, :-1].contiguous(), window[:, 1:].contiguous()
 
 
-class StepOut(NamedTuple):
-    """What one step's forward and backward leave besides the gradients, on the device."""
-    loss: torch.Tensor           # the mean loss over the micro-batches (this rank's)
-    max_logit: torch.Tensor      # (n_layer, n_head), the max over micro-batches and ranks
-
-
 def forward_backward(train_model, model, batches, step, args, dist, autocast, assay):
-    """The gradients of one step, summed over its micro-batches (DDP syncs the last one only)."""
+    """The gradients of one step, summed over its micro-batches (DDP syncs the last one only); returns
+    this rank's mean loss and the (n_layer, n_head) max logit over micro-batches and ranks, on the device."""
     assay.begin_step(step)
     micro_steps, loss, max_logit = args.grad_accum // dist.world, 0.0, None
     for micro in range(micro_steps):
@@ -188,7 +183,7 @@ def forward_backward(train_model, model, batches, step, args, dist, autocast, as
         max_logit = running_max(max_logit, micro_max_logit)
         assay.after_micro_backward(model, x, y, autocast, micro_steps)   # (3) the QK-only fix's clean gradient
     assay.after_backward(model, dist)                                    # (3) an error in a weight's gradient
-    return StepOut(loss, dist.all_reduce(max_logit.float(), "max"))
+    return loss, dist.all_reduce(max_logit.float(), "max")
 
 
 def validation_loss(eval_model, batches, step, args, dist, autocast, log):
@@ -245,9 +240,10 @@ def collapsed(detector, record, log):
 class Totals:
     """Running totals, kept on the device so that only a log record syncs with the host."""
 
-    def __init__(self):
+    def __init__(self, device):
         self.loss_sum, self.steps, self.max_logit = 0.0, 0, None   # since the last log record
         self.monitor_max_logit = None                               # since the last monitored step
+        self.device = device
         self.start_clock()
 
     def start_clock(self):
@@ -271,17 +267,14 @@ class Totals:
         self.loss_sum, self.steps, self.max_logit = 0.0, 0, None
         return interval
 
-    # In the checkpoint, under the keys "interval" and "monitor_max_logit".
     def state_dict(self):
-        return {"interval": {"loss_sum": float(self.loss_sum), "steps": self.steps,
-                             "max_logit": moved(self.max_logit, "cpu")},
+        return {"loss_sum": float(self.loss_sum), "steps": self.steps, "max_logit": moved(self.max_logit, "cpu"),
                 "monitor_max_logit": moved(self.monitor_max_logit, "cpu")}
 
-    def load_state_dict(self, state, device):
-        interval = state["interval"]
-        self.loss_sum, self.steps = interval["loss_sum"], interval["steps"]
-        self.max_logit = moved(interval["max_logit"], device)
-        self.monitor_max_logit = moved(state["monitor_max_logit"], device)
+    def load_state_dict(self, state):
+        self.loss_sum, self.steps = state["loss_sum"], state["steps"]
+        self.max_logit = moved(state["max_logit"], self.device)
+        self.monitor_max_logit = moved(state["monitor_max_logit"], self.device)
 
 
 def running_max(running, new):
