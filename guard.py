@@ -1,5 +1,6 @@
 """
 QK-Guard: watch the query-key channel, stay dormant, and switch an action on at the first crossing.
+
   SpectralMonitor   the top singular value of every weight matrix per layer, and of W_q, W_k per
                     head, by power iteration carried across steps (never a full SVD)
   the actions       one class each (QK-norm, QK-Clip, the non-QK controls, the fix at the source)
@@ -27,13 +28,9 @@ DEFAULT_ACTION = "qknorm"
 
 
 class SpectralMonitor:
-    """sigma_max(W) ~= |W v|, v the top right singular vector refined by `iters` power steps.
-
-    The weights move little per step, so the v carried over stays close and one iteration keeps it
-    converged (test_training.py checks it against the exact value). Each kind's layers are stacked
-    in fp32 for batched products. Latest values: sigma {kind: (n_layer,)}, sigma_head (n_layer, 2,
-    n_head) with W_q at [:, 0].
-    """
+    """sigma_max(W) ~= |W v|, v the top right singular vector refined by `iters` power steps. The weights
+    move little per step, so the v carried over stays close and one iteration keeps it converged
+    (test_training.py checks it against the exact value)."""
 
     def __init__(self, model, seed=0):
         gen = torch.Generator().manual_seed(seed)
@@ -70,9 +67,8 @@ class SpectralMonitor:
 
     def record(self):
         """For the log: sigma_<kind> per layer, sigma_{q,k}_head per layer and head."""
-        out = {f"sigma_{kind}": s.tolist() for kind, s in self.sigma.items()}
-        out.update(sigma_q_head=self.sigma_head[:, 0].tolist(), sigma_k_head=self.sigma_head[:, 1].tolist())
-        return out
+        return {**{f"sigma_{kind}": s.tolist() for kind, s in self.sigma.items()},
+                "sigma_q_head": self.sigma_head[:, 0].tolist(), "sigma_k_head": self.sigma_head[:, 1].tolist()}
 
     def state_dict(self):
         return {"v": {k: v.cpu() for k, v in self.v.items()}, "sigma": {k: s.cpu() for k, s in self.sigma.items()},
@@ -188,9 +184,6 @@ class QKGuard:
             "sigma-product": sigma(W_q,h) * sigma(W_k,h), the bound on the head's bilinear form.
     scope   "all":     every layer from the trigger on (one switch, one recompile).
             "crossed": only layers whose signal crossed; a layer that crosses later joins then.
-
-    observe_deferred() checks one monitored step late: the crossing flag reaches the host in the
-    background while the next step runs, so the GPU never waits for it.
     """
 
     def __init__(self, *, threshold=None, enabled=False, signal="max-logit", action=DEFAULT_ACTION, scope="all",

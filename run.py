@@ -348,20 +348,19 @@ class Dist:
 
 def device_name(flag, local_rank=0):
     """--device as a torch device name, or a one-line error saying what this machine has."""
-    cuda = torch.cuda.is_available()
     if flag == "auto":
-        return f"cuda:{local_rank}" if cuda else "cpu"
+        flag = "cuda" if torch.cuda.is_available() else "cpu"
     if flag == "cpu":
         return flag
-    if flag == "cuda" or flag.startswith("cuda:") and flag[5:].isdigit():
-        index = local_rank if flag == "cuda" else int(flag[5:])
-        if not cuda:
-            raise SystemExit(f"error: --device {flag}: this machine has no CUDA GPU (or this torch build has no "
-                             f"CUDA): use --device cpu or auto")
-        if index >= torch.cuda.device_count():
-            raise SystemExit(f"error: --device {flag}: this machine has {torch.cuda.device_count()} CUDA devices")
-        return f"cuda:{index}"
-    raise SystemExit(f"error: --device {flag!r}: give auto, cpu, cuda or cuda:N")
+    if not (flag == "cuda" or flag.startswith("cuda:") and flag[5:].isdigit()):
+        raise SystemExit(f"error: --device {flag!r}: give auto, cpu, cuda or cuda:N")
+    if not torch.cuda.is_available():
+        raise SystemExit(f"error: --device {flag}: this machine has no CUDA GPU (or this torch build has no CUDA): "
+                         f"use --device cpu or auto")
+    index = local_rank if flag == "cuda" else int(flag[5:])
+    if index >= torch.cuda.device_count():
+        raise SystemExit(f"error: --device {flag}: this machine has {torch.cuda.device_count()} CUDA devices")
+    return f"cuda:{index}"
 
 
 def tune_cpu_allocator():
@@ -380,9 +379,8 @@ def tune_cpu_allocator():
 
 
 def check_memory(args, device):
-    """A rough bound on a CPU run's memory against what is free: an error, not hours of swapping.
-    It counts one key block's attention scores per query row (the twin holds a few such tensors)
-    and the activations the backward keeps. A GPU fails fast with its own out-of-memory error."""
+    """A rough bound on a CPU run's memory (a few of one key block's attention scores per query row, the
+    activations the backward keeps) against what is free: an error, not hours of swapping. A GPU fails fast."""
     if device.type != "cpu" or not hasattr(os, "sysconf"):
         return
     try:
@@ -520,11 +518,13 @@ class RunDir:
         self.ckpt = os.path.join(args.out_dir, "ckpt.pt")
 
     def start_log(self, params, step, resumed, changed):
-        """log.jsonl with a start (or resume) record; a new run saves config.json, source.diff."""
+        """Open log.jsonl with a start (or resume) record; a new run saves config.json, source.diff. Returns
+        the log: this object's write()."""
         args, dist = self.args, self.dist
         if dist.master:
             os.makedirs(args.out_dir, exist_ok=True)
-        log, run_versions = RunLog(os.path.join(args.out_dir, "log.jsonl"), dist.master), versions(dist.device)
+        self.file = open(os.path.join(args.out_dir, "log.jsonl"), "a") if dist.master else None
+        run_versions = versions(dist.device)
         config_json = os.path.join(args.out_dir, "config.json")
         if dist.master and not resumed and not os.path.exists(config_json):
             with open(config_json, "w") as f:
@@ -534,13 +534,22 @@ class RunDir:
             save_source(args.out_dir, run_versions)
         verb = "resuming" if args.resume else "starting"
         over = " (it had saved no checkpoint: starting over)" if args.resume and not resumed else ""
-        log.write({"event": "resume" if args.resume else "start", "step": step, "from_checkpoint": resumed,
+        self.write({"event": "resume" if args.resume else "start", "step": step, "from_checkpoint": resumed,
                    "versions": run_versions, "world_size": dist.world, "command": sys.argv, "changed": changed,
                    "data": self.data},
-                  f"{verb} {args.out_dir} at step {step}{over}: {args.preset} preset, {args.arch} "
-                  f"{args.n_layer}x{args.n_embd}, {params / 1e6:.2f}M params, {args.tokenizer} tokens, accum "
-                  f"{args.accum}, guard {args.guard}, on {dist.device} x{dist.world}")
-        return log
+                   f"{verb} {args.out_dir} at step {step}{over}: {args.preset} preset, {args.arch} "
+                   f"{args.n_layer}x{args.n_embd}, {params / 1e6:.2f}M params, {args.tokenizer} tokens, accum "
+                   f"{args.accum}, guard {args.guard}, on {dist.device} x{dist.world}")
+        return self
+
+    def write(self, record, line=None):
+        """A record in log.jsonl, for programs (one JSON object a line, flushed), and a line for people."""
+        if self.file is None:
+            return
+        self.file.write(json.dumps(record) + "\n")
+        self.file.flush()
+        if line:
+            print(line, flush=True)
 
     def save(self, step, parts):
         """ckpt.pt: all it takes to go on exactly; all ranks take part (RNG states are gathered)."""
@@ -606,9 +615,8 @@ def load_checkpoint(path):
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # a truncated zip, a foreign pickle: many exception types
-        prev = path + ".prev"
-        hint = f"; the previous checkpoint is {prev}: move it to {path} to resume from there" \
-            if os.path.exists(prev) else ""
+        hint = f"; the previous checkpoint is {path}.prev: move it to {path} to resume from there" \
+            if os.path.exists(path + ".prev") else ""
         why = (str(e).splitlines() or ["empty file" if os.path.getsize(path) == 0 else "no message"])[0][:200]
         raise SystemExit(f"error: cannot read checkpoint {path} ({type(e).__name__}: {why}): it is truncated, from "
                          f"an older train.py, or not a checkpoint{hint}")
@@ -616,21 +624,6 @@ def load_checkpoint(path):
         raise SystemExit(f"error: {path} is not a checkpoint written by this train.py: resume it with the train.py "
                          f"that wrote it, or start a new run")
     return state
-
-
-class RunLog:
-    """log.jsonl for programs (one JSON object a line, flushed) and a console line for people."""
-
-    def __init__(self, path, enabled):
-        self.file = open(path, "a") if enabled else None
-
-    def write(self, record, line=None):
-        if self.file is None:
-            return
-        self.file.write(json.dumps(record) + "\n")
-        self.file.flush()
-        if line:
-            print(line, flush=True)
 
 
 def rng_state(dist):

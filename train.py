@@ -25,13 +25,12 @@ from model import NON_QK_KINDS, QK_KINDS
 
 def main(argv=None):
     # -------------------------------------------------------------------------------- configuration, data
-    args, typed, dist, state, changed = configure(argv)
+    args, dist, state, changed, batches = configure(argv)
     use_bf16 = args.dtype == "bf16" or (args.dtype == "auto" and dist.device.type == "cuda")
     autocast = (lambda: torch.autocast(dist.device.type, dtype=torch.bfloat16)) if use_bf16 else contextlib.nullcontext
-    batches = load_data(args, typed, dist)
 
     # -------------------------------------------------------------------------------- model, optimizer, watchers
-    model, optimizer = build_model(args, dist, use_bf16)
+    model, optimizer, train_model, eval_model = build_model(args, dist, use_bf16)
     monitor = SpectralMonitor(model, seed=args.seed)
     guard = QKGuard.from_args(args)
     detector = CollapseDetector(args.collapse_margin, args.collapse_patience, args.collapse_smoothing)
@@ -45,7 +44,6 @@ def main(argv=None):
         step = run_dir.restore(state, parts)
         guard.apply_to_model(model)              # a latched action stays on
     saved_step = step                            # nothing to save before the first update
-    train_model, eval_model = compiled(model, args, dist)
     log = run_dir.start_log(model.num_params(), step, resumed=state is not None, changed=changed)
     evaluate = lambda: validation_loss(eval_model, batches, step, args, dist, autocast, log)
 
@@ -109,7 +107,8 @@ def main(argv=None):
 # Setting up: the flags, the data, the model
 
 def configure(argv):
-    """(args, the flags typed, the processes, the checkpoint to resume or None, the flags a resume changed)."""
+    """(args, the processes, the checkpoint to resume or None, the flags a resume changed, the batches). The
+    data is prepared on first use; the model's vocabulary follows the data's tokenizer."""
     args, typed, parser = run.parse_args(argv)
     dist = run.Dist(args.device)
     args = run.resolve(args, dist.device, parser)
@@ -119,34 +118,26 @@ def configure(argv):
     run.check_memory(args, dist.device)
     if dist.device.type == "cpu":
         run.tune_cpu_allocator()
-    return args, typed, dist, state, changed
-
-
-def load_data(args, typed, dist):
-    """The batches (prepared on first use); the model's vocabulary follows the data's tokenizer."""
     run.ensure_data(args, dist)
     batches = Batches(args, dist.device)
     args.tokenizer, args.vocab_size = vocabulary(args, typed, batches.windows)
-    return batches
+    return args, dist, state, changed, batches
 
 
 def build_model(args, dist, use_bf16):
-    """The model, the same on every rank and checked against the kernel, and its optimizer."""
+    """The model, the same on every rank and checked against the kernel, its optimizer, and the models to
+    train and to evaluate: torch.compile'd with --compile; training under DDP with several processes (eval
+    skips DDP: a rank with no eval batch must owe no collective)."""
     torch.manual_seed(args.seed)                 # the same initial weights on every rank
     model = model_lib.GPT(run.model_config(args)).to(dist.device)
     check_attention_settings(model, dist.device, args, use_bf16)
     torch.manual_seed(args.seed + dist.rank)     # dropout masks differ per rank
-    return model, model.configure_optimizer(args.lr, args.weight_decay, (args.beta1, args.beta2))
-
-
-def compiled(model, args, dist):
-    """(the model to train, the model to evaluate): torch.compile'd with --compile; training under DDP
-    with several processes (eval skips DDP: a rank with no eval batch must owe no collective)."""
     eval_model = train_model = torch.compile(model) if args.compile else model
     if dist.world > 1:
         train_model = torch.nn.parallel.DistributedDataParallel(
             train_model, device_ids=[dist.device.index] if dist.device.type == "cuda" else None)
-    return train_model, eval_model
+    optimizer = model.configure_optimizer(args.lr, args.weight_decay, (args.beta1, args.beta2))
+    return model, optimizer, train_model, eval_model
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -204,13 +195,14 @@ def validation_loss(eval_model, batches, step, args, dist, autocast, log):
 
 def watch(step, model, monitor, guard, detector, totals, args, log):
     """Measure W_q's and W_k's top singular values, and give them and the max logit since the last
-    check to the guard. Its check is deferred: a crossing acts one monitored step later, so the GPU
-    never waits for it."""
+    check to the guard (which acts on a crossing one monitored step later: QKGuard.observe_deferred)."""
     monitor.measure(model, args.power_iters, kinds=QK_KINDS)
     event = guard.observe_deferred(step, totals.take_monitor_max_logit(), monitor.sigma_head, model)
     if event:
         detector.pause(event["active_from"] + args.collapse_grace)   # the switch is not a collapse
-        log.write(event, trigger_line(event, guard))
+        log.write(event, f"step {event['step']:6d} | QK-Guard {event['event']}: {event['signal']} {event['value']:.1f}"
+                         f" > {guard.threshold:g} at layer {event['layer']} head {event['head']}: {guard.action} on "
+                         f"in layers {event['layers']} from step {event['active_from']}")
 
 
 def write_interval_record(step, lr, grad_norm, model, args, dist, log, totals, monitor, guard, assay):
@@ -223,7 +215,12 @@ def write_interval_record(step, lr, grad_norm, model, args, dist, log, totals, m
     record = {"step": step - 1, "lr": lr, "loss": interval["loss"], "grad_norm": grad_norm.item(),
               "tokens_per_s": interval["tokens_per_s"], "max_logit": interval["max_logit"], **monitor.record(),
               "guard": "on" if guard.triggered else ("dormant" if guard.enabled else "off"), **assay.log_stats()}
-    log.write(record, console_line(record))
+    max_logit = torch.tensor(record["max_logit"])
+    layer, head = divmod(int(max_logit.argmax()), max_logit.shape[1])
+    log.write(record, f"step {record['step']:6d} | loss {record['loss']:.4f} | lr {lr:.2e} | gnorm "
+                      f"{record['grad_norm']:.2f} | max logit {max_logit.max().item():7.1f} (L{layer} H{head}) | "
+                      f"sigma(Wq) {max(record['sigma_q']):.2f} | {record['tokens_per_s'] / 1e3:.1f}k tok/s | guard "
+                      f"{record['guard']}")
     totals.start_clock()
     return record
 
@@ -295,21 +292,6 @@ def lr_at(step, args):
         return args.lr
     progress = min(1.0, (step - args.warmup_steps) / max(1, args.decay_steps - args.warmup_steps))
     return args.min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (args.lr - args.min_lr)
-
-
-def console_line(record):
-    max_logit = torch.tensor(record["max_logit"])
-    top = int(max_logit.argmax())
-    return (f"step {record['step']:6d} | loss {record['loss']:.4f} | lr {record['lr']:.2e} | gnorm "
-            f"{record['grad_norm']:.2f} | max logit {max_logit.max().item():7.1f} (L{top // max_logit.shape[1]} "
-            f"H{top % max_logit.shape[1]}) | sigma(Wq) {max(record['sigma_q']):.2f} | "
-            f"{record['tokens_per_s'] / 1e3:.1f}k tok/s | guard {record['guard']}")
-
-
-def trigger_line(event, guard):
-    return (f"step {event['step']:6d} | QK-Guard {event['event']}: {event['signal']} {event['value']:.1f} > "
-            f"{guard.threshold:g} at layer {event['layer']} head {event['head']}: {guard.action} on in layers "
-            f"{event['layers']} from step {event['active_from']}")
 
 
 def write_end_record(status, step, val_loss, detector, guard, args, log):
