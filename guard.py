@@ -1,13 +1,9 @@
 """
 QK-Guard: watch the query-key channel, stay dormant, and switch an action on at the first crossing.
 
-  SpectralMonitor   the top singular value of every weight matrix per layer, and of W_q, W_k per
-                    head, by power iteration carried across steps (never a full SVD)
-  the actions       one class each (QK-norm, QK-Clip, the non-QK controls, the fix at the source)
-  QKGuard           the dormant controller: first crossing -> an action on for the rest of the run
-  CollapseDetector  a non-finite loss, or a loss stuck above its running minimum by a margin
-
-The max attention logit is free to watch: the kernel returns it, and forward() passes it on.
+SpectralMonitor measures the weights (never a full SVD); the actions are one class each; QKGuard is the
+dormant controller; CollapseDetector tells a collapsed run. The max attention logit is free to watch: the
+kernel returns it, and forward() passes it on.
 """
 import math
 from typing import NamedTuple, Optional
@@ -82,11 +78,10 @@ class SpectralMonitor:
 
 
 class Action:
-    """What the guard switches on once it fires: the hooks below, each where train.py's loop calls it
-    (no-ops here; an action overrides those it needs). A subclass registers itself in ACTIONS by name.
-    Its settings are class attributes (the defaults) named as QKGuard's keywords. kind, for the lab's
-    claim 6: "qk" acts on the query-key channel, "non-qk" is a control that acts elsewhere, "source"
-    removes the error where it starts."""
+    """What the guard switches on once it fires: the hooks below (no-ops; an action overrides those it needs).
+    Its settings are class attributes (the defaults) named as QKGuard's keywords. kind, for the lab's claim
+    6: "qk" acts on the query-key channel, "non-qk" is a control that acts elsewhere, "source" removes the
+    error where it starts."""
     name = kind = words = None         # words: the action in the lab's reports and plots
 
     def __init_subclass__(cls):        # every action is registered by its name
@@ -305,12 +300,10 @@ class QKGuard:
 
 
 class CollapseDetector:
-    """Collapse: a non-finite loss, or the smoothed (EMA) loss above its running minimum + margin
-    for `patience` logged steps in a row; small-batch noise and a spike that recovers do not count.
-    collapsed_at is the first step of the bad streak.
-
-    The guard's own switch (QK-norm cuts logits of hundreds in one step) can shake the loss for a
-    while: pause(until) ignores it up to step `until`; a loss still too high after that counts."""
+    """Collapse: a non-finite loss, or the smoothed (EMA) loss above its running minimum + margin for
+    `patience` logged steps in a row; small-batch noise and a spike that recovers do not count. collapsed_at
+    is the first step of the bad streak. The guard's own switch (QK-norm cuts logits of hundreds in one
+    step) can shake the loss: pause(until) ignores it up to step `until`; a loss still too high then counts."""
 
     def __init__(self, margin=1.0, patience=5, smoothing=0.9):
         self.margin, self.patience, self.smoothing = margin, patience, smoothing

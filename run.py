@@ -49,7 +49,7 @@ RESUMABLE_CHANGES = {"max_steps", "log_interval", "eval_interval", "eval_iters",
 # The lab's assay switches (lab/assay.py adds its flags), off: without lab/, a run that set one cannot resume.
 ASSAY_OFF = {"inject_site": "none", "qk_fix": "off", "probe": "off"}
 CHECKPOINT_FORMAT = "qkguard-checkpoint-2"   # 2: tensors, numbers, strings, lists and dicts only
-# ckpt.pt, and what a crash inside save_checkpoint can leave instead (newest_checkpoint reads them)
+# ckpt.pt, and what a crash inside RunDir.save can leave instead (newest_checkpoint reads them)
 CHECKPOINTS = ("ckpt.pt", "ckpt.pt.tmp", "ckpt.pt.prev")
 
 
@@ -258,9 +258,9 @@ def qk_norm_from_step_0(args):
 
 
 def model_config(args):
-    """The GPTConfig of the flags. A field takes the flag of its own name, so a new model option is
-    a flag and a field (README, "Fork it"); the rest are translated here: block_n 0 and --round auto
-    become None (the kernel's defaults), --qknorm always and --qk-fix qknorm become qk_norm."""
+    """The GPTConfig of the flags: a field takes its own-named flag (a new model option is a flag and a field:
+    README, "Fork it"); block_n 0 and --round auto become None (the kernel's defaults), --qknorm always and
+    --qk-fix qknorm become qk_norm."""
     fields = [f.name for f in dataclasses.fields(model_lib.GPTConfig)]
     same_name = {name: getattr(args, name) for name in fields if hasattr(args, name)}
     rounding = None if args.round == "auto" else () if args.round == "none" else tuple(args.round.split(","))
@@ -337,10 +337,6 @@ class Dist:
             return bool(flag)
         return bool(self.all_reduce(torch.tensor(float(bool(flag)), device=self.device), "max"))
 
-    def barrier(self):
-        if self.world > 1:
-            torch.distributed.barrier()
-
     def close(self):
         if self.world > 1:
             torch.distributed.destroy_process_group()
@@ -355,8 +351,7 @@ def device_name(flag, local_rank=0):
     if not (flag == "cuda" or flag.startswith("cuda:") and flag[5:].isdigit()):
         raise SystemExit(f"error: --device {flag!r}: give auto, cpu, cuda or cuda:N")
     if not torch.cuda.is_available():
-        raise SystemExit(f"error: --device {flag}: this machine has no CUDA GPU (or this torch build has no CUDA): "
-                         f"use --device cpu or auto")
+        raise SystemExit(f"error: --device {flag}: this machine has no CUDA GPU (or torch no CUDA): use cpu or auto")
     index = local_rank if flag == "cuda" else int(flag[5:])
     if index >= torch.cuda.device_count():
         raise SystemExit(f"error: --device {flag}: this machine has {torch.cuda.device_count()} CUDA devices")
@@ -364,9 +359,9 @@ def device_name(flag, local_rank=0):
 
 
 def tune_cpu_allocator():
-    """Keep freed memory in the process (glibc malloc): past its mmap threshold glibc serves each
-    large temporary with fresh pages, whose faults slowed the attention twin (lab/MEASUREMENTS.md).
-    jemalloc and tcmalloc, which PyTorch's CPU guides recommend, do this by default."""
+    """Keep freed memory in the process (glibc malloc; jemalloc and tcmalloc do by default): past its mmap
+    threshold glibc serves each large temporary with fresh pages, whose faults slowed the attention twin
+    (lab/MEASUREMENTS.md)."""
     try:
         import ctypes
         libc = ctypes.CDLL("libc.so.6")
@@ -390,8 +385,8 @@ def check_memory(args, device):
     B, T, L, C = args.batch_size, args.block_size, args.n_layer, args.n_embd
     need = 4 * 4 * B * args.n_head * T * min(T, args.block_n or 128) + 4 * 20 * B * T * L * C   # fp32 bytes
     if need > free:
-        raise SystemExit(f"error: --block-size {T} with --batch-size {B} needs about {need / 2**30:.1f} GiB on this "
-                         f"CPU, and {free / 2**30:.1f} GiB are free: lower --block-size or --batch-size")
+        raise SystemExit(f"error: this run needs about {need / 2**30:.1f} GiB, {free / 2**30:.1f} GiB are free: lower "
+                         f"--block-size or --batch-size")
 
 
 def ensure_data(args, dist):
@@ -402,9 +397,9 @@ def ensure_data(args, dist):
     held = sorted(os.listdir(args.data_dir)) if os.path.isdir(args.data_dir) else []
     if held and prepare_data.REPLACING not in held:   # REPLACING: our own build crashed; prepare repairs it
         shown = ", ".join(held[:4]) + (", ..." if len(held) > 4 else "")
-        raise SystemExit(f"error: {args.data_dir} has no meta.json but holds {shown}, left alone: rebuild it from "
-                         f"its files (`python prepare_data.py --dataset text --input YOUR_FILES --tokenizer "
-                         f"{args.tokenizer} --out-dir {args.data_dir}`), or give another --data-dir")
+        raise SystemExit(f"error: {args.data_dir} has no meta.json but holds {shown}, left alone: rebuild it (`python "
+                         f"prepare_data.py --dataset text --input FILES --tokenizer {args.tokenizer} --out-dir "
+                         f"{args.data_dir}`) or give another --data-dir")
     if args.dataset not in ("pycode", "shakespeare"):
         raise SystemExit(f"error: no prepared data in {args.data_dir} (meta.json missing): run `python prepare_data.py "
                          f"--dataset {args.dataset} --tokenizer {args.tokenizer} --out-dir {args.data_dir} ...` first")
@@ -414,7 +409,8 @@ def ensure_data(args, dist):
             prepare_data.prepare(dataset=args.dataset, out_dir=args.data_dir, tokenizer=args.tokenizer)
         except prepare_data.DataError as e:
             raise SystemExit(f"error: {e.code}")
-    dist.barrier()
+    if dist.world > 1:   # the other ranks wait for the data
+        torch.distributed.barrier()
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -486,26 +482,22 @@ def start_run(args, typed):
                              f"--resume{how}, or choose another --out-dir")
         return args, None, {}
     if not checkpoints and not os.path.exists(paths["config.json"]):
-        raise SystemExit(f"error: --resume: {args.out_dir} holds no run (no ckpt.pt, no config.json): start a new "
-                         f"run without --resume")
+        raise SystemExit(f"error: {args.out_dir} holds no run (no ckpt.pt, no config.json): drop --resume")
     state = newest_checkpoint(paths["ckpt.pt"]) if checkpoints else None
     saved = state["args"] if state else read_saved_args(paths["config.json"])
     used = [f"--{k.replace('_', '-')} {saved[k]}" for k, off in ASSAY_OFF.items() if saved.get(k, off) != off]
     if used and not extension_module():   # a run that used the assay cannot go on without it
-        raise SystemExit(f"error: this run used the lab's assay ({', '.join(used)}), which lab/assay.py holds: "
-                         f"resume it where lab/ is present, or start a new run")
-    conflicts = [f"--{k.replace('_', '-')} {v} (saved: {saved.get(k)})" for k, v in typed.items()
-                 if k not in RESUMABLE_CHANGES and k in saved and saved[k] != v
-                 and not (k == "preset" and v == "auto")]
+        raise SystemExit(f"error: this run used the lab's assay ({', '.join(used)}): resume it with lab/ present")
+    conflicts = [f"--{k.replace('_', '-')} {v} (saved: {saved.get(k)})" for k, v in typed.items() if k in saved
+                 and saved[k] != v and k not in RESUMABLE_CHANGES and not (k == "preset" and v == "auto")]
     if conflicts:
-        raise SystemExit(f"error: --resume keeps the saved run's settings, but these differ: {'; '.join(conflicts)}."
-                         f" Resume without them, or start a new run in another --out-dir")
+        raise SystemExit(f"error: --resume keeps the saved flags, but these differ: {'; '.join(conflicts)}: drop "
+                         f"them, or start a new run in another --out-dir")
     changed = {k: [saved.get(k), v] for k, v in typed.items()
                if k in RESUMABLE_CHANGES - {"resume"} and saved.get(k) != v}
     merged = {**vars(args), **saved, **{k: v for k, v in typed.items() if k in RESUMABLE_CHANGES}, "resume": True}
     if state is not None and state["step"] >= merged["max_steps"]:
-        raise SystemExit(f"error: the run in {args.out_dir} already reached step {state['step']}: pass a "
-                         f"--max-steps above it to train on")
+        raise SystemExit(f"error: the run already reached step {state['step']}: give a larger --max-steps")
     return argparse.Namespace(**merged), state, changed
 
 
@@ -552,12 +544,19 @@ class RunDir:
             print(line, flush=True)
 
     def save(self, step, parts):
-        """ckpt.pt: all it takes to go on exactly; all ranks take part (RNG states are gathered)."""
+        """ckpt.pt: all it takes to go on exactly; all ranks take part (RNG states are gathered). Temp file,
+        fsync, old one to .prev, rename: a crash at any time leaves a whole checkpoint."""
         state = {"format": CHECKPOINT_FORMAT, "step": step, "args": vars(self.args),
                  **{name: part.state_dict() for name, part in parts.items() if part is not None},
                  "data_content_sha256": self.data_hash, "rng": rng_state(self.dist)}
         if self.dist.master:
-            save_checkpoint(self.ckpt, state)
+            with open(self.ckpt + ".tmp", "wb") as f:
+                torch.save(state, f)
+                f.flush()
+                os.fsync(f.fileno())
+            if os.path.exists(self.ckpt):
+                os.replace(self.ckpt, self.ckpt + ".prev")
+            os.replace(self.ckpt + ".tmp", self.ckpt)
 
     def restore(self, state, parts):
         """Load every part from the checkpoint; returns its step."""
@@ -577,25 +576,12 @@ def read_saved_args(path):
         with open(path) as f:
             return json.load(f)["args"]
     except (OSError, ValueError, KeyError) as e:
-        raise SystemExit(f"error: cannot read the run's flags from {path} ({type(e).__name__}): start a new run "
-                         f"in another --out-dir")
-
-
-def save_checkpoint(path, state):
-    """Temp file, fsync, old one to .prev, rename: a crash at any time leaves a whole checkpoint."""
-    tmp = path + ".tmp"
-    with open(tmp, "wb") as f:
-        torch.save(state, f)
-        f.flush()
-        os.fsync(f.fileno())
-    if os.path.exists(path):
-        os.replace(path, path + ".prev")
-    os.replace(tmp, path)
+        raise SystemExit(f"error: cannot read the run's flags from {path} ({type(e).__name__}): start a new run")
 
 
 def newest_checkpoint(path):
     """The checkpoint to resume from: ckpt.pt; without it, the newest whole one that a crash inside
-    save_checkpoint left (ckpt.pt.tmp, then ckpt.pt.prev). None loads: refuse, never start over."""
+    RunDir.save left (ckpt.pt.tmp, then ckpt.pt.prev). None loads: refuse, never start over."""
     if os.path.exists(path):
         return load_checkpoint(path)
     found = [path + suffix for suffix in (".tmp", ".prev") if os.path.exists(path + suffix)]
@@ -606,8 +592,8 @@ def newest_checkpoint(path):
             continue
         print(f"{path} is missing (a crash while saving?): resuming from {candidate}", file=sys.stderr)
         return state
-    raise SystemExit(f"error: {path} is missing and {' and '.join(found)} cannot be read (truncated?): the run "
-                     f"cannot resume; start a new run in another --out-dir")
+    raise SystemExit(f"error: {path} is missing and {' and '.join(found)} cannot be read: the run cannot resume; "
+                     f"start a new run in another --out-dir")
 
 
 def load_checkpoint(path):
@@ -621,8 +607,7 @@ def load_checkpoint(path):
         raise SystemExit(f"error: cannot read checkpoint {path} ({type(e).__name__}: {why}): it is truncated, from "
                          f"an older train.py, or not a checkpoint{hint}")
     if not isinstance(state, dict) or state.get("format") != CHECKPOINT_FORMAT:
-        raise SystemExit(f"error: {path} is not a checkpoint written by this train.py: resume it with the train.py "
-                         f"that wrote it, or start a new run")
+        raise SystemExit(f"error: {path} is not a checkpoint written by this train.py: use the one that wrote it")
     return state
 
 
@@ -642,8 +627,7 @@ def rng_state(dist):
 
 def set_rng_state(states, dist):
     if len(states) != dist.world:   # the weights, optimizer and batches still resume exactly
-        print(f"warning: the checkpoint holds the RNG states of {len(states)} processes and this run has "
-              f"{dist.world}: dropout masks will differ from an uninterrupted run")
+        print(f"warning: the checkpoint holds {len(states)} processes' RNG states, not {dist.world}: dropout differs")
         return
     state = states[dist.rank]
     version, internal, gauss = state["python"]

@@ -5,10 +5,9 @@ Train a GPT and watch (or guard) the query-key channel.
     python train.py --accum bf16 --guard off         # ... and without it
     torchrun --nproc_per_node=8 train.py --preset gpt2 --accum bf16 --guard on
 
-Every choice is a flag (`python train.py --help`); run.py defines them and the presets, and keeps the
-run directory (--out-dir: config.json, log.jsonl, ckpt.pt). The loop's numbered comments mark where
-the guard acts; at its `assay.` lines, lab/assay.py's extension (injected errors, the QK-only fix,
-the probe) acts where lab/ is present, and nothing happens where it is not.
+Every choice is a flag (`python train.py --help`): run.py defines them, the presets and the run folder
+(--out-dir: config.json, log.jsonl, ckpt.pt). The loop's numbered comments mark where the guard acts; at
+its `assay.` lines lab/assay.py's extension (injected errors, the QK-only fix, the probe) acts if lab/ is.
 """
 import contextlib
 import math
@@ -320,12 +319,10 @@ def vocabulary(args, typed, windows):
     holds = f"{args.data_dir} holds {windows.tokenizer} tokens (its meta.json)"
     if args.resume and (args.tokenizer, args.vocab_size) != (windows.tokenizer, vocab):
         raise SystemExit(f"error: this run was trained on {args.tokenizer} tokens (vocabulary {args.vocab_size}) and "
-                         f"{holds}: resume it on the data it started with (`python prepare_data.py --tokenizer "
-                         f"{args.tokenizer} --out-dir {args.data_dir}`), or start a new run")
+                         f"{holds}: resume it on the data it started with, or start a new run")
     if "tokenizer" in typed and not args.resume and typed["tokenizer"] != windows.tokenizer:
-        raise SystemExit(f"error: --tokenizer {typed['tokenizer']}, but {holds}: give --tokenizer "
-                         f"{windows.tokenizer}, or a --data-dir prepared with `python prepare_data.py --tokenizer "
-                         f"{typed['tokenizer']}`")
+        raise SystemExit(f"error: --tokenizer {typed['tokenizer']}, but {holds}: give --tokenizer {windows.tokenizer}, "
+                         f"or a --data-dir prepared with --tokenizer {typed['tokenizer']}")
     return windows.tokenizer, vocab
 
 
