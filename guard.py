@@ -61,8 +61,7 @@ class SpectralMonitor:
         self.sigma = {**(self.sigma or {}), **norms}                  # {kind: (n_layer,)}
         return self.sigma, self.sigma_head
 
-    def record(self):
-        """For the log: sigma_<kind> per layer, sigma_{q,k}_head per layer and head."""
+    def record(self):   # for the log
         return {**{f"sigma_{kind}": s.tolist() for kind, s in self.sigma.items()},
                 "sigma_q_head": self.sigma_head[:, 0].tolist(), "sigma_k_head": self.sigma_head[:, 1].tolist()}
 
@@ -188,7 +187,6 @@ class QKGuard:
                 raise ValueError(f"unknown guard {name} {value!r}: choose one of {', '.join(valid)}")
         self.enabled, self.signal, self.action, self.scope = enabled, signal, action, scope   # action: its name
         self.threshold = DEFAULT_THRESHOLD[signal] if threshold is None else threshold
-        # the action's hooks, with its own setting (None: the action's default)
         self.act = ACTIONS[action](tau=tau, lr_factor=lr_factor, clip_norm=clip_norm, softcap=softcap)
         self.trigger = None      # {"step", "layer", "head", "value"} of the first crossing
         self.layers = []         # layers the action covers, sorted
@@ -231,10 +229,9 @@ class QKGuard:
             values = self.watched_values(max_logit, sigma_head)
             crossed, copied = (values > self.threshold).any(), None
             if crossed.is_cuda:
-                stream = torch.cuda.current_stream(crossed.device)
                 crossed = crossed.to("cpu", non_blocking=True)   # pinned (caching host allocator)
                 copied = torch.cuda.Event()
-                copied.record(stream)
+                copied.record(torch.cuda.current_stream(values.device))
             self.pending = Pending(step, values, crossed, copied)
         return event
 

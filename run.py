@@ -48,13 +48,14 @@ RESUMABLE_CHANGES = {"max_steps", "log_interval", "eval_interval", "eval_iters",
                      "on_collapse", "resume", "device", "out_dir"}
 # The lab's assay switches (lab/assay.py adds its flags), off: without lab/, a run that set one cannot resume.
 ASSAY_OFF = {"inject_site": "none", "qk_fix": "off", "probe": "off"}
-CHECKPOINT_FORMAT = "qkguard-checkpoint-2"   # 2: tensors, numbers, strings, lists and dicts only
+CHECKPOINT_FORMAT = "qkguard-checkpoint-2"   # 2: tensors, numbers, strings, tuples, lists and dicts only
 # ckpt.pt, and what a crash inside RunDir.save can leave instead (newest_checkpoint reads them)
 CHECKPOINTS = ("ckpt.pt", "ckpt.pt.tmp", "ckpt.pt.prev")
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Value types: each refuses nonsense with a message argparse prints as "argument --flag: ...".
+# The flags. Their value types refuse nonsense with a message argparse prints as "argument --flag: ...";
+# the parser keeps each flag's default in p.flag_defaults, where None means "from the preset".
 
 def number(kind=float, low=None, high=None, above=False, below=False):
     """A parser of int or finite float values in [low, high] (above / below: bound excluded)."""
@@ -86,9 +87,6 @@ def rounding_sources(text):
                                          f"{','.join(ROUNDING_SOURCES)} separated by commas")
     return text
 
-
-# ----------------------------------------------------------------------------------------------------------------
-# The flags. The parser keeps each flag's default in p.flag_defaults, where None means "from the preset".
 
 def build_parser():
     p = argparse.ArgumentParser(prog="train.py", description="Train a GPT and watch (or guard) the query-key "
@@ -129,9 +127,8 @@ def build_parser():
         "(fp32 only)", choices=["auto", "triton", "torch", "sdpa"])
     add(g, "--accum", "fp32", "the streaming-softmax state (m, l, O): fp32 (the repair), bf16 (the fault), "
         "bf16-safemax (the prior work's fix at the source)", choices=list(ACCUM_MODES))
-    add(g, "--round", "auto", "the other bf16 rounding points, comma-separated: logits, pv, backward (what each "
-        "rounds: attention_kernel.py's docstring); none; or auto: logits,pv for bf16 inputs, so that --accum "
-        "changes the state alone", type=rounding_sources)
+    add(g, "--round", "auto", "the other bf16 rounding points (attention_kernel.py), comma-separated: logits, pv, "
+        "backward; none; or auto: logits,pv for bf16 inputs, so --accum changes the state alone", type=rounding_sources)
     add(g, "--attn-dtype", "bf16", "q, k, v enter attention in bf16 (as under a GPU's autocast), or native: in the "
         "dtype they were computed in", choices=["bf16", "native"])
     add(g, "--block-n", 0, "key block of the streaming loop (0: the kernel's default)", type=SIZE)
@@ -204,15 +201,14 @@ def parse_args(argv=None):
     args = argparse.Namespace(**{**parser.flag_defaults, **typed})
     if args.guard_threshold is None:   # the signal's default, as a number: config.json records it
         args.guard_threshold = DEFAULT_THRESHOLD[args.guard_signal]
-    extension_refusals = extension_module().refusals(args, typed) if extension_module() else []
-    for refused, message in refusals(args, typed) + extension_refusals:
+    for refused, message in refusals(args, typed):
         if refused:
             parser.error(message)
     return args, typed, parser
 
 
 def refusals(args, typed):
-    """(refused, why and what to do instead): settings that would do nothing or fail later."""
+    """(refused, why and what to do instead): settings that would do nothing or fail later; the assay's too."""
     guard_on, action, qk_normed = args.guard == "on", args.guard_action, qk_norm_from_step_0(args)
     return [
         (guard_on and action == "qknorm" and qk_normed,
@@ -220,18 +216,17 @@ def refusals(args, typed):
         (guard_on and action == "fp32-accum" and args.accum == "fp32",
          "--guard-action fp32-accum has nothing to switch when --accum is already fp32"),
         (guard_on and args.guard_signal == "max-logit" and (qk_normed or 0 < args.softcap <= args.guard_threshold),
-         "--guard-signal max-logit can never cross --guard-threshold when QK-norm or a smaller --softcap bounds "
-         "the logits: use --guard-signal sigma-product"),
+         "--guard-signal max-logit cannot cross --guard-threshold under QK-norm or a smaller --softcap: use "
+         "--guard-signal sigma-product"),
         (args.guard_scope == "crossed" and action in ("lr-drop", "clip"),
          f"--guard-scope crossed: --guard-action {action} acts on the whole model; use --guard-scope all"),
         (args.resume and "out_dir" not in typed, "--resume needs the --out-dir of the run to continue"),
         (args.attn_impl == "sdpa" and ("block_n" in typed or "safemax_beta" in typed),
          "--block-n and --safemax-beta belong to the streaming-softmax kernel, not to --attn-impl sdpa"),
-    ]
+    ] + (extension_module().refusals(args, typed) if extension_module() else [])
 
 
 def auto_preset(device_type):
-    """--preset auto: demo on a CPU, assay on a GPU."""
     return "demo" if device_type == "cpu" else "assay"
 
 
@@ -333,9 +328,8 @@ class Dist:
 
     def any(self, flag):
         """True on every rank when true on one (a signal may reach the ranks at different steps)."""
-        if self.world == 1:
-            return bool(flag)
-        return bool(self.all_reduce(torch.tensor(float(bool(flag)), device=self.device), "max"))
+        flag = bool(flag)
+        return flag if self.world == 1 else bool(self.all_reduce(torch.tensor(float(flag), device=self.device), "max"))
 
     def close(self):
         if self.world > 1:
@@ -385,7 +379,7 @@ def check_memory(args, device):
     B, T, L, C = args.batch_size, args.block_size, args.n_layer, args.n_embd
     need = 4 * 4 * B * args.n_head * T * min(T, args.block_n or 128) + 4 * 20 * B * T * L * C   # fp32 bytes
     if need > free:
-        raise SystemExit(f"error: this run needs about {need / 2**30:.1f} GiB, {free / 2**30:.1f} GiB are free: lower "
+        raise SystemExit(f"error: about {need / 2**30:.1f} GiB needed, {free / 2**30:.1f} free: lower "
                          f"--block-size or --batch-size")
 
 
@@ -426,9 +420,8 @@ def versions(device):
             # on two machines: lab/MEASUREMENTS.md); these say whether a replay can be bit for bit
             "torch_threads": torch.get_num_threads(),
             "cpu": cpu_name(), "cpu_capability": torch.backends.cpu.get_cpu_capability(),
-            "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
-            "host": platform.node(), "git_commit": commit,
-            "git_dirty": bool(git("status", "--porcelain")) if commit else None}
+            "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None, "host": platform.node(),
+            "git_commit": commit, "git_dirty": bool(git("status", "--porcelain")) if commit else None}
 
 
 def cpu_name():
@@ -524,14 +517,13 @@ class RunDir:
                            "world_size": dist.world, "params": params,
                            "started": time.strftime("%Y-%m-%d %H:%M:%S %Z")}, f, indent=2)
             save_source(args.out_dir, run_versions)
-        verb = "resuming" if args.resume else "starting"
         over = " (it had saved no checkpoint: starting over)" if args.resume and not resumed else ""
         self.write({"event": "resume" if args.resume else "start", "step": step, "from_checkpoint": resumed,
                    "versions": run_versions, "world_size": dist.world, "command": sys.argv, "changed": changed,
                    "data": self.data},
-                   f"{verb} {args.out_dir} at step {step}{over}: {args.preset} preset, {args.arch} "
-                   f"{args.n_layer}x{args.n_embd}, {params / 1e6:.2f}M params, {args.tokenizer} tokens, accum "
-                   f"{args.accum}, guard {args.guard}, on {dist.device} x{dist.world}")
+                   f"{'resuming' if args.resume else 'starting'} {args.out_dir} at step {step}{over}: {args.preset} "
+                   f"preset, {args.arch} {args.n_layer}x{args.n_embd}, {params / 1e6:.2f}M params, {args.tokenizer} "
+                   f"tokens, accum {args.accum}, guard {args.guard}, on {dist.device} x{dist.world}")
         return self
 
     def write(self, record, line=None):
@@ -559,11 +551,10 @@ class RunDir:
             os.replace(self.ckpt + ".tmp", self.ckpt)
 
     def restore(self, state, parts):
-        """Load every part from the checkpoint; returns its step."""
         if state.get("data_content_sha256") != self.data_hash:
-            raise SystemExit(f"error: the data in {self.args.data_dir} is not the data this run started with "
-                             f"(content hash {self.data_hash} != {state.get('data_content_sha256')}): resume with "
-                             f"the original data, or start a new run")
+            saved = state.get("data_content_sha256")
+            raise SystemExit(f"error: {self.args.data_dir} is not the data this run started with (content hash "
+                             f"{self.data_hash:.12} != {saved!s:.12}): resume on the original data, or start a new run")
         for name, part in parts.items():
             if part is not None:
                 part.load_state_dict(state[name])
@@ -613,10 +604,9 @@ def load_checkpoint(path):
 
 def rng_state(dist):
     """Every rank's RNG states (dropout differs per rank), as tensors and numbers."""
-    version, internal, gauss = random.getstate()
     kind, keys, pos, has_gauss, cached = np.random.get_state()
     cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
-    state = {"python": [version, list(internal), gauss], "torch": torch.get_rng_state(), "cuda": cuda,
+    state = {"python": random.getstate(), "torch": torch.get_rng_state(), "cuda": cuda,
              "numpy": [kind, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss, cached]}
     if dist.world == 1:
         return [state]
@@ -630,8 +620,7 @@ def set_rng_state(states, dist):
         print(f"warning: the checkpoint holds {len(states)} processes' RNG states, not {dist.world}: dropout differs")
         return
     state = states[dist.rank]
-    version, internal, gauss = state["python"]
-    random.setstate((version, tuple(internal), gauss))
+    random.setstate(state["python"])
     kind, keys, pos, has_gauss, cached = state["numpy"]
     np.random.set_state((kind, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
     torch.set_rng_state(state["torch"])

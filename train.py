@@ -196,7 +196,8 @@ def watch(step, model, monitor, guard, detector, totals, args, log):
     """Measure W_q's and W_k's top singular values, and give them and the max logit since the last
     check to the guard (which acts on a crossing one monitored step later: QKGuard.observe_deferred)."""
     monitor.measure(model, args.power_iters, kinds=QK_KINDS)
-    event = guard.observe_deferred(step, totals.take_monitor_max_logit(), monitor.sigma_head, model)
+    max_logit, totals.monitor_max_logit = totals.monitor_max_logit, None   # since the last check
+    event = guard.observe_deferred(step, max_logit, monitor.sigma_head, model)
     if event:
         detector.pause(event["active_from"] + args.collapse_grace)   # the switch is not a collapse
         log.write(event, f"step {event['step']:6d} | QK-Guard {event['event']}: {event['signal']} {event['value']:.1f}"
@@ -225,7 +226,6 @@ def write_interval_record(step, lr, grad_norm, model, args, dist, log, totals, m
 
 
 def collapsed(detector, record, log):
-    """Feed the detector the record's loss; log a collapse when it sees one."""
     if not detector.update(record["step"], record["loss"]):
         return False
     log.write({"event": "collapse", "step": detector.collapsed_at, "loss": record["loss"]},
@@ -251,10 +251,6 @@ class Totals:
         self.max_logit = running_max(self.max_logit, max_logit)
         self.monitor_max_logit = running_max(self.monitor_max_logit, max_logit)
 
-    def take_monitor_max_logit(self):
-        value, self.monitor_max_logit = self.monitor_max_logit, None
-        return value
-
     def take_interval(self, dist, tokens_per_step):
         """The interval's tokens/s, mean loss (all ranks) and max logit; the sums start over."""
         elapsed = time.time() - self.started
@@ -263,24 +259,15 @@ class Totals:
         self.loss_sum, self.steps, self.max_logit = 0.0, 0, None
         return interval
 
-    def state_dict(self):
-        return {"loss_sum": float(self.loss_sum), "steps": self.steps, "max_logit": moved(self.max_logit, "cpu"),
-                "monitor_max_logit": moved(self.monitor_max_logit, "cpu")}
+    def state_dict(self):   # the sums and maxima (None between intervals); main restarts the clock
+        return {k: v.cpu() if torch.is_tensor(v) else v for k, v in vars(self).items() if k != "device"}
 
     def load_state_dict(self, state):
-        self.loss_sum, self.steps = state["loss_sum"], state["steps"]
-        self.max_logit = moved(state["max_logit"], self.device)
-        self.monitor_max_logit = moved(state["monitor_max_logit"], self.device)
+        vars(self).update({k: v.to(self.device) if torch.is_tensor(v) else v for k, v in state.items()})
 
 
-def running_max(running, new):
-    """The elementwise max so far, on the device (None before the first value)."""
+def running_max(running, new):   # None before the first value
     return new if running is None else torch.maximum(running, new)
-
-
-def moved(x, device):
-    """x on device; None stays None (the running maxima are None between intervals)."""
-    return None if x is None else x.to(device)
 
 
 def lr_at(step, args):
@@ -294,8 +281,7 @@ def lr_at(step, args):
 
 
 def write_end_record(status, step, val_loss, detector, guard, args, log):
-    """The end record, and the run's last console line: what happened, and when. guard_pending: a
-    crossing at the last check, left without a step to act on."""
+    """The end record and the run's last line; guard_pending: a crossing the last check left no step to act on."""
     end = {"event": "end", "status": status, "step": step, "collapse_step": detector.collapsed_at,
            "guard_trigger": guard.trigger, "guard_pending": guard.pending_crossing(), "val_loss": val_loss}
     what = [f"run {status} at step {step}"]
@@ -319,7 +305,8 @@ def vocabulary(args, typed, windows):
     holds = f"{args.data_dir} holds {windows.tokenizer} tokens (its meta.json)"
     if args.resume and (args.tokenizer, args.vocab_size) != (windows.tokenizer, vocab):
         raise SystemExit(f"error: this run was trained on {args.tokenizer} tokens (vocabulary {args.vocab_size}) and "
-                         f"{holds}: resume it on the data it started with, or start a new run")
+                         f"{holds}: resume it on the data it started with (`python prepare_data.py --tokenizer "
+                         f"{args.tokenizer} --out-dir {args.data_dir}`), or start a new run")
     if "tokenizer" in typed and not args.resume and typed["tokenizer"] != windows.tokenizer:
         raise SystemExit(f"error: --tokenizer {typed['tokenizer']}, but {holds}: give --tokenizer {windows.tokenizer}, "
                          f"or a --data-dir prepared with --tokenizer {typed['tokenizer']}")
