@@ -51,11 +51,13 @@ ASSAY_OFF = {"inject_site": "none", "qk_fix": "off", "probe": "off"}
 CHECKPOINT_FORMAT = "qkguard-checkpoint-2"   # 2: tensors, numbers, strings, tuples, lists and dicts only
 # ckpt.pt, and what a crash inside RunDir.save can leave instead (newest_checkpoint reads them)
 CHECKPOINTS = ("ckpt.pt", "ckpt.pt.tmp", "ckpt.pt.prev")
+HERE = os.path.dirname(os.path.abspath(__file__))   # the code a run records (git, source.diff)
 
 
 # ----------------------------------------------------------------------------------------------------------------
 # The flags. Their value types refuse nonsense with a message argparse prints as "argument --flag: ...";
-# the parser keeps each flag's default in p.flag_defaults, where None means "from the preset".
+# the parser keeps each flag's default in p.flag_defaults, where None means "from the preset". Where lab/ is
+# present, the loop's optional extension below (lab/assay.py) adds its own flags, refusals and hooks.
 
 def number(kind=float, low=None, high=None, above=False, below=False):
     """A parser of int or finite float values in [low, high] (above / below: bound excluded)."""
@@ -110,7 +112,6 @@ def build_parser():
         "follows the data's meta.json", choices=list(prepare_data.TOKENIZERS))
     add(g, "--data-dir", "", "folder of train.bin, val.bin and meta.json, which names the tokenizer (empty: "
         "data/<dataset>, or data/<dataset>-byte for byte, beside train.py)")
-
     g = p.add_argument_group("model (sizes come from --preset unless given)")
     add(g, "--preset", "auto", "model and training defaults (auto: demo on a CPU, assay on a GPU)",
         choices=["auto", *PRESETS])
@@ -121,7 +122,6 @@ def build_parser():
     add(g, "--n-embd", None, "model width", type=COUNT)
     add(g, "--block-size", None, "context length", type=COUNT)
     add(g, "--dropout", 0.0, "dropout probability", type=FRACTION)
-
     g = p.add_argument_group("attention numerics (attention_kernel.py; its docstring has the rounding table)")
     add(g, "--attn-impl", "auto", "auto: the Triton kernel on CUDA, its PyTorch twin on a CPU; sdpa: PyTorch SDPA "
         "(fp32 only)", choices=["auto", "triton", "torch", "sdpa"])
@@ -136,7 +136,6 @@ def build_parser():
     add(g, "--qknorm", "off", "parameter-free QK-norm from step 0 (the always-on baseline)", choices=["off", "always"])
     add(g, "--softcap", 0.0, "tanh soft-cap of the logits from step 0 (0: off)", type=NONNEGATIVE)
     add(g, "--attn-scale", 0.0, "logit scale (0: 1/sqrt(head_dim)), often fixed with QK-norm", type=NONNEGATIVE)
-
     g = p.add_argument_group("monitor and QK-Guard (guard.py)")
     add(g, "--guard", "off", "QK-Guard: dormant until the signal first crosses --guard-threshold, then "
         "--guard-action stays on", choices=["on", "off"])
@@ -158,10 +157,8 @@ def build_parser():
     add(g, "--collapse-grace", 100, "steps after the guard acts in which a loss transient is no collapse (a "
         "non-finite loss always is)", type=SIZE)
     add(g, "--on-collapse", "stop", "what to do at a collapse", choices=["stop", "continue"])
-
     if extension_module():   # the lab's assay: --inject-*, --qk-fix, --probe*
         extension_module().add_flags(p, add)
-
     g = p.add_argument_group("optimization (defaults come from --preset unless given)")
     add(g, "--batch-size", None, "sequences per micro-batch (per process)", type=COUNT)
     add(g, "--grad-accum", None, "micro-batches per step, over all processes", type=COUNT)
@@ -176,7 +173,6 @@ def build_parser():
     add(g, "--beta1", 0.9, "AdamW beta1", type=FRACTION)
     add(g, "--beta2", 0.95, "AdamW beta2", type=FRACTION)
     add(g, "--grad-clip", 1.0, "gradient-norm clip (0: off)", type=NONNEGATIVE)
-
     g = p.add_argument_group("run (run.py)")
     add(g, "--out-dir", "", "run directory (empty: runs/<date>-<time>-<accum>-guard-<on|off>)")
     add(g, "--resume", False, "continue the run in --out-dir from ckpt.pt", action="store_true")
@@ -268,9 +264,6 @@ def padded_vocab(n):
     return 64 * math.ceil(n / 64)
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# The loop's optional extension: lab/assay.py where the lab folder is present
-
 @functools.cache
 def extension_module():
     """lab.assay (its flags, refusals and hooks) where lab/ is present, else None: `rm -r lab` leaves a
@@ -295,8 +288,7 @@ class Extension:
 
 def extension(args, model, first_batch, autocast):
     """The run's extension: lab/assay.py's Assay (a no-op without assay flags), or one doing nothing."""
-    module = extension_module()
-    return module.Assay.from_args(args, model, first_batch, autocast) if module else Extension()
+    return extension_module().Assay.from_args(args, model, first_batch, autocast) if extension_module() else Extension()
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -361,10 +353,9 @@ def tune_cpu_allocator():
         libc = ctypes.CDLL("libc.so.6")
     except OSError:   # not glibc (macOS, Windows, musl): nothing to tune
         return
-    M_TRIM_THRESHOLD, M_TOP_PAD, M_MMAP_THRESHOLD = -1, -2, -3
-    libc.mallopt(M_MMAP_THRESHOLD, 1 << 30)
-    libc.mallopt(M_TRIM_THRESHOLD, 1 << 30)
-    libc.mallopt(M_TOP_PAD, 64 << 20)
+    M_TRIM_THRESHOLD, M_TOP_PAD, M_MMAP_THRESHOLD = -1, -2, -3   # glibc's mallopt parameters
+    for param, value in ((M_MMAP_THRESHOLD, 1 << 30), (M_TRIM_THRESHOLD, 1 << 30), (M_TOP_PAD, 64 << 20)):
+        libc.mallopt(param, value)
 
 
 def check_memory(args, device):
@@ -415,13 +406,13 @@ def versions(device):
     import triton
     commit = git("rev-parse", "HEAD") or None
     return {"python": platform.python_version(), "torch": torch.__version__, "triton": triton.__version__,
-            "numpy": np.__version__, "device": str(device),
+            "numpy": np.__version__, "device": str(device), "host": platform.node(), "git_commit": commit,
+            "git_dirty": bool(git("status", "--porcelain")) if commit else None,
+            "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
             # a CPU's sums follow its thread count and the machine (one seed and packages differed by step 9
             # on two machines: lab/MEASUREMENTS.md); these say whether a replay can be bit for bit
-            "torch_threads": torch.get_num_threads(),
-            "cpu": cpu_name(), "cpu_capability": torch.backends.cpu.get_cpu_capability(),
-            "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None, "host": platform.node(),
-            "git_commit": commit, "git_dirty": bool(git("status", "--porcelain")) if commit else None}
+            "torch_threads": torch.get_num_threads(), "cpu": cpu_name(),
+            "cpu_capability": torch.backends.cpu.get_cpu_capability()}
 
 
 def cpu_name():
@@ -435,8 +426,7 @@ def cpu_name():
 
 def git(*cmd):
     try:
-        return subprocess.run(["git", *cmd], capture_output=True, text=True, timeout=10,
-                              cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip()
+        return subprocess.run(["git", *cmd], capture_output=True, text=True, timeout=10, cwd=HERE).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         return ""
 
@@ -444,12 +434,11 @@ def git(*cmd):
 def save_source(out_dir, run_versions):
     """An edited tree cannot be replayed from its commit: save `git diff` with the new files as
     source.diff (`git apply` it on that commit); without git, copy every .py file to source/."""
-    here = os.path.dirname(os.path.abspath(__file__))
     if run_versions["git_commit"] is None:
         os.makedirs(os.path.join(out_dir, "source"), exist_ok=True)
-        for name in sorted(os.listdir(here)):
+        for name in sorted(os.listdir(HERE)):
             if name.endswith(".py"):
-                shutil.copyfile(os.path.join(here, name), os.path.join(out_dir, "source", name))
+                shutil.copyfile(os.path.join(HERE, name), os.path.join(out_dir, "source", name))
         return
     if not run_versions["git_dirty"]:
         return
@@ -499,12 +488,10 @@ class RunDir:
 
     def __init__(self, args, dist, data):   # data: prepare_data.TokenWindows.identity, what the run trains on
         self.args, self.dist, self.data = args, dist, data
-        self.data_hash = data["content_sha256"]
         self.ckpt = os.path.join(args.out_dir, "ckpt.pt")
 
     def start_log(self, params, step, resumed, changed):
-        """Open log.jsonl with a start (or resume) record; a new run saves config.json, source.diff. Returns
-        the log: this object's write()."""
+        """log.jsonl with a start (or resume) record, returned as the log; a new run saves config.json, source.diff."""
         args, dist = self.args, self.dist
         if dist.master:
             os.makedirs(args.out_dir, exist_ok=True)
@@ -540,7 +527,7 @@ class RunDir:
         fsync, old one to .prev, rename: a crash at any time leaves a whole checkpoint."""
         state = {"format": CHECKPOINT_FORMAT, "step": step, "args": vars(self.args),
                  **{name: part.state_dict() for name, part in parts.items() if part is not None},
-                 "data_content_sha256": self.data_hash, "rng": rng_state(self.dist)}
+                 "data_content_sha256": self.data["content_sha256"], "rng": rng_state(self.dist)}
         if self.dist.master:
             with open(self.ckpt + ".tmp", "wb") as f:
                 torch.save(state, f)
@@ -551,10 +538,10 @@ class RunDir:
             os.replace(self.ckpt + ".tmp", self.ckpt)
 
     def restore(self, state, parts):
-        if state.get("data_content_sha256") != self.data_hash:
+        if state.get("data_content_sha256") != self.data["content_sha256"]:
             saved = state.get("data_content_sha256")
             raise SystemExit(f"error: {self.args.data_dir} is not the data this run started with (content hash "
-                             f"{self.data_hash:.12} != {saved!s:.12}): resume on the original data, or start a new run")
+                             f"{self.data['content_sha256']:.12} != {saved!s:.12}): resume on the original data")
         for name, part in parts.items():
             if part is not None:
                 part.load_state_dict(state[name])

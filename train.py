@@ -124,9 +124,8 @@ def configure(argv):
 
 
 def build_model(args, dist, use_bf16):
-    """The model, the same on every rank and checked against the kernel, its optimizer, and the models to
-    train and to evaluate: torch.compile'd with --compile; training under DDP with several processes (eval
-    skips DDP: a rank with no eval batch must owe no collective)."""
+    """The model (the same on every rank, checked against the kernel), its optimizer, and the --compile'd models
+    to train (DDP with several processes) and to evaluate (no DDP: a rank with no eval batch owes no collective)."""
     torch.manual_seed(args.seed)                 # the same initial weights on every rank
     model = model_lib.GPT(run.model_config(args)).to(dist.device)
     check_attention_settings(model, dist.device, args, use_bf16)
