@@ -7,7 +7,7 @@ Train a GPT and watch (or guard) the query-key channel.
 
 Every choice is a flag (`python train.py --help`): run.py defines them, the presets and the run folder
 (--out-dir: config.json, log.jsonl, ckpt.pt). The loop's numbered comments mark where the guard acts; at
-its `assay.` lines lab/assay.py's extension (injected errors, the QK-only fix, the probe) acts if lab/ is.
+its `assay.` lines lab/assay.py's extension (injected errors, the QK-only fix, the probe) acts where lab/ is present.
 """
 import contextlib
 import math
