@@ -1,14 +1,9 @@
 """
 QK-Guard: watch the query-key channel, stay dormant, and switch an action on at the first crossing.
 
-Four parts, one screen each:
-  SpectralMonitor   the top singular value of every weight matrix per layer, and of W_q, W_k per
-                    head, by power iteration carried across steps (never a full SVD)
-  the actions       one class each (QK-norm, QK-Clip, the non-QK controls, the fix at the source)
-  QKGuard           the dormant controller: first crossing -> an action on for the rest of the run
-  CollapseDetector  a non-finite loss, or a loss stuck above its running minimum by a margin
-
-The max attention logit is free to watch: the kernel returns it, and forward() passes it on.
+SpectralMonitor measures the weights (never a full SVD); the actions are one class each; QKGuard is the
+dormant controller; CollapseDetector tells a collapsed run. The max attention logit is free to watch: the
+kernel returns it, and forward() passes it on.
 """
 import math
 from typing import NamedTuple, Optional
@@ -18,26 +13,20 @@ import torch
 from model import WEIGHT_KINDS
 
 SIGNALS = ("max-logit", "sigma-product")
-# Default thresholds, between healthy runs and runaways: max-logit's from SOURCES.md's H200 runs,
-# sigma-product's from lab/MEASUREMENTS.md's CPU runs; the latter scales with the model, so set it from
-# a healthy run's log. QKGuard(threshold=None) takes its signal's.
+# Default thresholds, between healthy runs and runaways: max-logit's from SOURCES.md's H200 runs, sigma-product's
+# from lab/MEASUREMENTS.md's CPU runs (it scales with the model: set it from a healthy run's log).
 DEFAULT_THRESHOLD = {"max-logit": 200.0, "sigma-product": 50.0}
 SCOPES = ("all", "crossed")
-# The actions by name, one class each below: a new one is a subclass of Action there, and
-# --guard-action's choices and the lab's claim 6 arms follow. The lab imports this registry, so its
-# report needs torch too (installed where the runs ran): one list, not a copy kept in step by a test.
+# The actions by name, filled by Action's subclasses below: --guard-action's choices and the lab's claim 6
+# arms follow it (the lab imports it: one list, not a copy kept in step by a test).
 ACTIONS = {}
 DEFAULT_ACTION = "qknorm"
 
 
 class SpectralMonitor:
-    """sigma_max(W) ~= |W v|, v the top right singular vector refined by `iters` power steps.
-
-    The weights move little per step, so the v carried over stays close and one iteration keeps it
-    converged (test_training.py checks it against the exact value). Each kind's layers are stacked
-    in fp32 for batched products. Latest values: sigma {kind: (n_layer,)}, sigma_head (n_layer, 2,
-    n_head) with W_q at [:, 0].
-    """
+    """sigma_max(W) ~= |W v|, v the top right singular vector refined by `iters` power steps. The weights
+    move little per step, so the v carried over stays close and one iteration keeps it converged
+    (test_training.py checks it against the exact value)."""
 
     def __init__(self, model, seed=0):
         gen = torch.Generator().manual_seed(seed)
@@ -72,11 +61,9 @@ class SpectralMonitor:
         self.sigma = {**(self.sigma or {}), **norms}                  # {kind: (n_layer,)}
         return self.sigma, self.sigma_head
 
-    def record(self):
-        """For the log: sigma_<kind> per layer, sigma_{q,k}_head per layer and head."""
-        out = {f"sigma_{kind}": s.tolist() for kind, s in self.sigma.items()}
-        out.update(sigma_q_head=self.sigma_head[:, 0].tolist(), sigma_k_head=self.sigma_head[:, 1].tolist())
-        return out
+    def record(self):   # for the log
+        return {**{f"sigma_{kind}": s.tolist() for kind, s in self.sigma.items()},
+                "sigma_q_head": self.sigma_head[:, 0].tolist(), "sigma_k_head": self.sigma_head[:, 1].tolist()}
 
     def state_dict(self):
         return {"v": {k: v.cpu() for k, v in self.v.items()}, "sigma": {k: s.cpu() for k, s in self.sigma.items()},
@@ -90,11 +77,10 @@ class SpectralMonitor:
 
 
 class Action:
-    """What the guard switches on once it fires: the hooks below, each where train.py's loop calls it
-    (no-ops here; an action overrides those it needs). A subclass registers itself in ACTIONS by name.
-    Its settings are class attributes (the defaults) named as QKGuard's keywords. kind, for the lab's
-    claim 6: "qk" acts on the query-key channel, "non-qk" is a control that acts elsewhere, "source"
-    removes the error where it starts."""
+    """What the guard switches on once it fires: the hooks below (no-ops; an action overrides those it needs).
+    Its settings are class attributes (the defaults) named as QKGuard's keywords. kind, for the lab's claim
+    6: "qk" acts on the query-key channel, "non-qk" is a control that acts elsewhere, "source" removes the
+    error where it starts."""
     name = kind = words = None         # words: the action in the lab's reports and plots
 
     def __init_subclass__(cls):        # every action is registered by its name
@@ -192,22 +178,15 @@ class QKGuard:
             "sigma-product": sigma(W_q,h) * sigma(W_k,h), the bound on the head's bilinear form.
     scope   "all":     every layer from the trigger on (one switch, one recompile).
             "crossed": only layers whose signal crossed; a layer that crosses later joins then.
-
-    observe_deferred() checks one monitored step late: the crossing flag reaches the host in the
-    background while the next step runs, so the GPU never waits for it.
     """
 
     def __init__(self, *, threshold=None, enabled=False, signal="max-logit", action=DEFAULT_ACTION, scope="all",
                  tau=None, lr_factor=None, clip_norm=None, softcap=None):
-        for name, value, valid in (("signal", signal, SIGNALS), ("action", action, ACTIONS),
-                                   ("scope", scope, SCOPES)):
+        for name, value, valid in (("signal", signal, SIGNALS), ("action", action, ACTIONS), ("scope", scope, SCOPES)):
             if value not in valid:
                 raise ValueError(f"unknown guard {name} {value!r}: choose one of {', '.join(valid)}")
-        self.enabled, self.signal = enabled, signal
-        # in the signal's units; None: its DEFAULT_THRESHOLD, resolved here only
+        self.enabled, self.signal, self.action, self.scope = enabled, signal, action, scope   # action: its name
         self.threshold = DEFAULT_THRESHOLD[signal] if threshold is None else threshold
-        self.action, self.scope = action, scope      # action: the name, for logs
-        # the action's hooks, with its own setting (None: the action's default)
         self.act = ACTIONS[action](tau=tau, lr_factor=lr_factor, clip_norm=clip_norm, softcap=softcap)
         self.trigger = None      # {"step", "layer", "head", "value"} of the first crossing
         self.layers = []         # layers the action covers, sorted
@@ -215,8 +194,7 @@ class QKGuard:
 
     @classmethod
     def from_args(cls, args):
-        """The guard train.py's flags (--guard*, and each action's own) describe; sample.py rebuilds a
-        run's from its saved flags."""
+        """The guard of train.py's flags (--guard*, each action's own); sample.py's, from the saved flags."""
         return cls(enabled=args.guard == "on", signal=args.guard_signal, threshold=args.guard_threshold,
                    action=args.guard_action, scope=args.guard_scope, tau=args.qkclip_tau,
                    lr_factor=args.lr_drop_factor, clip_norm=args.clip_tight, softcap=args.softcap_value)
@@ -234,8 +212,7 @@ class QKGuard:
     def watched_values(self, max_logit, sigma_head):
         """The signal (n_layer, n_head) of the layers the action does not cover yet; covered layers get
         -inf, or a signal the action does not lower (sigma-product under qknorm) would cross each check."""
-        values = max_logit if self.signal == "max-logit" else sigma_head[:, 0] * sigma_head[:, 1]
-        values = values.float().clone()
+        values = (max_logit if self.signal == "max-logit" else sigma_head[:, 0] * sigma_head[:, 1]).float().clone()
         values[self.layers] = -math.inf
         return values
 
@@ -252,10 +229,9 @@ class QKGuard:
             values = self.watched_values(max_logit, sigma_head)
             crossed, copied = (values > self.threshold).any(), None
             if crossed.is_cuda:
-                stream = torch.cuda.current_stream(crossed.device)
                 crossed = crossed.to("cpu", non_blocking=True)   # pinned (caching host allocator)
                 copied = torch.cuda.Event()
-                copied.record(stream)
+                copied.record(torch.cuda.current_stream(values.device))
             self.pending = Pending(step, values, crossed, copied)
         return event
 
@@ -321,19 +297,15 @@ class QKGuard:
 
 
 class CollapseDetector:
-    """Collapse: a non-finite loss, or the smoothed (EMA) loss above its running minimum + margin
-    for `patience` logged steps in a row; small-batch noise and a spike that recovers do not count.
-    collapsed_at is the first step of the bad streak.
-
-    The guard's own switch (QK-norm cuts logits of hundreds in one step) can shake the loss for a
-    while: pause(until) ignores it up to step `until`; a loss still too high after that counts."""
+    """Collapse: a non-finite loss, or the smoothed (EMA) loss above its running minimum + margin for
+    `patience` logged steps in a row; small-batch noise and a spike that recovers do not count. collapsed_at
+    is the first step of the bad streak. The guard's own switch (QK-norm cuts logits of hundreds in one
+    step) can shake the loss: pause(until) ignores it up to step `until`; a loss still too high then counts."""
 
     def __init__(self, margin=1.0, patience=5, smoothing=0.9):
         self.margin, self.patience, self.smoothing = margin, patience, smoothing
-        self.ema, self.best = None, math.inf
-        self.streak_start, self.streak = None, 0
-        self.collapsed_at = None
-        self.paused_until = -1
+        self.ema, self.best, self.streak_start, self.streak = None, math.inf, None, 0
+        self.collapsed_at, self.paused_until = None, -1
 
     def pause(self, until):
         self.paused_until = max(self.paused_until, until)

@@ -4,13 +4,6 @@ processes, the run folder (config.json, log.jsonl, ckpt.pt, source.diff), exact 
 
 A value comes from the command line, else from --preset (auto: demo on a CPU, assay on a GPU), else
 from the flag's default. Numbers are checked as parsed: a bad one fails in one line naming the flag.
-
-  parse_args, resolve   the flags, checked; then the preset's values and what needs the sizes
-  Dist                  one process, or one per GPU (or CPU worker) under torchrun
-  start_run             a new run refuses a folder holding another; --resume takes the saved flags
-  RunDir                the start record, checkpoints (atomic, weights_only) and the way back
-  StopSignal            a first Ctrl-C (or SIGTERM) stops after the step with a checkpoint
-  Extension             the loop's optional extension points (lab/assay.py fills them)
 """
 import argparse
 import dataclasses
@@ -21,6 +14,7 @@ import math
 import os
 import platform
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -34,42 +28,36 @@ import prepare_data
 from attention_kernel import ACCUM_MODES, ROUNDING_SOURCES
 from guard import ACTIONS, DEFAULT_THRESHOLD, SCOPES, SIGNALS
 
-# Training defaults per preset; the model sizes are model.MODEL_SIZES[preset["size"]].
-PRESETS = {
+# Training defaults per preset, one column per flag; the model sizes are model.MODEL_SIZES[size].
+PRESET_COLUMNS = ("size", "tokenizer", "batch_size", "grad_accum", "max_steps", "lr", "min_lr", "warmup_steps",
+                  "schedule", "log_interval", "eval_interval", "eval_iters", "ckpt_interval")
+PRESETS = {name: dict(zip(PRESET_COLUMNS, row)) for name, row in {
     # demo (auto's pick on a CPU): the cpu model at an lr that makes its logits run away (README)
-    "demo": dict(size="cpu", tokenizer="byte", batch_size=8, grad_accum=1, max_steps=300, lr=3e-2, min_lr=3e-2,
-                 warmup_steps=20, schedule="constant", log_interval=10, eval_interval=100, eval_iters=4, ckpt_interval=100),
-    "cpu": dict(size="cpu", tokenizer="byte", batch_size=8, grad_accum=1, max_steps=100, lr=3e-3, min_lr=3e-4,
-                warmup_steps=10, schedule="cosine", log_interval=10, eval_interval=50, eval_iters=4, ckpt_interval=50),
+    "demo":        ("cpu", "byte", 8, 1, 300, 3e-2, 3e-2, 20, "constant", 10, 100, 4, 100),
+    "cpu":         ("cpu", "byte", 8, 1, 100, 3e-3, 3e-4, 10, "cosine", 10, 50, 4, 50),
     # lab (the claims sweeps of RESULTS.md): the cpu model at a healthy lr, held constant so that
     # an injected error meets the same optimizer all run long
-    "lab": dict(size="cpu", tokenizer="byte", batch_size=8, grad_accum=1, max_steps=300, lr=3e-3, min_lr=3e-3,
-                warmup_steps=20, schedule="constant", log_interval=10, eval_interval=100, eval_iters=4,
-                ckpt_interval=100),
-    "assay": dict(size="assay", tokenizer="gpt2", batch_size=32, grad_accum=1, max_steps=2000, lr=2e-3, min_lr=2e-3,
-                  warmup_steps=200, schedule="constant", log_interval=10, eval_interval=250, eval_iters=20,
-                  ckpt_interval=500),
-    "gpt2": dict(size="gpt2", tokenizer="gpt2", batch_size=16, grad_accum=32, max_steps=60000, lr=1e-3, min_lr=1e-4,
-                 warmup_steps=2000, schedule="cosine", log_interval=10, eval_interval=1000, eval_iters=50,
-                 ckpt_interval=1000),
-    "gpt2-medium": dict(size="gpt2-medium", tokenizer="gpt2", batch_size=8, grad_accum=64, max_steps=60000, lr=6e-4,
-                        min_lr=6e-5, warmup_steps=2000, schedule="cosine", log_interval=10, eval_interval=1000,
-                        eval_iters=50, ckpt_interval=1000),
-}
+    "lab":         ("cpu", "byte", 8, 1, 300, 3e-3, 3e-3, 20, "constant", 10, 100, 4, 100),
+    "assay":       ("assay", "gpt2", 32, 1, 2000, 2e-3, 2e-3, 200, "constant", 10, 250, 20, 500),
+    "gpt2":        ("gpt2", "gpt2", 16, 32, 60000, 1e-3, 1e-4, 2000, "cosine", 10, 1000, 50, 1000),
+    "gpt2-medium": ("gpt2-medium", "gpt2", 8, 64, 60000, 6e-4, 6e-5, 2000, "cosine", 10, 1000, 50, 1000),
+}.items()}
 PRESET_KEYS = {key for values in (*PRESETS.values(), *model_lib.MODEL_SIZES.values()) for key in values}
 # Flags that may change when a run is resumed; any other difference from the saved run is an error.
 RESUMABLE_CHANGES = {"max_steps", "log_interval", "eval_interval", "eval_iters", "ckpt_interval", "compile",
                      "on_collapse", "resume", "device", "out_dir"}
 # The lab's assay switches (lab/assay.py adds its flags), off: without lab/, a run that set one cannot resume.
 ASSAY_OFF = {"inject_site": "none", "qk_fix": "off", "probe": "off"}
-CHECKPOINT_FORMAT = "qkguard-checkpoint-2"   # 2: tensors, numbers, strings, lists and dicts only
-# A checkpoint and what save_checkpoint leaves beside it: a crash between its two renames leaves a
-# whole ckpt.pt.tmp (the newest) and ckpt.pt.prev, and no ckpt.pt.
+CHECKPOINT_FORMAT = "qkguard-checkpoint-2"   # 2: tensors, numbers, strings, tuples, lists and dicts only
+# ckpt.pt, and what a crash inside RunDir.save can leave instead (newest_checkpoint reads them)
 CHECKPOINTS = ("ckpt.pt", "ckpt.pt.tmp", "ckpt.pt.prev")
+HERE = os.path.dirname(os.path.abspath(__file__))   # the code a run records (git, source.diff)
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Value types: each refuses nonsense with a message argparse prints as "argument --flag: ...".
+# The flags. Their value types refuse nonsense with a message argparse prints as "argument --flag: ...";
+# the parser keeps each flag's default in p.flag_defaults, where None means "from the preset". Where lab/ is
+# present, the loop's optional extension below (lab/assay.py) adds its own flags, refusals and hooks.
 
 def number(kind=float, low=None, high=None, above=False, below=False):
     """A parser of int or finite float values in [low, high] (above / below: bound excluded)."""
@@ -102,9 +90,6 @@ def rounding_sources(text):
     return text
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# The flags. The parser keeps each flag's default in p.flag_defaults, where None means "from the preset".
-
 def build_parser():
     p = argparse.ArgumentParser(prog="train.py", description="Train a GPT and watch (or guard) the query-key "
                                 "channel.", formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -121,13 +106,12 @@ def build_parser():
         group.add_argument(flag, default=None, help=help, **kw)
 
     g = p.add_argument_group("data")
-    add(g, "--dataset", "pycode", "dataset name (pycode: this Python's own sources, prepared on "
-        "first use; others: see prepare_data.py)")
-    add(g, "--tokenizer", None, "byte (the CPU presets) or gpt2 (GPT-2's BPE: the GPU presets); "
-        "the vocabulary follows the data's meta.json", choices=list(prepare_data.TOKENIZERS))
-    add(g, "--data-dir", "", "folder of train.bin, val.bin and meta.json, which names the "
-        "tokenizer (empty: data/<dataset>, or data/<dataset>-byte for byte, beside train.py)")
-
+    add(g, "--dataset", "pycode", "dataset name (pycode: this Python's own sources, prepared on first use; others: "
+        "see prepare_data.py)")
+    add(g, "--tokenizer", None, "byte (the CPU presets) or gpt2 (GPT-2's BPE: the GPU presets); the vocabulary "
+        "follows the data's meta.json", choices=list(prepare_data.TOKENIZERS))
+    add(g, "--data-dir", "", "folder of train.bin, val.bin and meta.json, which names the tokenizer (empty: "
+        "data/<dataset>, or data/<dataset>-byte for byte, beside train.py)")
     g = p.add_argument_group("model (sizes come from --preset unless given)")
     add(g, "--preset", "auto", "model and training defaults (auto: demo on a CPU, assay on a GPU)",
         choices=["auto", *PRESETS])
@@ -138,37 +122,31 @@ def build_parser():
     add(g, "--n-embd", None, "model width", type=COUNT)
     add(g, "--block-size", None, "context length", type=COUNT)
     add(g, "--dropout", 0.0, "dropout probability", type=FRACTION)
-
     g = p.add_argument_group("attention numerics (attention_kernel.py; its docstring has the rounding table)")
-    add(g, "--attn-impl", "auto", "auto: the Triton kernel on CUDA, its PyTorch twin on a CPU; "
-        "sdpa: PyTorch SDPA (fp32 only)", choices=["auto", "triton", "torch", "sdpa"])
-    add(g, "--accum", "fp32", "the streaming-softmax state (m, l, O): fp32 (the repair), bf16 (the "
-        "fault), bf16-safemax (the prior work's fix at the source)", choices=list(ACCUM_MODES))
-    add(g, "--round", "auto", "the other bf16 rounding points, comma-separated: logits, pv, backward "
-        "(what each rounds: attention_kernel.py's docstring); none; or auto: logits,pv for bf16 "
-        "inputs, so that --accum changes the state alone", type=rounding_sources)
-    add(g, "--attn-dtype", "bf16", "q, k, v enter attention in bf16 (as under a GPU's autocast), "
-        "or native: in the dtype they were computed in", choices=["bf16", "native"])
+    add(g, "--attn-impl", "auto", "auto: the Triton kernel on CUDA, its PyTorch twin on a CPU; sdpa: PyTorch SDPA "
+        "(fp32 only)", choices=["auto", "triton", "torch", "sdpa"])
+    add(g, "--accum", "fp32", "the streaming-softmax state (m, l, O): fp32 (the repair), bf16 (the fault), "
+        "bf16-safemax (the prior work's fix at the source)", choices=list(ACCUM_MODES))
+    add(g, "--round", "auto", "the other bf16 rounding points (attention_kernel.py), comma-separated: logits, pv, "
+        "backward; none; or auto: logits,pv for bf16 inputs, so --accum changes the state alone", type=rounding_sources)
+    add(g, "--attn-dtype", "bf16", "q, k, v enter attention in bf16 (as under a GPU's autocast), or native: in the "
+        "dtype they were computed in", choices=["bf16", "native"])
     add(g, "--block-n", 0, "key block of the streaming loop (0: the kernel's default)", type=SIZE)
     add(g, "--safemax-beta", 2.0, "bf16-safemax: shift repeated maxima by beta*max", type=number(low=1, above=True))
-    add(g, "--qknorm", "off", "parameter-free QK-norm from step 0 (the always-on baseline)",
-        choices=["off", "always"])
+    add(g, "--qknorm", "off", "parameter-free QK-norm from step 0 (the always-on baseline)", choices=["off", "always"])
     add(g, "--softcap", 0.0, "tanh soft-cap of the logits from step 0 (0: off)", type=NONNEGATIVE)
-    add(g, "--attn-scale", 0.0, "logit scale (0: 1/sqrt(head_dim)), often fixed with QK-norm",
-        type=NONNEGATIVE)
-
+    add(g, "--attn-scale", 0.0, "logit scale (0: 1/sqrt(head_dim)), often fixed with QK-norm", type=NONNEGATIVE)
     g = p.add_argument_group("monitor and QK-Guard (guard.py)")
-    add(g, "--guard", "off", "QK-Guard: dormant until the signal first crosses --guard-threshold, "
-        "then --guard-action stays on", choices=["on", "off"])
+    add(g, "--guard", "off", "QK-Guard: dormant until the signal first crosses --guard-threshold, then "
+        "--guard-action stays on", choices=["on", "off"])
     add(g, "--guard-signal", "max-logit", "the signal, per layer and head", choices=list(SIGNALS))
     add(g, "--guard-threshold", None, "trigger level (default: the signal's, " + ", ".join(
         f"{s} {v:g}" for s, v in DEFAULT_THRESHOLD.items()) + "; see the README)", type=POSITIVE)
-    add(g, "--guard-action", "qknorm", "qknorm (the paper's), qkclip (weight-side QK), or the "
-        "non-QK controls lr-drop, clip, softcap, fp32-accum", choices=list(ACTIONS))
+    add(g, "--guard-action", "qknorm", "qknorm (the paper's), qkclip (weight-side QK), or the non-QK controls "
+        "lr-drop, clip, softcap, fp32-accum", choices=list(ACTIONS))
     add(g, "--guard-scope", "all", "act on every layer, or on crossed layers", choices=list(SCOPES))
     add(g, "--qkclip-tau", 100.0, "qkclip: cap on each head's max logit", type=POSITIVE)
-    add(g, "--lr-drop-factor", 0.1, "lr-drop: multiply the lr by this", type=number(low=0, high=1,
-                                                                                    above=True))
+    add(g, "--lr-drop-factor", 0.1, "lr-drop: multiply the lr by this", type=number(low=0, high=1, above=True))
     add(g, "--clip-tight", 0.1, "clip: gradient-norm clip after the trigger", type=POSITIVE)
     add(g, "--softcap-value", 50.0, "softcap action: the cap c (Gemma 2 uses 50)", type=POSITIVE)
     add(g, "--monitor-interval", 1, "monitor (sigmas, guard check) every N steps", type=COUNT)
@@ -176,13 +154,11 @@ def build_parser():
     add(g, "--collapse-margin", 1.0, "collapse: loss above its running min by this", type=POSITIVE)
     add(g, "--collapse-patience", 5, "... for this many logged steps in a row", type=COUNT)
     add(g, "--collapse-smoothing", 0.9, "EMA factor applied to logged losses first", type=FRACTION)
-    add(g, "--collapse-grace", 100, "steps after the guard acts in which a loss transient is no "
-        "collapse (a non-finite loss always is)", type=SIZE)
+    add(g, "--collapse-grace", 100, "steps after the guard acts in which a loss transient is no collapse (a "
+        "non-finite loss always is)", type=SIZE)
     add(g, "--on-collapse", "stop", "what to do at a collapse", choices=["stop", "continue"])
-
     if extension_module():   # the lab's assay: --inject-*, --qk-fix, --probe*
         extension_module().add_flags(p, add)
-
     g = p.add_argument_group("optimization (defaults come from --preset unless given)")
     add(g, "--batch-size", None, "sequences per micro-batch (per process)", type=COUNT)
     add(g, "--grad-accum", None, "micro-batches per step, over all processes", type=COUNT)
@@ -197,7 +173,6 @@ def build_parser():
     add(g, "--beta1", 0.9, "AdamW beta1", type=FRACTION)
     add(g, "--beta2", 0.95, "AdamW beta2", type=FRACTION)
     add(g, "--grad-clip", 1.0, "gradient-norm clip (0: off)", type=NONNEGATIVE)
-
     g = p.add_argument_group("run (run.py)")
     add(g, "--out-dir", "", "run directory (empty: runs/<date>-<time>-<accum>-guard-<on|off>)")
     add(g, "--resume", False, "continue the run in --out-dir from ckpt.pt", action="store_true")
@@ -222,15 +197,14 @@ def parse_args(argv=None):
     args = argparse.Namespace(**{**parser.flag_defaults, **typed})
     if args.guard_threshold is None:   # the signal's default, as a number: config.json records it
         args.guard_threshold = DEFAULT_THRESHOLD[args.guard_signal]
-    extension_refusals = extension_module().refusals(args, typed) if extension_module() else []
-    for refused, message in refusals(args, typed) + extension_refusals:
+    for refused, message in refusals(args, typed):
         if refused:
             parser.error(message)
     return args, typed, parser
 
 
 def refusals(args, typed):
-    """(refused, why and what to do instead): settings that would do nothing or fail later."""
+    """(refused, why and what to do instead): settings that would do nothing or fail later; the assay's too."""
     guard_on, action, qk_normed = args.guard == "on", args.guard_action, qk_norm_from_step_0(args)
     return [
         (guard_on and action == "qknorm" and qk_normed,
@@ -238,18 +212,17 @@ def refusals(args, typed):
         (guard_on and action == "fp32-accum" and args.accum == "fp32",
          "--guard-action fp32-accum has nothing to switch when --accum is already fp32"),
         (guard_on and args.guard_signal == "max-logit" and (qk_normed or 0 < args.softcap <= args.guard_threshold),
-         "--guard-signal max-logit can never cross --guard-threshold when QK-norm or a smaller --softcap bounds "
-         "the logits: use --guard-signal sigma-product"),
+         "--guard-signal max-logit cannot cross --guard-threshold under QK-norm or a smaller --softcap: use "
+         "--guard-signal sigma-product"),
         (args.guard_scope == "crossed" and action in ("lr-drop", "clip"),
          f"--guard-scope crossed: --guard-action {action} acts on the whole model; use --guard-scope all"),
         (args.resume and "out_dir" not in typed, "--resume needs the --out-dir of the run to continue"),
         (args.attn_impl == "sdpa" and ("block_n" in typed or "safemax_beta" in typed),
          "--block-n and --safemax-beta belong to the streaming-softmax kernel, not to --attn-impl sdpa"),
-    ]
+    ] + (extension_module().refusals(args, typed) if extension_module() else [])
 
 
 def auto_preset(device_type):
-    """--preset auto: demo on a CPU, assay on a GPU."""
     return "demo" if device_type == "cpu" else "assay"
 
 
@@ -276,9 +249,9 @@ def qk_norm_from_step_0(args):
 
 
 def model_config(args):
-    """The GPTConfig of the flags. A field takes the flag of its own name, so a new model option is
-    a flag and a field (README, "Fork it"); the rest are translated here: block_n 0 and --round auto
-    become None (the kernel's defaults), --qknorm always and --qk-fix qknorm become qk_norm."""
+    """The GPTConfig of the flags: a field takes its own-named flag (a new model option is a flag and a field:
+    README, "Fork it"); block_n 0 and --round auto become None (the kernel's defaults), --qknorm always and
+    --qk-fix qknorm become qk_norm."""
     fields = [f.name for f in dataclasses.fields(model_lib.GPTConfig)]
     same_name = {name: getattr(args, name) for name in fields if hasattr(args, name)}
     rounding = None if args.round == "auto" else () if args.round == "none" else tuple(args.round.split(","))
@@ -290,9 +263,6 @@ def padded_vocab(n):
     """n tokens padded to a multiple of 64 for faster matmuls; padding rows are never targets."""
     return 64 * math.ceil(n / 64)
 
-
-# ----------------------------------------------------------------------------------------------------------------
-# The loop's optional extension: lab/assay.py where the lab folder is present
 
 @functools.cache
 def extension_module():
@@ -318,16 +288,7 @@ class Extension:
 
 def extension(args, model, first_batch, autocast):
     """The run's extension: lab/assay.py's Assay (a no-op without assay flags), or one doing nothing."""
-    module = extension_module()
-    return module.Assay.from_args(args, model, first_batch, autocast) if module else Extension()
-
-
-def refuse_without_extension(saved):
-    """A saved run that used the assay cannot go on without it: refuse in one line."""
-    used = [f"--{k.replace('_', '-')} {saved[k]}" for k, off in ASSAY_OFF.items() if saved.get(k, off) != off]
-    if used and not extension_module():
-        raise SystemExit(f"error: this run used the lab's assay ({', '.join(used)}), which lab/assay.py holds: "
-                         f"resume it where lab/ is present, or start a new run")
+    return extension_module().Assay.from_args(args, model, first_batch, autocast) if extension_module() else Extension()
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -359,13 +320,8 @@ class Dist:
 
     def any(self, flag):
         """True on every rank when true on one (a signal may reach the ranks at different steps)."""
-        if self.world == 1:
-            return bool(flag)
-        return bool(self.all_reduce(torch.tensor(float(bool(flag)), device=self.device), "max"))
-
-    def barrier(self):
-        if self.world > 1:
-            torch.distributed.barrier()
+        flag = bool(flag)
+        return flag if self.world == 1 else bool(self.all_reduce(torch.tensor(float(flag), device=self.device), "max"))
 
     def close(self):
         if self.world > 1:
@@ -374,41 +330,37 @@ class Dist:
 
 def device_name(flag, local_rank=0):
     """--device as a torch device name, or a one-line error saying what this machine has."""
-    cuda = torch.cuda.is_available()
     if flag == "auto":
-        return f"cuda:{local_rank}" if cuda else "cpu"
+        flag = "cuda" if torch.cuda.is_available() else "cpu"
     if flag == "cpu":
         return flag
-    if flag == "cuda" or flag.startswith("cuda:") and flag[5:].isdigit():
-        index = local_rank if flag == "cuda" else int(flag[5:])
-        if not cuda:
-            raise SystemExit(f"error: --device {flag}: this machine has no CUDA GPU (or this torch build has no "
-                             f"CUDA): use --device cpu or auto")
-        if index >= torch.cuda.device_count():
-            raise SystemExit(f"error: --device {flag}: this machine has {torch.cuda.device_count()} CUDA devices")
-        return f"cuda:{index}"
-    raise SystemExit(f"error: --device {flag!r}: give auto, cpu, cuda or cuda:N")
+    if not (flag == "cuda" or flag.startswith("cuda:") and flag[5:].isdigit()):
+        raise SystemExit(f"error: --device {flag!r}: give auto, cpu, cuda or cuda:N")
+    if not torch.cuda.is_available():
+        raise SystemExit(f"error: --device {flag}: this machine has no CUDA GPU (or torch no CUDA): use cpu or auto")
+    index = local_rank if flag == "cuda" else int(flag[5:])
+    if index >= torch.cuda.device_count():
+        raise SystemExit(f"error: --device {flag}: this machine has {torch.cuda.device_count()} CUDA devices")
+    return f"cuda:{index}"
 
 
 def tune_cpu_allocator():
-    """Keep freed memory in the process (glibc malloc): past its mmap threshold glibc serves each
-    large temporary with fresh pages, whose faults slowed the attention twin (lab/MEASUREMENTS.md).
-    jemalloc and tcmalloc, which PyTorch's CPU guides recommend, do this by default."""
+    """Keep freed memory in the process (glibc malloc; jemalloc and tcmalloc do by default): past its mmap
+    threshold glibc serves each large temporary with fresh pages, whose faults slowed the attention twin
+    (lab/MEASUREMENTS.md)."""
     try:
         import ctypes
         libc = ctypes.CDLL("libc.so.6")
     except OSError:   # not glibc (macOS, Windows, musl): nothing to tune
         return
-    M_TRIM_THRESHOLD, M_TOP_PAD, M_MMAP_THRESHOLD = -1, -2, -3
-    libc.mallopt(M_MMAP_THRESHOLD, 1 << 30)
-    libc.mallopt(M_TRIM_THRESHOLD, 1 << 30)
-    libc.mallopt(M_TOP_PAD, 64 << 20)
+    M_TRIM_THRESHOLD, M_TOP_PAD, M_MMAP_THRESHOLD = -1, -2, -3   # glibc's mallopt parameters
+    for param, value in ((M_MMAP_THRESHOLD, 1 << 30), (M_TRIM_THRESHOLD, 1 << 30), (M_TOP_PAD, 64 << 20)):
+        libc.mallopt(param, value)
 
 
 def check_memory(args, device):
-    """A rough bound on a CPU run's memory against what is free: an error, not hours of swapping.
-    It counts one key block's attention scores per query row (the twin holds a few such tensors)
-    and the activations the backward keeps. A GPU fails fast with its own out-of-memory error."""
+    """A rough bound on a CPU run's memory (a few of one key block's attention scores per query row, the
+    activations the backward keeps) against what is free: an error, not hours of swapping. A GPU fails fast."""
     if device.type != "cpu" or not hasattr(os, "sysconf"):
         return
     try:
@@ -416,12 +368,10 @@ def check_memory(args, device):
     except (ValueError, OSError):
         return
     B, T, L, C = args.batch_size, args.block_size, args.n_layer, args.n_embd
-    scores = 4 * 4 * B * args.n_head * T * min(T, args.block_n or 128)
-    activations = 4 * 20 * B * T * L * C
-    need = scores + activations
+    need = 4 * 4 * B * args.n_head * T * min(T, args.block_n or 128) + 4 * 20 * B * T * L * C   # fp32 bytes
     if need > free:
-        raise SystemExit(f"error: --block-size {T} with --batch-size {B} needs about {need / 2**30:.1f} GiB on this "
-                         f"CPU, and {free / 2**30:.1f} GiB are free: lower --block-size or --batch-size")
+        raise SystemExit(f"error: about {need / 2**30:.1f} GiB needed, {free / 2**30:.1f} free: lower "
+                         f"--block-size or --batch-size")
 
 
 def ensure_data(args, dist):
@@ -429,25 +379,23 @@ def ensure_data(args, dist):
     into a folder that is new or empty: one that holds anything else is never written over."""
     if os.path.exists(os.path.join(args.data_dir, "meta.json")):
         return
-    how = (f"`python prepare_data.py --dataset {args.dataset} --tokenizer {args.tokenizer} --out-dir "
-           f"{args.data_dir}`")
     held = sorted(os.listdir(args.data_dir)) if os.path.isdir(args.data_dir) else []
     if held and prepare_data.REPLACING not in held:   # REPLACING: our own build crashed; prepare repairs it
         shown = ", ".join(held[:4]) + (", ..." if len(held) > 4 else "")
-        raise SystemExit(f"error: {args.data_dir} has no meta.json but holds {shown}: it is left alone. Rebuild it "
-                         f"with prepare_data.py and the dataset it holds (e.g. `python prepare_data.py --dataset "
-                         f"text --input YOUR_FILES --tokenizer {args.tokenizer} --out-dir {args.data_dir}`), or "
-                         f"give another --data-dir")
+        raise SystemExit(f"error: {args.data_dir} has no meta.json but holds {shown}, left alone: rebuild it (`python "
+                         f"prepare_data.py --dataset text --input FILES --tokenizer {args.tokenizer} --out-dir "
+                         f"{args.data_dir}`) or give another --data-dir")
     if args.dataset not in ("pycode", "shakespeare"):
-        raise SystemExit(f"error: no prepared data in {args.data_dir} (meta.json missing): run {how[:-1]} ...` "
-                         f"first")
+        raise SystemExit(f"error: no prepared data in {args.data_dir} (meta.json missing): run `python prepare_data.py "
+                         f"--dataset {args.dataset} --tokenizer {args.tokenizer} --out-dir {args.data_dir} ...` first")
     if dist.local_rank == 0:
         print(f"no data in {args.data_dir}: preparing the {args.dataset} dataset, {args.tokenizer} tokens (once)")
         try:
             prepare_data.prepare(dataset=args.dataset, out_dir=args.data_dir, tokenizer=args.tokenizer)
         except prepare_data.DataError as e:
             raise SystemExit(f"error: {e.code}")
-    dist.barrier()
+    if dist.world > 1:   # the other ranks wait for the data
+        torch.distributed.barrier()
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -458,16 +406,13 @@ def versions(device):
     import triton
     commit = git("rev-parse", "HEAD") or None
     return {"python": platform.python_version(), "torch": torch.__version__, "triton": triton.__version__,
-            "numpy": np.__version__, "device": str(device),
-            # a CPU's sums follow its thread count: at the demo's lr, 1 and 2 threads end apart
-            "torch_threads": torch.get_num_threads(),
-            # ... and the machine: one seed with the same packages and threads differed in the loss's 6th
-            # digit by step 9 in two sessions' machines (lab/MEASUREMENTS.md); the CPU and the vector kernels
-            # torch picked for it say whether a replay can be bit for bit
-            "cpu": cpu_name(), "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+            "numpy": np.__version__, "device": str(device), "host": platform.node(), "git_commit": commit,
+            "git_dirty": bool(git("status", "--porcelain")) if commit else None,
             "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
-            "host": platform.node(), "git_commit": commit,
-            "git_dirty": bool(git("status", "--porcelain")) if commit else None}
+            # a CPU's sums follow its thread count and the machine (one seed and packages differed by step 9
+            # on two machines: lab/MEASUREMENTS.md); these say whether a replay can be bit for bit
+            "torch_threads": torch.get_num_threads(), "cpu": cpu_name(),
+            "cpu_capability": torch.backends.cpu.get_cpu_capability()}
 
 
 def cpu_name():
@@ -481,8 +426,7 @@ def cpu_name():
 
 def git(*cmd):
     try:
-        return subprocess.run(["git", *cmd], capture_output=True, text=True, timeout=10,
-                              cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip()
+        return subprocess.run(["git", *cmd], capture_output=True, text=True, timeout=10, cwd=HERE).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         return ""
 
@@ -490,14 +434,11 @@ def git(*cmd):
 def save_source(out_dir, run_versions):
     """An edited tree cannot be replayed from its commit: save `git diff` with the new files as
     source.diff (`git apply` it on that commit); without git, copy every .py file to source/."""
-    here = os.path.dirname(os.path.abspath(__file__))
     if run_versions["git_commit"] is None:
         os.makedirs(os.path.join(out_dir, "source"), exist_ok=True)
-        for name in sorted(os.listdir(here)):
+        for name in sorted(os.listdir(HERE)):
             if name.endswith(".py"):
-                with open(os.path.join(here, name), "rb") as src, \
-                        open(os.path.join(out_dir, "source", name), "wb") as dst:
-                    dst.write(src.read())
+                shutil.copyfile(os.path.join(HERE, name), os.path.join(out_dir, "source", name))
         return
     if not run_versions["git_dirty"]:
         return
@@ -522,46 +463,40 @@ def start_run(args, typed):
             raise SystemExit(f"error: {args.out_dir} already holds a run ({', '.join(held)}): continue it with "
                              f"--resume{how}, or choose another --out-dir")
         return args, None, {}
-    if checkpoints:
-        state = newest_checkpoint(paths["ckpt.pt"])
-        saved = state["args"]
-    elif os.path.exists(paths["config.json"]):
-        state = None
-        saved = read_saved_args(paths["config.json"])
-    else:
-        raise SystemExit(f"error: --resume: {args.out_dir} holds no run (no ckpt.pt, no config.json): start a new "
-                         f"run without --resume")
-    refuse_without_extension(saved)
-    conflicts = [f"--{k.replace('_', '-')} {v} (saved: {saved.get(k)})" for k, v in typed.items()
-                 if k not in RESUMABLE_CHANGES and k in saved and saved[k] != v
-                 and not (k == "preset" and v == "auto")]
+    if not checkpoints and not os.path.exists(paths["config.json"]):
+        raise SystemExit(f"error: {args.out_dir} holds no run (no ckpt.pt, no config.json): drop --resume")
+    state = newest_checkpoint(paths["ckpt.pt"]) if checkpoints else None
+    saved = state["args"] if state else read_saved_args(paths["config.json"])
+    used = [f"--{k.replace('_', '-')} {saved[k]}" for k, off in ASSAY_OFF.items() if saved.get(k, off) != off]
+    if used and not extension_module():   # a run that used the assay cannot go on without it
+        raise SystemExit(f"error: this run used the lab's assay ({', '.join(used)}): resume it with lab/ present")
+    conflicts = [f"--{k.replace('_', '-')} {v} (saved: {saved.get(k)})" for k, v in typed.items() if k in saved
+                 and saved[k] != v and k not in RESUMABLE_CHANGES and not (k == "preset" and v == "auto")]
     if conflicts:
-        raise SystemExit(f"error: --resume keeps the saved run's settings, but these differ: {'; '.join(conflicts)}."
-                         f" Resume without them, or start a new run in another --out-dir")
+        raise SystemExit(f"error: --resume keeps the saved flags, but these differ: {'; '.join(conflicts)}: drop "
+                         f"them, or start a new run in another --out-dir")
     changed = {k: [saved.get(k), v] for k, v in typed.items()
                if k in RESUMABLE_CHANGES - {"resume"} and saved.get(k) != v}
     merged = {**vars(args), **saved, **{k: v for k, v in typed.items() if k in RESUMABLE_CHANGES}, "resume": True}
     if state is not None and state["step"] >= merged["max_steps"]:
-        raise SystemExit(f"error: the run in {args.out_dir} already reached step {state['step']}: pass a "
-                         f"--max-steps above it to train on")
+        raise SystemExit(f"error: the run already reached step {state['step']}: give a larger --max-steps")
     return argparse.Namespace(**merged), state, changed
 
 
 class RunDir:
     """The run directory (--out-dir) as the loop sees it: start record, checkpoints, way back."""
 
-    def __init__(self, args, dist, data):
-        """data: prepare_data.TokenWindows.identity, the dataset the run trains on."""
+    def __init__(self, args, dist, data):   # data: prepare_data.TokenWindows.identity, what the run trains on
         self.args, self.dist, self.data = args, dist, data
-        self.data_hash = data["content_sha256"]
         self.ckpt = os.path.join(args.out_dir, "ckpt.pt")
 
     def start_log(self, params, step, resumed, changed):
-        """log.jsonl with a start (or resume) record; a new run saves config.json, source.diff."""
+        """log.jsonl with a start (or resume) record, returned as the log; a new run saves config.json, source.diff."""
         args, dist = self.args, self.dist
         if dist.master:
             os.makedirs(args.out_dir, exist_ok=True)
-        log, run_versions = RunLog(os.path.join(args.out_dir, "log.jsonl"), dist.master), versions(dist.device)
+        self.file = open(os.path.join(args.out_dir, "log.jsonl"), "a") if dist.master else None
+        run_versions = versions(dist.device)
         config_json = os.path.join(args.out_dir, "config.json")
         if dist.master and not resumed and not os.path.exists(config_json):
             with open(config_json, "w") as f:
@@ -569,34 +504,47 @@ class RunDir:
                            "world_size": dist.world, "params": params,
                            "started": time.strftime("%Y-%m-%d %H:%M:%S %Z")}, f, indent=2)
             save_source(args.out_dir, run_versions)
-        verb = "resuming" if args.resume else "starting"
         over = " (it had saved no checkpoint: starting over)" if args.resume and not resumed else ""
-        log.write({"event": "resume" if args.resume else "start", "step": step, "from_checkpoint": resumed,
+        self.write({"event": "resume" if args.resume else "start", "step": step, "from_checkpoint": resumed,
                    "versions": run_versions, "world_size": dist.world, "command": sys.argv, "changed": changed,
                    "data": self.data},
-                  f"{verb} {args.out_dir} at step {step}{over}: {args.preset} preset, {args.arch} "
-                  f"{args.n_layer}x{args.n_embd}, {params / 1e6:.2f}M params, {args.tokenizer} tokens, accum "
-                  f"{args.accum}, guard {args.guard}, on {dist.device} x{dist.world}")
-        return log
+                   f"{'resuming' if args.resume else 'starting'} {args.out_dir} at step {step}{over}: {args.preset} "
+                   f"preset, {args.arch} {args.n_layer}x{args.n_embd}, {params / 1e6:.2f}M params, {args.tokenizer} "
+                   f"tokens, accum {args.accum}, guard {args.guard}, on {dist.device} x{dist.world}")
+        return self
 
-    def save(self, step, parts, totals):
-        """ckpt.pt: all it takes to go on exactly; all ranks take part (RNG states are gathered)."""
+    def write(self, record, line=None):
+        """A record in log.jsonl, for programs (one JSON object a line, flushed), and a line for people."""
+        if self.file is None:
+            return
+        self.file.write(json.dumps(record) + "\n")
+        self.file.flush()
+        if line:
+            print(line, flush=True)
+
+    def save(self, step, parts):
+        """ckpt.pt: all it takes to go on exactly; all ranks take part (RNG states are gathered). Temp file,
+        fsync, old one to .prev, rename: a crash at any time leaves a whole checkpoint."""
         state = {"format": CHECKPOINT_FORMAT, "step": step, "args": vars(self.args),
                  **{name: part.state_dict() for name, part in parts.items() if part is not None},
-                 **totals.state_dict(), "data_content_sha256": self.data_hash, "rng": rng_state(self.dist)}
+                 "data_content_sha256": self.data["content_sha256"], "rng": rng_state(self.dist)}
         if self.dist.master:
-            save_checkpoint(self.ckpt, state)
+            with open(self.ckpt + ".tmp", "wb") as f:
+                torch.save(state, f)
+                f.flush()
+                os.fsync(f.fileno())
+            if os.path.exists(self.ckpt):
+                os.replace(self.ckpt, self.ckpt + ".prev")
+            os.replace(self.ckpt + ".tmp", self.ckpt)
 
-    def restore(self, state, parts, totals):
-        """Load every part and the running totals from the checkpoint; returns its step."""
-        if state.get("data_content_sha256") != self.data_hash:
-            raise SystemExit(f"error: the data in {self.args.data_dir} is not the data this run started with "
-                             f"(content hash {self.data_hash} != {state.get('data_content_sha256')}): resume with "
-                             f"the original data, or start a new run")
+    def restore(self, state, parts):
+        if state.get("data_content_sha256") != self.data["content_sha256"]:
+            saved = state.get("data_content_sha256")
+            raise SystemExit(f"error: {self.args.data_dir} is not the data this run started with (content hash "
+                             f"{self.data['content_sha256']:.12} != {saved!s:.12}): resume on the original data")
         for name, part in parts.items():
             if part is not None:
                 part.load_state_dict(state[name])
-        totals.load_state_dict(state, self.dist.device)
         set_rng_state(state["rng"], self.dist)
         return state["step"]
 
@@ -606,25 +554,12 @@ def read_saved_args(path):
         with open(path) as f:
             return json.load(f)["args"]
     except (OSError, ValueError, KeyError) as e:
-        raise SystemExit(f"error: cannot read the run's flags from {path} ({type(e).__name__}): start a new run "
-                         f"in another --out-dir")
-
-
-def save_checkpoint(path, state):
-    """Temp file, fsync, old one to .prev, rename: a crash at any time leaves a whole checkpoint."""
-    tmp = path + ".tmp"
-    with open(tmp, "wb") as f:
-        torch.save(state, f)
-        f.flush()
-        os.fsync(f.fileno())
-    if os.path.exists(path):
-        os.replace(path, path + ".prev")
-    os.replace(tmp, path)
+        raise SystemExit(f"error: cannot read the run's flags from {path} ({type(e).__name__}): start a new run")
 
 
 def newest_checkpoint(path):
     """The checkpoint to resume from: ckpt.pt; without it, the newest whole one that a crash inside
-    save_checkpoint left (ckpt.pt.tmp, then ckpt.pt.prev). None loads: refuse, never start over."""
+    RunDir.save left (ckpt.pt.tmp, then ckpt.pt.prev). None loads: refuse, never start over."""
     if os.path.exists(path):
         return load_checkpoint(path)
     found = [path + suffix for suffix in (".tmp", ".prev") if os.path.exists(path + suffix)]
@@ -635,8 +570,8 @@ def newest_checkpoint(path):
             continue
         print(f"{path} is missing (a crash while saving?): resuming from {candidate}", file=sys.stderr)
         return state
-    raise SystemExit(f"error: {path} is missing and {' and '.join(found)} cannot be read (truncated?): the run "
-                     f"cannot resume; start a new run in another --out-dir")
+    raise SystemExit(f"error: {path} is missing and {' and '.join(found)} cannot be read: the run cannot resume; "
+                     f"start a new run in another --out-dir")
 
 
 def load_checkpoint(path):
@@ -644,40 +579,22 @@ def load_checkpoint(path):
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # a truncated zip, a foreign pickle: many exception types
-        prev = path + ".prev"
-        hint = f"; the previous checkpoint is {prev}: move it to {path} to resume from there" \
-            if os.path.exists(prev) else ""
+        hint = f"; the previous checkpoint is {path}.prev: move it to {path} to resume from there" \
+            if os.path.exists(path + ".prev") else ""
         why = (str(e).splitlines() or ["empty file" if os.path.getsize(path) == 0 else "no message"])[0][:200]
         raise SystemExit(f"error: cannot read checkpoint {path} ({type(e).__name__}: {why}): it is truncated, from "
                          f"an older train.py, or not a checkpoint{hint}")
     if not isinstance(state, dict) or state.get("format") != CHECKPOINT_FORMAT:
-        raise SystemExit(f"error: {path} is not a checkpoint written by this train.py: resume it with the train.py "
-                         f"that wrote it, or start a new run")
+        raise SystemExit(f"error: {path} is not a checkpoint written by this train.py: use the one that wrote it")
     return state
-
-
-class RunLog:
-    """log.jsonl for programs (one JSON object a line, flushed) and a console line for people."""
-
-    def __init__(self, path, enabled):
-        self.file = open(path, "a") if enabled else None
-
-    def write(self, record, line=None):
-        if self.file is None:
-            return
-        self.file.write(json.dumps(record) + "\n")
-        self.file.flush()
-        if line:
-            print(line, flush=True)
 
 
 def rng_state(dist):
     """Every rank's RNG states (dropout differs per rank), as tensors and numbers."""
-    version, internal, gauss = random.getstate()
     kind, keys, pos, has_gauss, cached = np.random.get_state()
-    state = {"python": [version, list(internal), gauss], "numpy": [kind, torch.from_numpy(keys.astype(np.int64)),
-                                                                   pos, has_gauss, cached],
-             "torch": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
+    state = {"python": random.getstate(), "torch": torch.get_rng_state(), "cuda": cuda,
+             "numpy": [kind, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss, cached]}
     if dist.world == 1:
         return [state]
     states = [None] * dist.world
@@ -687,12 +604,10 @@ def rng_state(dist):
 
 def set_rng_state(states, dist):
     if len(states) != dist.world:   # the weights, optimizer and batches still resume exactly
-        print(f"warning: the checkpoint holds the RNG states of {len(states)} processes and this run has "
-              f"{dist.world}: dropout masks will differ from an uninterrupted run")
+        print(f"warning: the checkpoint holds {len(states)} processes' RNG states, not {dist.world}: dropout differs")
         return
     state = states[dist.rank]
-    version, internal, gauss = state["python"]
-    random.setstate((version, tuple(internal), gauss))
+    random.setstate(state["python"])
     kind, keys, pos, has_gauss, cached = state["numpy"]
     np.random.set_state((kind, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
     torch.set_rng_state(state["torch"])

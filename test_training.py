@@ -1008,7 +1008,7 @@ def test_a_data_dir_without_meta_json_is_never_written_over(tmp_path, data_dir):
 
 @pytest.mark.parametrize("left", [("ckpt.pt.tmp", "ckpt.pt.prev"), ("ckpt.pt.prev",)])
 def test_a_crash_between_the_checkpoints_renames_resumes_from_the_newest_whole_one(tmp_path, data_dir, left):
-    # save_checkpoint: temp file, then ckpt.pt -> .prev, then .tmp -> ckpt.pt. A crash between the
+    # RunDir.save: temp file, then ckpt.pt -> .prev, then .tmp -> ckpt.pt. A crash between the
     # two renames leaves .tmp (the newest) and .prev: resume from the newest whole one; never start over
     out = tmp_path / "run"
     assert train(out, data_dir, "--max-steps", "4", "--ckpt-interval", "2").returncode == 0

@@ -5,15 +5,13 @@ Train a GPT and watch (or guard) the query-key channel.
     python train.py --accum bf16 --guard off         # ... and without it
     torchrun --nproc_per_node=8 train.py --preset gpt2 --accum bf16 --guard on
 
-Every choice is a flag (`python train.py --help`); run.py defines them and the presets, and keeps the
-run directory (--out-dir: config.json, log.jsonl, ckpt.pt). The loop's numbered comments mark where
-the guard acts; at its `assay.` lines, lab/assay.py's extension (injected errors, the QK-only fix,
-the probe) acts where lab/ is present, and nothing happens where it is not.
+Every choice is a flag (`python train.py --help`): run.py defines them, the presets and the run folder
+(--out-dir: config.json, log.jsonl, ckpt.pt). The loop's numbered comments mark where the guard acts; at
+its `assay.` lines lab/assay.py's extension (injected errors, the QK-only fix, the probe) acts where lab/ is present.
 """
 import contextlib
 import math
 import time
-from typing import NamedTuple
 
 import torch
 
@@ -26,26 +24,25 @@ from model import NON_QK_KINDS, QK_KINDS
 
 def main(argv=None):
     # -------------------------------------------------------------------------------- configuration, data
-    args, typed, dist, state, changed = configure(argv)
+    args, dist, state, changed, batches = configure(argv)
     use_bf16 = args.dtype == "bf16" or (args.dtype == "auto" and dist.device.type == "cuda")
     autocast = (lambda: torch.autocast(dist.device.type, dtype=torch.bfloat16)) if use_bf16 else contextlib.nullcontext
-    batches = load_data(args, typed, dist)
 
     # -------------------------------------------------------------------------------- model, optimizer, watchers
-    model, optimizer = build_model(args, dist, use_bf16)
+    model, optimizer, train_model, eval_model = build_model(args, dist, use_bf16)
     monitor = SpectralMonitor(model, seed=args.seed)
     guard = QKGuard.from_args(args)
     detector = CollapseDetector(args.collapse_margin, args.collapse_patience, args.collapse_smoothing)
     assay = run.extension(args, model, lambda: batches.get("train", 0, 0)[0], autocast)   # lab/assay.py, or none
-    parts = dict(model=model, optimizer=optimizer, monitor=monitor, detector=detector, guard=guard, **assay.parts())
-    run_dir, totals, step = run.RunDir(args, dist, batches.windows.identity), Totals(), 0
+    totals, run_dir, step = Totals(dist.device), run.RunDir(args, dist, batches.windows.identity), 0
+    parts = dict(model=model, optimizer=optimizer, monitor=monitor, detector=detector, guard=guard, totals=totals,
+                 **assay.parts())
     if state is None:
         monitor.measure(model, iters=30)         # converged before step 0
     else:
-        step = run_dir.restore(state, parts, totals)
+        step = run_dir.restore(state, parts)
         guard.apply_to_model(model)              # a latched action stays on
     saved_step = step                            # nothing to save before the first update
-    train_model, eval_model = compiled(model, args, dist)
     log = run_dir.start_log(model.num_params(), step, resumed=state is not None, changed=changed)
     evaluate = lambda: validation_loss(eval_model, batches, step, args, dist, autocast, log)
 
@@ -63,8 +60,8 @@ def main(argv=None):
             for group in optimizer.param_groups:
                 group["lr"] = lr
             # (2) forward and backward; an assay error enters in the model, (3) or in the gradients
-            out = forward_backward(train_model, model, batches, step, args, dist, autocast, assay)
-            totals.add(out.loss, out.max_logit)
+            loss, max_logit = forward_backward(train_model, model, batches, step, args, dist, autocast, assay)
+            totals.add(loss, max_logit)
             # (4) clip; the clip action tightens it
             clip = guard.grad_clip(args.grad_clip)
             grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip if clip > 0 else math.inf)
@@ -77,7 +74,7 @@ def main(argv=None):
             if step % args.monitor_interval == 0:
                 watch(step, model, monitor, guard, detector, totals, args, log)
             # (7) act after the update: QK-Clip scales the offending heads' W_q, W_k
-            guard.after_optimizer_step(model, out.max_logit)
+            guard.after_optimizer_step(model, max_logit)
 
             step += 1
             if step % args.log_interval == 0 or step == args.max_steps:
@@ -89,7 +86,7 @@ def main(argv=None):
             if step % args.eval_interval == 0 or step == args.max_steps:
                 val_loss = evaluate()
             if step % args.ckpt_interval == 0 and saved_step != step:
-                run_dir.save(step, parts, totals)
+                run_dir.save(step, parts)
                 saved_step = step
             if dist.any(stop):
                 status = "interrupted"    # every rank stops at the same step
@@ -97,7 +94,7 @@ def main(argv=None):
         if status == "collapsed":   # the end record's val loss is the collapsed model's
             val_loss = evaluate()
         if saved_step != step:
-            run_dir.save(step, parts, totals)
+            run_dir.save(step, parts)
     except BaseException as e:
         log.write({"event": "end", "status": "error", "step": step, "error": f"{type(e).__name__}: {e}"})
         raise
@@ -109,7 +106,8 @@ def main(argv=None):
 # Setting up: the flags, the data, the model
 
 def configure(argv):
-    """(args, the flags typed, the processes, the checkpoint to resume or None, the flags a resume changed)."""
+    """(args, the processes, the checkpoint to resume or None, the flags a resume changed, the batches). The
+    data is prepared on first use; the model's vocabulary follows the data's tokenizer."""
     args, typed, parser = run.parse_args(argv)
     dist = run.Dist(args.device)
     args = run.resolve(args, dist.device, parser)
@@ -119,34 +117,25 @@ def configure(argv):
     run.check_memory(args, dist.device)
     if dist.device.type == "cpu":
         run.tune_cpu_allocator()
-    return args, typed, dist, state, changed
-
-
-def load_data(args, typed, dist):
-    """The batches (prepared on first use); the model's vocabulary follows the data's tokenizer."""
     run.ensure_data(args, dist)
     batches = Batches(args, dist.device)
     args.tokenizer, args.vocab_size = vocabulary(args, typed, batches.windows)
-    return batches
+    return args, dist, state, changed, batches
 
 
 def build_model(args, dist, use_bf16):
-    """The model, the same on every rank and checked against the kernel, and its optimizer."""
+    """The model (the same on every rank, checked against the kernel), its optimizer, and the --compile'd models
+    to train (DDP with several processes) and to evaluate (no DDP: a rank with no eval batch owes no collective)."""
     torch.manual_seed(args.seed)                 # the same initial weights on every rank
     model = model_lib.GPT(run.model_config(args)).to(dist.device)
     check_attention_settings(model, dist.device, args, use_bf16)
     torch.manual_seed(args.seed + dist.rank)     # dropout masks differ per rank
-    return model, model.configure_optimizer(args.lr, args.weight_decay, (args.beta1, args.beta2))
-
-
-def compiled(model, args, dist):
-    """(the model to train, the model to evaluate): torch.compile'd with --compile; training under DDP
-    with several processes (eval skips DDP: a rank with no eval batch must owe no collective)."""
     eval_model = train_model = torch.compile(model) if args.compile else model
     if dist.world > 1:
         train_model = torch.nn.parallel.DistributedDataParallel(
             train_model, device_ids=[dist.device.index] if dist.device.type == "cuda" else None)
-    return train_model, eval_model
+    optimizer = model.configure_optimizer(args.lr, args.weight_decay, (args.beta1, args.beta2))
+    return model, optimizer, train_model, eval_model
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -168,14 +157,9 @@ class Batches:
         return window[:, :-1].contiguous(), window[:, 1:].contiguous()
 
 
-class StepOut(NamedTuple):
-    """What one step's forward and backward leave besides the gradients, on the device."""
-    loss: torch.Tensor           # the mean loss over the micro-batches (this rank's)
-    max_logit: torch.Tensor      # (n_layer, n_head), the max over micro-batches and ranks
-
-
 def forward_backward(train_model, model, batches, step, args, dist, autocast, assay):
-    """The gradients of one step, summed over its micro-batches (DDP syncs the last one only)."""
+    """The gradients of one step, summed over its micro-batches (DDP syncs the last one only); returns
+    this rank's mean loss and the (n_layer, n_head) max logit over micro-batches and ranks, on the device."""
     assay.begin_step(step)
     micro_steps, loss, max_logit = args.grad_accum // dist.world, 0.0, None
     for micro in range(micro_steps):
@@ -188,7 +172,7 @@ def forward_backward(train_model, model, batches, step, args, dist, autocast, as
         max_logit = running_max(max_logit, micro_max_logit)
         assay.after_micro_backward(model, x, y, autocast, micro_steps)   # (3) the QK-only fix's clean gradient
     assay.after_backward(model, dist)                                    # (3) an error in a weight's gradient
-    return StepOut(loss, dist.all_reduce(max_logit.float(), "max"))
+    return loss, dist.all_reduce(max_logit.float(), "max")
 
 
 def validation_loss(eval_model, batches, step, args, dist, autocast, log):
@@ -209,13 +193,15 @@ def validation_loss(eval_model, batches, step, args, dist, autocast, log):
 
 def watch(step, model, monitor, guard, detector, totals, args, log):
     """Measure W_q's and W_k's top singular values, and give them and the max logit since the last
-    check to the guard. Its check is deferred: a crossing acts one monitored step later, so the GPU
-    never waits for it."""
+    check to the guard (which acts on a crossing one monitored step later: QKGuard.observe_deferred)."""
     monitor.measure(model, args.power_iters, kinds=QK_KINDS)
-    event = guard.observe_deferred(step, totals.take_monitor_max_logit(), monitor.sigma_head, model)
+    max_logit, totals.monitor_max_logit = totals.monitor_max_logit, None   # since the last check
+    event = guard.observe_deferred(step, max_logit, monitor.sigma_head, model)
     if event:
         detector.pause(event["active_from"] + args.collapse_grace)   # the switch is not a collapse
-        log.write(event, trigger_line(event, guard))
+        log.write(event, f"step {event['step']:6d} | QK-Guard {event['event']}: {event['signal']} {event['value']:.1f}"
+                         f" > {guard.threshold:g} at layer {event['layer']} head {event['head']}: {guard.action} on "
+                         f"in layers {event['layers']} from step {event['active_from']}")
 
 
 def write_interval_record(step, lr, grad_norm, model, args, dist, log, totals, monitor, guard, assay):
@@ -228,13 +214,17 @@ def write_interval_record(step, lr, grad_norm, model, args, dist, log, totals, m
     record = {"step": step - 1, "lr": lr, "loss": interval["loss"], "grad_norm": grad_norm.item(),
               "tokens_per_s": interval["tokens_per_s"], "max_logit": interval["max_logit"], **monitor.record(),
               "guard": "on" if guard.triggered else ("dormant" if guard.enabled else "off"), **assay.log_stats()}
-    log.write(record, console_line(record))
+    max_logit = torch.tensor(record["max_logit"])
+    layer, head = divmod(int(max_logit.argmax()), max_logit.shape[1])
+    log.write(record, f"step {record['step']:6d} | loss {record['loss']:.4f} | lr {lr:.2e} | gnorm "
+                      f"{record['grad_norm']:.2f} | max logit {max_logit.max().item():7.1f} (L{layer} H{head}) | "
+                      f"sigma(Wq) {max(record['sigma_q']):.2f} | {record['tokens_per_s'] / 1e3:.1f}k tok/s | guard "
+                      f"{record['guard']}")
     totals.start_clock()
     return record
 
 
 def collapsed(detector, record, log):
-    """Feed the detector the record's loss; log a collapse when it sees one."""
     if not detector.update(record["step"], record["loss"]):
         return False
     log.write({"event": "collapse", "step": detector.collapsed_at, "loss": record["loss"]},
@@ -245,9 +235,10 @@ def collapsed(detector, record, log):
 class Totals:
     """Running totals, kept on the device so that only a log record syncs with the host."""
 
-    def __init__(self):
+    def __init__(self, device):
         self.loss_sum, self.steps, self.max_logit = 0.0, 0, None   # since the last log record
         self.monitor_max_logit = None                               # since the last monitored step
+        self.device = device
         self.start_clock()
 
     def start_clock(self):
@@ -259,10 +250,6 @@ class Totals:
         self.max_logit = running_max(self.max_logit, max_logit)
         self.monitor_max_logit = running_max(self.monitor_max_logit, max_logit)
 
-    def take_monitor_max_logit(self):
-        value, self.monitor_max_logit = self.monitor_max_logit, None
-        return value
-
     def take_interval(self, dist, tokens_per_step):
         """The interval's tokens/s, mean loss (all ranks) and max logit; the sums start over."""
         elapsed = time.time() - self.started
@@ -271,27 +258,15 @@ class Totals:
         self.loss_sum, self.steps, self.max_logit = 0.0, 0, None
         return interval
 
-    # In the checkpoint, under the keys "interval" and "monitor_max_logit".
-    def state_dict(self):
-        return {"interval": {"loss_sum": float(self.loss_sum), "steps": self.steps,
-                             "max_logit": moved(self.max_logit, "cpu")},
-                "monitor_max_logit": moved(self.monitor_max_logit, "cpu")}
+    def state_dict(self):   # the sums and maxima (None between intervals); main restarts the clock
+        return {k: v.cpu() if torch.is_tensor(v) else v for k, v in vars(self).items() if k != "device"}
 
-    def load_state_dict(self, state, device):
-        interval = state["interval"]
-        self.loss_sum, self.steps = interval["loss_sum"], interval["steps"]
-        self.max_logit = moved(interval["max_logit"], device)
-        self.monitor_max_logit = moved(state["monitor_max_logit"], device)
+    def load_state_dict(self, state):
+        vars(self).update({k: v.to(self.device) if torch.is_tensor(v) else v for k, v in state.items()})
 
 
-def running_max(running, new):
-    """The elementwise max so far, on the device (None before the first value)."""
+def running_max(running, new):   # None before the first value
     return new if running is None else torch.maximum(running, new)
-
-
-def moved(x, device):
-    """x on device; None stays None (the running maxima are None between intervals)."""
-    return None if x is None else x.to(device)
 
 
 def lr_at(step, args):
@@ -304,24 +279,8 @@ def lr_at(step, args):
     return args.min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (args.lr - args.min_lr)
 
 
-def console_line(record):
-    max_logit = torch.tensor(record["max_logit"])
-    top = int(max_logit.argmax())
-    return (f"step {record['step']:6d} | loss {record['loss']:.4f} | lr {record['lr']:.2e} | gnorm "
-            f"{record['grad_norm']:.2f} | max logit {max_logit.max().item():7.1f} (L{top // max_logit.shape[1]} "
-            f"H{top % max_logit.shape[1]}) | sigma(Wq) {max(record['sigma_q']):.2f} | "
-            f"{record['tokens_per_s'] / 1e3:.1f}k tok/s | guard {record['guard']}")
-
-
-def trigger_line(event, guard):
-    return (f"step {event['step']:6d} | QK-Guard {event['event']}: {event['signal']} {event['value']:.1f} > "
-            f"{guard.threshold:g} at layer {event['layer']} head {event['head']}: {guard.action} on in layers "
-            f"{event['layers']} from step {event['active_from']}")
-
-
 def write_end_record(status, step, val_loss, detector, guard, args, log):
-    """The end record, and the run's last console line: what happened, and when. guard_pending: a
-    crossing at the last check, left without a step to act on."""
+    """The end record and the run's last line; guard_pending: a crossing the last check left no step to act on."""
     end = {"event": "end", "status": status, "step": step, "collapse_step": detector.collapsed_at,
            "guard_trigger": guard.trigger, "guard_pending": guard.pending_crossing(), "val_loss": val_loss}
     what = [f"run {status} at step {step}"]
@@ -348,9 +307,8 @@ def vocabulary(args, typed, windows):
                          f"{holds}: resume it on the data it started with (`python prepare_data.py --tokenizer "
                          f"{args.tokenizer} --out-dir {args.data_dir}`), or start a new run")
     if "tokenizer" in typed and not args.resume and typed["tokenizer"] != windows.tokenizer:
-        raise SystemExit(f"error: --tokenizer {typed['tokenizer']}, but {holds}: give --tokenizer "
-                         f"{windows.tokenizer}, or a --data-dir prepared with `python prepare_data.py --tokenizer "
-                         f"{typed['tokenizer']}`")
+        raise SystemExit(f"error: --tokenizer {typed['tokenizer']}, but {holds}: give --tokenizer {windows.tokenizer}, "
+                         f"or a --data-dir prepared with --tokenizer {typed['tokenizer']}")
     return windows.tokenizer, vocab
 
 
