@@ -6,6 +6,8 @@ A value comes from the command line, else from --preset (auto: demo on a CPU, as
 from the flag's default. Numbers are checked as parsed: a bad one fails in one line naming the flag.
 """
 import argparse
+import atexit
+import contextlib
 import dataclasses
 import functools
 import importlib.util
@@ -27,6 +29,7 @@ import model as model_lib
 import prepare_data
 from attention_kernel import ACCUM_MODES, ROUNDING_SOURCES
 from guard import ACTIONS, DEFAULT_THRESHOLD, SCOPES, SIGNALS
+fcntl = prepare_data.fcntl   # None on Windows: no lock
 
 # Training defaults per preset, one column per flag; the model sizes are model.MODEL_SIZES[size].
 PRESET_COLUMNS = ("size", "tokenizer", "batch_size", "grad_accum", "max_steps", "lr", "min_lr", "warmup_steps",
@@ -45,13 +48,16 @@ PRESETS = {name: dict(zip(PRESET_COLUMNS, row)) for name, row in {
 PRESET_KEYS = {key for values in (*PRESETS.values(), *model_lib.MODEL_SIZES.values()) for key in values}
 # Flags that may change when a run is resumed; any other difference from the saved run is an error.
 RESUMABLE_CHANGES = {"max_steps", "log_interval", "eval_interval", "eval_iters", "ckpt_interval", "compile",
-                     "on_collapse", "resume", "device", "out_dir"}
+                     "on_collapse", "resume", "device", "out_dir", "data_dir"}
 # The lab's assay switches (lab/assay.py adds its flags), off: without lab/, a run that set one cannot resume.
 ASSAY_OFF = {"inject_site": "none", "qk_fix": "off", "probe": "off"}
-CHECKPOINT_FORMAT = "qkguard-checkpoint-2"   # 2: tensors, numbers, strings, tuples, lists and dicts only
+CHECKPOINT_FORMAT = "qkguard-checkpoint-3"   # tensors, numbers, strings, tuples, lists, dicts; 3: Totals' own
 # ckpt.pt, and what a crash inside RunDir.save can leave instead (newest_checkpoint reads them)
 CHECKPOINTS = ("ckpt.pt", "ckpt.pt.tmp", "ckpt.pt.prev")
 HERE = os.path.dirname(os.path.abspath(__file__))   # the code a run records (git, source.diff)
+GUARD_FLAGS = ("guard_signal", "guard_threshold", "guard_action", "guard_scope", "qkclip_tau", "lr_drop_factor",
+               "clip_tight", "softcap_value")   # what --guard off ignores
+MODEL_SHAPE = ("arch", "n_layer", "n_head", "n_embd", "vocab_size")
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -92,7 +98,7 @@ def rounding_sources(text):
 
 def build_parser():
     p = argparse.ArgumentParser(prog="train.py", description="Train a GPT and watch (or guard) the query-key "
-                                "channel.", formatter_class=argparse.RawDescriptionHelpFormatter)
+                                "channel.", formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False)
     p.flag_defaults = {}
 
     def add(group, flag, default, help, **kw):
@@ -176,7 +182,7 @@ def build_parser():
     g = p.add_argument_group("run (run.py)")
     add(g, "--out-dir", "", "run directory (empty: runs/<date>-<time>-<accum>-guard-<on|off>)")
     add(g, "--resume", False, "continue the run in --out-dir from ckpt.pt", action="store_true")
-    add(g, "--seed", 1337, "seed of the weights and of the batch order", type=SIZE)
+    add(g, "--seed", 1337, "seed of the weights and of the batch order", type=number(int, 0, 2**63 - 1))
     add(g, "--device", "auto", "auto, cpu, cuda, cuda:N")
     add(g, "--dtype", "auto", "autocast (auto: bf16 on CUDA)", choices=["auto", "bf16", "fp32"])
     add(g, "--compile", False, "torch.compile the model", action="store_true")
@@ -217,6 +223,8 @@ def refusals(args, typed):
         (args.guard_scope == "crossed" and action in ("lr-drop", "clip"),
          f"--guard-scope crossed: --guard-action {action} acts on the whole model; use --guard-scope all"),
         (args.resume and "out_dir" not in typed, "--resume needs the --out-dir of the run to continue"),
+        (args.guard == "off" and not args.resume and typed.keys() & set(GUARD_FLAGS), " ".join(
+            f"--{k.replace('_', '-')}" for k in GUARD_FLAGS if k in typed) + " act with --guard on: add it, or drop them"),
         (args.attn_impl == "sdpa" and ("block_n" in typed or "safemax_beta" in typed),
          "--block-n and --safemax-beta belong to the streaming-softmax kernel, not to --attn-impl sdpa"),
     ] + (extension_module().refusals(args, typed) if extension_module() else [])
@@ -238,6 +246,8 @@ def resolve(args, device, parser):
                                                         f"{args.guard}")
     if extension_module():
         extension_module().check_sizes(args, parser)
+    if args.schedule == "cosine" and args.min_lr > args.lr:
+        parser.error(f"--min-lr {args.min_lr:g} is above --lr {args.lr:g}: the cosine would climb; give a lower --min-lr")
     if args.n_embd % args.n_head:
         parser.error(f"--n-embd {args.n_embd} is not a multiple of --n-head {args.n_head}")
     return args
@@ -379,8 +389,8 @@ def ensure_data(args, dist):
     into a folder that is new or empty: one that holds anything else is never written over."""
     if os.path.exists(os.path.join(args.data_dir, "meta.json")):
         return
-    held = sorted(os.listdir(args.data_dir)) if os.path.isdir(args.data_dir) else []
-    if held and prepare_data.REPLACING not in held:   # REPLACING: our own build crashed; prepare repairs it
+    held = prepare_data.foreign_files(args.data_dir, args.dataset)   # a stopped or killed build's own files aside
+    if held:
         shown = ", ".join(held[:4]) + (", ..." if len(held) > 4 else "")
         raise SystemExit(f"error: {args.data_dir} has no meta.json but holds {shown}, left alone: rebuild it (`python "
                          f"prepare_data.py --dataset text --input FILES --tokenizer {args.tokenizer} --out-dir "
@@ -449,14 +459,21 @@ def save_source(out_dir, run_versions):
         f.write(patch.strip() + "\n")
 
 
-def start_run(args, typed):
+def start_run(args, typed, master=True):
     """New run: refuse a folder that holds another. Resume: the saved flags, only safe changes; a
     run without a checkpoint starts over from step 0 with its config.json flags."""
     if os.path.exists(args.out_dir) and not os.path.isdir(args.out_dir):
         raise SystemExit(f"error: --out-dir {args.out_dir} is a file: give a folder")
     paths = {name: os.path.join(args.out_dir, name) for name in ("config.json", "log.jsonl", *CHECKPOINTS)}
+    if os.path.exists(paths["log.jsonl"] + ".gz") and not os.path.exists(paths["log.jsonl"]):
+        raise SystemExit(f"error: {args.out_dir} holds a kept result (log.jsonl.gz): give another --out-dir")
+    if master:
+        claim(args, typed)
     held = [p for p in paths.values() if os.path.exists(p)]
     checkpoints = [paths[name] for name in CHECKPOINTS if os.path.exists(paths[name])]
+    if held and not checkpoints and not os.path.exists(paths["config.json"]):
+        raise SystemExit(f"error: {args.out_dir} holds only log.jsonl (its run stopped before saving config.json): "
+                         f"nothing to resume; move the log away to start over there, or give another --out-dir")
     if not args.resume:
         if held:
             how = "" if checkpoints else " (it saved no checkpoint: it starts over at step 0)"
@@ -467,6 +484,14 @@ def start_run(args, typed):
         raise SystemExit(f"error: {args.out_dir} holds no run (no ckpt.pt, no config.json): drop --resume")
     state = newest_checkpoint(paths["ckpt.pt"]) if checkpoints else None
     saved = state["args"] if state else read_saved_args(paths["config.json"])
+    config = read_saved_args(paths["config.json"]) if state and os.path.exists(paths["config.json"]) else saved
+    if any(config.get(k) != saved.get(k) for k in MODEL_SHAPE):
+        raise SystemExit(f"error: the checkpoint and config.json in {args.out_dir} disagree on the model (" + ", ".join(
+            f"{k} {saved.get(k)} vs {config.get(k)}" for k in MODEL_SHAPE if config.get(k) != saved.get(k)) + "): "
+            f"resume a folder whose files are one run's")
+    here = prepare_data.default_out_dir(saved["dataset"], saved["tokenizer"])
+    if "data_dir" not in typed and os.path.normpath(saved["data_dir"]).split(os.sep)[-2:] == here.split(os.sep)[-2:]:
+        saved = {**saved, "data_dir": here}   # the default folder of the checkout it ran in: this checkout's
     used = [f"--{k.replace('_', '-')} {saved[k]}" for k, off in ASSAY_OFF.items() if saved.get(k, off) != off]
     if used and not extension_module():   # a run that used the assay cannot go on without it
         raise SystemExit(f"error: this run used the lab's assay ({', '.join(used)}): resume it with lab/ present")
@@ -483,6 +508,51 @@ def start_run(args, typed):
     return argparse.Namespace(**merged), state, changed
 
 
+def claim(args, typed):
+    """One writer per run folder: a lock on <out_dir>/.lock with the holder's pid, for the process's life (the
+    OS drops it at any exit, kill -9 too). The default folder is made new: <name>, <name>-2, ... on a clash."""
+    name, made = args.out_dir, not os.path.isdir(args.out_dir)
+    with writing(args.out_dir):
+        if "out_dir" in typed:
+            os.makedirs(args.out_dir, exist_ok=True)
+        else:
+            os.makedirs(os.path.dirname(name) or ".", exist_ok=True)
+            for n in range(2, 10**6):
+                with contextlib.suppress(FileExistsError):
+                    os.mkdir(args.out_dir)
+                    break
+                args.out_dir = f"{name}-{n}"
+        lock = open(os.path.join(args.out_dir, ".lock"), "a+")
+    try:
+        fcntl and fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        lock.seek(0)
+        raise SystemExit(f"error: {args.out_dir} is in use by process {lock.read().strip() or '?'} (a run writing "
+                         f"it): wait for it to end or stop it, or give another --out-dir") from None
+    lock.truncate(0)
+    lock.write(f"{os.getpid()}\n")
+    lock.flush()
+    atexit.register(release, args.out_dir, lock, made)
+
+
+def release(out_dir, lock, made):
+    """At exit: a folder the run left holding only its lock (a refusal, Ctrl-C at start-up) is removed again."""
+    with contextlib.suppress(OSError):
+        if os.listdir(out_dir) == [".lock"]:
+            os.remove(os.path.join(out_dir, ".lock"))
+            made and os.rmdir(out_dir)
+    lock.close()
+
+
+@contextlib.contextmanager
+def writing(path, what="give an --out-dir on a writable disk with free space"):
+    """An OSError (a full or read-only disk, a folder under a file) as one line naming path."""
+    try:
+        yield
+    except OSError as e:
+        raise SystemExit(f"error: cannot write {path} ({e.strerror or e}): {what}") from None
+
+
 class RunDir:
     """The run directory (--out-dir) as the loop sees it: start record, checkpoints, way back."""
 
@@ -492,18 +562,19 @@ class RunDir:
 
     def start_log(self, params, step, resumed, changed):
         """log.jsonl with a start (or resume) record, returned as the log; a new run saves config.json, source.diff."""
-        args, dist = self.args, self.dist
-        if dist.master:
-            os.makedirs(args.out_dir, exist_ok=True)
-        self.file = open(os.path.join(args.out_dir, "log.jsonl"), "a") if dist.master else None
-        run_versions = versions(dist.device)
-        config_json = os.path.join(args.out_dir, "config.json")
+        args, dist, log = self.args, self.dist, os.path.join(self.args.out_dir, "log.jsonl")
+        run_versions, config_json, self.file = versions(dist.device), os.path.join(args.out_dir, "config.json"), None
         if dist.master and not resumed and not os.path.exists(config_json):
-            with open(config_json, "w") as f:
+            with writing(config_json), open(config_json, "w") as f:
                 json.dump({"args": vars(args), "versions": run_versions, "command": sys.argv, "data": self.data,
                            "world_size": dist.world, "params": params,
                            "started": time.strftime("%Y-%m-%d %H:%M:%S %Z")}, f, indent=2)
-            save_source(args.out_dir, run_versions)
+                save_source(args.out_dir, run_versions)
+        if dist.master:
+            with writing(log), open(log, "ab+") as f:
+                if f.seek(0, 2) and (f.seek(-1, 2), f.read(1))[1] != b"\n":
+                    f.write(b"\n")   # a line cut short (kill -9, a full disk): the next record starts a line
+                self.file = open(log, "a")
         over = " (it had saved no checkpoint: starting over)" if args.resume and not resumed else ""
         self.write({"event": "resume" if args.resume else "start", "step": step, "from_checkpoint": resumed,
                    "versions": run_versions, "world_size": dist.world, "command": sys.argv, "changed": changed,
@@ -517,8 +588,9 @@ class RunDir:
         """A record in log.jsonl, for programs (one JSON object a line, flushed), and a line for people."""
         if self.file is None:
             return
-        self.file.write(json.dumps(record) + "\n")
-        self.file.flush()
+        with writing(self.file.name):
+            self.file.write(json.dumps(record) + "\n")
+            self.file.flush()
         if line:
             print(line, flush=True)
 
@@ -529,10 +601,11 @@ class RunDir:
                  **{name: part.state_dict() for name, part in parts.items() if part is not None},
                  "data_content_sha256": self.data["content_sha256"], "rng": rng_state(self.dist)}
         if self.dist.master:
-            with open(self.ckpt + ".tmp", "wb") as f:
-                torch.save(state, f)
-                f.flush()
-                os.fsync(f.fileno())
+            with writing(self.ckpt + ".tmp", f"the previous checkpoint is kept: make room and --resume"):
+                with open(self.ckpt + ".tmp", "wb") as f:
+                    torch.save(state, f)
+                    f.flush()
+                    os.fsync(f.fileno())
             if os.path.exists(self.ckpt):
                 os.replace(self.ckpt, self.ckpt + ".prev")
             os.replace(self.ckpt + ".tmp", self.ckpt)

@@ -21,7 +21,8 @@ MIN_TEMPERATURE = 1e-3
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+                                allow_abbrev=False)
     p.add_argument("run_dir", help="a run directory that holds ckpt.pt")
     p.add_argument("--prompt", default="\n", help="text to continue (default: a newline; empty: from the "
                    "end-of-text token, as at the start of a document)")

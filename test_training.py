@@ -509,9 +509,9 @@ def test_a_bad_flag_exits_non_zero_naming_the_flag(tmp_path, data_dir, argv, nam
 # --------------------------------------------------------------------------------------------------
 # Runs that never lose work: resume, checkpoints, processes, bad input
 
-def _files(folder):
+def _files(folder):   # the run's files; .lock holds the pid of the last process that locked the folder
     return {p: (os.path.getsize(os.path.join(folder, p)), os.path.getmtime(os.path.join(folder, p)))
-            for p in sorted(os.listdir(folder))}
+            for p in sorted(os.listdir(folder)) if p != ".lock"}
 
 
 def test_sigterm_then_resume_matches_an_uninterrupted_run(tmp_path, data_dir):
@@ -850,6 +850,11 @@ def test_resume_with_repeated_flags_and_a_sparse_monitor(tmp_path, data_dir):
     pytest.param(["--probe-k", "2"], "--probe-k has no effect", marks=needs_lab),
     pytest.param(["--inject-site", "grad-wv", "--inject-scale", "0.1", "--qk-fix", "clean-grad"],
                  "never touches the forward", marks=needs_lab),
+    # issue 44: guard flags that --guard off ignores, a cosine that climbs, a seed numpy and torch cannot take
+    (["--guard-action", "clip", "--clip-tight", "0.5"], "--guard-action --clip-tight act with --guard on"),
+    (["--schedule", "cosine", "--lr", "1e-3", "--min-lr", "1e-2"], "--min-lr 0.01 is above --lr 0.001"),
+    (["--seed", str(2**63)], "argument --seed: 9223372036854775808 is too large"),
+    (["--max-step", "2"], "unrecognized arguments: --max-step"),   # no prefixes: the sweep compares full names
 ])
 def test_flags_that_would_silently_do_nothing_or_crash_later_are_refused(tmp_path, data_dir, argv, message):
     cmd = [sys.executable, os.path.join(ROOT, "train.py"), "--data-dir", data_dir, *TINY, *argv]
@@ -1111,3 +1116,171 @@ def test_a_run_records_the_data_it_trained_on(tmp_path, data_dir):
     recorded = json.load(open(out / "config.json"))["versions"]
     assert recorded["torch_threads"] == torch.get_num_threads()
     assert recorded["cpu_capability"] == torch.backends.cpu.get_cpu_capability() and recorded["cpu"]
+
+
+# --------------------------------------------------------------------------------------------------
+# Issue 44: one writer per run folder, kept results, cut logs, one line for each failure
+
+def test_a_live_run_holds_its_folder_and_a_killed_ones_lock_is_not_held(tmp_path, data_dir):
+    out = tmp_path / "run"
+    cmd = [sys.executable, os.path.join(ROOT, "train.py"), "--data-dir", data_dir, "--out-dir", str(out), *TINY,
+           "--max-steps", "100000", "--eval-interval", "100000", "--ckpt-interval", "100000"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=ROOT)
+    try:
+        deadline = time.time() + 120
+        while time.time() < deadline and not (out / "log.jsonl").exists():
+            time.sleep(0.05)
+        for extra in ([], ["--resume"]):   # a second run, and a resume of the live one
+            result = train(out, data_dir, "--max-steps", "2", *extra)
+            lines = result.stderr.strip().splitlines()
+            assert result.returncode != 0 and len(lines) == 1 and f"in use by process {proc.pid}" in lines[0]
+    finally:
+        proc.kill()   # kill -9: the lock file stays, its lock goes with the process
+        proc.wait()
+    assert (out / ".lock").exists()
+    result = train(out, data_dir, "--max-steps", "2", "--resume")   # no checkpoint: it starts over
+    assert result.returncode == 0, result.stderr
+
+
+def test_default_run_folders_made_in_one_second_are_two(tmp_path, monkeypatch):
+    import run
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(time, "strftime", lambda *a: "20261203-120000")
+    made = []
+    for seed in ("1", "2"):   # `for s in 1 2; do python train.py --seed $s & done`
+        args, typed, parser = run.parse_args(TINY + ["--seed", seed])
+        args = run.resolve(args, torch.device("cpu"), parser)
+        made.append(run.start_run(args, typed)[0].out_dir)
+    assert made == [os.path.join("runs", "20261203-120000-fp32-guard-off"),
+                    os.path.join("runs", "20261203-120000-fp32-guard-off-2")]
+    assert all(os.path.isdir(path) for path in made)
+
+
+def test_a_kept_result_is_refused_and_left_as_it_was(tmp_path, data_dir):
+    kept = tmp_path / "kept"
+    kept.mkdir()
+    (kept / "log.jsonl.gz").write_bytes(b"kept")
+    (kept / "config.json.gz").write_bytes(b"kept")
+    for extra in ([], ["--resume"]):
+        result = train(kept, data_dir, "--max-steps", "2", *extra)
+        assert result.returncode != 0 and "holds a kept result" in result.stderr.strip().splitlines()[-1]
+        assert sorted(os.listdir(kept)) == ["config.json.gz", "log.jsonl.gz"]
+
+
+def test_sample_takes_no_flag_prefixes(tmp_path):
+    result = subprocess.run([sys.executable, os.path.join(ROOT, "sample.py"), str(tmp_path), "--temp", "1"],
+                            capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert result.returncode != 0 and "unrecognized arguments: --temp" in result.stderr, result.stderr
+
+
+def test_a_log_cut_mid_line_gets_a_fresh_line_for_the_next_record(tmp_path, data_dir):
+    out = tmp_path / "run"
+    assert train(out, data_dir, "--max-steps", "2").returncode == 0
+    with open(out / "log.jsonl", "a") as f:
+        f.write('{"step": 9, "lo')   # kill -9 or a full disk mid-write
+    assert train(out, data_dir, "--max-steps", "4", "--resume").returncode == 0
+    lines = (out / "log.jsonl").read_text().splitlines()
+    assert '{"step": 9, "lo' in lines and json.loads(lines[lines.index('{"step": 9, "lo') + 1])["event"] == "resume"
+
+
+def test_a_checkpoint_of_another_model_than_config_json_is_refused(tmp_path, data_dir):
+    out = tmp_path / "run"
+    assert train(out, data_dir, "--max-steps", "2").returncode == 0
+    config = json.loads((out / "config.json").read_text())
+    config["args"]["n_layer"] = 3
+    (out / "config.json").write_text(json.dumps(config))
+    result = train(out, data_dir, "--max-steps", "4", "--resume")
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode != 0 and len(lines) == 1 and "checkpoint and config.json" in lines[0], result.stderr
+    assert "n_layer 2 vs 3" in lines[0]
+
+
+def test_an_old_layout_checkpoint_is_refused_in_one_line(tmp_path, data_dir):
+    out = tmp_path / "run"
+    assert train(out, data_dir, "--max-steps", "2").returncode == 0
+    state = torch.load(out / "ckpt.pt", weights_only=True)
+    torch.save({**state, "format": "qkguard-checkpoint-2"}, out / "ckpt.pt")   # before Totals' fields moved
+    result = train(out, data_dir, "--max-steps", "4", "--resume")
+    assert result.returncode != 0 and "not a checkpoint written by this train.py" in result.stderr, result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_unwritable_run_folders_and_checkpoints_end_in_one_line(tmp_path, data_dir):
+    (tmp_path / "file").write_text("not a folder")
+    result = train(tmp_path / "file" / "run", data_dir, "--max-steps", "2")
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode != 0 and len(lines) == 1 and "cannot write" in lines[0], result.stderr
+    out = tmp_path / "run"
+    assert train(out, data_dir, "--max-steps", "2").returncode == 0
+    before = (out / "ckpt.pt").read_bytes()
+    (out / "ckpt.pt.tmp").mkdir()   # the checkpoint's temp file cannot be written
+    result = train(out, data_dir, "--max-steps", "4", "--resume")
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode != 0 and "Traceback" not in result.stderr, result.stderr
+    assert "cannot write" in lines[-1] and "previous checkpoint is kept" in lines[-1]
+    assert (out / "ckpt.pt").read_bytes() == before
+
+
+def test_ctrl_c_during_start_up_ends_in_one_line_and_leaves_nothing(tmp_path, data_dir):
+    out = tmp_path / "run"
+    argv = ["train.py", "--data-dir", data_dir, "--out-dir", str(out), *TINY, "--max-steps", "2"]
+    interrupt = ("import runpy, sys, model\n"
+                 "def interrupted(*a, **k): raise KeyboardInterrupt\n"
+                 f"model.GPT.__init__ = interrupted\nsys.argv = {argv!r}\nrunpy.run_path('train.py', run_name='__main__')")
+    result = subprocess.run([sys.executable, "-c", interrupt], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert result.returncode == 130 and result.stderr.strip() == "interrupted before training started", result.stderr
+    assert not out.exists()
+    assert train(out, data_dir, "--max-steps", "2").returncode == 0   # nothing a rerun refuses
+
+
+def test_a_folder_holding_only_a_log_gets_one_message_that_says_what_to_do(tmp_path, data_dir):
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "log.jsonl").write_text('{"event": "start", "step": 0}\n')
+    for extra in ([], ["--resume"]):
+        result = train(out, data_dir, "--max-steps", "2", *extra)
+        lines = result.stderr.strip().splitlines()
+        assert result.returncode != 0 and len(lines) == 1 and "holds only log.jsonl" in lines[0], result.stderr
+        assert "--resume" not in lines[0] and "move the log away" in lines[0]
+
+
+def test_a_killed_first_build_is_prepared_again_by_train(tmp_path):
+    import argparse
+    import types
+    import prepare_data
+    import run
+    from test_data import stop_midway
+    out = stop_midway(tmp_path, "SIGKILL")   # its lock and temp files are its own, not foreign
+    assert os.listdir(out)
+    with pytest.raises(SystemExit, match="no prepared data"):   # text: not "holds ..., left alone"
+        run.ensure_data(argparse.Namespace(data_dir=str(out), dataset="text", tokenizer="gpt2"), None)
+    (out / "notes.txt").write_text("mine")
+    with pytest.raises(SystemExit, match="holds notes.txt"):
+        run.ensure_data(argparse.Namespace(data_dir=str(out), dataset="text", tokenizer="gpt2"), None)
+    sh = tmp_path / "sh"
+    sh.mkdir()
+    (sh / ".lock").write_text("")
+    (sh / "input.txt").write_text("".join(f"LINE {i}: To be.\n" for i in range(300)))
+    run.ensure_data(argparse.Namespace(data_dir=str(sh), dataset="shakespeare", tokenizer="byte"),
+                    types.SimpleNamespace(local_rank=0, world=1))
+    assert prepare_data.read_meta(str(sh))["dataset"] == "shakespeare" and ".lock" not in os.listdir(sh)
+
+
+def test_a_resume_in_another_checkout_uses_that_checkouts_data_folder(tmp_path, data_dir):
+    a, b, out = tmp_path / "a", tmp_path / "b", tmp_path / "run"
+    for checkout in (a, b):   # two checkouts, each with its default data folder prepared
+        checkout.mkdir()
+        for name in os.listdir(ROOT):
+            if name.endswith(".py"):
+                shutil.copy(os.path.join(ROOT, name), checkout / name)
+        shutil.copytree(data_dir, checkout / "data" / "text-byte")
+
+    def train_in(checkout, *args):
+        return subprocess.run([sys.executable, str(checkout / "train.py"), "--out-dir", str(out), *args],
+                              capture_output=True, text=True, timeout=300, cwd=checkout)
+    assert train_in(a, "--dataset", "text", "--tokenizer", "byte", *TINY, "--max-steps", "2").returncode == 0
+    shutil.rmtree(a / "data")   # the old checkout's data is gone: it is not prepared again there
+    result = train_in(b, "--resume", "--max-steps", "4")
+    assert result.returncode == 0 and not (a / "data").exists(), result.stderr
+    result = train_in(b, "--resume", "--max-steps", "6", "--data-dir", str(b / "data" / "text-byte"))
+    assert result.returncode == 0, result.stderr   # --data-dir names where the data is now

@@ -11,6 +11,7 @@ its `assay.` lines lab/assay.py's extension (injected errors, the QK-only fix, t
 """
 import contextlib
 import math
+import sys
 import time
 
 import torch
@@ -42,14 +43,14 @@ def main(argv=None):
     else:
         step = run_dir.restore(state, parts)
         guard.apply_to_model(model)              # a latched action stays on
-    saved_step = step                            # nothing to save before the first update
+    saved_step, stop = step, run.StopSignal()    # nothing to save before the first update; Ctrl-C: stop there
     log = run_dir.start_log(model.num_params(), step, resumed=state is not None, changed=changed)
     evaluate = lambda: validation_loss(eval_model, batches, step, args, dist, autocast, log)
 
     # -------------------------------------------------------------------------------- the loop
     # A record's "step" counts the updates before it: a step record's loss and max logit come from
     # update `step`'s forward; an eval at `step` sees the weights after `step` updates.
-    stop, status, val_loss = run.StopSignal(), "completed", None
+    status, val_loss = "completed", None
     totals.start_clock()
     try:
         if state is None:
@@ -111,7 +112,7 @@ def configure(argv):
     args, typed, parser = run.parse_args(argv)
     dist = run.Dist(args.device)
     args = run.resolve(args, dist.device, parser)
-    args, state, changed = run.start_run(args, typed)       # --resume: the saved run's flags
+    args, state, changed = run.start_run(args, typed, dist.master)   # --resume: the saved run's flags
     if args.grad_accum % dist.world:
         raise SystemExit(f"error: --grad-accum {args.grad_accum} must be a multiple of the {dist.world} processes")
     run.check_memory(args, dist.device)
@@ -325,4 +326,8 @@ def check_attention_settings(model, device, args, use_bf16):
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except KeyboardInterrupt:   # before the loop (StopSignal takes Ctrl-C from then on): nothing was written
+        print("interrupted before training started", file=sys.stderr)
+        sys.exit(130)
