@@ -55,8 +55,6 @@ CHECKPOINT_FORMAT = "qkguard-checkpoint-3"   # tensors, numbers, strings, tuples
 # ckpt.pt, and what a crash inside RunDir.save can leave instead (newest_checkpoint reads them)
 CHECKPOINTS = ("ckpt.pt", "ckpt.pt.tmp", "ckpt.pt.prev")
 HERE = os.path.dirname(os.path.abspath(__file__))   # the code a run records (git, source.diff)
-GUARD_FLAGS = ("guard_signal", "guard_threshold", "guard_action", "guard_scope", "qkclip_tau", "lr_drop_factor",
-               "clip_tight", "softcap_value")   # what --guard off ignores
 MODEL_SHAPE = ("arch", "n_layer", "n_head", "n_embd", "vocab_size")
 
 
@@ -212,6 +210,8 @@ def parse_args(argv=None):
 def refusals(args, typed):
     """(refused, why and what to do instead): settings that would do nothing or fail later; the assay's too."""
     guard_on, action, qk_normed = args.guard == "on", args.guard_action, qk_norm_from_step_0(args)
+    ignored = " ".join(f"--{k.replace('_', '-')}" for k in typed if k.startswith("guard_") or k in (   # --guard off
+        "qkclip_tau", "lr_drop_factor", "clip_tight", "softcap_value"))                               # ignores them
     return [
         (guard_on and action == "qknorm" and qk_normed,
          "--guard-action qknorm has nothing to switch when --qknorm always or --qk-fix qknorm is set"),
@@ -223,8 +223,8 @@ def refusals(args, typed):
         (args.guard_scope == "crossed" and action in ("lr-drop", "clip"),
          f"--guard-scope crossed: --guard-action {action} acts on the whole model; use --guard-scope all"),
         (args.resume and "out_dir" not in typed, "--resume needs the --out-dir of the run to continue"),
-        (args.guard == "off" and not args.resume and typed.keys() & set(GUARD_FLAGS), " ".join(
-            f"--{k.replace('_', '-')}" for k in GUARD_FLAGS if k in typed) + " act with --guard on: add it, or drop them"),
+        (args.guard == "off" and not args.resume and ignored,
+         f"{ignored} act with --guard on: add --guard on, or drop them"),
         (args.attn_impl == "sdpa" and ("block_n" in typed or "safemax_beta" in typed),
          "--block-n and --safemax-beta belong to the streaming-softmax kernel, not to --attn-impl sdpa"),
     ] + (extension_module().refusals(args, typed) if extension_module() else [])
@@ -243,11 +243,11 @@ def resolve(args, device, parser):
     args.data_dir = args.data_dir or prepare_data.default_out_dir(args.dataset, args.tokenizer)
     args.decay_steps = args.decay_steps or args.max_steps
     args.out_dir = args.out_dir or os.path.join("runs", f"{time.strftime('%Y%m%d-%H%M%S')}-{args.accum}-guard-"
-                                                        f"{args.guard}")
+                                                        f"{args.guard}-{os.getpid()}")   # two at once: two names
     if extension_module():
         extension_module().check_sizes(args, parser)
     if args.schedule == "cosine" and args.min_lr > args.lr:
-        parser.error(f"--min-lr {args.min_lr:g} is above --lr {args.lr:g}: the cosine would climb; give a lower --min-lr")
+        parser.error(f"--min-lr {args.min_lr:g} is above --lr {args.lr:g}: the cosine would climb; lower --min-lr")
     if args.n_embd % args.n_head:
         parser.error(f"--n-embd {args.n_embd} is not a multiple of --n-head {args.n_head}")
     return args
@@ -446,9 +446,8 @@ def save_source(out_dir, run_versions):
     source.diff (`git apply` it on that commit); without git, copy every .py file to source/."""
     if run_versions["git_commit"] is None:
         os.makedirs(os.path.join(out_dir, "source"), exist_ok=True)
-        for name in sorted(os.listdir(HERE)):
-            if name.endswith(".py"):
-                shutil.copyfile(os.path.join(HERE, name), os.path.join(out_dir, "source", name))
+        for name in [name for name in sorted(os.listdir(HERE)) if name.endswith(".py")]:
+            shutil.copyfile(os.path.join(HERE, name), os.path.join(out_dir, "source", name))
         return
     if not run_versions["git_dirty"]:
         return
@@ -471,24 +470,21 @@ def start_run(args, typed, master=True):
         claim(args, typed)
     held = [p for p in paths.values() if os.path.exists(p)]
     checkpoints = [paths[name] for name in CHECKPOINTS if os.path.exists(paths[name])]
-    if held and not checkpoints and not os.path.exists(paths["config.json"]):
-        raise SystemExit(f"error: {args.out_dir} holds only log.jsonl (its run stopped before saving config.json): "
-                         f"nothing to resume; move the log away to start over there, or give another --out-dir")
+    if not checkpoints and not os.path.exists(paths["config.json"]) and (held or args.resume):   # nothing to resume
+        raise SystemExit(f"error: {args.out_dir} holds no run to resume (no config.json, no checkpoint): " + (
+            "move its log.jsonl away to start over there, or give another --out-dir" if held else "drop --resume"))
     if not args.resume:
         if held:
             how = "" if checkpoints else " (it saved no checkpoint: it starts over at step 0)"
             raise SystemExit(f"error: {args.out_dir} already holds a run ({', '.join(held)}): continue it with "
                              f"--resume{how}, or choose another --out-dir")
         return args, None, {}
-    if not checkpoints and not os.path.exists(paths["config.json"]):
-        raise SystemExit(f"error: {args.out_dir} holds no run (no ckpt.pt, no config.json): drop --resume")
     state = newest_checkpoint(paths["ckpt.pt"]) if checkpoints else None
     saved = state["args"] if state else read_saved_args(paths["config.json"])
     config = read_saved_args(paths["config.json"]) if state and os.path.exists(paths["config.json"]) else saved
-    if any(config.get(k) != saved.get(k) for k in MODEL_SHAPE):
-        raise SystemExit(f"error: the checkpoint and config.json in {args.out_dir} disagree on the model (" + ", ".join(
-            f"{k} {saved.get(k)} vs {config.get(k)}" for k in MODEL_SHAPE if config.get(k) != saved.get(k)) + "): "
-            f"resume a folder whose files are one run's")
+    if differ := [f"{k} {saved.get(k)} vs {config.get(k)}" for k in MODEL_SHAPE if config.get(k) != saved.get(k)]:
+        raise SystemExit(f"error: the checkpoint and config.json in {args.out_dir} disagree ({', '.join(differ)}): "
+                         f"resume a folder whose files are one run's")
     here = prepare_data.default_out_dir(saved["dataset"], saved["tokenizer"])
     if "data_dir" not in typed and os.path.normpath(saved["data_dir"]).split(os.sep)[-2:] == here.split(os.sep)[-2:]:
         saved = {**saved, "data_dir": here}   # the default folder of the checkout it ran in: this checkout's
@@ -509,39 +505,20 @@ def start_run(args, typed, master=True):
 
 
 def claim(args, typed):
-    """One writer per run folder: a lock on <out_dir>/.lock with the holder's pid, for the process's life (the
-    OS drops it at any exit, kill -9 too). The default folder is made new: <name>, <name>-2, ... on a clash."""
-    name, made = args.out_dir, not os.path.isdir(args.out_dir)
+    """One writer per run folder: a lock on <out_dir>/.lock naming its pid, held till the process ends (kill -9 too)."""
+    made = not os.path.isdir(args.out_dir)
     with writing(args.out_dir):
-        if "out_dir" in typed:
-            os.makedirs(args.out_dir, exist_ok=True)
-        else:
-            os.makedirs(os.path.dirname(name) or ".", exist_ok=True)
-            for n in range(2, 10**6):
-                with contextlib.suppress(FileExistsError):
-                    os.mkdir(args.out_dir)
-                    break
-                args.out_dir = f"{name}-{n}"
+        os.makedirs(args.out_dir, exist_ok=True)
         lock = open(os.path.join(args.out_dir, ".lock"), "a+")
     try:
         fcntl and fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
-        lock.seek(0)
-        raise SystemExit(f"error: {args.out_dir} is in use by process {lock.read().strip() or '?'} (a run writing "
-                         f"it): wait for it to end or stop it, or give another --out-dir") from None
+        raise SystemExit(f"error: {args.out_dir} is in use by process {open(lock.name).read().strip() or '?'} (a run "
+                         f"writing it): wait for it to end or stop it, or give another --out-dir") from None
     lock.truncate(0)
-    lock.write(f"{os.getpid()}\n")
-    lock.flush()
-    atexit.register(release, args.out_dir, lock, made)
-
-
-def release(out_dir, lock, made):
-    """At exit: a folder the run left holding only its lock (a refusal, Ctrl-C at start-up) is removed again."""
-    with contextlib.suppress(OSError):
-        if os.listdir(out_dir) == [".lock"]:
-            os.remove(os.path.join(out_dir, ".lock"))
-            made and os.rmdir(out_dir)
-    lock.close()
+    print(os.getpid(), file=lock, flush=True)
+    # held open till exit; then a folder it made and left holding only the lock (a refusal, Ctrl-C) goes again
+    atexit.register(lambda held: made and os.listdir(args.out_dir) == [".lock"] and shutil.rmtree(args.out_dir), lock)
 
 
 @contextlib.contextmanager
@@ -563,18 +540,17 @@ class RunDir:
     def start_log(self, params, step, resumed, changed):
         """log.jsonl with a start (or resume) record, returned as the log; a new run saves config.json, source.diff."""
         args, dist, log = self.args, self.dist, os.path.join(self.args.out_dir, "log.jsonl")
-        run_versions, config_json, self.file = versions(dist.device), os.path.join(args.out_dir, "config.json"), None
+        run_versions, config_json = versions(dist.device), os.path.join(args.out_dir, "config.json")
         if dist.master and not resumed and not os.path.exists(config_json):
             with writing(config_json), open(config_json, "w") as f:
                 json.dump({"args": vars(args), "versions": run_versions, "command": sys.argv, "data": self.data,
                            "world_size": dist.world, "params": params,
                            "started": time.strftime("%Y-%m-%d %H:%M:%S %Z")}, f, indent=2)
                 save_source(args.out_dir, run_versions)
-        if dist.master:
-            with writing(log), open(log, "ab+") as f:
-                if f.seek(0, 2) and (f.seek(-1, 2), f.read(1))[1] != b"\n":
-                    f.write(b"\n")   # a line cut short (kill -9, a full disk): the next record starts a line
-                self.file = open(log, "a")
+        with writing(log):
+            self.file = open(log, "ab+") if dist.master else None
+            if self.file and self.file.seek(0, 2) and (self.file.seek(-1, 2), self.file.read(1))[1] != b"\n":
+                self.file.write(b"\n")   # a line cut short (kill -9, a full disk): the next record starts a line
         over = " (it had saved no checkpoint: starting over)" if args.resume and not resumed else ""
         self.write({"event": "resume" if args.resume else "start", "step": step, "from_checkpoint": resumed,
                    "versions": run_versions, "world_size": dist.world, "command": sys.argv, "changed": changed,
@@ -589,7 +565,7 @@ class RunDir:
         if self.file is None:
             return
         with writing(self.file.name):
-            self.file.write(json.dumps(record) + "\n")
+            self.file.write((json.dumps(record) + "\n").encode())
             self.file.flush()
         if line:
             print(line, flush=True)
@@ -601,11 +577,11 @@ class RunDir:
                  **{name: part.state_dict() for name, part in parts.items() if part is not None},
                  "data_content_sha256": self.data["content_sha256"], "rng": rng_state(self.dist)}
         if self.dist.master:
-            with writing(self.ckpt + ".tmp", f"the previous checkpoint is kept: make room and --resume"):
-                with open(self.ckpt + ".tmp", "wb") as f:
-                    torch.save(state, f)
-                    f.flush()
-                    os.fsync(f.fileno())
+            with writing(self.ckpt + ".tmp", "the previous checkpoint is kept: make room, then --resume"), \
+                    open(self.ckpt + ".tmp", "wb") as f:
+                torch.save(state, f)
+                f.flush()
+                os.fsync(f.fileno())
             if os.path.exists(self.ckpt):
                 os.replace(self.ckpt, self.ckpt + ".prev")
             os.replace(self.ckpt + ".tmp", self.ckpt)

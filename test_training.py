@@ -1142,18 +1142,19 @@ def test_a_live_run_holds_its_folder_and_a_killed_ones_lock_is_not_held(tmp_path
     assert result.returncode == 0, result.stderr
 
 
-def test_default_run_folders_made_in_one_second_are_two(tmp_path, monkeypatch):
-    import run
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr(time, "strftime", lambda *a: "20261203-120000")
-    made = []
-    for seed in ("1", "2"):   # `for s in 1 2; do python train.py --seed $s & done`
-        args, typed, parser = run.parse_args(TINY + ["--seed", seed])
-        args = run.resolve(args, torch.device("cpu"), parser)
-        made.append(run.start_run(args, typed)[0].out_dir)
-    assert made == [os.path.join("runs", "20261203-120000-fp32-guard-off"),
-                    os.path.join("runs", "20261203-120000-fp32-guard-off-2")]
-    assert all(os.path.isdir(path) for path in made)
+def test_default_run_folders_made_in_one_second_are_two(tmp_path, data_dir):
+    # `for s in 1 2; do python train.py --seed $s & done`: both name their folder in the same second
+    for seed in ("1", "2"):
+        argv = ["train.py", "--data-dir", data_dir, *TINY, "--max-steps", "1", "--seed", seed]
+        same_second = ("import runpy, sys, time\ntime.strftime = lambda *a: '20261203-120000'\n"
+                       f"sys.argv, sys.path[:0] = {argv!r}, [{ROOT!r}]\nrunpy.run_path({os.path.join(ROOT, 'train.py')!r}, run_name='__main__')")
+        result = subprocess.run([sys.executable, "-c", same_second], capture_output=True, text=True, timeout=120,
+                                cwd=tmp_path)
+        assert result.returncode == 0, result.stderr
+    folders = sorted(os.listdir(tmp_path / "runs"))
+    seeds = {json.loads((tmp_path / "runs" / f / "config.json").read_text())["args"]["seed"] for f in folders}
+    assert len(folders) == 2 and seeds == {1, 2}, folders
+    assert all(f.startswith("20261203-120000-fp32-guard-off-") for f in folders)
 
 
 def test_a_kept_result_is_refused_and_left_as_it_was(tmp_path, data_dir):
@@ -1240,8 +1241,8 @@ def test_a_folder_holding_only_a_log_gets_one_message_that_says_what_to_do(tmp_p
     for extra in ([], ["--resume"]):
         result = train(out, data_dir, "--max-steps", "2", *extra)
         lines = result.stderr.strip().splitlines()
-        assert result.returncode != 0 and len(lines) == 1 and "holds only log.jsonl" in lines[0], result.stderr
-        assert "--resume" not in lines[0] and "move the log away" in lines[0]
+        assert result.returncode != 0 and len(lines) == 1 and "holds no run to resume" in lines[0], result.stderr
+        assert "--resume" not in lines[0] and "move its log.jsonl away" in lines[0]
 
 
 def test_a_killed_first_build_is_prepared_again_by_train(tmp_path):
