@@ -204,14 +204,16 @@ def parse_args(argv=None):
     for refused, message in refusals(args, typed):
         if refused:
             parser.error(message)
+    ignored = " ".join(f"--{k.replace('_', '-')}" for k in typed if k.startswith("guard_") or k in (
+        "qkclip_tau", "lr_drop_factor", "clip_tight", "softcap_value"))   # a note: the lab's sweep gives all arms one
+    if ignored and args.guard == "off" and not args.resume:               # set of extra flags, unguarded arms too
+        print(f"note: {ignored} act only with --guard on, and this run's guard is off", file=sys.stderr)
     return args, typed, parser
 
 
 def refusals(args, typed):
     """(refused, why and what to do instead): settings that would do nothing or fail later; the assay's too."""
     guard_on, action, qk_normed = args.guard == "on", args.guard_action, qk_norm_from_step_0(args)
-    ignored = " ".join(f"--{k.replace('_', '-')}" for k in typed if k.startswith("guard_") or k in (   # --guard off
-        "qkclip_tau", "lr_drop_factor", "clip_tight", "softcap_value"))                               # ignores them
     return [
         (guard_on and action == "qknorm" and qk_normed,
          "--guard-action qknorm has nothing to switch when --qknorm always or --qk-fix qknorm is set"),
@@ -223,8 +225,6 @@ def refusals(args, typed):
         (args.guard_scope == "crossed" and action in ("lr-drop", "clip"),
          f"--guard-scope crossed: --guard-action {action} acts on the whole model; use --guard-scope all"),
         (args.resume and "out_dir" not in typed, "--resume needs the --out-dir of the run to continue"),
-        (args.guard == "off" and not args.resume and ignored,
-         f"{ignored} act with --guard on: add --guard on, or drop them"),
         (args.attn_impl == "sdpa" and ("block_n" in typed or "safemax_beta" in typed),
          "--block-n and --safemax-beta belong to the streaming-softmax kernel, not to --attn-impl sdpa"),
     ] + (extension_module().refusals(args, typed) if extension_module() else [])
