@@ -2028,6 +2028,14 @@ def test_the_sweep_refuses_an_extra_flag_that_is_not_a_train_flag_by_its_full_na
 def test_the_sweeps_clash_check_compares_what_the_flags_set(tmp_path, capsys, monkeypatch):
     """The clash check reads both flag lists through train.py's parser: with abbreviations let through (as
     argparse's default does), --inject-sc still clashes with the arm's --inject-scale."""
+    import run
+    build_parser = run.build_parser
+
+    def with_prefixes():   # train.py's parser refuses them (allow_abbrev=False): the check must not rely on that
+        parser = build_parser()
+        parser.allow_abbrev = True
+        return parser
+    monkeypatch.setattr(run, "build_parser", with_prefixes)
     parser = sweep.train_flag_parser(sweep.argparse.ArgumentParser(prog="sweep.py"))
     assert sweep.typed_flags(parser, ["--inject-sc", "99"]) == {"inject_scale": 99.0}   # argparse's prefix
     monkeypatch.setattr(sweep, "unknown_flag", lambda parser, flags: None)
