@@ -523,8 +523,7 @@ def claim(args, typed):
 
 @contextlib.contextmanager
 def writing(path, what="give an --out-dir on a writable disk with free space"):
-    """An OSError (a full or read-only disk, a folder under a file) as one line naming path."""
-    try:
+    try:   # an OSError (a full or read-only disk, a folder under a file) as one line naming the path
         yield
     except OSError as e:
         raise SystemExit(f"error: cannot write {path} ({e.strerror or e}): {what}") from None
