@@ -234,6 +234,11 @@ def auto_preset(device_type):
     return "demo" if device_type == "cpu" else "assay"
 
 
+def launcher_pid():
+    """This process's pid; under torchrun the launcher's, which every rank shares, so all name one folder."""
+    return os.getppid() if "LOCAL_RANK" in os.environ else os.getpid()
+
+
 def resolve(args, device, parser):
     """Fill what the command line left to the preset, then check what needs the sizes."""
     args.preset = args.preset if args.preset != "auto" else auto_preset(device.type)
@@ -243,7 +248,7 @@ def resolve(args, device, parser):
     args.data_dir = args.data_dir or prepare_data.default_out_dir(args.dataset, args.tokenizer)
     args.decay_steps = args.decay_steps or args.max_steps
     args.out_dir = args.out_dir or os.path.join("runs", f"{time.strftime('%Y%m%d-%H%M%S')}-{args.accum}-guard-"
-                                                        f"{args.guard}-{os.getpid()}")   # two at once: two names
+                                                        f"{args.guard}-{launcher_pid()}")   # two at once: two names
     if extension_module():
         extension_module().check_sizes(args, parser)
     if args.schedule == "cosine" and args.min_lr > args.lr:

@@ -1158,6 +1158,15 @@ def test_default_run_folders_made_in_one_second_are_two(tmp_path, data_dir):
     assert all(f.startswith("20261203-120000-fp32-guard-off-") for f in folders)
 
 
+def test_every_rank_under_torchrun_names_the_same_default_folder(monkeypatch):
+    # ranks are processes of their own: a folder named by each one's pid would differ by rank
+    import run
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    assert run.launcher_pid() == os.getpid()
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    assert run.launcher_pid() == os.getppid()      # torchrun's agent, the parent of every rank
+
+
 def test_guard_flags_under_guard_off_get_a_note(capsys):
     # a note, not an error: lab.sweep passes one set of extra flags (say --guard-threshold) to every arm,
     # unguarded ones too
