@@ -203,7 +203,7 @@ class QKGuard:
     def triggered(self):
         return self.trigger is not None
 
-    # QK-Clip's cap, which attach.py's own clip reads (and its tests set)
+    # QK-Clip's cap, which qkguard/hooks.py's own clip reads (and its tests set)
     tau = property(lambda self: self.act.tau, lambda self, value: setattr(self.act, "tau", value))
 
     def watching(self):

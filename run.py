@@ -28,7 +28,7 @@ import torch
 import model as model_lib
 import prepare_data
 from attention_kernel import ACCUM_MODES, ROUNDING_SOURCES
-from guard import ACTIONS, DEFAULT_THRESHOLD, SCOPES, SIGNALS
+from guard import ACTIONS, DEFAULT_ACTION, DEFAULT_THRESHOLD, SCOPES, SIGNALS
 fcntl = prepare_data.fcntl   # None on Windows: no lock
 
 # Training defaults per preset, one column per flag; the model sizes are model.MODEL_SIZES[size].
@@ -51,6 +51,7 @@ RESUMABLE_CHANGES = {"max_steps", "log_interval", "eval_interval", "eval_iters",
                      "on_collapse", "resume", "device", "out_dir", "data_dir"}
 # The lab's assay switches (lab/assay.py adds its flags), off: without lab/, a run that set one cannot resume.
 ASSAY_OFF = {"inject_site": "none", "qk_fix": "off", "probe": "off"}
+HELD = {}   # this process's run folders -> their lock files
 CHECKPOINT_FORMAT = "qkguard-checkpoint-3"   # tensors, numbers, strings, tuples, lists, dicts; 3: Totals' own
 # ckpt.pt, and what a crash inside RunDir.save can leave instead (newest_checkpoint reads them)
 CHECKPOINTS = ("ckpt.pt", "ckpt.pt.tmp", "ckpt.pt.prev")
@@ -59,9 +60,8 @@ MODEL_SHAPE = ("arch", "n_layer", "n_head", "n_embd", "vocab_size")
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# The flags. Their value types refuse nonsense with a message argparse prints as "argument --flag: ...";
-# the parser keeps each flag's default in p.flag_defaults, where None means "from the preset". Where lab/ is
-# present, the loop's optional extension below (lab/assay.py) adds its own flags, refusals and hooks.
+# The flags. Value types refuse nonsense in argparse's "argument --flag: ..." line; p.flag_defaults keeps each
+# flag's default (None: from the preset). Where lab/ is present, the extension below (lab/assay.py) adds its own.
 
 def number(kind=float, low=None, high=None, above=False, below=False):
     """A parser of int or finite float values in [low, high] (above / below: bound excluded)."""
@@ -146,13 +146,14 @@ def build_parser():
     add(g, "--guard-signal", "max-logit", "the signal, per layer and head", choices=list(SIGNALS))
     add(g, "--guard-threshold", None, "trigger level (default: the signal's, " + ", ".join(
         f"{s} {v:g}" for s, v in DEFAULT_THRESHOLD.items()) + "; see the README)", type=POSITIVE)
-    add(g, "--guard-action", "qknorm", "qknorm (the paper's), qkclip (weight-side QK), or the non-QK controls "
+    add(g, "--guard-action", DEFAULT_ACTION, "qknorm (the paper's), qkclip (weight-side QK), or the non-QK controls "
         "lr-drop, clip, softcap, fp32-accum", choices=list(ACTIONS))
     add(g, "--guard-scope", "all", "act on every layer, or on crossed layers", choices=list(SCOPES))
-    add(g, "--qkclip-tau", 100.0, "qkclip: cap on each head's max logit", type=POSITIVE)
-    add(g, "--lr-drop-factor", 0.1, "lr-drop: multiply the lr by this", type=number(low=0, high=1, above=True))
-    add(g, "--clip-tight", 0.1, "clip: gradient-norm clip after the trigger", type=POSITIVE)
-    add(g, "--softcap-value", 50.0, "softcap action: the cap c (Gemma 2 uses 50)", type=POSITIVE)
+    add(g, "--qkclip-tau", ACTIONS["qkclip"].tau, "qkclip: cap on each head's max logit", type=POSITIVE)
+    add(g, "--lr-drop-factor", ACTIONS["lr-drop"].lr_factor, "lr-drop: multiply the lr by this",
+        type=number(low=0, high=1, above=True))
+    add(g, "--clip-tight", ACTIONS["clip"].clip_norm, "clip: gradient-norm clip after the trigger", type=POSITIVE)
+    add(g, "--softcap-value", ACTIONS["softcap"].softcap, "softcap action: the cap c (Gemma 2 uses 50)", type=POSITIVE)
     add(g, "--monitor-interval", 1, "monitor (sigmas, guard check) every N steps", type=COUNT)
     add(g, "--power-iters", 1, "power iterations per monitored step", type=COUNT)
     add(g, "--collapse-margin", 1.0, "collapse: loss above its running min by this", type=POSITIVE)
@@ -178,7 +179,7 @@ def build_parser():
     add(g, "--beta2", 0.95, "AdamW beta2", type=FRACTION)
     add(g, "--grad-clip", 1.0, "gradient-norm clip (0: off)", type=NONNEGATIVE)
     g = p.add_argument_group("run (run.py)")
-    add(g, "--out-dir", "", "run directory (empty: runs/<date>-<time>-<accum>-guard-<on|off>)")
+    add(g, "--out-dir", "", "run directory (empty: runs/<date>-<time>-<accum>-guard-<on|off>-<pid>)")
     add(g, "--resume", False, "continue the run in --out-dir from ckpt.pt", action="store_true")
     add(g, "--seed", 1337, "seed of the weights and of the batch order", type=number(int, 0, 2**63 - 1))
     add(g, "--device", "auto", "auto, cpu, cuda, cuda:N")
@@ -236,7 +237,7 @@ def auto_preset(device_type):
 
 def launcher_pid():
     """This process's pid; under torchrun the launcher's, which every rank shares, so all name one folder."""
-    return os.getppid() if "LOCAL_RANK" in os.environ else os.getpid()
+    return os.getppid() if "TORCHELASTIC_RUN_ID" in os.environ else os.getpid()
 
 
 def resolve(args, device, parser):
@@ -283,7 +284,7 @@ def padded_vocab(n):
 def extension_module():
     """lab.assay (its flags, refusals and hooks) where lab/ is present, else None: `rm -r lab` leaves a
     working reference. Imported on first use, as lab/assay.py imports this file."""
-    if importlib.util.find_spec("lab") is None:
+    if importlib.util.find_spec("lab") is None or importlib.util.find_spec("lab.assay") is None:
         return None
     from lab import assay
     return assay
@@ -472,7 +473,7 @@ def start_run(args, typed, master=True):
     if os.path.exists(paths["log.jsonl"] + ".gz") and not os.path.exists(paths["log.jsonl"]):
         raise SystemExit(f"error: {args.out_dir} holds a kept result (log.jsonl.gz): give another --out-dir")
     if master:
-        claim(args, typed)
+        claim(args)
     held = [p for p in paths.values() if os.path.exists(p)]
     checkpoints = [paths[name] for name in CHECKPOINTS if os.path.exists(paths[name])]
     if not checkpoints and not os.path.exists(paths["config.json"]) and (held or args.resume):   # nothing to resume
@@ -509,21 +510,24 @@ def start_run(args, typed, master=True):
     return argparse.Namespace(**merged), state, changed
 
 
-def claim(args, typed):
+def claim(args):
     """One writer per run folder: a lock on <out_dir>/.lock naming its pid, held till the process ends (kill -9 too)."""
-    made = not os.path.isdir(args.out_dir)
+    made, held = not os.path.isdir(args.out_dir), HELD.pop(os.path.realpath(args.out_dir), None)
+    held and held.close()   # this process's earlier run of the folder (a resume after it, in one process)
     with writing(args.out_dir):
         os.makedirs(args.out_dir, exist_ok=True)
-        lock = open(os.path.join(args.out_dir, ".lock"), "a+")
+        lock = HELD[os.path.realpath(args.out_dir)] = open(os.path.join(args.out_dir, ".lock"), "a+")
     try:
         fcntl and fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         raise SystemExit(f"error: {args.out_dir} is in use by process {open(lock.name).read().strip() or '?'} (a run "
                          f"writing it): wait for it to end or stop it, or give another --out-dir") from None
+    except OSError as e:   # a file system without locks (some NFS): go on, as without fcntl
+        print(f"note: cannot lock {args.out_dir} ({e.strerror}): run one train.py in it at a time", file=sys.stderr)
     lock.truncate(0)
     print(os.getpid(), file=lock, flush=True)
-    # held open till exit; then a folder it made and left holding only the lock (a refusal, Ctrl-C) goes again
-    atexit.register(lambda held: made and os.listdir(args.out_dir) == [".lock"] and shutil.rmtree(args.out_dir), lock)
+    # a folder it made and left holding only the lock (a refusal, Ctrl-C) goes again
+    atexit.register(lambda: made and os.listdir(args.out_dir) == [".lock"] and shutil.rmtree(args.out_dir))
 
 
 @contextlib.contextmanager

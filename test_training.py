@@ -296,7 +296,7 @@ def test_each_actions_setting_reaches_its_hook_and_defaults_to_train_pys_flag():
         observe(g, 0, torch.full((2, 2), 5.0), sig, model)
     assert guards["lr-drop"].lr_scale() == 0.25 and guards["clip"].grad_clip(1.0) == 0.3
     assert [a.softcap for a in model.attentions] == [9.0, 9.0] and guards["qkclip"].tau == 7.0
-    guards["qkclip"].tau = 3.0                          # qkguard/attach.py's tests set it so
+    guards["qkclip"].tau = 3.0                          # qkguard/test_attach.py sets it so
     assert guards["qkclip"].act.tau == 3.0
     args = run.parse_args([])[0]
     assert (args.qkclip_tau, args.lr_drop_factor, args.clip_tight, args.softcap_value) == (
@@ -1161,9 +1161,10 @@ def test_default_run_folders_made_in_one_second_are_two(tmp_path, data_dir):
 def test_every_rank_under_torchrun_names_the_same_default_folder(monkeypatch):
     # ranks are processes of their own: a folder named by each one's pid would differ by rank
     import run
-    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+    monkeypatch.setenv("LOCAL_RANK", "1")          # set by other launchers too, or by hand: not enough
     assert run.launcher_pid() == os.getpid()
-    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "none")
     assert run.launcher_pid() == os.getppid()      # torchrun's agent, the parent of every rank
 
 
@@ -1307,3 +1308,14 @@ def test_a_resume_in_another_checkout_uses_that_checkouts_data_folder(tmp_path, 
     assert result.returncode == 0 and not (a / "data").exists(), result.stderr
     result = train_in(b, "--resume", "--max-steps", "6", "--data-dir", str(b / "data" / "text-byte"))
     assert result.returncode == 0, result.stderr   # --data-dir names where the data is now
+
+
+def test_one_process_may_claim_its_own_run_folder_again(tmp_path):
+    # a run, then its --resume, in one process (a notebook): the first lock is this process's own
+    import argparse
+    import run
+    args = argparse.Namespace(out_dir=str(tmp_path / "run"))
+    run.claim(args)
+    (tmp_path / "run" / "log.jsonl").write_text("")
+    run.claim(args)                                   # not "in use by process <this one>"
+    assert (tmp_path / "run" / ".lock").read_text().strip() == str(os.getpid())
