@@ -45,9 +45,10 @@ LR_DROP_FACTOR = ACTIONS["lr-drop"].lr_factor        # the lr-drop's default (ru
 FIX_TOL = 0.1            # nat: a QK-only fix ends at most FIX_TOL above the no-error run's val loss
 # config.json's flags in which the runs a rule compares may differ: where a run ran and how it logged,
 # not what it trained: run.RESUMABLE_CHANGES (a resume may change them) but max_steps, which arms
-# must share, and the seed (a test keeps the two lists in step)
-RUN_SPECIFIC = {"seed", "out_dir", "data_dir", "resume", "device", "compile", "on_collapse", "log_interval",
-                "eval_interval", "eval_iters", "ckpt_interval"}
+# must share, and data_dir, which a recorded content hash stands in for (see mixed()), and the seed (a
+# test keeps the two lists in step)
+RUN_SPECIFIC = {"seed", "out_dir", "resume", "device", "compile", "on_collapse", "log_interval", "eval_interval",
+                "eval_iters", "ckpt_interval"}
 
 
 def own_flags():

@@ -1281,7 +1281,8 @@ def test_a_refusal_is_one_line_and_names_every_mixed_rule(tmp_path):
 def test_the_flags_a_rules_arms_may_differ_in():
     import run
     # a resume may change these (run.py's list); max_steps, though, the arms must share
-    assert report.RUN_SPECIFIC == (run.RESUMABLE_CHANGES - {"max_steps"}) | {"seed"}
+    # data_dir too: where a run recorded its data's content hash, the hash decides; else only the folder tells
+    assert report.RUN_SPECIFIC == (run.RESUMABLE_CHANGES - {"max_steps", "data_dir"}) | {"seed"}
     flags = set(run.build_parser().flag_defaults)   # train.py's flags as config.json names them
     assert all(report.OWN_FLAGS[name] <= flags for name in report.OWN_FLAGS)
     assert report.OWN_FLAGS["fp32-guard"] == {"accum", "guard"}
