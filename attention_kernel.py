@@ -76,19 +76,15 @@ _DOT_FP32 = tl.constexpr(INTERPRET)
 # The PyTorch twin: the algorithm vectorized over queries, looping over key blocks. Matmuls run in
 # fp32 on upcast operands (exact products, as the tensor cores' fp32 accumulation).
 
-def _round(x):
-    """r(x): round fp32 to bf16 (nearest even) and back."""
-    return x.to(torch.bfloat16).float()
+def _round(x, dtype=torch.bfloat16):
+    """r(x): round fp32 to bf16 (nearest even) and back; with the inputs' dtype, the matmul operand the
+    kernel feeds."""
+    return x.to(dtype).float()
 
 
 def _no_round(x):
     """A rounding point switched off."""
     return x
-
-
-def _round_to(x, dtype):
-    """Round fp32 to the input dtype and back: the matmul operand the kernel feeds."""
-    return x.to(dtype).float()
 
 
 def _logits_torch(qk, scale, softcap, round_logits):
@@ -150,7 +146,7 @@ def _fwd_torch(q, k, v, scale, softcap, accum, rounding, beta, block_n):
         p = _exp_seen(round_state(s - m_new[..., None]), seen, round_state)   # bf16 state: P = 1 at a repeated max
         block_sum = _round(p.sum(-1)).clamp_min(1e-10) if state_bf16 else p.sum(-1)
         l[..., rows] = round_state(round_state(alpha * l[..., rows]) + block_sum)
-        pv = round_pv((p if exact_p else _round_to(p, v.dtype)) @ vf[:, :, keys])
+        pv = round_pv((p if exact_p else _round(p, v.dtype)) @ vf[:, :, keys])
         acc[..., rows, :] = round_state(round_state(acc[..., rows, :] * alpha[..., None]) + pv)
         m[..., rows] = m_new
     lse = _round(_round(torch.log(l)) + m) if "backward" in rounding else m + torch.log(l)
@@ -179,7 +175,7 @@ def _bwd_torch(do, q, k, v, o, lse, scale, softcap, rounding, block_n):
             rows = slice(i, min(i + block_m, T))
             s, t = _logits_torch(qf[:, :, rows] @ kf[:, :, keys].mT, scale, softcap, "logits" in rounding)
             p = _exp_seen(r(s - lse[..., rows, None]), _causal_mask(i, rows.stop, j, keys.stop, q.device)[1], r)
-            dv[:, :, keys] = r(dv[:, :, keys] + r(_round_to(p, dtype).mT @ dof[:, :, rows]))
+            dv[:, :, keys] = r(dv[:, :, keys] + r(_round(p, dtype).mT @ dof[:, :, rows]))
             dp = r(dof[:, :, rows] @ vf[:, :, keys].mT)
             if bf16:   # the prior work's order: the scale inside dS
                 ds = r(r(p * scale) * r(dp - delta[..., rows, None]))
@@ -187,7 +183,7 @@ def _bwd_torch(do, q, k, v, o, lse, scale, softcap, rounding, block_n):
                 ds = p * (dp - delta[..., rows, None])
             if softcap > 0:
                 ds = r(ds * (1.0 - t * t))
-            ds = _round_to(ds, dtype)
+            ds = _round(ds, dtype)
             dq[:, :, rows] = r(dq[:, :, rows] + r(ds @ kf[:, :, keys]))
             dk[:, :, keys] = r(dk[:, :, keys] + r(ds.mT @ qf[:, :, rows]))
     if not bf16:
