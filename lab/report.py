@@ -16,6 +16,7 @@ does a run whose log or config.json cannot be read (a warning names it). The run
 data and every flag but their arms' own (the preset, the learning rate, ...): a mix is refused, not judged.
 """
 import argparse
+import functools
 import glob
 import json
 import math
@@ -26,9 +27,10 @@ import statistics
 import sys
 
 from guard import ACTIONS, DEFAULT_THRESHOLD
-from lab.sweep import (CLAIM3_SITE, CLAIM4_SITES, CLAIMS, COHERENCES, DONE, DOSES, LR_STUDY_ARMS, NO_ERROR,
-                       LONG_STEPS, QKNORM_ALONE, SITES, SOURCES, Unreadable, action_arms, actions_of, experiments,
-                       inject_arm, long_arms, lr_name, not_a_folder, probe_arms, read_log, split_lr)
+from lab.sweep import (AA_ARMS, CLAIM3_SITE, CLAIM4_SITES, CLAIMS, COHERENCES, DONE, DOSES, LR_STUDY_ARMS, NO_ERROR,
+                       LONG_STEPS, QKNORM_ALONE, SEEDS, SITES, SOURCES, Unreadable, action_arms, actions_of, experiments,
+                       inject_arm, long_arms, lr_name, not_a_folder, probe_arms, probe_long_arms, read_log,
+                       split_lr)
 
 # --------------------------------------------------------------------------------------------------
 # The verdict rules' constants.
@@ -107,6 +109,63 @@ def clopper_pearson(k, n, alpha=ALPHA):
     lower = 0.0 if k == 0 else solve(lambda p: 1 - cdf(p, k - 1))
     upper = 1.0 if k == n else 1 - solve(lambda p: cdf(1 - p, k))
     return lower, upper
+
+
+def _betainc(a, b, x):
+    """The regularized incomplete beta function I_x(a, b), by its continued fraction (modified Lentz)."""
+    if x <= 0.0 or x >= 1.0:
+        return max(0.0, min(1.0, x))
+    if x > (a + 1) / (a + b + 2):            # the fraction converges fast only below the mean: use symmetry
+        return 1.0 - _betainc(b, a, 1.0 - x)
+    front = math.exp(math.lgamma(a + b) - math.lgamma(a) - math.lgamma(b) + a * math.log(x) + b * math.log1p(-x)) / a
+    tiny, c, d, f = 1e-300, 1.0, 0.0, 1.0
+    for i in range(400):
+        m = i // 2
+        num_ = 1.0 if i == 0 else (m * (b - m) * x / ((a + 2 * m - 1) * (a + 2 * m)) if i % 2 == 0 else
+                                   -(a + m) * (a + b + m) * x / ((a + 2 * m) * (a + 2 * m + 1)))
+        d = 1.0 + num_ * d
+        d = 1.0 / (d if abs(d) > tiny else tiny)
+        c = 1.0 + num_ / c
+        c = c if abs(c) > tiny else tiny
+        f *= c * d
+        if abs(1.0 - c * d) < 1e-15:
+            break
+    return front * (f - 1.0)
+
+
+@functools.lru_cache(maxsize=None)
+def t_quantile(q, df):
+    """The q quantile of Student's t with df degrees of freedom (bisection on its CDF)."""
+    cdf = lambda t: 1.0 - 0.5 * _betainc(df / 2, 0.5, df / (df + t * t)) if t >= 0 else \
+        0.5 * _betainc(df / 2, 0.5, df / (df + t * t))
+    lo, hi = -1e3, 1e3
+    for _ in range(200):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if cdf(mid) < q else (lo, mid)
+    return (lo + hi) / 2
+
+
+def mean_interval(values, level=1 - 2 * ALPHA):
+    """(mean, lower, upper): the two-sided `level` Student t interval of the mean of paired differences
+    (the default 90%: the interval of two one-sided tests at ALPHA). (nan, nan, nan) under two values."""
+    n = len(values)
+    if n < 2:
+        return math.nan, math.nan, math.nan
+    mean, sd = statistics.mean(values), statistics.stdev(values)
+    half = t_quantile(1 - (1 - level) / 2, n - 1) * sd / math.sqrt(n)
+    return mean, mean - half, mean + half
+
+
+def equivalence(gaps, margin=LOSS_TOL, alpha=ALPHA):
+    """Two one-sided tests (Schuirmann 1987) on the mean paired gap: "within" where the 1 - 2 alpha t interval
+    of the mean lies inside +-margin; "beyond" where it lies wholly past it; else "inconclusive" (it reaches
+    past the margin without excluding what lies inside). Returns (verdict, mean, lower, upper)."""
+    mean, lo, hi = mean_interval(gaps, 1 - 2 * alpha)
+    if math.isnan(mean):
+        return "inconclusive", mean, lo, hi
+    within = -margin < lo and hi < margin
+    beyond = lo > margin or hi < -margin
+    return ("within" if within else "beyond" if beyond else "inconclusive"), mean, lo, hi
 
 
 # --------------------------------------------------------------------------------------------------
@@ -561,30 +620,95 @@ PROBE_CONTROLS = {"shrink": "the whole update shrunk to the probe's norm: step s
 REPORTED_CONTROLS = ("equal", "v-topk", "mlp-topk")
 
 
+def shrink_held(run, need):
+    """A shrink control's run that did not run away, over a horizon that can tell: it never passed the guard's
+    threshold, or ran at least `need` steps (the source's slowest runaway, threshold to RUNAWAY_LOGIT) divided
+    by its own step factor (the update norm it left, median) after it first did. "held", "too short",
+    "ran away" or "unfinished"."""
+    if not done(run):
+        return "unfinished"
+    if ran_away(run):
+        return "ran away"
+    crossed, left = run.first_past(run.guard_threshold()), run.probe_shares()[1]
+    if crossed is None:
+        return "held"
+    if need is None or not left:
+        return "too short"
+    return "held" if run.horizon() - crossed >= need / left else "too short"
+
+
+def long_probe_lines(c, source, need):
+    """Claim 5 at LONG_STEPS: the shrink runs away where top-k does not (sign test at ALPHA over the long
+    arms' seeds, a run unfinished or missing counted against); the shrink's holds, judged by shrink_held;
+    the source against held shrinks (the step-size statement). Returns (holds, step size alone stopped it,
+    lines)."""
+    topk, shrink = probe_long_arms(source)
+    seeds = sorted({s for a in (topk, shrink) for s in c.runs.get(a, {})}, key=lambda s: (len(s), s))
+    runs = lambda arm: [c.runs.get(arm, {}).get(s) for s in seeds]
+    pairs = [(done(b) and ran_away(b), not done(a) or ran_away(a)) for a, b in zip(runs(topk), runs(shrink))]
+    k, j, p = sign_test(pairs)
+    holds = p < ALPHA
+    states = [shrink_held(r, need) for r in runs(shrink)]
+    count = lambda arm, pred: sum(done(r) and pred(r) for r in runs(arm))
+    lines = [f"at {LONG_STEPS} steps, seeds {seeds[0]} to {seeds[-1]}: {topk} ran away in "
+             f"{count(topk, ran_away)}/{len(seeds)}, {shrink} in {count(shrink, ran_away)}/{len(seeds)}",
+             f"sign test, {shrink} over {topk}: {k} seeds one way, {j} the other, p = {p:.3g} -> "
+             f"{'holds' if holds else 'fails'}",
+             f"{shrink}, by seed (needing {num(need)} steps / its update norm left after its first logit past the "
+             f"threshold): " + ", ".join(f"{s} {state}" for s, state in zip(seeds, states))]
+    for arm in (topk, shrink):
+        finished = [r for r in runs(arm) if done(r)]
+        first = [r.first_past(RUNAWAY_LOGIT, inclusive=True) for r in finished]
+        rising = [r.logit_rise(r.steps[-1] if r.steps else 0, RISE_WINDOW)[1] for r in finished]
+        lines.append(f"{arm}: max logit median {num(median([r.max_logit for r in finished]), '.4g')}, past the "
+                     f"threshold in {sum(r.first_past(r.guard_threshold()) is not None for r in finished)}/"
+                     f"{len(finished)}, first at RUNAWAY_LOGIT at steps {', '.join(str(f) for f in first if f) or 'none'}"
+                     f", still rising over its last {RISE_WINDOW} steps in {sum(rising)}/{len(finished)}")
+    source_pairs = [(ran_away(c.runs[source][s]), state == "held") for s, state in zip(seeds, states)
+                    if done(c.runs[source].get(s))]
+    stopped, _, p_step = sign_test([(a and b, not a) for a, b in source_pairs])
+    return holds, (stopped, p_step), lines + [
+        f"{source} ran away where {shrink} held (over a horizon that can tell) in {stopped} of the "
+        f"{len(source_pairs)} seeds both ran, p = {p_step:.3g}"]
+
+
 def probe_holds(c, source):
     """Claim 5 on the runaway of `source`: the source runs away where the probe (W_q, W_k's update off
     their top-k singular directions) does not, and so does each of three controls that can be carried out
     at every step: the same shrink of the whole update, the next k directions, a fixed random subspace
-    (sign tests at ALPHA; all must hold). If the shrink stops the runaway too, the probe works through step
-    size, and the verdict says so. Each arm's removed energy and the norm it left are reported, not used as
-    a filter; the equal-energy control (it cannot take its energy where the update has none) and the
-    non-QK top-k are reported."""
-    topk = f"{source}-probe-topk"
+    (sign tests at ALPHA; all must hold). Where the -long arms ran (LONG_STEPS), the shrink is judged there
+    instead (long_probe_lines), decided before they ran: a shrink that only slows the step needs the horizon
+    of a slowed runaway. If the shrink stops the runaway too, the probe works through step size, and the
+    verdict says so. Each arm's removed energy and the norm it left are reported, not used as a filter; the
+    equal-energy control (it cannot take its energy where the update has none) and the non-QK top-k are
+    reported."""
+    topk, long_ran = f"{source}-probe-topk", any(c.runs.get(a) for a in probe_long_arms(source))
     holds, lines = c.contrast(source, ran_away, topk, ran_away, "ran away")
     for name, words in PROBE_CONTROLS.items():
         ok, (control_line, _, test_line) = c.contrast(f"{source}-probe-{name}", ran_away, topk, ran_away, "ran away")
-        holds, lines = holds and ok, lines + [f"{control_line} ({words})", test_line]
-    pairs = [(c.runs[source].get(s), c.runs.get(f"{source}-probe-shrink", {}).get(s)) for s in c.seeds]
-    stopped, _, p = sign_test([(ran_away(a), ran_away(b)) for a, b in pairs if done(a) and done(b)])
+        judged = not (long_ran and name == "shrink")
+        holds = holds and (ok or not judged)
+        lines += [f"{control_line} ({words})", test_line + ("" if judged else
+                                                            f" (at {LONG_STEPS} steps below: reported, not judged)")]
+    if long_ran:
+        threshold = next((r.guard_threshold() for r in c.runs[source].values()), GUARD_THRESHOLD)
+        need = max((v for s, r in c.runs[source].items() if done(r) for v in [runaway_span(r, threshold)]
+                    if v is not None), default=None)
+        ok, (stopped, p), more = long_probe_lines(c, source, need)
+        holds, lines = holds and ok, lines + more
+    else:
+        pairs = [(c.runs[source].get(s), c.runs.get(f"{source}-probe-shrink", {}).get(s)) for s in c.seeds]
+        stopped, _, p = sign_test([(ran_away(a), ran_away(b)) for a, b in pairs if done(a) and done(b)])
     if p < ALPHA:
-        lines.append(f"the shrink alone stopped the runaway ({stopped} seeds, p = {p:.3g}): the probe works "
-                     f"through step size, not through the top directions")
+        lines.append(f"the shrink alone stopped the runaway ({stopped} seeds, p = {p:.3g}): the probe works through "
+                     f"step size, not through the top directions")
     for name in REPORTED_CONTROLS:
         if c.runs.get(f"{source}-probe-{name}"):
             lines.append(c.count(f"{source}-probe-{name}", "ran away", ran_away, True)[0]
                          + " (a control, reported, not judged)")
-    for arm in (topk, *(f"{source}-probe-{n}" for n in (*PROBE_CONTROLS, *REPORTED_CONTROLS))):
-        shares = [c.runs[arm][s].probe_shares() for s in c.seeds if s in c.runs.get(arm, {})]
+    for arm in (topk, *(f"{source}-probe-{n}" for n in (*PROBE_CONTROLS, *REPORTED_CONTROLS)),
+                *(probe_long_arms(source) if long_ran else ())):
+        shares = [r.probe_shares() for r in c.runs.get(arm, {}).values()]
         removed, left = [r for r, _ in shares if r is not None], [k for _, k in shares if k is not None]
         if removed:
             lines.append(f"{arm}: share of the W_q, W_k update energy removed, median over seeds "
@@ -787,8 +911,11 @@ def non_qk_actions_fail(c, source):
 
 
 def joined(*results):
-    """Several checks as one: all must hold."""
-    return all(ok for ok, _ in results), [line for _, lines in results for line in lines]
+    """Several checks as one: all must hold; where none fails and one is undecided ("inconclusive"), so is
+    the whole."""
+    oks = [ok for ok, _ in results]
+    ok = False if False in oks else next((o for o in oks if isinstance(o, str)), True)
+    return ok, [line for _, lines in results for line in lines]
 
 
 # RULES: (claim, rule in words, its arms, its check), one a row; the words print with the verdicts.
@@ -847,7 +974,14 @@ RULES = [
           "update shrunk to the probe's norm (if it stops the runaway too, the probe works through step size), the "
           "next k singular directions, a fixed random rank-k subspace (sign tests, p < ALPHA). The probe freezes "
           "W_q's top singular values by construction, so they are not evidence; the energy each removed and the "
-          "equal-energy and non-QK controls are reported",
+          "equal-energy and non-QK controls are reported. Decided before the runs of 2026-12-03: where the top-k "
+          f"probe and the shrink ran at {LONG_STEPS} steps (-long), the shrink is judged there instead: the claim's "
+          "core needs the shrink to run away (max logit past RUNAWAY_LOGIT, or a collapse) where top-k does not, by "
+          "a sign test at p < ALPHA over those seeds (a run unfinished or missing counted against); a shrink that "
+          "did not run away held only if it never passed the guard's threshold, or ran at least the source's "
+          "slowest runaway (its steps from the threshold to RUNAWAY_LOGIT) divided by the update norm the shrink "
+          "left (its step factor) after it first passed it, else it is too short to judge; the probe \"works "
+          "through step size\" only if the source runs away where the shrink held, by a sign test at p < ALPHA",
      lambda source: [source, f"{source}-probe-topk", *(f"{source}-probe-{n}" for n in PROBE_CONTROLS), NO_ERROR],
      probe_holds),
     ("6", "non-QK actions fail, judged only on seeds where the source ran away with as many steps after the "
@@ -872,7 +1006,8 @@ RULES = [
                       guard_is_dormant(c, "llama-fp32", "llama-fp32-guard"))),
 ]
 SOURCE_RULES = ("5", "6")   # judged once per source whose arms ran (bf16 where none did)
-OPTIONAL_ARMS = {"6": long_arms}   # claim 6 judges the lr-drop at LONG_STEPS where those arms ran
+OPTIONAL_ARMS = {"5": probe_long_arms,   # claim 5 judges the shrink at LONG_STEPS where those arms ran
+                 "6": long_arms}         # claim 6 the lr-drop
 
 
 def optional_arms():
@@ -887,7 +1022,10 @@ RULE_CHANGES = {
          "(half-decades) on a scale, both ways, a reversal refuting the claim",
     "5": "the equal-energy control could not be carried out where an update's energy sits in its top-k, and both "
          "probes shrink the step; now three controls that always can (the same shrink, the next k directions, a "
-         "fixed random subspace), the energy each removed reported",
+         "fixed random subspace), the energy each removed reported. Then (2026-12-03) the shrink's 7 holds of 8 at "
+         "600 steps read as \"works through step size\", though its logit passed 200 in 4 and was still rising in "
+         "7, and claim 6's horizon rule called 3 of the holds too short: now the shrink is judged at "
+         f"{LONG_STEPS} steps on 16 seeds, its holds against the horizon a slowed runaway needs",
     "6": "seeds where the source never ran away, or that ended before a runaway could show, were counted, and a "
          "capped logit passed as held; now only seeds with a runaway and room after the trigger, QK growth as a "
          "failure too, and the softcap above the trigger; and an lr-drop that held for fewer steps than a runaway "
@@ -1034,7 +1172,8 @@ LLAMA = "llama-"                   # a llama arm: "llama-" and the gpt2 arm's na
 ARCHS = {"gpt2": "", "llama": LLAMA}
 LR_WORDS = {"fp32": "fp32 state", "bf16": "bf16 state", "bf16-safemax": "bf16 state, safemax fix",
             "bf16-guard": "bf16 state, QK-Guard", "bf16-qknorm-always": "bf16 state, QK-norm always",
-            "fp32-guard": "fp32 state, QK-Guard"}
+            "fp32-guard": "fp32 state, QK-Guard",
+            "bf16-qknorm-always-tile64": "bf16 state, QK-norm always, state rounded per 64 keys (A/A)"}
 PROXY = ("A proxy, not the claims themselves: claims 1, 2 and 7 at CPU scale as a learning-rate sensitivity "
          "study, in the style of Wortsman et al. 2023 (\"Small-scale proxies for large-scale Transformer training "
          "instabilities\"). Here the runaway's source is the learning rate; the bf16 state's fault rides along.")
@@ -1097,6 +1236,21 @@ def lr_fault_claim(c, prefix=""):
         lines.append(f"lr {lr:g}: " + ", ".join(
             f"{arm} median final val {num(median(map(end_val, finished(arm))), '.3f')}, ran away "
             f"{sum(map(lr_ran_away, finished(arm)))}/{len(finished(arm))} finished" for arm in (fp32, bf16, safemax)))
+    costly = []
+    for lr in lrs:   # the effect's size beside the sign test, which sees only gaps past LOSS_TOL
+        sizes = []
+        for arm in (bf16, safemax):
+            gaps, left = paired_gaps(c, arm, fp32, lr, lr_seeds(c, (arm, fp32), lr))
+            mean, lo, hi = mean_interval(gaps, 1 - ALPHA)
+            sizes.append(f"{arm} - {fp32} mean {num(mean, '+.3f')} nat, 95% interval [{num(lo, '+.3f')}, "
+                         f"{num(hi, '+.3f')}], worse in {sum(g > 0 for g in gaps)}/{len(gaps)} seeds"
+                         + (f" ({left} without both runs finished)" if left else ""))
+            if arm == bf16 and lo > 0:
+                costly.append(f"{lr:g} ({num(mean, '+.3f')} [{num(lo, '+.3f')}, {num(hi, '+.3f')}])")
+        lines.append(f"lr {lr:g}, final val loss, paired t (reported, not judged; unadjusted): " + "; ".join(sizes))
+    if costly:
+        lines.append(f"where bf16 state ends measurably worse than fp32 state (the 95% interval of the mean paired gap "
+                     f"above 0), whatever the rule says: lr {', '.join(costly)}")
     if same and lrs:
         lines.append("not reproduced at this scale: bf16 and fp32 state give the same curve" + (
             f" on {prefix[:-1]}" if prefix else "") + " (final val loss within LOSS_TOL, the same runaways, at "
@@ -1110,20 +1264,53 @@ def same_losses(run, ref):
     return logged(run) == logged(ref)
 
 
+def lr_seeds(c, arms, lr):
+    """The seeds any of `arms` ran at lr (an arm's seed missing among them counts against the claim)."""
+    return sorted({s for a in arms for s in c.runs.get(lr_name(a, lr), {})}, key=lambda s: (len(s), s))
+
+
+def gap_words(verdict, mean, lo, hi, n, sd):
+    return (f"mean {mean:+.3f} nat, 90% interval [{lo:+.3f}, {hi:+.3f}], sd {sd:.3f}, n {n} (two one-sided tests "
+            f"at +-LOSS_TOL: {verdict})")
+
+
+def paired_gaps(c, arm, ref, lr, seeds):
+    """Final val loss of arm minus ref's, per seed of `seeds` where both finished with a finite val loss; and
+    how many seeds lacked either."""
+    pairs = [(c.runs.get(lr_name(arm, lr), {}).get(s), c.runs.get(lr_name(ref, lr), {}).get(s)) for s in seeds]
+    gaps = [end_val(a) - end_val(b) for a, b in pairs if done(a) and done(b) and math.isfinite(end_val(a) - end_val(b))]
+    return gaps, len(pairs) - len(gaps)
+
+
+def equivalence_line(c, arm, ref, lr, seeds):
+    """(the TOST verdict, its words) on arm - ref's paired final val loss at lr over `seeds`."""
+    gaps, left = paired_gaps(c, arm, ref, lr, seeds)
+    verdict, mean, lo, hi = equivalence(gaps)
+    sd = statistics.stdev(gaps) if len(gaps) > 1 else math.nan
+    return verdict, left, gap_words(verdict, mean, lo, hi, len(gaps), sd)
+
+
 def lr_guard_claim(c, prefix=""):
-    """2p: at every lr where bf16 runs away in a majority of seeds, bf16-guard runs away in none, ends within
-    LOSS_TOL of bf16-qknorm-always in every seed, and its trigger (read below RUNAWAY_LOGIT) comes no later than
-    the logged step where the same seed's bf16 run first showed its runaway; at every lr where fp32 and bf16
-    stay healthy in every seed (max logit under the guard's threshold), bf16-guard and fp32-guard fire in no
-    seed and log the unguarded run's losses bit for bit; lrs in between are reported, not judged. Both kinds of lr must be in the grid. A missing or unfinished run puts its lr under both tests, which
-    it then fails."""
+    """2p: at every lr where bf16 runs away in a majority of its seeds, bf16-guard runs away in none, its
+    trigger (read below RUNAWAY_LOGIT) comes no later than the logged step where the same seed's bf16 run first
+    showed its runaway, and its final val loss is equivalent to bf16-qknorm-always's within LOSS_TOL: the 90%
+    t interval of the mean paired gap lies inside +-LOSS_TOL (two one-sided tests at ALPHA; every lr must pass,
+    an intersection-union test, so no correction); an interval wholly past the margin fails, one that reaches
+    past it without being wholly past is inconclusive. At every lr where fp32 and bf16 stay healthy in every
+    seed (max logit under the guard's threshold), bf16-guard and fp32-guard fire in no seed and log the
+    unguarded run's losses bit for bit; lrs in between are reported, not judged. Both kinds of lr must be in
+    the grid. Each lr is judged on the seeds its arms ran; a run missing or unfinished among them fails it.
+    Beside it, where it ran, the A/A pair (AA_ARMS: two QK-norm arms that should end alike) gives this
+    scale's noise floor."""
     bf16, fp32, guard, always, fp32_guard = (prefix + a for a in ("bf16", "fp32", "bf16-guard", "bf16-qknorm-always",
                                                                   "fp32-guard"))
-    n, holds, lines, kinds = len(c.seeds), True, [], set()
+    holds, unsure, lines, kinds = True, False, [], set()
     for lr in c.lrs_run():
-        at = lambda arm: [c.runs[lr_name(arm, lr)].get(s) for s in c.seeds]
-        away = lambda arm: sum(not done(r) or lr_ran_away(r) for r in at(arm))   # unfinished: as ran away
-        runaway = 2 * away(bf16) > n
+        seeds = lr_seeds(c, (bf16, fp32, guard, always, fp32_guard), lr)
+        at = lambda arm, among=seeds: [c.runs[lr_name(arm, lr)].get(s) for s in among]
+        ran_b = lr_seeds(c, (bf16,), lr) or seeds   # whether bf16 runs away: over the seeds it ran
+        away = lambda arm, among=seeds: sum(not done(r) or lr_ran_away(r) for r in at(arm, among))  # unfinished: ran away
+        runaway = 2 * away(bf16, ran_b) > len(ran_b)
         # healthy: the unguarded runs' logits stayed under the guard's threshold, so a guard that fires
         # there fires on healthy training. Between that and a runaway (past the threshold, short of
         # RUNAWAY_LOGIT within the horizon: still growing) the guard ought to fire, and nothing is judged.
@@ -1131,11 +1318,10 @@ def lr_guard_claim(c, prefix=""):
                           for r in at(bf16) + at(fp32))   # unfinished: as healthy, then fails the test
         if runaway:
             kinds.add("runaway")
-            gaps = [abs(end_val(g) - end_val(a)) if done(g) and done(a) and math.isfinite(end_val(g) - end_val(a))
-                    else math.inf for g, a in zip(at(guard), at(always))]
-            gap = max(gaps, default=math.inf)
+            judged = lr_seeds(c, (guard, always), lr)
+            verdict, left, words = equivalence_line(c, guard, always, lr, judged)
             leads, late = [], 0
-            for seed, b, g in zip(c.seeds, at(bf16), at(guard)):
+            for seed, b, g in zip(ran_b, at(bf16, ran_b), at(guard, ran_b)):
                 if done(b) and not lr_ran_away(b):
                     continue   # nothing to prevent in this seed
                 # Until the guard acts, the guarded run is the unguarded one, and it checks every step:
@@ -1145,44 +1331,60 @@ def lr_guard_claim(c, prefix=""):
                 lead = seen - g.trigger if done(g) and g.trigger is not None and seen is not None else None
                 leads.append(f"{seed} {'none' if lead is None else lead}")
                 late += lead is None or lead < 0 or (g.trigger_value or 0.0) >= RUNAWAY_LOGIT
-            ok = not away(guard) and gap <= LOSS_TOL and not late
-            holds = holds and ok
-            lines += [f"at lr {lr:g}: {bf16} ran away in {away(bf16)}/{n} seeds, so the guard must prevent it: "
-                      f"{guard} ran away in {away(guard)}/{n}, largest |final val - {always}'s| {gap:.3f} nat "
-                      f"(LOSS_TOL {LOSS_TOL}), acted too late in {late} -> {'holds' if ok else 'fails'}",
+            prevented = not away(guard, judged) and not late and not left
+            ok = prevented and verdict == "within"
+            result = "holds" if ok else "inconclusive" if prevented and verdict == "inconclusive" else "fails"
+            holds, unsure = holds and result != "fails", unsure or result == "inconclusive"
+            lines += [f"at lr {lr:g}: {bf16} ran away in {away(bf16, ran_b)}/{len(ran_b)} seeds, so the guard must "
+                      f"prevent it: {guard} ran away in {away(guard, judged)}/{len(judged)}, acted too late in {late}"
+                      + (f", {left} seeds without both runs finished (counted against)" if left else "")
+                      + f"; final val - {always}'s: {words} -> {result}",
                       f"lr {lr:g}: steps from {guard}'s trigger to the logged step where {bf16} first showed its "
                       f"runaway, by seed: {', '.join(leads) or 'none ran away'}"]
+            if len(judged) > SEEDS:   # what the first sweep's seeds alone said
+                lines.append(f"lr {lr:g}, seeds {judged[0]} to {judged[SEEDS - 1]} alone (the first sweep): "
+                             + equivalence_line(c, guard, always, lr, judged[:SEEDS])[2])
+            if c.runs.get(lr_name(prefix + AA_ARMS["bf16-qknorm-always"], lr)):
+                aa = prefix + AA_ARMS["bf16-qknorm-always"]
+                aa_gaps, _ = paired_gaps(c, aa, always, lr, lr_seeds(c, (aa,), lr))
+                lines.append(f"A/A noise floor at lr {lr:g}, {aa} - {always} (nothing that should matter differs): "
+                             + equivalence_line(c, aa, always, lr, lr_seeds(c, (aa,), lr))[2]
+                             + f"; per seed {', '.join(f'{g:+.3f}' for g in aa_gaps)}")
         if healthy:
             kinds.add("healthy")
             fired = {g: sum(not done(r) or r.trigger is not None for r in at(g)) for g in (guard, fp32_guard)}
             same = {g: sum(done(r) and done(h) and same_losses(r, h) for r, h in zip(at(g), at(plain)))
                     for g, plain in ((guard, bf16), (fp32_guard, fp32))}
-            ok = not any(fired.values()) and all(k == n for k in same.values())
+            ok = not any(fired.values()) and all(k == len(seeds) for k in same.values())
             holds = holds and ok
             lines.append(f"at lr {lr:g}: {fp32} and {bf16} healthy in every seed, so the guard must stay dormant: "
-                         f"fired in {fired[guard]}/{n} ({guard}), {fired[fp32_guard]}/{n} ({fp32_guard}); logged "
-                         f"losses bit for bit the unguarded run's in {same[guard]}/{n} ({guard} vs {bf16}), "
-                         f"{same[fp32_guard]}/{n} ({fp32_guard} vs {fp32}) (unfinished counted against) -> "
-                         f"{'holds' if ok else 'fails'}")
+                         f"fired in {fired[guard]}/{len(seeds)} ({guard}), {fired[fp32_guard]}/{len(seeds)} "
+                         f"({fp32_guard}); logged losses bit for bit the unguarded run's in {same[guard]}/{len(seeds)} "
+                         f"({guard} vs {bf16}), {same[fp32_guard]}/{len(seeds)} ({fp32_guard} vs {fp32}) (unfinished "
+                         f"counted against) -> {'holds' if ok else 'fails'}")
         if not runaway and not healthy:
             fired = sum(done(r) and r.trigger is not None for r in at(guard))
             gaps = [end_val(g) - end_val(b) for g, b in zip(at(guard), at(bf16)) if done(g) and done(b)]
-            lines.append(f"at lr {lr:g}: neither ({bf16} ran away in {away(bf16)}/{n} seeds, {fp32} in "
-                         f"{away(fp32)}/{n}; their max logits passed the guard's threshold short of a runaway): not "
-                         f"judged; {guard} fired in {fired}/{n} and ended {num(median(gaps), '+.3f')} nat from "
-                         f"{bf16} (median final val loss difference)")
+            lines.append(f"at lr {lr:g}: neither ({bf16} ran away in {away(bf16, ran_b)}/{len(ran_b)} seeds, {fp32} in "
+                         f"{away(fp32)}/{len(seeds)}; their max logits passed the guard's threshold short of a runaway): "
+                         f"not judged; {guard} fired in {fired}/{len(seeds)} and ended {num(median(gaps), '+.3f')} nat "
+                         f"from {bf16} (median final val loss difference)")
     for kind, words in (("runaway", f"{bf16} ran away in a majority of seeds: nothing for the guard to prevent"),
                         ("healthy", f"{fp32} and {bf16} were healthy in every seed: no dormancy to check")):
         if kind not in kinds:
             holds = False
             lines.append(f"at lr none: no lr of the grid where {words} -> fails")
+    if holds and unsure:
+        lines.append("inconclusive: at some runaway lr the gap's interval reaches past LOSS_TOL without lying "
+                     "wholly past it")
+        return "inconclusive", lines
     return holds, lines
 
 
 def part(name, result):
     """One part of a joined rule, its lines under a heading line."""
     ok, lines = result
-    return ok, [f"part {name}: {'holds' if ok else 'fails'}"] + lines
+    return ok, [f"part {name}: {ok if isinstance(ok, str) else 'holds' if ok else 'fails'}"] + lines
 
 
 LR_RULES = [
@@ -1210,7 +1412,7 @@ LR_TITLES = {"1p": "claim 1 as a proxy: bf16 state ends worse than fp32 state at
 
 def lr_cells(groups):
     """{(base arm, lr): group name} of the study's folders that are <arm>-lr<lr> of a study arm."""
-    bases = {prefix + a for prefix in ARCHS.values() for a in LR_STUDY_ARMS}
+    bases = {prefix + a for prefix in ARCHS.values() for a in (*LR_STUDY_ARMS, *AA_ARMS.values())}
     return {(base, lr): name for name in groups for base, lr in [split_lr(name)]
             if base in bases and lr is not None and lr_name(base, lr) == name}
 
@@ -1463,7 +1665,8 @@ def pilot_rows(pilot_groups):
 
 def lr_order(groups):
     """The study's cells in table order: architecture, arm (as LR_STUDY_ARMS), lr: [(base, lr, name)]."""
-    rank = {prefix + a: (i, j) for i, prefix in enumerate(ARCHS.values()) for j, a in enumerate(LR_STUDY_ARMS)}
+    rank = {prefix + a: (i, j) for i, prefix in enumerate(ARCHS.values())
+            for j, a in enumerate((*LR_STUDY_ARMS, *AA_ARMS.values()))}
     return sorted(((base, lr, name) for (base, lr), name in lr_cells(groups).items()),
                   key=lambda cell: (rank[cell[0]], cell[1]))
 
@@ -1535,8 +1738,8 @@ SIGN_LINE = re.compile(r"sign test, (\S+) (over|worse than) (\S+): (\d+) seeds o
 COUNT_LINE = re.compile(r"(?:^|: )(\S+): ([^\d(]+?) (\d+)/(\d+) \[95% CI")
 DOSE_LINE = re.compile(r"^(\S+) (\S+): max logit .*?coherent 2x higher in (\d+) seeds, random sign in (\d+) .*?"
                        r"p = (\S+) \(raises\), (\S+) \(reverses\) -> (.+?);")
-LR_LINE = re.compile(r"^at lr (\S+): .*?(?:(\S+) ran away in (\d+)/(\d+), largest \|final val - (\S+)'s\| (\S+) nat "
-                     r".*?)?-> (holds|fails)$")
+LR_LINE = re.compile(r"^at lr (\S+): .*?(?:(\S+) ran away in (\d+)/(\d+), acted .*?final val - (\S+)'s: mean (\S+) "
+                     r"nat, 90% interval \[(\S+), (\S+)\].*?)?-> (holds|fails|inconclusive)$")
 
 
 def checks(lines, n):
@@ -1559,11 +1762,12 @@ def checks(lines, n):
             out.append((effect == "raises", float(p_up), f"{site} dose {dose}: coherent {LOGIT_GAP:g}x higher in {up} "
                         f"of {n} seeds, random sign in {down}: sign test p = {float(p_up):.2g}", "", site))
         elif m := LR_LINE.search(line):
-            lr, guard, away, n, ref, gap, result = m.groups()
+            lr, guard, away, n, ref, mean, lo, hi, result = m.groups()
             out.append((result == "holds", None, f"lr {lr}: " + (
-                f"largest gap to `{ref}` {gap} nat (tolerance {LOSS_TOL})" if gap else
+                f"mean gap to `{ref}` {mean} nat, 90% interval [{lo}, {hi}] (margin +-{LOSS_TOL})" if mean else
                 "the guard stayed dormant, its losses bit for bit"),
-                f"{guard} ran away in {away}/{n}, but ended {gap} nat from {ref}" if gap else
+                f"{guard} ran away in {away}/{n}; its mean gap's interval [{lo}, {hi}] is "
+                + ("inside" if result == "holds" else "not wholly inside") + f" +-{LOSS_TOL}" if mean else
                 "the guard stayed dormant where training was healthy", None))
     return out
 

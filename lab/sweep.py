@@ -81,7 +81,14 @@ def probe_arms(source):
     modes = {"topk": "qk-topk", "shrink": "qk-shrink", "nextk": "qk-nextk", "fixed": "qk-fixed",
              "equal": "equal-energy", "v-topk": "v-topk", "mlp-topk": "mlp-topk"}
     return {source: base, **{f"{source}-probe-{name}": f"{base} --probe {mode}" for name, mode in modes.items()},
-            NO_ERROR: "--accum fp32"}
+            **probe_long_arms(source), NO_ERROR: "--accum fp32"}
+
+
+def probe_long_arms(source):
+    """Claim 5's top-k probe and shrink control at LONG_STEPS (<arm>-long): the shrink slows the step, so a
+    runaway it only delays needs the horizon of a slowed runaway to show (report.py's rule 5)."""
+    long = f"{SOURCES[source]} --max-steps {LONG_STEPS}"
+    return {f"{source}-probe-topk-long": f"{long} --probe qk-topk", f"{source}-probe-shrink-long": f"{long} --probe qk-shrink"}
 
 
 # Claim 6's softcap, between the guard's trigger (200) and a runaway's max logit (report.RUNAWAY_LOGIT,
@@ -137,6 +144,9 @@ CLAIMS = {
         "bf16": "--accum bf16",
         "bf16-guard": "--accum bf16 --guard on",
         "bf16-qknorm-always": "--accum bf16 --qknorm always",
+        # the A/A pair of the arm above (2p's noise floor): the same function, data and seed, the bf16 state
+        # rounded after each 64 keys instead of once per 128-key row; nothing that should move the end loss
+        "bf16-qknorm-always-tile64": "--accum bf16 --qknorm always --block-n 64",
         "fp32": "--accum fp32",
         "fp32-guard": "--accum fp32 --guard on",
     }),
@@ -153,6 +163,7 @@ CLAIMS = {
         "llama-fp32": "--arch llama --accum fp32",
         "llama-bf16-guard": "--arch llama --accum bf16 --guard on",
         "llama-bf16-qknorm-always": "--arch llama --accum bf16 --qknorm always",
+        "llama-bf16-qknorm-always-tile64": "--arch llama --accum bf16 --qknorm always --block-n 64",
         "llama-fp32-guard": "--arch llama --accum fp32 --guard on",
         "llama-bf16-safemax": "--arch llama --accum bf16-safemax",
     }),
@@ -163,6 +174,9 @@ CLAIMS = {
 # the unguarded runs run away, half-decades.
 LRS = (1e-3, 3e-3, 1e-2, 3e-2, 1e-1)
 LR_STUDY_ARMS = ("fp32", "bf16", "bf16-safemax", "bf16-guard", "bf16-qknorm-always", "fp32-guard")
+# A/A arms: an arm -> its twin that differs in nothing that should move the end loss (the noise floor of a
+# tolerance at this scale: report.py's rule 2p); run at the learning rates that need it
+AA_ARMS = {"bf16-qknorm-always": "bf16-qknorm-always-tile64"}
 DONE = ("completed", "collapsed")    # end statuses that mean "nothing left to run"
 STOP_WAIT_S = 300                    # after Ctrl-C, how long children get to save their checkpoint
 
@@ -266,13 +280,25 @@ def run_state(out_dir):
     return records[-1].get("status", "unknown") if records[-1].get("event") == "end" else "no end record"
 
 
+def seed_range(text):
+    """--seeds: "N" is seeds 1..N, "A-B" seeds A..B (to add seeds to a sweep that ran 1..A-1)."""
+    first, _, last = text.partition("-")
+    try:
+        first, last = (1, int(first)) if not last else (int(first), int(last))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: give N (seeds 1..N) or A-B, e.g. 16 or 9-16")
+    if not 1 <= first <= last:
+        raise argparse.ArgumentTypeError(f"{text!r}: seeds start at 1 and A-B needs A <= B, e.g. 9-16")
+    return range(first, last + 1)
+
+
 def plan(names_flags, seeds, out_root, extra, resume, train_parser=None):
     """The runs to launch, seed-major (each experiment's seed 1 before any seed 2, so a sweep cut
     short still covers them all), and the ones skipped with the reason. With train_parser (train.py's),
     a run made with other flags than planned is refused (SystemExit), not skipped or resumed."""
     train = os.path.relpath(os.path.join(ROOT, "train.py"))
     todo, skipped = [], []
-    for seed in range(1, seeds + 1):
+    for seed in (range(1, seeds + 1) if isinstance(seeds, int) else seeds):
         for name, flags in names_flags.items():
             out_dir = os.path.join(out_root, name, f"seed{seed}")
             state = run_state(out_dir)
@@ -513,7 +539,8 @@ def main(argv=None):
                                 usage="%(prog)s [options] [-- extra train.py flags for every run]", allow_abbrev=False)
     p.add_argument("--claims", default=",".join(map(str, CLAIMS)), help="claims 1-7, e.g. 1,2")
     p.add_argument("--only", default=None, help="comma-separated arm names from those claims")
-    p.add_argument("--seeds", type=int, default=SEEDS, help="seeds 1..N (seed k passes --seed k)")
+    p.add_argument("--seeds", type=seed_range, default=range(1, SEEDS + 1),
+                   help="N: seeds 1..N; A-B: seeds A..B (seed k passes --seed k)")
     p.add_argument("--source", default="bf16", choices=list(SOURCES),
                    help="the runaway claims 5 and 6 act on: bf16 (the natural fault, GPU), assay (an "
                         "injected coherent error, the CPU lab), lr (the demo's learning-rate runaway)")
@@ -524,8 +551,8 @@ def main(argv=None):
     p.add_argument("--resume", action="store_true", help="continue unfinished runs too")
     p.add_argument("--dry-run", action="store_true", help="print the commands, run nothing")
     args = p.parse_args(argv)
-    if args.seeds < 1 or (args.parallel is not None and args.parallel < 1):
-        p.error("--seeds and --parallel must be at least 1")
+    if args.parallel is not None and args.parallel < 1:
+        p.error("--parallel must be at least 1")
     if not set(args.claims.split(",")) <= set(map(str, CLAIMS)):
         p.error(f"--claims {args.claims!r}: give some of {','.join(map(str, CLAIMS))}")
     claims = [int(c) for c in args.claims.split(",")]

@@ -8,6 +8,7 @@ pass it, and cases that each remove one of its conditions and must fail it.
 import importlib.util
 import json
 import os
+import random
 import re
 import shlex
 import subprocess
@@ -982,8 +983,15 @@ def test_rule_1p_on_too_few_seeds_is_inconclusive(tmp_path):
           "not reproduced", id="the guard runs away in one seed"),
     param({("bf16-guard", TOP): arm(8, TRIG, {1: {**TRIG, "loss": lambda s: float("nan") if s == 15 else 3.0}})},
           "not reproduced", id="the guard's loss not finite in one seed"),
-    param({("bf16-guard", TOP): arm(8, TRIG, {3: {**TRIG, "val": 2.9 + TOL + 0.01}})}, "not reproduced",
-          id="val LOSS_TOL+0.01 above always-on QK-norm in one seed"),
+    param({("bf16-guard", TOP): arm(8, {**TRIG, "val": 2.9 + TOL + 0.01})}, "not reproduced",
+          id="val LOSS_TOL+0.01 above always-on QK-norm in every seed: the interval wholly past the margin"),
+    param({("bf16-guard", TOP): arm(8, TRIG, {3: {**TRIG, "val": 2.9 + TOL + 0.01}})}, "reproduced",
+          id="one seed LOSS_TOL+0.01 above, the rest level: the mean's interval inside the margin"),
+    param({("bf16-guard", TOP): arm(8, TRIG, {s: {**TRIG, "val": 2.9 + (-1) ** s * 0.05} for s in range(1, 9)})},
+          "inconclusive", id="seeds +-0.05 about a mean gap of 0: the interval covers 0 and reaches past the margin"),
+    param({("bf16-guard", TOP): arm(8, TRIG, {s: {**TRIG, "val": 2.9 + 0.02 + (-1) ** s * 0.001}
+                                              for s in range(1, 9)})}, "reproduced",
+          id="a steady gap of 0.02, inside the margin"),
     param({("bf16-guard", TOP): arm(8, {**TRIG, "val": 2.9 - TOL + 0.01})}, "reproduced",
           id="val LOSS_TOL-0.01 below it in every seed"),
     param({("bf16-guard", TOP): arm(8, TRIG, {2: {"trigger": 10, "logit": AWAY["logit"]}})}, "not reproduced",
@@ -1054,8 +1062,8 @@ def test_rule_2p_text_per_lr(tmp_path):
     cells = {("bf16-guard", TOP): arm(8, TRIG, {2: {"trigger": 12}}), ("bf16", 1e-2): arm(2, AWAY)}
     text = lr_rows(tmp_path, lr_study(cells))["2p"][2]
     assert ("at lr 0.1: bf16 ran away in 7/8 seeds, so the guard must prevent it: bf16-guard ran away in 0/8, "
-            "largest |final val - bf16-qknorm-always's| 0.000 nat (LOSS_TOL 0.03), acted too late in 1 -> fails"
-            ) in text
+            "acted too late in 1; final val - bf16-qknorm-always's: mean +0.000 nat, 90% interval [+0.000, +0.000], "
+            "sd 0.000, n 8 (two one-sided tests at +-LOSS_TOL: within) -> fails") in text
     assert ("lr 0.1: steps from bf16-guard's trigger to the logged step where bf16 first showed its runaway, by "
             "seed: seed1 5, seed2 -2, seed3 5") in text
     assert ("at lr 0.001: fp32 and bf16 healthy in every seed, so the guard must stay dormant: fired in 0/8 "
@@ -1066,6 +1074,41 @@ def test_rule_2p_text_per_lr(tmp_path):
     text = lr_rows(tmp_path / "b", lr_study({("bf16", TOP): arm(0, OK)}))["2p"][2]
     assert ("at lr none: no lr of the grid where bf16 ran away in a majority of seeds: nothing for the guard to "
             "prevent -> fails") in text
+
+
+def test_rule_2p_judges_each_lr_on_the_seeds_its_arms_ran_and_reports_the_aa_floor(tmp_path):
+    """Guard and always-on QK-norm at 16 seeds where the unguarded arms ran 8: the gap is judged on 16, what the
+    first 8 gave is said, the lead on the seeds bf16 ran; the A/A pair's spread is reported beside it."""
+    more = {("bf16-guard", TOP): arm(16, TRIG), ("bf16-qknorm-always", TOP): arm(16, OK)}
+    arms = lr_study(more)
+    arms[sweep.lr_name(sweep.AA_ARMS["bf16-qknorm-always"], TOP)] = [
+        {"val": 2.9 + (0.01 if s % 2 else -0.01), "args": {"lr": TOP, "min_lr": TOP, "block_n": 64}}
+        for s in range(1, 17)]
+    row = lr_rows(tmp_path, arms)["2p"]
+    assert row[1] == "reproduced", row[2]
+    assert "bf16 ran away in 7/8 seeds, so the guard must prevent it: bf16-guard ran away in 0/16" in row[2]
+    assert "lr 0.1, seeds seed1 to seed8 alone (the first sweep): mean +0.000 nat" in row[2]
+    assert ("A/A noise floor at lr 0.1, bf16-qknorm-always-tile64 - bf16-qknorm-always (nothing that should matter "
+            "differs): mean +0.000 nat") in row[2] and "per seed +0.010, -0.010" in row[2]
+    arms[sweep.lr_name("bf16-qknorm-always", TOP)] = arm(15, OK)   # seed 16 of the reference missing: against it
+    assert lr_rows(tmp_path / "b", arms)["2p"][1] == "not reproduced"
+
+
+def test_student_t_quantiles_and_the_equivalence_test():
+    for df, q95, q975 in [(1, 6.3138, 12.7062), (7, 1.8946, 2.3646), (15, 1.7531, 2.1314), (60, 1.6706, 2.0003)]:
+        assert report.t_quantile(0.95, df) == pytest.approx(q95, abs=1e-4)
+        assert report.t_quantile(0.975, df) == pytest.approx(q975, abs=1e-4)
+    mean, lo, hi = report.mean_interval([1.0, 2.0, 3.0, 4.0], 0.95)   # sd 1.291, t(0.975, 3) 3.1824
+    assert (mean, lo, hi) == pytest.approx((2.5, 2.5 - 3.1824 * 1.291 / 2, 2.5 + 3.1824 * 1.291 / 2), abs=1e-3)
+    assert report.equivalence([0.0]) [0] == "inconclusive"        # one seed: no interval
+    rng = random.Random(0)
+    # A/A sets (a true gap of 0) at this lab's paired spread (sd 0.047 between identical configurations on two
+    # machines): never "beyond"; sets shifted 0.1 past 0: "beyond" nearly always; the 90% interval covers the
+    # true mean about 90% of the time
+    aa = [report.equivalence([rng.gauss(0, 0.047) for _ in range(16)]) for _ in range(1000)]
+    shifted = [report.equivalence([rng.gauss(0.1, 0.047) for _ in range(16)])[0] for _ in range(300)]
+    assert sum(v == "beyond" for v, *_ in aa) == 0 and shifted.count("beyond") > 0.95 * len(shifted)
+    assert 0.86 < sum(lo < 0 < hi for _, _, lo, hi in aa) / len(aa) < 0.94
 
 
 def test_rule_2p_on_too_few_seeds_is_inconclusive(tmp_path):
@@ -1529,6 +1572,8 @@ def test_sweep_dry_run_default_seeds_seed_major(tmp_path):
     expected = [shlex.join([sys.executable, "train.py", "--accum", name, "--max-steps", "5", "--seed", str(k),
                             "--out-dir", f"{root}/{name}/seed{k}"]) for k in range(1, N + 1) for name in ("bf16", "fp32")]
     assert out.stdout.splitlines() == expected and len(expected) == 2 * sweep.SEEDS == 16
+    out = sweep_cmd("--dry-run", "--claims", "1", "--only", "fp32", "--seeds", "9-11", "--out-root", root)
+    assert [line.split("--seed ")[1].split()[0] for line in out.stdout.splitlines()] == ["9", "10", "11"]
 
 
 def test_sweep_refuses_extra_flags_that_would_change_an_arm(tmp_path):
@@ -1574,8 +1619,9 @@ def test_sweep_shared_arm_runs_once():
 
 
 @pytest.mark.parametrize("args, message", [
-    (["--seeds", "0"], "--seeds and --parallel must be at least 1"),
-    (["--parallel", "0"], "--seeds and --parallel must be at least 1"),
+    (["--seeds", "0"], "argument --seeds: '0': seeds start at 1 and A-B needs A <= B, e.g. 9-16"),
+    (["--seeds", "x"], "argument --seeds: 'x': give N (seeds 1..N) or A-B, e.g. 16 or 9-16"),
+    (["--parallel", "0"], "--parallel must be at least 1"),
     (["--claims", "1,8"], "--claims '1,8': give some of 1,2,3,4,5,6,7"),
     (["--claims", "1", "--only", "bf16,nope"], "--only: nope not in claims 1"),
 ])
@@ -1632,7 +1678,7 @@ def test_sweep_launches_every_arm_the_lr_rules_read():
         assert set(arms) <= set(launched) and label in report.LR_TITLES, label
     assert {a for _, _, arms, _ in report.LR_RULES for a in arms} == {
         prefix + a for prefix in report.ARCHS.values() for a in sweep.LR_STUDY_ARMS}
-    assert set(report.LR_WORDS) == set(sweep.LR_STUDY_ARMS)
+    assert set(report.LR_WORDS) == set(sweep.LR_STUDY_ARMS) | set(sweep.AA_ARMS.values())
 
 
 def test_experiment_table_is_valid_train_flags():
