@@ -348,12 +348,17 @@ def rule3(site, dose=3.0, k=7, **changes):
     param(lambda s: rule3(s, **{inject(s, 3.0): arm(7, {"collapse": 10, "growth": {"k": 8.0}})}), "reproduced",
           id="collapses where no-error does not, through W_k"),
     param(lambda s: rule3(s, **{inject(s, 3.0): arm(7, {"collapse": 10, "growth": {"k": 8.0}}),
-                                inject(s, 3.0, fix=True): arm(7, {"val": 7.9})}), "not reproduced",
-          id="the error collapsed (val 8) and the fix barely trains (7.9): judged against QK-norm alone or "
-             "no-error, not the collapse (the first version passed it)"),
+                                inject(s, 3.0, fix=True): arm(7, {"val": 7.9, "init": 5.6})}), "not reproduced",
+          id="the error collapsed (val 8) and the fix never trained (7.9, above its 5.6 at init)"),
+    param(lambda s: rule3(s, **{inject(s, 3.0): arm(7, {"collapse": 10, "growth": {"k": 8.0}}),
+                                inject(s, 3.0, fix=True): arm(7, {"val": 4.6, "init": 5.6})}), "reproduced",
+          id="the error collapsed (val 8), the fix ends 3.4 nat below it, trained: judged against its own error "
+             "(the last rule held it to no-error + FIX_TOL)"),
     param(lambda s: rule3(s, **{inject(s, 3.0): arm(7, {**QK_RUNAWAY, "val": float("nan")}),
-                                inject(s, 3.0, fix=True): arm(7, {"val": 9.0})}), "not reproduced",
-          id="the error's val loss NaN, the fix's 9: the bar is not infinite"),
+                                inject(s, 3.0, fix=True): arm(7, {"val": 9.0, "init": 5.6})}), "not reproduced",
+          id="the error's val loss NaN, the fix's 9 above its init: the bar is not infinite"),
+    param(lambda s: rule3(s, 0.3, 8, **{inject(s, 0.3, fix=True): arm(1, RUNAWAY)}), "not reproduced",
+          id="the fix fails in 1 of the 8 seeds where the error ran away: counted against (7 vs 1), not a tie"),
     param(lambda s: rule3(s, **{inject(s, 3.0): arm(7, {"logit": 0.99 * R, "growth": {"q": 8.0}})}),
           "not reproduced", id="max logit just below RUNAWAY_LOGIT"),
     param(lambda s: rule3(s, **{sweep.NO_ERROR: arm(8, {"logit": 2 * R})}), "not reproduced",
@@ -365,7 +370,7 @@ def rule3(site, dose=3.0, k=7, **changes):
     param(lambda s: rule3(s, **{sweep.NO_ERROR: arm(8, {"growth": {"q": 4.1}})}), "not reproduced",
           id="QK growth under SIGMA_RATIO x the no-error run's (the old rule passed this)"),
     param(lambda s: rule3(s, **{inject(s, 3.0): arm(7, {"logit": 2 * R, "growth": {"q": 8.0, "v": 8.0}})}),
-          "not reproduced", id="sigma_v grows as much: not QK-specific"),
+          "reproduced", id="sigma_v grows as much: QK is a channel all the same (the last rule asked for the only one)"),
     param(lambda s: rule3(s, k=4), "not reproduced", id="4 of 8"),
     param(lambda s: rule3(s, k=6), "not reproduced", id="6 of 8: p=1/64 > ALPHA/5"),
     param(lambda s: rule3(s, **{inject(s, 3.0, fix=True): arm(2, RUNAWAY)}), "not reproduced",
@@ -482,6 +487,13 @@ def rule4(mlp_out=3.0, delta=3.0, **cells):
     param(rule4(**{inject("mlp-out", 0.3, 0.5): arm(8, {"logit": 400.0}),
                    inject("mlp-out", 0.3): arm(8, {"logit": 150.0, "collapse": 10})}), "reproduced",
           id="coherent errors collapse below the random-sign logits: a collapse ranks above (not a reversal)"),
+    param(rule4(**{inject("mlp-out", 3.0): arm(7, {"collapse": 5}), inject("mlp-out", 3.0, 0.5): arm(7, {"collapse": 12})}),
+          "reproduced", id="both collapse in 7 seeds, the coherent ones earlier: decided, not tied (the last rule "
+                           "tied them)"),
+    param(rule4(**{inject("mlp-out", 3.0): arm(7, {"collapse": 12}), inject("mlp-out", 3.0, 0.5): arm(8, {"collapse": 12})}),
+          "not reproduced", id="both collapse at the same step: tied"),
+    param(rule4(**{inject("mlp-out", 3.0): arm(8, {"collapse": 12}), inject("mlp-out", 3.0, 0.5): arm(8, {"collapse": 5})}),
+          "refuted", id="both collapse, the random-sign ones earlier in every seed: a reversal"),
     param(rule4(**{inject("mlp-out", 3.0, 0.5): arm(0, OK, {8: RUNAWAY})}), "not reproduced",
           id="random signs higher in the one other seed: 7 vs 1, p = 0.035 > ALPHA / 5"),
     param(rule4(**{inject("mlp-out", 3.0, 0.5): arm(0, OK, {8: RUNAWAY}), inject("mlp-out", 3.0): arm(7, RUNAWAY,
@@ -512,12 +524,13 @@ def test_rule_4_reports_each_dose_on_a_scale_and_the_dose_response(tmp_path):
     row = rows(tmp_path, arms)["4"]
     assert "mlp-out: doses run 0.3, 1, 3, 10, 30 (thresholds: raises ALPHA / 5, reverses ALPHA / 10, the cells run " \
            "at all sites)" in row[2]
-    assert "mlp-out 3: max logit / no-error's, median coherent 200 vs random sign 1; coherent 2x higher in 7 seeds, " \
-           "random sign in 0 (0 unfinished or missing, counted against raising); p = 0.00781 (raises), 1 (reverses) " \
-           "-> raises" in row[2]
-    assert "delta 30: max logit / no-error's, median coherent 1 vs random sign 10; coherent 2x higher in 0 seeds, " \
-           "random sign in 8 (0 unfinished or missing, counted against raising); p = 1 (raises), 0.00391 (reverses) " \
-           "-> reverses; sigma(W_q, W_k) growth / no-error's higher for coherent in 0, random sign in 8" in row[2]
+    assert "mlp-out 3: max logit / no-error's, median coherent 200 vs random sign 1 (collapsed, seed and step: " \
+           "coherent none; random sign none); coherent 2x higher or earlier collapsed in 7 seeds, random sign in 0 " \
+           "(0 unfinished or missing, counted against raising); p = 0.00781 (raises), 1 (reverses) -> raises" in row[2]
+    assert "delta 30: max logit / no-error's, median coherent 1 vs random sign 10 (collapsed, seed and step: " \
+           "coherent none; random sign none); coherent 2x higher or earlier collapsed in 0 seeds, random sign in 8 " \
+           "(0 unfinished or missing, counted against raising); p = 1 (raises), 0.00391 (reverses) -> reverses; " \
+           "sigma(W_q, W_k) growth / no-error's higher for coherent in 0, random sign in 8" in row[2]
     assert row[1] == "refuted" and "refuted: random-sign errors run away further than coherent ones at delta 30" \
         in row[2]
     table = report.dose_table(report.load_runs(str(tmp_path)))
