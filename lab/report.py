@@ -1926,8 +1926,8 @@ def plot_claim(plt, groups, label, arms, png):
     fig.legend(handles=axes[0][0].get_lines(), loc="upper center", bbox_to_anchor=(0.5, 0), ncol=len(columns),
                fontsize=8)
     split = f"; left the first {columns[0][0]} steps, right the whole {columns[1][0]}" if len(columns) > 1 else ""
-    fig.suptitle(f"claim {label}: each line the median over seeds of one arm{split}", fontsize=11, y=0.995)
-    fig.tight_layout()
+    fig.suptitle(f"claim {label}: each line the median over seeds of one arm{split}", fontsize=11, y=0.985)
+    fig.subplots_adjust(top=0.95, bottom=0.08)   # room for the title, and for the legend below the axes
     fig.savefig(png, dpi=110, bbox_inches="tight")
     plt.close(fig)
 
@@ -2035,10 +2035,88 @@ def plot_dose_response(plt, groups, png):
     plt.close(fig)
 
 
+AA_ARM = "bf16-qknorm-always-tile64"   # the lr study's A/A arm, where run: bf16-qknorm-always with the bf16 state
+                                       # rounded per 64 keys, not 128; its gap to that arm is the noise floor
+GAP_LEVEL = 0.90                       # the lr figures' interval around the mean paired gap
+
+
+def t_quantile(p, df):
+    """Student t's p-quantile (p > 0.5), df degrees of freedom. With t = sqrt(df) tan(a), P(0 < T < t) is
+    the integral of cos(x)^(df-1) from 0 to a over B(1/2, df/2): a by bisection, the integral by Simpson's rule."""
+    whole = math.exp(math.lgamma(0.5) + math.lgamma(df / 2) - math.lgamma((df + 1) / 2))
+    def mass(a, n=200):
+        return a / n / 3 * sum((1 if i in (0, n) else 4 if i % 2 else 2) * math.cos(i * a / n) ** (df - 1)
+                               for i in range(n + 1))
+    lo, hi = 0.0, math.pi / 2
+    for _ in range(50):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if mass(mid) < (p - 0.5) * whole else (lo, mid)
+    return math.sqrt(df) * math.tan((lo + hi) / 2)
+
+
+def gap_interval(values, level=GAP_LEVEL):
+    """(mean, lo, hi): the mean and its Student t interval, mean -/+ t((1 + level) / 2, n - 1) sd / sqrt(n);
+    lo, hi nan for a single value."""
+    # TODO(merge): the lead's report.mean_interval(values, level) returns the same; call it and drop this
+    # function and t_quantile
+    mean = statistics.mean(values)
+    if len(values) < 2:
+        return mean, math.nan, math.nan
+    half = t_quantile((1 + level) / 2, len(values) - 1) * statistics.stdev(values) / math.sqrt(len(values))
+    return mean, mean - half, mean + half
+
+
+def paired_gaps(groups, name, ref):
+    """[(seed, final val loss of folder `name`'s run less folder ref's)] over the seeds where both finished:
+    a seed only one of them ran is left out. Not finite where either diverged (end_val)."""
+    theirs = {r.seed: r for r in groups.get(ref, []) if done(r)}
+    return [(r.seed, end_val(r) - end_val(theirs[r.seed])) for r in groups.get(name, []) if done(r)
+            and r.seed in theirs]
+
+
+def runaway_lrs(groups, prefix=""):
+    """The lrs where the unguarded bf16 arm ran away in a majority of its seeds (an unfinished run counted
+    as ran away), the lrs where rule 2p judges the guard against always-on QK-norm."""
+    return sorted(lr for (base, lr), name in lr_cells(groups).items() if base == prefix + "bf16" and groups[name]
+                  and 2 * sum(not done(r) or lr_ran_away(r) for r in groups[name]) > len(groups[name]))
+
+
+def lr_gaps(groups, prefix=""):
+    """The paired gap rule 2p judges: ({runaway lr: paired_gaps(bf16-guard, bf16-qknorm-always)}, {lr: the
+    A/A arm's paired_gaps to bf16-qknorm-always} at each lr it ran, read from the folders: lr_cells knows
+    only the study's own arms)."""
+    always = lambda lr: lr_name(prefix + "bf16-qknorm-always", lr)
+    guard = {lr: paired_gaps(groups, lr_name(prefix + "bf16-guard", lr), always(lr))
+             for lr in runaway_lrs(groups, prefix)}
+    aa = {lr: paired_gaps(groups, name, always(lr)) for name in groups for base, lr in [split_lr(name)]
+          if base == prefix + AA_ARM and lr is not None and groups[name]}
+    return guard, aa
+
+
+def plot_gaps(ax, gaps, color, label, shift, mean_label=None):
+    """One arm's paired gaps in the lr figure's third panel: each seed a dot, the mean with its GAP_LEVEL
+    interval an error bar (its legend entry mean_label), `shift` decades right of its lr; a gap not finite
+    (a diverged run) counted at the top."""
+    for i, (lr, pairs) in enumerate(sorted(gaps.items())):
+        values = [g for _, g in pairs if math.isfinite(g)]
+        x = lr * 10 ** shift
+        spread = [x * 10 ** (0.08 * (j / max(1, len(values) - 1) - 0.5)) for j in range(len(values))]
+        ax.plot(spread, values, "o", color=color, ms=3.5, alpha=0.6, label=f"{label}: one seed" if i == 0 else None)
+        if values:
+            mean, lo, hi = gap_interval(values)
+            ax.errorbar([x], [mean], yerr=[[mean - lo], [hi - mean]] if math.isfinite(lo) else None, fmt="D",
+                        color=color, mec="k", capsize=4, ms=6, lw=1.5,
+                        label=mean_label if i == 0 else None)
+        if len(values) < len(pairs):
+            ax.annotate(f"{len(pairs) - len(values)} not finite", (x, 1), xycoords=("data", "axes fraction"),
+                        ha="center", va="top", fontsize=7, color=color)
+
+
 def plot_lr_study(groups, out_dir, quiet=False):
     """The lr study, one figure per architecture (lr-gpt2.png, lr-llama.png), as Wortsman et al. 2023's
     Figure 1: final val loss and max attention logit against the learning rate, per arm the median over its
-    finished runs and their min-max range shaded; the guard's threshold and RUNAWAY_LOGIT marked."""
+    finished runs and their min-max range shaded; the guard's threshold and RUNAWAY_LOGIT marked. A third
+    panel: the paired gap rule 2p judges (lr_gaps), with the A/A arm's where it ran."""
     plt = _pyplot(quiet)
     if plt is None:
         return []
@@ -2048,7 +2126,7 @@ def plot_lr_study(groups, out_dir, quiet=False):
         mine = [(base, lr, [r for r in groups[name] if done(r)]) for base, lr, name in cells if lr_arch(base) == arch]
         if not any(runs for _, _, runs in mine):
             continue
-        fig, axes = plt.subplots(2, 1, sharex=True, figsize=(7, 8))
+        fig, axes = plt.subplots(3, 1, sharex=True, figsize=(7, 11.5), gridspec_kw={"height_ratios": [1, 1, 0.9]})
         arms = [a for a in LR_STUDY_ARMS if any(base == prefix + a and runs for base, _, runs in mine)]
         for i, arm in enumerate(arms):
             at = [(lr, runs) for base, lr, runs in mine if base == prefix + arm and runs]
@@ -2065,16 +2143,33 @@ def plot_lr_study(groups, out_dir, quiet=False):
         guarded = [r.guard_threshold() for base, _, runs in mine if base.endswith("-guard") for r in runs]
         threshold = statistics.median(guarded) if guarded else GUARD_THRESHOLD
         axes[1].axhline(threshold, color="k", ls=":", lw=1, label=f"QK-Guard's threshold ({threshold:g})")
-        axes[1].axhline(RUNAWAY_LOGIT, color="k", ls="--", lw=1, label=f"RUNAWAY_LOGIT ({RUNAWAY_LOGIT:g}): ran away")
+        axes[1].axhline(RUNAWAY_LOGIT, color="k", ls="--", lw=1, label=f"{RUNAWAY_LOGIT:g}: a runaway "
+                        f"(RUNAWAY_LOGIT)")
+        # the third panel: QK-Guard against always-on QK-norm, seed by seed, where rule 2p compares them
+        guard, aa = lr_gaps(groups, prefix)
+        gap_ax = axes[2]
+        gap_ax.axhspan(-LOSS_TOL, LOSS_TOL, color="C2", alpha=0.15, lw=0,
+                       label=f"within {LOSS_TOL:g} nat (LOSS_TOL): rule 2p's tolerance")
+        gap_ax.axhline(0.0, color="k", lw=0.8)
+        color = f"C{arms.index('bf16-guard')}" if "bf16-guard" in arms else "C3"
+        plot_gaps(gap_ax, guard, color, "QK-Guard less QK-norm always", shift=0.0,
+                  mean_label=f"the mean, its {GAP_LEVEL:.0%} interval (Student t)")
+        plot_gaps(gap_ax, aa, "grey", "A/A: two QK-norm runs that should end alike", shift=0.12)
+        if not guard:
+            gap_ax.text(0.5, 0.5, "no learning rate where bf16 state ran away in a majority of seeds",
+                        transform=gap_ax.transAxes, ha="center", fontsize=8)
         axes[0].set(xscale="log", ylabel="final val loss (nat per token)")
-        axes[1].set(xscale="log", yscale="log", ylabel="max attention logit (over all logged steps)",
-                    xlabel="learning rate")
+        axes[1].set(xscale="log", yscale="log", ylabel="max attention logit (over all logged steps)")
+        gap_ax.set(ylabel="final val loss, QK-Guard less\nQK-norm always, same seed (nat)", xlabel="learning rate")
         for ax in axes:
             ax.grid(alpha=0.3)
             ax.legend(fontsize=7)
         seeds = {r.seed for _, _, runs in mine for r in runs}
-        axes[0].set_title(f"{arch}, a CPU-scale proxy: each line the median over {len(seeds)} seeds of one arm "
-                          f"(shaded: their min to max)", fontsize=9)
+        steps = "/".join(str(s) for s in sorted({r.horizon() for _, _, runs in mine for r in runs}))
+        axes[0].set_title(f"{arch}, a CPU-scale proxy, {steps} steps per run: each line the median over "
+                          f"{len(seeds)} seeds of one arm (shaded: their min to max)", fontsize=9)
+        gap_ax.set_title("the paired gap rule 2p judges, at each lr where bf16 state ran away in a majority of seeds"
+                         + ("; grey: the A/A arm's, at the lrs it ran" if aa else ""), fontsize=9)
         saved.append(os.path.join(out_dir, f"lr-{arch}.png"))
         fig.savefig(saved[-1], dpi=110, bbox_inches="tight")
         plt.close(fig)
