@@ -1541,39 +1541,85 @@ def group_rows(runs):
              num(r.steps[-1] if r.steps else None)] for r in runs]
 
 
+FIX_LABEL = "coherence 1 + QK-only fix"   # dose_curves' label of the fixed curve (the table's words)
+# sweep.SITES' --qk-fix values in words: what each site's QK-only fix does (lab/assay.py)
+FIX_WORDS = {"qknorm": "QK-norm from step 0", "clean-grad": "W_q, W_k trained on the error-free gradient"}
+
+
 def dose_curves():
-    """(site, label, dose -> arm name) for each curve of the dose-response figure: every coherence, and
-    coherence 1 with the QK-only fix."""
+    """(site, label, dose -> arm name) for each curve of the dose-response table and figure: every coherence,
+    and coherence 1 with the site's QK-only fix (fix_words names it)."""
     return [(site, label, name) for site in SITES for label, name in
             [(f"coherence {c:g}", lambda d, site=site, c=c: inject_arm(site, d, c)[0]) for c in COHERENCES]
-            + [("coherence 1 + QK-only fix", lambda d, site=site: inject_arm(site, d, 1.0, True)[0])]]
+            + [(FIX_LABEL, lambda d, site=site: inject_arm(site, d, 1.0, True)[0])]]
+
+
+def fix_words(site):
+    """The QK-only fix that sweep.SITES gives an injection site, in words."""
+    return FIX_WORDS[SITES[site]]
+
+
+def curve_words(site, label):
+    """A dose-response curve (dose_curves' label) in words for its site's legend: the fix named."""
+    return {"coherence 1": "sign-coherent error", "coherence 0.5": "error of a random sign each step",
+            FIX_LABEL: f"sign-coherent error, fixed by {fix_words(site)}"}.get(label, label)
+
+
+def paired_with_no_error(groups, name):
+    """[(run, its seed's no-error run)] of arm `name`'s finished runs whose no-error run finished too."""
+    ref = {r.seed: r for r in groups.get(NO_ERROR, []) if r.finished}
+    return [(r, ref[r.seed]) for r in groups.get(name, []) if r.finished and r.seed in ref]
+
+
+def logits_beyond(run, ref):
+    """beyond()'s logit half: max logit >= RUNAWAY_LOGIT and LOGIT_RATIO x ref's (its other half, a collapse
+    where ref did not, is the figure's other kind of runaway)."""
+    return (run.max_logit or 0.0) >= max(RUNAWAY_LOGIT, LOGIT_RATIO * (ref.max_logit or 0.0))
+
+
+def dose_outcomes(groups):
+    """Claims 3 and 4, split as the figure's top panel draws them: per (site, coherence or fix), per dose,
+    (runs whose max logit passed the bar beyond(run, ref) sets, runs that ran away beyond their no-error
+    run only by collapsing: a loss collapse with logits under that bar, runs finished with their no-error
+    run finished too). The first two add up to beyond's count."""
+    curves = {}
+    for site, label, name in dose_curves():
+        cells = []
+        for dose in DOSES:
+            pairs = paired_with_no_error(groups, name(dose))
+            by_logits = [logits_beyond(r, ref) for r, ref in pairs]
+            by_collapse = [beyond(r, ref) and not logits for (r, ref), logits in zip(pairs, by_logits)]
+            cells.append((sum(by_logits), sum(by_collapse), len(pairs)))
+        if any(n for *_, n in cells):
+            curves[(site, label)] = cells
+    return curves
 
 
 def dose_response(groups):
     """Claims 3 and 4: per (site, coherence or fix), per dose: (how many ran away beyond their
     seed's no-error run, how many finished with their no-error run finished too)."""
-    ref = {r.seed: r for r in groups.get(NO_ERROR, []) if r.finished}
-    curves = {}
+    return {key: [(logits + collapses, n) for logits, collapses, n in cells]
+            for key, cells in dose_outcomes(groups).items()}
+
+
+def dose_logits(groups):
+    """Per (site, dose_response's label), per dose: (the finite max-logit ratios, logit_ratio, of its finished
+    runs over their seed's no-error run, sorted; how many of them are off that scale: collapsed or diverged,
+    logit_ratio's inf), for the dose-response figure's lower panel, which keeps both."""
+    out = {}
     for site, label, name in dose_curves():
-        cells = []
-        for dose in DOSES:
-            done = [r for r in groups.get(name(dose), []) if r.finished and r.seed in ref]
-            cells.append((sum(beyond(r, ref[r.seed]) for r in done), len(done)))
-        if any(n for _, n in cells):
-            curves[(site, label)] = cells
-    return curves
+        cells = {}
+        for d in DOSES:
+            ratios = [logit_ratio(r, ref) for r, ref in paired_with_no_error(groups, name(d))]
+            cells[d] = (sorted(x for x in ratios if math.isfinite(x) and x > 0), sum(x == math.inf for x in ratios))
+        out[site, label] = cells
+    return out
 
 
 def dose_ratios(groups):
-    """Per (site, dose_response's label), per dose: the finite max-logit ratios (logit_ratio) of its
-    finished runs over their seed's no-error run, for the dose-response figure's scale."""
-    ref = {r.seed: r for r in groups.get(NO_ERROR, []) if r.finished}
-    out = {}
-    for site, label, name in dose_curves():
-        out[site, label] = {d: [x for r in groups.get(name(d), []) if r.finished and r.seed in ref
-                                for x in [logit_ratio(r, ref[r.seed])] if math.isfinite(x) and x > 0]
-                            for d in DOSES}
-    return out
+    """Per (site, dose_response's label), per dose: the finite max-logit ratios of dose_logits (its runs off
+    the scale left out)."""
+    return {key: {d: finite for d, (finite, _) in cells.items()} for key, cells in dose_logits(groups).items()}
 
 
 def fault_units(root):
@@ -2067,9 +2113,68 @@ def arm_words(name):
     return name
 
 
+def arm_horizon(runs):
+    """The steps an arm's runs were set to run (the longest of them)."""
+    return max((r.horizon() for r in runs), default=0)
+
+
+def horizon_columns(groups, arms):
+    """A claim figure's columns, [(steps shown, its arms)]: one of every arm, or, where some arms run
+    more than twice as long as the shortest (claim 6's -long arms), two: the shortest horizon with
+    every arm, and the longest with the arms that ran it, so that neither squeezes the other."""
+    steps = {n: arm_horizon(groups[n]) for n in arms}
+    short, longest = min(steps.values()), max(steps.values())
+    if longest <= 2 * short:
+        return [(longest, arms)]
+    return [(short, arms), (longest, [n for n in arms if steps[n] > 2 * short])]
+
+
+def arm_medians(runs, panel):
+    """(steps, per step the median over runs of panel's value, nan where none is positive)."""
+    steps = sorted({s for r in runs for s in r.steps})
+    by_run = [dict(zip(r.steps, getattr(r, panel))) for r in runs]
+    values = [median([v.get(s) for v in by_run]) for s in steps]
+    return steps, [y if y is not None and y > 0 else math.nan for y in values]
+
+
+def plot_claim(plt, groups, label, arms, png):
+    """One claim's figure: per arm the median over seeds of loss, max logit and sigma(W_q) against step,
+    and its survival curve; in two columns where the arms' horizons differ (horizon_columns)."""
+    columns = horizon_columns(groups, arms)
+    fig, axes = plt.subplots(4, len(columns), sharex="col", figsize=(9 if len(columns) == 1 else 15, 12),
+                             squeeze=False)
+    panels = ("loss", "logit", "sigma")
+    lines = {(n, panel): arm_medians([r for r in groups[n] if r.steps], panel) for n in arms for panel in panels}
+    for col, (steps, shown) in enumerate(columns):
+        ax = axes[:, col]
+        for n in shown:
+            color = f"C{arms.index(n) % 10}"
+            for a, panel in zip(ax[:3], panels):
+                a.plot(*lines[n, panel], color=color, lw=1.2, label=arm_words(n))
+            curve = survival(groups[n])   # drawn on to the arm's last logged step: no collapse after its last
+            ax[3].step(*zip(*curve, (lines[n, "loss"][0][-1], curve[-1][1])), where="post", color=color)
+        for a, panel in zip(ax[:3], panels):
+            a.set(ylabel=PANELS[panel][0].replace(" (", "\n("), yscale=PANELS[panel][1])
+        ax[3].set(ylabel="fraction of seeds\nnot collapsed", ylim=(-0.05, 1.05), xlabel="step (optimizer updates)",
+                  xlim=(0, steps))
+        for a in ax:
+            a.grid(alpha=0.3)
+        if len(columns) > 1:
+            ax[0].set_title(f"the first {steps} steps: every arm" if col == 0 else
+                            f"the whole {steps} steps: the {len(shown)} arms run that long", fontsize=10)
+    fig.legend(handles=axes[0][0].get_lines(), loc="upper center", bbox_to_anchor=(0.5, 0), ncol=len(columns),
+               fontsize=8)
+    split = f"; left the first {columns[0][0]} steps, right the whole {columns[1][0]}" if len(columns) > 1 else ""
+    fig.suptitle(f"claim {label}: each line the median over seeds of one arm{split}", fontsize=11, y=0.985)
+    fig.subplots_adjust(top=0.95, bottom=0.08)   # room for the title, and for the legend below the axes
+    fig.savefig(png, dpi=110, bbox_inches="tight")
+    plt.close(fig)
+
+
 def plot_claims(groups, out_dir):
     """Claims 1, 2, 5, 6, 7: per arm, the median over seeds of loss, max logit and sigma(W_q)
-    against step, and survival curves; claims 3 and 4: dose-response curves (dose_response.png)."""
+    against step, and survival curves (plot_claim); claims 3 and 4: dose-response curves
+    (dose_response.png, plot_dose_response)."""
     plt = _pyplot()
     if plt is None:
         return []
@@ -2081,71 +2186,176 @@ def plot_claims(groups, out_dir):
         arms = [n for n in dict.fromkeys(arms) if any(r.steps for r in groups.get(n, []))]
         if not arms or label in ("2v",):
             continue
-        fig, axes = plt.subplots(4, 1, sharex=True, figsize=(9, 12))
-        for i, n in enumerate(arms):
-            runs = [r for r in groups[n] if r.steps]
-            steps = sorted({s for r in runs for s in r.steps})
-            for ax, panel in zip(axes[:3], ("loss", "logit", "sigma")):
-                by_step = [median([dict(zip(r.steps, getattr(r, panel))).get(s) for r in runs]) for s in steps]
-                ax.plot(steps, [y if y is not None and y > 0 else math.nan for y in by_step], color=f"C{i % 10}",
-                        lw=1.2, label=arm_words(n))
-            curve = survival(groups[n])
-            axes[3].step(*zip(*curve), where="post", color=f"C{i % 10}")
-        for ax, panel in zip(axes[:3], ("loss", "logit", "sigma")):
-            ax.set(ylabel=PANELS[panel][0].replace(" (", "\n("), yscale=PANELS[panel][1])
-            ax.grid(alpha=0.3)
-        axes[3].set(ylabel="fraction of seeds\nnot collapsed", ylim=(-0.05, 1.05), xlabel="step")
-        axes[3].grid(alpha=0.3)
-        axes[0].set_title(f"claim {label}: each line the median over seeds of one arm", fontsize=10)
-        axes[0].legend(fontsize=7)
         saved.append(os.path.join(out_dir, f"claim{label.replace(' ', '').replace('(', '-').replace(')', '')}.png"))
-        fig.savefig(saved[-1], dpi=110, bbox_inches="tight")
-        plt.close(fig)
-    curves = dose_response(groups)
-    sites = list(dict.fromkeys(site for site, _ in curves))
-    if sites:
-        # top: the threshold view (ran away beyond the no-error run); bottom: the scale claim 4 judges on,
-        # each run's max logit over its seed's no-error run's (median over seeds, their range shaded)
-        fig, axes = plt.subplots(2, len(sites), figsize=(4 * len(sites), 6.4), sharex="col", sharey="row",
-                                 squeeze=False)
-        words = {"coherence 1": "sign-coherent", "coherence 0.5": "a random sign each step",
-                 "coherence 1 + QK-only fix": "sign-coherent, with the QK-only fix"}
-        ratios = dose_ratios(groups)
-        for col, site in enumerate(sites):
-            top, bottom = axes[0][col], axes[1][col]
-            for (s, label), cells in curves.items():
-                if s != site:
-                    continue
-                xs = [d for d, (_, n) in zip(DOSES, cells) if n]
-                line, = top.plot(xs, [k / n for k, n in cells if n], "o-", label=words.get(label, label))
-                per_dose = [(d, ratios[s, label][d]) for d in xs if ratios[s, label][d]]
-                if per_dose:
-                    ds, rs = [d for d, _ in per_dose], [sorted(r) for _, r in per_dose]
-                    bottom.plot(ds, [statistics.median(r) for r in rs], "o-", color=line.get_color())
-                    bottom.fill_between(ds, [r[0] for r in rs], [r[-1] for r in rs], color=line.get_color(),
-                                        alpha=0.15)
-            top.set(title=f"error at {site}")
-            bottom.set(xscale="log", yscale="log", xlabel="error size per step (rms / signal rms)")
-            bottom.axhline(1.0, color="grey", lw=0.8, ls=":")
-            dose_ticks = [d for d in DOSES if any(n for (s, _), cells in curves.items() if s == site
-                                                  for dd, (_, n) in zip(DOSES, cells) if dd == d)]
-            bottom.set_xticks(dose_ticks, [f"{d:g}" for d in dose_ticks])
-            bottom.minorticks_off()
-            for ax in (top, bottom):
-                ax.grid(alpha=0.3)
-        axes[0][0].set(ylabel="fraction of seeds run away\nbeyond the no-error run", ylim=(-0.05, 1.05))
-        axes[1][0].set(ylabel="max attention logit over the\nno-error run's (median, range)")
-        axes[0][0].legend(fontsize=7)
+        plot_claim(plt, groups, label, arms, saved[-1])
+    if dose_outcomes(groups):
         saved.append(os.path.join(out_dir, "dose_response.png"))
-        fig.savefig(saved[-1], dpi=110, bbox_inches="tight")
-        plt.close(fig)
+        plot_dose_response(plt, groups, saved[-1])
     return saved
+
+
+OFF_SCALE_STEP = 2.5   # the dose figure's band above the logit scale: one row per curve, this factor apart
+
+
+def plot_dose_response(plt, groups, png):
+    """Claims 3 and 4, a column per site. Top: the fraction of seeds that ran away beyond their no-error run,
+    by its max logit (solid) and, dashed where it adds any, by a collapse too (dose_outcomes). Bottom: the scale
+    claim 4 judges on, each run's max logit over its seed's no-error run's (median, range shaded); a run that
+    collapsed or diverged ranks above every logit, so it is kept as a row of marks above the scale, with the
+    count (dose_logits)."""
+    outcomes, logits = dose_outcomes(groups), dose_logits(groups)
+    sites = list(dict.fromkeys(site for site, _ in outcomes))
+    labels = list(dict.fromkeys(label for _, label in outcomes))   # a color and an off-scale row each
+    finite = [x for key in outcomes for values, _ in logits[key].values() for x in values]
+    low, high = (min(finite), max(finite)) if finite else (1.0, 1.0)
+    row_y = {label: high * OFF_SCALE_STEP ** (i + 1) for i, label in enumerate(labels)}
+    band = (high * OFF_SCALE_STEP ** 0.5, high * OFF_SCALE_STEP ** (len(labels) + 0.6))
+    any_off = any(off for key in outcomes for _, off in logits[key].values())
+    fig, axes = plt.subplots(2, len(sites), figsize=(4.8 * len(sites), 8), sharex="col", sharey="row", squeeze=False)
+    for col, site in enumerate(sites):
+        top, bottom = axes[0][col], axes[1][col]
+        handles, dashed, off_here = [], False, False
+        for i, label in enumerate(labels):
+            if (site, label) not in outcomes:
+                continue
+            color = f"C{i}"
+            cells = [(d, a, b, n) for d, (a, b, n) in zip(DOSES, outcomes[site, label]) if n]
+            xs = [d for d, *_ in cells]
+            top.plot(xs, [a / n for _, a, _, n in cells], "o-", color=color)
+            if any(b for _, _, b, _ in cells):
+                dashed = True
+                top.plot(xs, [(a + b) / n for _, a, b, n in cells], "o--", color=color, mfc="none")
+            handles.append(plt.Line2D([], [], color=color, marker="o", label=curve_words(site, label)))
+            values = [logits[site, label][d][0] + [math.inf] * logits[site, label][d][1] for d in xs]
+            at = lambda v: row_y[label] if v == math.inf else v   # off the scale: the curve's row above it
+            meds = [at(statistics.median(v)) if v else math.nan for v in values]
+            bottom.plot(xs, meds, "-", color=color)
+            bottom.plot([x for x, m in zip(xs, meds) if m != row_y[label]], [m for m in meds if m != row_y[label]],
+                        "o", color=color)
+            bottom.fill_between(xs, [at(min(v)) if v else math.nan for v in values],
+                                [at(max(v)) if v else math.nan for v in values], color=color, alpha=0.15, lw=0)
+            for d, v in zip(xs, values):
+                off = sum(x == math.inf for x in v)
+                if off:
+                    off_here = True
+                    bottom.plot([d], [row_y[label]], "^", color=color, ms=8)
+                    bottom.annotate(f"{off}/{len(v)}", (d, row_y[label]), xytext=(6, 0), textcoords="offset points",
+                                    fontsize=7, color=color, va="center")
+        top.set_title(f"error at {site}\n(its QK-only fix: {fix_words(site)})", fontsize=9)
+        bottom.set(xscale="log", yscale="log", xlabel="error size per step (rms / signal rms)")
+        bottom.axhline(1.0, color="grey", lw=0.8, ls=":")
+        if any_off:   # the band above the scale, its ticks left off (a row there is a count, not a logit)
+            bottom.axhspan(*band, color="0.92", zorder=0)
+            bottom.set_ylim(low / 2, band[1])
+            ticks = [10.0 ** k for k in range(math.floor(math.log10(low / 2)), math.floor(math.log10(band[0])) + 1)
+                     if low / 2 <= 10.0 ** k]
+            bottom.set_yticks(ticks + [math.sqrt(band[0] * band[1])],
+                              [f"$10^{{{round(math.log10(t))}}}$" for t in ticks] + ["collapsed"])
+        dose_ticks = [d for d in DOSES if any(n for (s, _), cells in outcomes.items() if s == site
+                                              for dd, (*_, n) in zip(DOSES, cells) if dd == d)]
+        bottom.set_xticks(dose_ticks, [f"{d:g}" for d in dose_ticks])
+        bottom.minorticks_off()
+        for ax in (top, bottom):
+            ax.grid(alpha=0.3)
+        grey = dict(color="grey")
+        handles += [plt.Line2D([], [], ls="-", label=f"top, solid: max logit >= {RUNAWAY_LOGIT:g} and >= "
+                               f"{LOGIT_RATIO:g}x the no-error run's", **grey)]
+        if dashed:
+            handles.append(plt.Line2D([], [], ls="--", marker="o", mfc="none", label="top, dashed: that, or a "
+                                      "collapse of the loss with logits under that bar", **grey))
+        handles.append(plt.Line2D([], [], ls=":", lw=0.8, label="bottom: 1 = the no-error run's max logit", **grey))
+        if off_here:
+            handles.append(plt.Line2D([], [], ls="", marker="^", label="bottom, grey band: collapsed or diverged "
+                                      "(off the scale), k/n seeds", **grey))
+        bottom.legend(handles=handles, fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.16))
+    axes[0][0].set(ylabel="fraction of seeds that ran away\nbeyond the no-error run (same seed)", ylim=(-0.05, 1.05))
+    axes[1][0].set(ylabel="max attention logit over the no-error\nrun's, same seed (median, range)")
+    fig.savefig(png, dpi=110, bbox_inches="tight")
+    plt.close(fig)
+
+
+AA_ARM = "bf16-qknorm-always-tile64"   # the lr study's A/A arm, where run: bf16-qknorm-always with the bf16 state
+                                       # rounded per 64 keys, not 128; its gap to that arm is the noise floor
+GAP_LEVEL = 0.90                       # the lr figures' interval around the mean paired gap
+
+
+def t_quantile(p, df):
+    """Student t's p-quantile (p > 0.5), df degrees of freedom. With t = sqrt(df) tan(a), P(0 < T < t) is
+    the integral of cos(x)^(df-1) from 0 to a over B(1/2, df/2): a by bisection, the integral by Simpson's rule."""
+    whole = math.exp(math.lgamma(0.5) + math.lgamma(df / 2) - math.lgamma((df + 1) / 2))
+    def mass(a, n=200):
+        return a / n / 3 * sum((1 if i in (0, n) else 4 if i % 2 else 2) * math.cos(i * a / n) ** (df - 1)
+                               for i in range(n + 1))
+    lo, hi = 0.0, math.pi / 2
+    for _ in range(50):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if mass(mid) < (p - 0.5) * whole else (lo, mid)
+    return math.sqrt(df) * math.tan((lo + hi) / 2)
+
+
+def gap_interval(values, level=GAP_LEVEL):
+    """(mean, lo, hi): the mean and its Student t interval, mean -/+ t((1 + level) / 2, n - 1) sd / sqrt(n);
+    lo, hi nan for a single value."""
+    # TODO(merge): the lead's report.mean_interval(values, level) returns the same; call it and drop this
+    # function and t_quantile
+    mean = statistics.mean(values)
+    if len(values) < 2:
+        return mean, math.nan, math.nan
+    half = t_quantile((1 + level) / 2, len(values) - 1) * statistics.stdev(values) / math.sqrt(len(values))
+    return mean, mean - half, mean + half
+
+
+def paired_gaps(groups, name, ref):
+    """[(seed, final val loss of folder `name`'s run less folder ref's)] over the seeds where both finished:
+    a seed only one of them ran is left out. Not finite where either diverged (end_val)."""
+    theirs = {r.seed: r for r in groups.get(ref, []) if done(r)}
+    return [(r.seed, end_val(r) - end_val(theirs[r.seed])) for r in groups.get(name, []) if done(r)
+            and r.seed in theirs]
+
+
+def runaway_lrs(groups, prefix=""):
+    """The lrs where the unguarded bf16 arm ran away in a majority of its seeds (an unfinished run counted
+    as ran away), the lrs where rule 2p judges the guard against always-on QK-norm."""
+    return sorted(lr for (base, lr), name in lr_cells(groups).items() if base == prefix + "bf16" and groups[name]
+                  and 2 * sum(not done(r) or lr_ran_away(r) for r in groups[name]) > len(groups[name]))
+
+
+def lr_gaps(groups, prefix=""):
+    """The paired gap rule 2p judges: ({runaway lr: paired_gaps(bf16-guard, bf16-qknorm-always)}, {lr: the
+    A/A arm's paired_gaps to bf16-qknorm-always} at each lr it ran, read from the folders: lr_cells knows
+    only the study's own arms)."""
+    always = lambda lr: lr_name(prefix + "bf16-qknorm-always", lr)
+    guard = {lr: paired_gaps(groups, lr_name(prefix + "bf16-guard", lr), always(lr))
+             for lr in runaway_lrs(groups, prefix)}
+    aa = {lr: paired_gaps(groups, name, always(lr)) for name in groups for base, lr in [split_lr(name)]
+          if base == prefix + AA_ARM and lr is not None and groups[name]}
+    return guard, aa
+
+
+def plot_gaps(ax, gaps, color, label, shift, mean_label=None):
+    """One arm's paired gaps in the lr figure's third panel: each seed a dot, the mean with its GAP_LEVEL
+    interval an error bar (its legend entry mean_label), `shift` decades right of its lr; a gap not finite
+    (a diverged run) counted at the top."""
+    for i, (lr, pairs) in enumerate(sorted(gaps.items())):
+        values = [g for _, g in pairs if math.isfinite(g)]
+        x = lr * 10 ** shift
+        spread = [x * 10 ** (0.08 * (j / max(1, len(values) - 1) - 0.5)) for j in range(len(values))]
+        ax.plot(spread, values, "o", color=color, ms=3.5, alpha=0.6, label=f"{label}: one seed" if i == 0 else None)
+        if values:
+            mean, lo, hi = gap_interval(values)
+            ax.errorbar([x], [mean], yerr=[[mean - lo], [hi - mean]] if math.isfinite(lo) else None, fmt="D",
+                        color=color, mec="k", capsize=4, ms=6, lw=1.5,
+                        label=mean_label if i == 0 else None)
+        if len(values) < len(pairs):
+            ax.annotate(f"{len(pairs) - len(values)} not finite", (x, 1), xycoords=("data", "axes fraction"),
+                        ha="center", va="top", fontsize=7, color=color)
 
 
 def plot_lr_study(groups, out_dir, quiet=False):
     """The lr study, one figure per architecture (lr-gpt2.png, lr-llama.png), as Wortsman et al. 2023's
     Figure 1: final val loss and max attention logit against the learning rate, per arm the median over its
-    finished runs and their min-max range shaded; the guard's threshold and RUNAWAY_LOGIT marked."""
+    finished runs and their min-max range shaded; the guard's threshold and RUNAWAY_LOGIT marked. A third
+    panel: the paired gap rule 2p judges (lr_gaps), with the A/A arm's where it ran."""
     plt = _pyplot(quiet)
     if plt is None:
         return []
@@ -2155,7 +2365,7 @@ def plot_lr_study(groups, out_dir, quiet=False):
         mine = [(base, lr, [r for r in groups[name] if done(r)]) for base, lr, name in cells if lr_arch(base) == arch]
         if not any(runs for _, _, runs in mine):
             continue
-        fig, axes = plt.subplots(2, 1, sharex=True, figsize=(7, 8))
+        fig, axes = plt.subplots(3, 1, sharex=True, figsize=(7, 11.5), gridspec_kw={"height_ratios": [1, 1, 0.9]})
         arms = [a for a in LR_STUDY_ARMS if any(base == prefix + a and runs for base, _, runs in mine)]
         for i, arm in enumerate(arms):
             at = [(lr, runs) for base, lr, runs in mine if base == prefix + arm and runs]
@@ -2172,16 +2382,33 @@ def plot_lr_study(groups, out_dir, quiet=False):
         guarded = [r.guard_threshold() for base, _, runs in mine if base.endswith("-guard") for r in runs]
         threshold = statistics.median(guarded) if guarded else GUARD_THRESHOLD
         axes[1].axhline(threshold, color="k", ls=":", lw=1, label=f"QK-Guard's threshold ({threshold:g})")
-        axes[1].axhline(RUNAWAY_LOGIT, color="k", ls="--", lw=1, label=f"RUNAWAY_LOGIT ({RUNAWAY_LOGIT:g}): ran away")
+        axes[1].axhline(RUNAWAY_LOGIT, color="k", ls="--", lw=1, label=f"{RUNAWAY_LOGIT:g}: a runaway "
+                        f"(RUNAWAY_LOGIT)")
+        # the third panel: QK-Guard against always-on QK-norm, seed by seed, where rule 2p compares them
+        guard, aa = lr_gaps(groups, prefix)
+        gap_ax = axes[2]
+        gap_ax.axhspan(-LOSS_TOL, LOSS_TOL, color="C2", alpha=0.15, lw=0,
+                       label=f"within {LOSS_TOL:g} nat (LOSS_TOL): rule 2p's tolerance")
+        gap_ax.axhline(0.0, color="k", lw=0.8)
+        color = f"C{arms.index('bf16-guard')}" if "bf16-guard" in arms else "C3"
+        plot_gaps(gap_ax, guard, color, "QK-Guard less QK-norm always", shift=0.0,
+                  mean_label=f"the mean, its {GAP_LEVEL:.0%} interval (Student t)")
+        plot_gaps(gap_ax, aa, "grey", "A/A: two QK-norm runs that should end alike", shift=0.12)
+        if not guard:
+            gap_ax.text(0.5, 0.5, "no learning rate where bf16 state ran away in a majority of seeds",
+                        transform=gap_ax.transAxes, ha="center", fontsize=8)
         axes[0].set(xscale="log", ylabel="final val loss (nat per token)")
-        axes[1].set(xscale="log", yscale="log", ylabel="max attention logit (over all logged steps)",
-                    xlabel="learning rate")
+        axes[1].set(xscale="log", yscale="log", ylabel="max attention logit (over all logged steps)")
+        gap_ax.set(ylabel="final val loss, QK-Guard less\nQK-norm always, same seed (nat)", xlabel="learning rate")
         for ax in axes:
             ax.grid(alpha=0.3)
             ax.legend(fontsize=7)
         seeds = {r.seed for _, _, runs in mine for r in runs}
-        axes[0].set_title(f"{arch}, a CPU-scale proxy: each line the median over {len(seeds)} seeds of one arm "
-                          f"(shaded: their min to max)", fontsize=9)
+        steps = "/".join(str(s) for s in sorted({r.horizon() for _, _, runs in mine for r in runs}))
+        axes[0].set_title(f"{arch}, a CPU-scale proxy, {steps} steps per run: each line the median over "
+                          f"{len(seeds)} seeds of one arm (shaded: their min to max)", fontsize=9)
+        gap_ax.set_title("the paired gap rule 2p judges, at each lr where bf16 state ran away in a majority of seeds"
+                         + ("; grey: the A/A arm's, at the lrs it ran" if aa else ""), fontsize=9)
         saved.append(os.path.join(out_dir, f"lr-{arch}.png"))
         fig.savefig(saved[-1], dpi=110, bbox_inches="tight")
         plt.close(fig)
