@@ -2274,38 +2274,12 @@ def plot_dose_response(plt, groups, png):
     plt.close(fig)
 
 
-AA_ARM = "bf16-qknorm-always-tile64"   # the lr study's A/A arm, where run: bf16-qknorm-always with the bf16 state
-                                       # rounded per 64 keys, not 128; its gap to that arm is the noise floor
+AA_ARM = AA_ARMS["bf16-qknorm-always"]   # the lr study's A/A arm, where run: bf16-qknorm-always with the bf16
+                                         # state rounded per 64 keys, not 128; its gap to that arm is the noise floor
 GAP_LEVEL = 0.90                       # the lr figures' interval around the mean paired gap
 
 
-def t_quantile(p, df):
-    """Student t's p-quantile (p > 0.5), df degrees of freedom. With t = sqrt(df) tan(a), P(0 < T < t) is
-    the integral of cos(x)^(df-1) from 0 to a over B(1/2, df/2): a by bisection, the integral by Simpson's rule."""
-    whole = math.exp(math.lgamma(0.5) + math.lgamma(df / 2) - math.lgamma((df + 1) / 2))
-    def mass(a, n=200):
-        return a / n / 3 * sum((1 if i in (0, n) else 4 if i % 2 else 2) * math.cos(i * a / n) ** (df - 1)
-                               for i in range(n + 1))
-    lo, hi = 0.0, math.pi / 2
-    for _ in range(50):
-        mid = (lo + hi) / 2
-        lo, hi = (mid, hi) if mass(mid) < (p - 0.5) * whole else (lo, mid)
-    return math.sqrt(df) * math.tan((lo + hi) / 2)
-
-
-def gap_interval(values, level=GAP_LEVEL):
-    """(mean, lo, hi): the mean and its Student t interval, mean -/+ t((1 + level) / 2, n - 1) sd / sqrt(n);
-    lo, hi nan for a single value."""
-    # TODO(merge): the lead's report.mean_interval(values, level) returns the same; call it and drop this
-    # function and t_quantile
-    mean = statistics.mean(values)
-    if len(values) < 2:
-        return mean, math.nan, math.nan
-    half = t_quantile((1 + level) / 2, len(values) - 1) * statistics.stdev(values) / math.sqrt(len(values))
-    return mean, mean - half, mean + half
-
-
-def paired_gaps(groups, name, ref):
+def seed_gaps(groups, name, ref):
     """[(seed, final val loss of folder `name`'s run less folder ref's)] over the seeds where both finished:
     a seed only one of them ran is left out. Not finite where either diverged (end_val)."""
     theirs = {r.seed: r for r in groups.get(ref, []) if done(r)}
@@ -2321,13 +2295,13 @@ def runaway_lrs(groups, prefix=""):
 
 
 def lr_gaps(groups, prefix=""):
-    """The paired gap rule 2p judges: ({runaway lr: paired_gaps(bf16-guard, bf16-qknorm-always)}, {lr: the
-    A/A arm's paired_gaps to bf16-qknorm-always} at each lr it ran, read from the folders: lr_cells knows
+    """The paired gap rule 2p judges: ({runaway lr: seed_gaps(bf16-guard, bf16-qknorm-always)}, {lr: the
+    A/A arm's seed_gaps to bf16-qknorm-always} at each lr it ran, read from the folders: lr_cells knows
     only the study's own arms)."""
     always = lambda lr: lr_name(prefix + "bf16-qknorm-always", lr)
-    guard = {lr: paired_gaps(groups, lr_name(prefix + "bf16-guard", lr), always(lr))
+    guard = {lr: seed_gaps(groups, lr_name(prefix + "bf16-guard", lr), always(lr))
              for lr in runaway_lrs(groups, prefix)}
-    aa = {lr: paired_gaps(groups, name, always(lr)) for name in groups for base, lr in [split_lr(name)]
+    aa = {lr: seed_gaps(groups, name, always(lr)) for name in groups for base, lr in [split_lr(name)]
           if base == prefix + AA_ARM and lr is not None and groups[name]}
     return guard, aa
 
@@ -2342,7 +2316,7 @@ def plot_gaps(ax, gaps, color, label, shift, mean_label=None):
         spread = [x * 10 ** (0.08 * (j / max(1, len(values) - 1) - 0.5)) for j in range(len(values))]
         ax.plot(spread, values, "o", color=color, ms=3.5, alpha=0.6, label=f"{label}: one seed" if i == 0 else None)
         if values:
-            mean, lo, hi = gap_interval(values)
+            mean, lo, hi = mean_interval(values, GAP_LEVEL)
             ax.errorbar([x], [mean], yerr=[[mean - lo], [hi - mean]] if math.isfinite(lo) else None, fmt="D",
                         color=color, mec="k", capsize=4, ms=6, lw=1.5,
                         label=mean_label if i == 0 else None)
