@@ -120,15 +120,6 @@ def test_the_paired_gap_pairs_only_seeds_both_arms_ran(tmp_path):
     assert report.lr_gaps(write_arms(tmp_path / "none", {}), "llama-") == ({}, {})
 
 
-def test_the_gaps_interval_is_students_t():
-    assert report.t_quantile(0.95, 1) == pytest.approx(6.3138, abs=1e-4)
-    assert report.t_quantile(0.95, 7) == pytest.approx(1.8946, abs=1e-4)     # 8 seeds
-    assert report.t_quantile(0.95, 15) == pytest.approx(1.7531, abs=1e-4)    # 16 seeds
-    mean, lo, hi = report.gap_interval([1.0, 2.0, 3.0, 4.0])
-    assert mean == 2.5 and mean - lo == pytest.approx(hi - mean) == pytest.approx(2.3534 * 1.2910 / 2, abs=1e-3)
-    assert report.gap_interval([0.5])[0] == 0.5
-
-
 def test_the_lr_figure_says_its_horizon_and_draws_the_gaps(tmp_path, drawn):
     groups = write_arms(tmp_path, lr_cells_with_gaps())
     assert report.plot_lr_study(groups, str(tmp_path / "p")) == [str(tmp_path / "p" / "lr-gpt2.png")]
