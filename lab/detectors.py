@@ -257,7 +257,7 @@ def load(root):
 
 def twin_arm(arm):
     """The unguarded arm a guarded arm copies up to its trigger: the arm less -guard and its action."""
-    return re.sub(r"-guard(-[a-z0-9.-]*?)?(?=-lr\d|$)", "", arm)
+    return re.sub(r"-guard(-[a-z0-9.-]*?)??(?=-lr\d|$)", "", arm)
 
 
 # The flags of the guard and of its actions: they change nothing before the trigger; any other differs a twin
@@ -443,7 +443,7 @@ def draw(subjects, firings, path):
     caught.set_ylabel("runaways caught (% of the runaways):\nfired at or before max logit >= 1000")
     caught.set_ylim(-3, 103)
     lead.set_ylabel("lead to the runaway (steps; median of those caught,\nbars: shortest to longest)")
-    caught.legend(handles=handles, fontsize=8, loc="center right")
+    caught.legend(handles=handles, fontsize=8, loc="upper left")
     fig.suptitle(f"{len(subjects)} unguarded runs replayed, one log record per {subjects[0].log.interval} steps; "
                  "a detector that caught none has no lead")
     fig.tight_layout()
