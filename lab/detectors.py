@@ -24,6 +24,7 @@ study, arm and seed) are the same run up to the trigger, so the guard's own trig
 fall in the interval where the replayed max-logit trigger fires on the twin (check_twins).
 """
 import argparse
+import collections
 import glob
 import math
 import os
@@ -33,7 +34,7 @@ import sys
 from typing import NamedTuple, Optional
 
 from guard import DEFAULT_THRESHOLD
-from lab.report import LOGIT_RATIO, RUNAWAY_LOGIT, _pyplot, load_runs, lr_ran_away
+from lab.report import LOGIT_RATIO, RISE_WINDOW, RUNAWAY_LOGIT, _pyplot, load_runs, lr_ran_away
 from lab.sweep import read_log, split_lr
 
 # --------------------------------------------------------------------------------------------------
@@ -92,7 +93,7 @@ def self_calibrating_max_logit(log, warmup=CALIBRATION_STEPS, factor=CALIBRATION
 # --------------------------------------------------------------------------------------------------
 # The field's loss-spike detectors, each at its documented defaults
 
-def olmo_core_skip_step(log, window=128, sigma_factor=6.0, min_history=64):
+def olmo_core_skip_step(log, window=128, sigma_factor=6.0, min_history=64, signals=("loss", "grad_norm")):
     """OLMo-core, olmo_core.optim.SkipStepOptimizer (rolling_interval_length=128, sigma_factor=6): skip a step
     whose loss, or grad norm, is more than sigma_factor standard deviations (sample std) from the mean of the
     previous `window` values: |x - mean| > 6 sd, both ways, so a sudden drop fires too. It starts once it holds
@@ -107,8 +108,8 @@ def olmo_core_skip_step(log, window=128, sigma_factor=6.0, min_history=64):
         deviation = abs(values[i] - mean)
         return not math.isfinite(values[i]) or (deviation > sigma_factor * sd if sd > 0 else deviation > 0)
 
-    return next((log.steps[i] for i in range(start - 1, len(log.steps))
-                 if outlier(log.loss, i) or outlier(log.grad_norm, i)), None)
+    series = [getattr(log, name) for name in signals]     # one of them alone: which one fired (render)
+    return next((log.steps[i] for i in range(start - 1, len(log.steps)) if any(outlier(v, i) for v in series)), None)
 
 
 def lightning_spike_detection(log, window=10, warmup=1, rtol=2.0):
@@ -125,13 +126,16 @@ def lightning_spike_detection(log, window=10, warmup=1, rtol=2.0):
     return None
 
 
-def llm_foundry_kill_loss_spike(log, window=100, outlier_multiplier=2.0, patience=4, loss_cap=10.0):
+def llm_foundry_kill_loss_spike(log, window=100, outlier_multiplier=2.0, patience=4, max_loss_cap=10.0):
     """llm-foundry, llmfoundry.callbacks.KillLossSpike (window_size=100, outlier_multiplier=2, patience=4,
     loss_cap=10): once its window of the last 100 losses is full, a loss >= 2x the window's mean is an outlier;
-    patience + 1 = 5 outliers in a row fire (a loss that is not one resets the count). Also a high loss: from
-    step 2 x window on, half the window's losses over loss_cap. Replayed: a window of 10 records; 5 outlier
-    steps in a row fit in one interval, so one outlier record fires (the earlier reading)."""
+    patience + 1 = 5 outliers in a row fire (a loss that is not one resets the count). Also high losses: from
+    step 2 x window on, half the window's losses over the loss cap, which recent versions set to the largest
+    loss of the first window, at most 10 (and the window to 5% of the run, at least 100: 100 for every run
+    scored here, none longer than 2,000 steps). Replayed: a window of 10 records, the cap their largest; 5
+    outlier steps in a row fit in one interval, so one outlier record fires (the earlier reading)."""
     n, in_a_row = records(window, log.interval), records(patience + 1, log.interval)
+    loss_cap = min(max_loss_cap, max(log.loss[:n], default=max_loss_cap))
     streak = 0
     for i in range(n, len(log.steps)):
         recent = log.loss[i - n:i]
@@ -177,8 +181,9 @@ DETECTORS = [
              "rising and >= 3x the mean of the last 10 steps (1 record): relative tolerance 2; or not finite",
              "lightning.fabric.utilities.spike.SpikeDetection", lightning_spike_detection),
     Detector("llm-foundry KillLossSpike", "loss",
-             ">= 2x the mean of the last 100 steps (10 records), 5 steps in a row (1 record); or half the "
-             "window over 10", "llmfoundry.callbacks.KillLossSpike", llm_foundry_kill_loss_spike),
+             ">= 2x the mean of the last 100 steps (10 records), 5 steps in a row (1 record); or, from 200 steps, "
+             "half of them over the first 100 steps' largest (at most 10)", "llmfoundry.callbacks.KillLossSpike",
+             llm_foundry_kill_loss_spike),
     Detector("Megatron-LM spiky loss", "loss",
              ">= 10x the largest of the first 100 steps (10 records); or not finite",
              "megatron.core.rerun_state_machine (is_unexpectedly_large)", megatron_spiky_loss),
@@ -201,6 +206,7 @@ class Subject(NamedTuple):
     collapse: Optional[int]  # the collapse detector's first bad step (a record's), or None
     healthy: bool            # neither ran away nor collapsed (lab.report's lr_ran_away)
     flags: dict = {}         # its config.json's args (train.py's flags)
+    rising: bool = False     # its max logit still rose at its end (lab.report's logit_rise over RISE_WINDOW)
 
 
 def source_of(run):
@@ -226,7 +232,8 @@ def subject(study, run):
     qk = [max(p) if p else math.nan for p in run.qk_heads]
     log = Log(run.steps, run.loss, grad_norms(run), run.logit, qk, args["log_interval"])
     return Subject(f"{study}/{run.group}/{run.seed}", args.get("arch", "gpt2"), source_of(run), log,
-                   run.first_past(RUNAWAY_LOGIT, inclusive=True), run.collapse_step, not lr_ran_away(run), args)
+                   run.first_past(RUNAWAY_LOGIT, inclusive=True), run.collapse_step, not lr_ran_away(run), args,
+                   run.logit_rise(run.steps[-1], RISE_WINDOW)[1] if run.steps else False)
 
 
 def studies(root):
@@ -298,32 +305,37 @@ class Score(NamedTuple):
     runs: int
     runaways: int
     runaway_leads: list      # steps from the first firing to the runaway, of each runaway it caught
+    runaway_late: int        # runaways it missed but fired after
     collapses: int
     collapse_leads: list
+    collapse_late: int
     healthy: int
     false_alarms: int        # healthy runs it fired on
 
 
 def score(subjects, fired):
     """fired: subject name -> the step the detector first fired, or None. An event is caught where the
-    detector fired at or before it (the same record: lead 0); a miss is one it never fired by."""
-    runaway_leads, collapse_leads, runaways, collapses, healthy, alarms = [], [], 0, 0, 0, 0
+    detector fired at or before it (the same record: lead 0); a miss is one it had not fired by (late: it
+    fired after)."""
+    gaps = {"runaway": [], "collapse": []}     # event step - firing step, of each event it fired on
     for s in subjects:
-        step = fired[s.name]
-        for event, leads in ((s.runaway, runaway_leads), (s.collapse, collapse_leads)):
-            if event is not None and step is not None and step <= event:
-                leads.append(event - step)
-        runaways, collapses = runaways + (s.runaway is not None), collapses + (s.collapse is not None)
-        healthy, alarms = healthy + s.healthy, alarms + (s.healthy and step is not None)
-    return Score(len(subjects), runaways, runaway_leads, collapses, collapse_leads, healthy, alarms)
+        for kind, event in (("runaway", s.runaway), ("collapse", s.collapse)):
+            if event is not None and fired[s.name] is not None:
+                gaps[kind].append(event - fired[s.name])
+    caught = {kind: [g for g in gs if g >= 0] for kind, gs in gaps.items()}
+    late = {kind: len(gs) - len(caught[kind]) for kind, gs in gaps.items()}
+    return Score(len(subjects), sum(s.runaway is not None for s in subjects), caught["runaway"], late["runaway"],
+                 sum(s.collapse is not None for s in subjects), caught["collapse"], late["collapse"],
+                 sum(s.healthy for s in subjects), sum(s.healthy and fired[s.name] is not None for s in subjects))
 
 
 def lead_words(leads):
     return f"{statistics.median(leads):g} [{min(leads)}, {max(leads)}]" if leads else "-"
 
 
-def caught_words(leads, events):
-    return f"{len(leads)} / {events - len(leads)}" if events else "-"
+def caught_words(leads, late, events):
+    missed = events - len(leads)
+    return f"{len(leads)} / {missed}" + (f" ({late} late)" if late else "") if events else "-"
 
 
 def rate(k, n):
@@ -335,9 +347,9 @@ HEADER = ["detector", "runs scored", "runaways caught / missed", "lead to runawa
 
 
 def row(name, sc):
-    return [name, str(sc.runs), caught_words(sc.runaway_leads, sc.runaways), lead_words(sc.runaway_leads),
-            caught_words(sc.collapse_leads, sc.collapses), lead_words(sc.collapse_leads),
-            rate(sc.false_alarms, sc.healthy)]
+    return [name, str(sc.runs), caught_words(sc.runaway_leads, sc.runaway_late, sc.runaways),
+            lead_words(sc.runaway_leads), caught_words(sc.collapse_leads, sc.collapse_late, sc.collapses),
+            lead_words(sc.collapse_leads), rate(sc.false_alarms, sc.healthy)]
 
 
 def table(header, rows):
@@ -363,9 +375,7 @@ def render(root, subjects, guarded, firings, plot=None):
     intervals = sorted({s.log.interval for s in subjects})
     runaways, collapses = sum(s.runaway is not None for s in subjects), sum(s.collapse is not None for s in subjects)
     agree, compared, disagree = check_twins(subjects, guarded)
-    by_study = {}
-    for s in subjects:
-        by_study[s.name.split("/")[0]] = by_study.get(s.name.split("/")[0], 0) + 1
+    by_study = collections.Counter(s.name.split("/")[0] for s in subjects)
     out = [
         "# QK-Guard as a detector: lead time and false alarms beside the field's loss-spike detectors", "",
         f"Written by `{COMMAND}` from the committed run logs (lab/detectors.py says how each detector is "
@@ -374,29 +384,30 @@ def render(root, subjects, guarded, firings, plot=None):
         f"**Runs.** The {len(subjects)} unguarded runs under {root} ("
         + ", ".join(f"{n} in {study}/" for study, n in sorted(by_study.items()))
         + f"): {runaways} ran away (a max logit >= {RUNAWAY_LOGIT:g}, lab.report's RUNAWAY_LOGIT), {collapses} "
-        f"collapsed (lab.report's collapse step), {sum(s.healthy for s in subjects)} did neither within its steps (healthy: one cut off while its logit "
-        f"still rose counts here). The {sum(map(len, guarded.values()))} guarded runs are not scored: their action "
-        "changes them from their trigger on.", "",
+        f"collapsed (lab.report's collapse step), {sum(s.healthy for s in subjects)} did neither within its steps "
+        f"(healthy: one cut off while its logit still rose counts here). The {sum(map(len, guarded.values()))} "
+        "guarded runs are not scored: their action changes them from their trigger on.", "",
         f"**Resolution.** Every scored run logs one record per {' or '.join(map(str, intervals))} updates: the "
         "interval's mean loss and max logit, the last update's grad norm and sigmas. Firings and events are known "
         "to the interval; a detection in the interval of the event counts as lead 0, and leads are multiples of "
         "the interval. The loss detectors' windows, in steps, are counted in records (ceil(steps / interval)).", "",
-        f"**Check of the replay.** A guarded run is its unguarded twin (same study, arm, seed and every flag but "
-        f"the guard's) up to its trigger. In "
-        f"{agree} of {compared} guarded runs with a twin, the guard's own trigger (logged at step resolution) falls "
-        "in the interval where the replayed max-logit trigger first fires on the twin, or neither fires"
+        "**Check of the replay.** A guarded run is its unguarded twin (same study, arm, seed and every flag but "
+        f"the guard's) up to its trigger. In {agree} of {compared} guarded runs with a twin, the guard's own "
+        "trigger (logged at step resolution) falls in the interval where the replayed max-logit trigger first "
+        "fires on the twin, or neither fires"
         + (f"; not in {', '.join(disagree)}." if disagree else "."), "",
         "## The detectors", "",
         table(["detector", "watches", "fires when (records at interval 10)", "documented in"],
               [[d.name, d.signal, d.rule, d.cite] for d in DETECTORS]), "",
         "Caught: fired at or before the event (a runaway: the first record with a max logit >= "
-        f"{RUNAWAY_LOGIT:g}; a collapse: its first bad step); missed: never fired by then. A false alarm: it fired "
-        "on a healthy run. Leads in steps (updates), median over the events it caught, [shortest, longest]. The "
-        "max-logit trigger watches the signal a runaway is defined on: a max logit that reached "
-        f"{RUNAWAY_LOGIT:g} passed {DEFAULT_THRESHOLD['max-logit']:g} at or before, so it catches every runaway "
-        "by construction; its lead and its false alarms are the measure.", "",
+        f"{RUNAWAY_LOGIT:g}; a collapse: its first bad step); missed: not fired by then. A false alarm: it fired "
+        "on a healthy run. Late: a missed event it fired after. Leads in steps (updates), median over the events "
+        "it caught, [shortest, longest]. The max-logit trigger watches the signal a runaway is defined on: a max "
+        f"logit that reached {RUNAWAY_LOGIT:g} passed {DEFAULT_THRESHOLD['max-logit']:g} at or before, so it "
+        "catches every runaway by construction; its lead and its false alarms are the measure.", "",
         "## All scored runs", "",
         table(HEADER, [row(d.name, score(subjects, firings[d.name])) for d in DETECTORS]), "",
+        false_alarm_words(subjects, firings[DETECTORS[0].name]), "", olmo_words(subjects), "",
         "## By architecture", "",
     ]
     for arch in sorted({s.arch for s in subjects}):
@@ -415,6 +426,30 @@ def render(root, subjects, guarded, firings, plot=None):
         out += ["## Lead time against false alarms", "", f"![lead time to the runaway against the false-alarm rate, "
                 f"per detector]({plot})", ""]
     return "\n".join(out) + "\n"
+
+
+def false_alarm_words(subjects, fired):
+    """What the max-logit trigger's false alarms look like: how many runs were still on the way up."""
+    alarms = [s for s in subjects if s.healthy and fired[s.name] is not None]
+    if not alarms:
+        return "The max-logit trigger fired on no healthy run."
+    peaks = [max(s.log.logit) for s in alarms]
+    return (f"The max-logit trigger's {len(alarms)} false alarms are runs whose max logit passed "
+            f"{DEFAULT_THRESHOLD['max-logit']:g} but not {RUNAWAY_LOGIT:g} within their steps (peaks {min(peaks):g} to "
+            f"{max(peaks):g}, median {statistics.median(peaks):g}); {sum(s.rising for s in alarms)} of them were still "
+            f"rising at their end (the last {RISE_WINDOW} steps' max logit above the {RISE_WINDOW} before: "
+            "lab.report's logit_rise), so some may be runaways cut short rather than healthy runs.")
+
+
+def olmo_words(subjects):
+    """Which of its two signals OLMo-core's rule first fired on."""
+    first = {signal: [olmo_core_skip_step(s.log, signals=(signal,)) for s in subjects]
+             for signal in ("loss", "grad_norm")}
+    both = [min((f for f in pair if f is not None), default=None) for pair in zip(*first.values())]
+    fired = [i for i, f in enumerate(both) if f is not None]
+    by = {signal: sum(first[signal][i] == both[i] for i in fired) for signal in first}
+    return (f"OLMo-core's rule fired on {len(fired)} runs: first on the grad norm in {by['grad_norm']}, on the loss "
+            f"in {by['loss']} (both in the same record: counted in both).")
 
 
 def draw(subjects, firings, path):
@@ -469,6 +504,8 @@ def main(argv=None):
         if out and os.path.isdir(out):
             raise SystemExit(f"error: {out} is a folder: give a file name")
     subjects, guarded = load(args.root)
+    if not subjects:
+        raise SystemExit(f"error: no unguarded runs under {args.root}: only those are scored")
     firings = replay(subjects)
     plot = None
     if args.plot and draw(subjects, firings, args.plot):

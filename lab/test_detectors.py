@@ -75,7 +75,9 @@ def test_olmo_core_fires_past_6_sd_of_the_last_13_records():
 
 def test_olmo_core_watches_the_grad_norm_and_waits_for_64_steps():
     grad = wobble(1.0, 0.05)
-    assert D.olmo_core_skip_step(log(loss=wobble(3.0, 0.01), grad=grad[:20] + [5.0] + grad[21:])) == step(20)
+    spiked = log(loss=wobble(3.0, 0.01), grad=grad[:20] + [5.0] + grad[21:])
+    assert D.olmo_core_skip_step(spiked) == step(20)
+    assert D.olmo_core_skip_step(spiked, signals=("loss",)) is None      # one signal alone, as render counts
     # 64 steps of history, the current one included, are 7 records: the 7th record (index 6) is the first checked
     assert D.olmo_core_skip_step(log(loss=wobble(3.0, 0.01)[:5] + [30.0] + wobble(3.0, 0.01)[6:])) is None
     assert D.olmo_core_skip_step(log(loss=wobble(3.0, 0.01)[:6] + [30.0] + wobble(3.0, 0.01)[7:])) == step(6)
@@ -94,8 +96,12 @@ def test_llm_foundry_fires_at_2x_the_window_mean_once_it_is_full():
     assert D.llm_foundry_kill_loss_spike(log(at={"loss": {12: 6.0}})) == step(12)
     assert D.llm_foundry_kill_loss_spike(log(at={"loss": {12: 5.9}})) is None
     assert D.llm_foundry_kill_loss_spike(log(at={"loss": {9: 60.0}})) is None      # the window of 10 not full yet
-    # high losses: from record 20 on, half of the last 10 over 10, though none is an outlier
-    assert D.llm_foundry_kill_loss_spike(log(loss=11.0)) == step(20)
+    # high losses: from record 20 on, half of the last 10 over the cap, though none is an outlier; the cap
+    # is the first 10 records' largest loss (5 here), at most 10
+    rising = [5.0] + [4.0] * 14 + [5.5] * (N - 15)
+    assert D.llm_foundry_kill_loss_spike(log(loss=rising)) == step(20)      # records 15-19 over 5
+    assert D.llm_foundry_kill_loss_spike(log(loss=[min(v, 5.0) for v in rising])) is None
+    assert D.llm_foundry_kill_loss_spike(log(loss=11.0)) == step(20)        # the cap is 10, not 11
     assert D.llm_foundry_kill_loss_spike(log(loss=9.9)) is None
 
 
@@ -126,10 +132,10 @@ def test_score_counts_a_same_interval_detection_as_lead_0_and_a_late_one_as_a_mi
                 subject("never", collapse=99), subject("alarm"), subject("quiet")]
     fired = {"same": 59, "early": 19, "late": 69, "never": None, "alarm": 209, "quiet": None}
     sc = D.score(subjects, fired)
-    assert (sc.runs, sc.runaways, sorted(sc.runaway_leads)) == (6, 3, [0, 40])
-    assert (sc.collapses, sc.collapse_leads) == (2, [80])
+    assert (sc.runs, sc.runaways, sorted(sc.runaway_leads), sc.runaway_late) == (6, 3, [0, 40], 1)
+    assert (sc.collapses, sc.collapse_leads, sc.collapse_late) == (2, [80], 0)
     assert (sc.healthy, sc.false_alarms) == (2, 1)
-    assert D.row("d", sc)[2:] == ["2 / 1", "20 [0, 40]", "1 / 1", "80 [80, 80]", "1 / 2 (50%)"]
+    assert D.row("d", sc)[2:] == ["2 / 1 (1 late)", "20 [0, 40]", "1 / 1", "80 [80, 80]", "1 / 2 (50%)"]
 
 
 def test_twin_check_compares_the_guards_own_trigger_with_the_replay():
