@@ -35,7 +35,7 @@ from typing import NamedTuple, Optional
 
 from guard import DEFAULT_THRESHOLD
 from lab.report import LOGIT_RATIO, RISE_WINDOW, RUNAWAY_LOGIT, _pyplot, load_runs, lr_ran_away
-from lab.sweep import read_log, split_lr
+from lab.sweep import split_lr
 
 # --------------------------------------------------------------------------------------------------
 # One run's log, as the detectors read it: one value per record
@@ -220,17 +220,10 @@ def source_of(run):
     return NO_ERROR if site in (None, "none", "off") else f"injected error at {site}"
 
 
-def grad_norms(run):
-    """The grad norm of each logged record: Run does not keep it, so the log is read again for it."""
-    norms = [r["grad_norm"] for r in read_log(run.path) if "event" not in r and "loss" in r]
-    assert len(norms) == len(run.steps), f"{run.path}: the log changed while it was read"
-    return norms
-
-
 def subject(study, run):
     args = run.config["args"]
     qk = [max(p) if p else math.nan for p in run.qk_heads]
-    log = Log(run.steps, run.loss, grad_norms(run), run.logit, qk, args["log_interval"])
+    log = Log(run.steps, run.loss, run.grad_norm, run.logit, qk, args["log_interval"])
     return Subject(f"{study}/{run.group}/{run.seed}", args.get("arch", "gpt2"), source_of(run), log,
                    run.first_past(RUNAWAY_LOGIT, inclusive=True), run.collapse_step, not lr_ran_away(run), args,
                    run.logit_rise(run.steps[-1], RISE_WINDOW)[1] if run.steps else False)

@@ -208,6 +208,7 @@ class Run:
         self.status = "unreadable" if unreadable else end.get("status") or ("in progress" if records else "empty log")
         self.finished = self.status in DONE
         self.steps, self.loss = [r["step"] for r in steps], [r["loss"] for r in steps]
+        self.grad_norm = [r.get("grad_norm", math.nan) for r in steps]   # lab.detectors' loss-side rules
         nan_if_none = lambda v: math.nan if v is None else v
         # per kind, each logged step's max over layers (and heads, for max_logit): q, k and the
         # other kinds the log holds, as train.py logs them: sigma_<kind>, one number per layer
@@ -881,8 +882,9 @@ def non_qk_actions_fail(c, source):
         lines.append(f"sign test, {arm} over {ref}: {k} seeds one way, {j} the other, p = {p:.3g} -> "
                      f"{'holds' if p < ALPHA else 'fails'}")
     qk_broke = False
-    for action in actions_of("qk"):
-        line, out = c.count(f"{source}-guard-{action}", "broke down", broke_down, False)
+    for action in actions_of("qk"):   # judged by the non-QK actions' own measure, which the claim wants it to pass
+        line, out = c.count(f"{source}-guard-{action}", "failed (broke down, or QK grew SIGMA_RATIO x QK-norm's)",
+                            action_failed, False, ref=qknorm)
         qk_broke, lines = qk_broke or any(out), lines + [line + " (a QK-side action: the claim wants none)"]
     holds = holds and not qk_broke
     if not holds and holds_if_short_failed and not qk_broke:
@@ -931,6 +933,32 @@ def non_qk_actions_fail(c, source):
                            + " (an action that slows the runaway, as an lr-drop does, may need a longer horizon "
                            "to show whether it delays or prevents it)",
                            f"{qknorm}: trigger step by seed: {', '.join(triggers)}", grace_line(c, qknorm)]
+
+
+def action_rows(groups, source):
+    """Claim 6's actions on one table, each by the same measures on the seeds rule 6 judges: failed (broke down,
+    or QK grew SIGMA_RATIO x QK-norm's), each part apart, the QK growth after the trigger and the val loss
+    against QK-norm (the long arms against QK-norm at their horizon)."""
+    qknorm, (long_qknorm, long_lr_drop) = f"{source}-guard", long_arms(source)
+    arms = [(f"{source}-guard-{a}", qknorm, kind) for kind in ("non-qk", "qk", "source") for a in actions_of(kind)]
+    arms += [(long_lr_drop, long_qknorm, "non-qk"), (long_qknorm, long_qknorm, "qk"), (qknorm, qknorm, "qk")]
+    arms = [(a, ref, kind) for a, ref, kind in arms if groups.get(a)]
+    c = Claim(groups, [source, qknorm], refs=(NO_ERROR, *optional_arms()))
+    c.seeds, _, _ = judgeable(c, source, qknorm)
+    rows = []
+    for arm, ref, kind in arms:
+        pairs = [(c.runs[arm].get(s), c.runs[ref].get(s)) for s in c.seeds]
+        both = [(r, q) for r, q in pairs if done(r) and done(q)]
+        grown = [r.qk_growth_after(r.trigger) for r, _ in both if r.trigger is not None]
+        grown = [g for g in grown if not math.isnan(g)]
+        gaps = c.val_gaps(arm, ref)
+        rows.append([arm, {"non-qk": "non-QK", "qk": "QK-side", "source": "the source's fix"}[kind],
+                     f"{sum(action_failed(r, q) for r, q in both) + len(pairs) - len(both)}/{len(pairs)}",
+                     f"{sum(broke_down(r) for r, _ in both)}/{len(both)}",
+                     f"{sum(qk_growth_failed(r, q) for r, q in both)}/{len(both)}",
+                     num(median(grown), ".3g") if grown else "-",
+                     f"{statistics.median(gaps):+.3f}" if gaps and arm != ref else "-"])
+    return rows
 
 
 def joined(*results):
@@ -1015,7 +1043,8 @@ RULES = [
           "cap between the trigger and RUNAWAY_LOGIT) at QK-Guard's trigger each fail (break down: a collapse, or "
           "logits past RUNAWAY_LOGIT after they act; or let the most-grown head's sigma(W_q,h) sigma(W_k,h) grow "
           "SIGMA_RATIO times as much after the trigger as under QK-norm) where QK-norm breaks down (sign tests, "
-          "p < ALPHA), and QK-Clip, a QK-side action, breaks down in no seed; the loss gap to QK-norm is reported. "
+          "p < ALPHA), and QK-Clip, a QK-side action, fails by that same measure in no seed; the loss gap to QK-norm "
+          "is reported, for every action in one table. "
           "An action that slows the step (the lr-drop, by its factor f) and did not fail needs the slowest runaway's "
           f"steps / f after its trigger, or it counts against the claim as too short (a verdict only such holds decide is "
           f"inconclusive); the lr-drop is judged at "
@@ -1059,7 +1088,9 @@ RULE_CHANGES = {
          "600 steps read as \"works through step size\", though its logit passed 200 in 4 and was still rising in "
          "7, and claim 6's horizon rule called 3 of the holds too short: now the shrink is judged at "
          f"{LONG_STEPS} steps on 16 seeds, its holds against the horizon a slowed runaway needs",
-    "6": "seeds where the source never ran away, or that ended before a runaway could show, were counted, and a "
+    "6": "QK-Clip was judged by breakdowns alone (2026-12-03): now by the non-QK actions' measure, breakdown or QK "
+         "growth, and reported in the same table (Claim 6's actions). Before that, "
+         "seeds where the source never ran away, or that ended before a runaway could show, were counted, and a "
          "capped logit passed as held; now only seeds with a runaway and room after the trigger, QK growth as a "
          "failure too, and the softcap above the trigger; and an lr-drop that held for fewer steps than a runaway "
          "slowed 10x would take was counted as holding: now such a run is too short to judge (a verdict only "
@@ -1375,6 +1406,9 @@ def lr_guard_claim(c, prefix=""):
                       + f"; final val - {always}'s: {words} -> {result}",
                       f"lr {lr:g}: steps from {guard}'s trigger to the logged step where {bf16} first showed its "
                       f"runaway, by seed: {', '.join(leads) or 'none ran away'}"]
+            against = paired_gaps(c, guard, bf16, lr, ran_b)[0]   # the loss evidence that it prevented something
+            lines.append(f"lr {lr:g}: {guard} - {bf16} (unguarded) final val, {median_range(against)}, lower in "
+                         f"{sum(g < 0 for g in against)}/{len(against)} seeds")
             if len(judged) > SEEDS:   # what the first sweep's seeds alone said
                 lines.append(f"lr {lr:g}, seeds {judged[0]} to {judged[SEEDS - 1]} alone (the first sweep): "
                              + equivalence_line(c, guard, always, lr, judged[:SEEDS])[2])
@@ -1682,6 +1716,28 @@ def scale(groups):
             f"{machines(configs)}.")
 
 
+PAPER_SCALE = ("the paper's guard result: plain GPT-2, 12 final train and val losses within 0.03 nat of always-on "
+               "QK-norm over 60k steps (SOURCES.md)")
+
+
+def paper_scale(*groups_list):
+    """The runs' scale beside the paper's, in one sentence: parameters, steps, tokens, val tokens (config.json)."""
+    configs = [r.config for groups in groups_list for rs in groups.values() for r in rs if r.config.get("args")]
+    if not configs:
+        return ""
+    values = lambda f: sorted({f(c) for c in configs if f(c) is not None})
+    params = "/".join(f"{p / 1e6:.2f}M" for p in values(lambda c: c.get("params")))
+    steps = "/".join(map(str, values(lambda c: c["args"].get("max_steps"))))
+    tokens = values(lambda c: c["args"].get("batch_size", 0) * c["args"].get("grad_accum", 1) * c["args"].get(
+        "block_size", 0))
+    val = values(lambda c: c["args"].get("eval_iters", 0) * c["args"].get("batch_size", 0) * c["args"].get(
+        "block_size", 0))
+    return (f"Scale against the paper's: {PAPER_SCALE}; these runs: models of {params or '?'} parameters, {steps} "
+            f"steps of {'/'.join(f'{t:,}' for t in tokens)} tokens, the final val loss on "
+            f"{'/'.join(f'{v:,}' for v in val)} tokens. A tolerance or a horizon set at the paper's scale is "
+            f"checked here against this scale's own noise (rule 2p's A/A pair) and runaways (rules 5 and 6).")
+
+
 def machines(configs):
     """Where and when runs ran, from their config.json: "machine cpu (torch ...); runs started ... to ..."."""
     hardware = sorted({f"{v.get('gpu') or v.get('device', '?')} (torch {v.get('torch', '?')}, triton "
@@ -1781,12 +1837,16 @@ def lr_section(path, groups, rows, markdown, title, plots=(), markdown_dir="."):
                 row.append(f"{num(median(map(end_val, runs)), '.3f')} ({sum(map(lr_ran_away, runs))}/{len(runs)})"
                            if runs else "-")
             finals.append(row)
+        guard, plain = sensitivity.get(prefix + "bf16-guard"), sensitivity.get(prefix + "bf16")
+        ratio = (f" bf16-guard's median LR sensitivity is {statistics.median(guard[0]) / statistics.median(plain[0]):.0%}"
+                 f" of unguarded bf16's." if guard and plain and guard[0] and plain[0] and
+                 statistics.median(plain[0]) > 0 else "")
         parts += [title(3, f"{arch}: LR sensitivity, and where each arm starts to run away"),
                   "LR sensitivity (Wortsman et al. 2023), per seed: the mean over the learning rates of min(final val "
                   "loss, val loss at init), less the best final val loss of any arm at any learning rate of that "
                   "seed's sweep (nat per token); a seed with a run missing, unfinished or without either loss is "
                   "left out of its arm. Runs away from: the smallest learning rate at which the arm ran away in a "
-                  "majority of seeds.",
+                  "majority of seeds." + ratio,
                   render(["arm", "LR sensitivity: median over seeds [min, max]", "n", "runs away from lr"], table,
                          markdown),
                   f"{arch}: final val loss by learning rate, median over the finished runs (ran away / finished):",
@@ -1940,6 +2000,13 @@ def build(groups, root, markdown, plots=(), markdown_dir=".", pilots=(), plots_f
                   "detail: every test, the learning-rate study, each run and its command."]
     parts.append(render(["claim", "verdict", "scale", "key number (n, test)", "why"],
                         summary(groups, rows, study and study[1], lr_rows), markdown))
+    parts.append(paper_scale(groups, *([study[1]] if study else [])))
+    if markdown:
+        parts.append(f"QK-Guard's trigger as a detector, scored beside OLMo-core's, Lightning's, llm-foundry's and "
+                     f"Megatron-LM's loss-spike rules on the unguarded committed runs (lead time, misses, false "
+                     f"alarms, by architecture and source): [lab/DETECTORS.md](lab/DETECTORS.md) (a link from the "
+                     f"repository's root), written by "
+                     f"`python -m lab.detectors lab/results --markdown lab/DETECTORS.md --plot lab/plots/detectors.png`.")
     shown = lambda table: [[label, VERDICT_WORDS.get(verdict, verdict.upper()), text] for label, verdict, text in table]
     rows, lr_rows = shown(rows), shown(lr_rows)
     parts += [title(2, "Rules"),
@@ -1980,6 +2047,17 @@ def build(groups, root, markdown, plots=(), markdown_dir=".", pilots=(), plots_f
             for label, verdict, text in judged)]
     parts += [title(2, "Claims"), render(["claim", "verdict", "arms: n, counts [exact 95% interval]; tests"],
                                          rows, markdown)]
+    for source in sources_run(groups):
+        table = action_rows(groups, source)
+        if table:
+            parts += [title(2, f"Claim 6's actions on one table ({SOURCE_WORDS[source]})"),
+                      "Each action on the seeds rule 6 judges, by the same measures: failed (broke down: a collapse "
+                      "or logits past RUNAWAY_LOGIT after it acts; or the most-grown head's sigma(W_q,h) sigma(W_k,h) "
+                      "grew SIGMA_RATIO times as much after the trigger as under QK-norm; a run unfinished or missing "
+                      "counted as failed), each part apart, that growth's median, and the final val loss less "
+                      "QK-norm's (the long arms against QK-norm at the same horizon).",
+                      render(["arm", "kind", "failed", "broke down", "QK grew SIGMA_RATIO x QK-norm's",
+                              "QK growth after the trigger, median", "val loss - QK-norm's, median"], table, markdown)]
     if any(g.startswith("inject-") for g in groups):
         parts += [title(2, "Dose-response (claims 3 and 4): runs that ran away beyond the no-error run of their "
                            "seed / finished pairs"),

@@ -16,6 +16,7 @@ is not launched a second time. Read the results with `python -m lab.report runs/
 """
 import argparse
 import gzip
+import itertools
 import json
 import os
 import re
@@ -246,7 +247,8 @@ def parse_record(line):
     """One log line's record, or None. A line cut short by a kill or a full disk can have the next
     record fused onto its end (a resumed process writes its "resume" event first): the fragment is
     dropped and that event kept. A line of JSON that is not an object is no record."""
-    for start in [0] + [i for i in range(1, len(line)) if line.startswith('{"', i)]:
+    # the candidates are found lazily: a whole line (nearly every one) parses at the first
+    for start in itertools.chain([0], (i for i in range(1, len(line)) if line.startswith('{"', i))):
         try:
             record = json.loads(line[start:])
         except ValueError:
