@@ -688,9 +688,13 @@ def long_probe_lines(c, source, need):
                      f"threshold in {sum(r.first_past(r.guard_threshold()) is not None for r in finished)}/"
                      f"{len(finished)}, first at RUNAWAY_LOGIT at steps {', '.join(str(f) for f in first if f) or 'none'}"
                      f", still rising over its last {RISE_WINDOW} steps in {sum(rising)}/{len(finished)}")
-    source_pairs = [(ran_away(c.runs[source][s]), state == "held") for s, state in zip(seeds, states)
+    delayed = count(topk, ran_away)
+    if 2 * delayed > len(seeds):   # what the long probe itself showed, whatever the shrink did
+        lines.append(f"not reproduced at this scale: the top-k probe itself ran away by {LONG_STEPS} steps in {delayed} "
+                     f"of {len(seeds)} seeds (it delays the runaway; it does not stop it)")
+    source_pairs = [(ran_away(c.runs[source][s]), state != "held") for s, state in zip(seeds, states)
                     if done(c.runs[source].get(s))]
-    stopped, _, p_step = sign_test([(a and b, not a) for a, b in source_pairs])
+    stopped, _, p_step = sign_test(source_pairs)
     return holds, (stopped, p_step), lines + [
         f"{source} ran away where {shrink} held (over a horizon that can tell) in {stopped} of the "
         f"{len(source_pairs)} seeds both ran, p = {p_step:.3g}"]

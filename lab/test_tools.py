@@ -572,6 +572,52 @@ def test_rule_5(tmp_path, changes, expected):
     assert judge(tmp_path, "5", {**rule5(), **changes}) == expected
 
 
+PROBE_LONG = {"args": {"max_steps": sweep.LONG_STEPS}}   # claim 5's -long arms set their own horizon
+KEPT = {"q_update": [1.0, 1.0], "q_removed": [0.8, 0.8], "q_kept": [0.6, 0.6],
+        "k_update": [1.0, 1.0], "k_removed": [0.8, 0.8], "k_kept": [0.6, 0.6]}   # the shrink left 0.6 of the norm
+
+
+@pytest.mark.parametrize("changes, expected, says", [
+    param({"bf16-probe-shrink-long": arm(7, {**RUNAWAY, **PROBE_LONG}, rest=PROBE_LONG)}, "reproduced",
+          "sign test, bf16-probe-shrink-long over bf16-probe-topk-long: 7 seeds one way, 0 the other",
+          id="the shrink runs away at the long horizon where top-k does not"),
+    param({"bf16-probe-shrink-long": arm(7, {**RUNAWAY, **PROBE_LONG}, rest=PROBE_LONG), "bf16-probe-shrink": arm(0, OK)},
+          "reproduced", "(at 2500 steps below: reported, not judged)",
+          id="the 600-step shrink's holds no longer decide where the long arms ran"),
+    param({"bf16-probe-shrink-long": arm(0, PROBE_LONG, rest=PROBE_LONG)}, "not reproduced",
+          "the shrink alone stopped the runaway (7 seeds, p = 0.00781)",
+          id="the shrink holds at the long horizon, its logits never past the threshold: step size"),
+    param({"bf16-probe-shrink-long": arm(7, {**RUNAWAY, **PROBE_LONG}, rest=PROBE_LONG),
+           "bf16-probe-topk-long": arm(5, {**RUNAWAY, **PROBE_LONG}, rest=PROBE_LONG)}, "not reproduced",
+          "not reproduced at this scale: the top-k probe itself ran away by 2500 steps in 5 of 8 seeds",
+          id="the probe itself runs away at the long horizon: it delays, it does not stop"),
+    param({"bf16-probe-shrink-long": arm(5, {**RUNAWAY, **PROBE_LONG}, rest=PROBE_LONG,
+                                         edits={3: {**UNFINISHED, **PROBE_LONG}})},
+          "not reproduced", "4 seeds one way, 0 the other, p = 0.0625",
+          id="a long shrink unfinished counts against the claim (5 would pass, 4 do not)"),
+])
+def test_rule_5_judges_the_shrink_at_the_long_horizon(tmp_path, changes, expected, says):
+    arms = {**rule5(), "bf16-probe-topk-long": arm(0, PROBE_LONG, rest=PROBE_LONG), **changes}
+    row = rows(tmp_path, arms)["5"]
+    assert row[1] == expected and says in row[2], row[2]
+
+
+def test_rule_5_calls_a_late_shrink_hold_too_short(tmp_path):
+    # the source takes 10 steps from the threshold (200) to RUNAWAY_LOGIT; a shrink that left 0.6 of the norm
+    # needs 10 / 0.6 = 17 steps after its own first crossing: crossing at step 15 of 20 leaves 5, too short
+    short = {"args": {"max_steps": 20}}   # the long arms' horizon, here the 20 steps the runs log
+    climb = {"logit": lambda step: 2 * R if step >= 12 else 300.0 if step >= 2 else 10.0}
+    late = {"logit": lambda step: 300.0 if step >= 15 else 10.0, "probe": KEPT, **short}
+    arms = {**rule5(), "bf16": arm(7, climb), "bf16-probe-topk-long": arm(0, short, rest=short),
+            "bf16-probe-shrink-long": arm(8, late)}
+    text = rows(tmp_path, arms)["5"][2]
+    assert "(needing 10 steps / its update norm left after its first logit past the threshold): seed1 too short" in text
+    assert "the shrink alone stopped the runaway" not in text
+    early = {**late, "logit": lambda step: 300.0 if step >= 1 else 10.0}   # 19 steps after: enough
+    text = rows(tmp_path / "b", {**arms, "bf16-probe-shrink-long": arm(8, early)})["5"][2]
+    assert "threshold): seed1 held" in text and "the shrink alone stopped the runaway (7 seeds" in text
+
+
 def test_rule_5_says_step_size_and_reports_energy_and_cost(tmp_path):
     norms = {"q_update": [1.0, 2.0], "q_removed": [0.8, 1.6], "q_kept": [0.6, 1.2],
              "k_update": [1.0, 1.0], "k_removed": [0.8, 0.8], "k_kept": [0.6, 0.6]}
