@@ -620,6 +620,12 @@ def coherence_claim(c):
             elif verdict == "reverses":
                 reversed_at.append(f"{site} {dose:g}")
             g_up, g_down = sum(x > y for x, y in growth), sum(y > x for x, y in growth)
+            past = [(b, r) for _, b, r in both if (b.max_logit or 0.0) >= RUNAWAY_LOGIT]
+            if past:   # whether a random-sign runaway's logit measures the QK channel at all
+                lines.append(f"{site} {dose:g}: random sign past RUNAWAY_LOGIT in {len(past)} seeds; there sigma(W_q, "
+                             f"W_k) grew {num(median([qk_growth_ratio(b, r) for b, r in past]), '.3g')}x the "
+                             f"no-error run's growth, the most-grown other matrix "
+                             f"{num(median([b.qk_and_other_growth()[1] for b, _ in past]), '.3g')}x (medians)")
             lines.append(
                 f"{site} {dose:g}: max logit / no-error's, median coherent "
                 f"{num(median([logit_ratio(a, r) for a, _, r in both]), '.3g')} vs random sign "
@@ -1025,7 +1031,12 @@ RULES = [
           f"0.5), one higher where LOGIT_GAP times the other (a collapse above any logit): holds if coherence "
           f"raises it (sign test at ALPHA / the site's doses, unfinished seeds counted against) at some dose of "
           f"each site and reverses it (sign test at ALPHA / all cells, finished seeds only) at none; a reversal "
-          f"at any dose refutes the claim",
+          f"at any dose refutes the claim. At mlp-out (an activation site) the error is one vector per head, the "
+          f"same at every token of a step (its amplitude times the step's signal rms times a fixed direction): "
+          f"coherent, it is a constant bias that later layers can learn to cancel; random-sign, a bias whose sign "
+          f"flips, noise they cannot learn; so there coherence tests learnability as much as the QK channel. At "
+          f"delta the error is in the backward alone, where no layer can learn it: the site with a coherent error "
+          f"that is not a learnable constant",
      _inject_arms((1.0, 0.5), (False,), list(CLAIM4_SITES)), coherence_claim),
     ("5", "the causal probe: the source runs away (max logit past RUNAWAY_LOGIT, or a collapse) where the probe "
           "on W_q/W_k's top-k does not, and so does each control that can be carried out at every step: the whole "

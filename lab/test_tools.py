@@ -643,7 +643,7 @@ def test_rule_5_says_step_size_and_reports_energy_and_cost(tmp_path):
 # --------------------------------------------------------------------------------------------------
 # Rule 6: on seeds where the source ran away with enough steps after the trigger (step 5), lr-drop,
 # clip and softcap each fail (break down, or let QK grow SIGMA_RATIO x QK-norm's) where QK-norm does
-# not, and QK-Clip breaks down in no seed
+# not, and QK-Clip fails by that same measure in no seed
 
 AFTER = lambda step: 2 * R if step > 6 else 10.0    # logits past RUNAWAY_LOGIT once action is on
 BEFORE = lambda step: 2 * R if step <= 5 else 10.0  # ... only up to the trigger, its step included
@@ -693,6 +693,11 @@ LATE = {"trigger": 18}            # 2 steps after the trigger (of 20), fewer tha
     param({"bf16-guard-qkclip": arm(1, COLLAPSED_AFTER, rest=TRIG)}, "not reproduced",
           id="QK-Clip breaks down in a seed"),
     param({"bf16-guard-qkclip": arm(0, TRIG, {3: UNFINISHED})}, "not reproduced", id="QK-Clip unfinished in a seed"),
+    param({"bf16-guard": arm(8, QK_HELD), "bf16-guard-qkclip": arm(1, QK_GROWN, rest=QK_HELD)}, "not reproduced",
+          id="QK-Clip lets QK grow 2x QK-norm's in one seed: the non-QK actions' measure (the last rule saw only "
+             "breakdowns)"),
+    param({"bf16-guard": arm(8, QK_HELD), "bf16-guard-qkclip": arm(8, QK_HELD)}, "reproduced",
+          id="QK-Clip's QK growth as QK-norm's"),
     param({"bf16-guard-qkclip": []}, "not run", id="QK-Clip not run"),
     param({"bf16": []}, "not run", id="the source not run"),
     param({"bf16-guard-softcap": arm(4, COLLAPSED_AFTER, rest=TRIG)}, "not reproduced", id="softcap 4 of 8"),
@@ -700,6 +705,15 @@ LATE = {"trigger": 18}            # 2 steps after the trigger (of 20), fewer tha
 ])
 def test_rule_6(tmp_path, changes, expected):
     assert judge(tmp_path, "6", {**RULE6, **changes}) == expected
+
+
+def test_claim_6s_actions_share_one_table_and_its_measures(tmp_path):
+    arms = {**RULE6, "bf16-guard": arm(8, QK_HELD), "bf16-guard-qkclip": arm(2, {**QK_GROWN, "val": 3.2},
+                                                                               rest=QK_HELD)}
+    table = {row[0]: row for row in report.action_rows(write_arms(tmp_path, arms), "bf16")}
+    assert table["bf16-guard-qkclip"] == ["bf16-guard-qkclip", "QK-side", "2/8", "0/8", "2/8", "1.5", "+0.000"]
+    assert table["bf16-guard-clip"][1:4] == ["non-QK", "7/8", "7/8"]
+    assert table["bf16-guard"][2] == "0/8" and table["bf16-guard"][-1] == "-"
 
 
 def test_rule_6_reports_logits_still_rising_after_the_trigger(tmp_path):
