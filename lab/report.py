@@ -1112,6 +1112,26 @@ RULE_CHANGES = {
          "such holds decide is inconclusive), and the lr-drop runs 2500 steps beside QK-norm",
 }
 
+# The rules changed on 2026-12-03 (verdicts v3) and why, with what the rules before them (commit 8f7ffca) said on
+# the logs they had (8 seeds; claim 5's shrink at 600 steps); RESULTS.md prints them under the rules.
+V3_CHANGES = {
+    "1p": "the sign test sees only seeds more than LOSS_TOL apart, so a small, consistent cost went unseen: the mean "
+          "paired gap with its 95% interval is now reported at every lr beside it (the rule is unchanged)",
+    "2p": "every one of 8 seeds had to land within LOSS_TOL of always-on QK-norm, which two arms with no true gap "
+          "seldom do at this scale, where the guard's paired gaps spread with an sd of 0.02 to 0.09 nat (and the "
+          "A/A pair below): now two one-sided tests on the mean paired gap, "
+          "on 16 seeds at the runaway lrs, an A/A pair beside it as the noise floor; the same for 7p",
+    "3+": "see 3 (the same rule at delta); no longer called a positive control, as the claim is not known to pass it",
+    "4": "every collapse scored as infinite tied the seeds where both errors collapsed: now an earlier collapse "
+         "ranks above a later one",
+}
+V2_VERDICTS = {"2p": "not reproduced (8 seeds, every one within 0.03 asked)", "7p": "not reproduced (the same)",
+               "3+": "not reproduced (the fix held to no-error + FIX_TOL where its error collapsed; both-failed seeds "
+                     "dropped; the QK-only gate)",
+               "4": "not reproduced (both-collapsed seeds tied: 4/0 at delta 30, p = 0.0625)",
+               "5 (assay)": "not reproduced, \"the probe works through step size\" (the shrink's 600-step holds)",
+               "6 (assay)": "reproduced (QK-Clip judged by breakdowns alone)"}
+
 RISE_WINDOW = 100   # claim 6 reports whether an action's logits were still rising over its last steps
 
 # The first rules' verdicts on the first (300-step) logs, kept so a reader sees what each change moved.
@@ -2039,7 +2059,11 @@ def build(groups, root, markdown, plots=(), markdown_dir=".", pilots=(), plots_f
               + "; ".join(f"{claim}: {why}" for claim, why in RULE_CHANGES.items()) + ".",
               "What the first rules said on the first, 300-step logs (commit 988d81c; the verdicts above are "
               "the new rules' on 600-step runs): "
-              + "; ".join(f"{claim}: {said}" for claim, said in FIRST_VERDICTS.items()) + "."]
+              + "; ".join(f"{claim}: {said}" for claim, said in FIRST_VERDICTS.items()) + ".",
+              "What changed in the rules on 2026-12-03, and why (3, 5 and 6 above): "
+              + "; ".join(f"{claim}: {why}" for claim, why in V3_CHANGES.items()) + ". What the rules before "
+              "(commit 8f7ffca) said on the logs they had: "
+              + "; ".join(f"{claim}: {said}" for claim, said in V2_VERDICTS.items()) + "."]
     if markdown:
         parts += [title(2, "Scale, and what was not run"), scale(groups)]
         cut = cut_arms(groups)
