@@ -1976,8 +1976,16 @@ def row_scale(groups, arms, lrs=None):
     pick = lambda key: "/".join(sorted({str(c[key]) for c in configs if c.get(key) is not None},
                                        key=lambda v: (len(v), v)))
     model = f"{pick('arch')} {pick('n_layer')}x{pick('n_embd')}" if all(map(pick, ("arch", "n_layer", "n_embd"))) else ""
-    return ", ".join(filter(None, [model, pick("max_steps") and f"{pick('max_steps')} steps",
-                                   f"{len(seeds)} seed{'s' * (len(seeds) != 1)}" + (f" x {len(lrs)} lrs" if lrs else "")])
+    by_horizon = {}   # arms of several horizons (claim 5's and 6's long ones) may have run other seeds
+    for a in arms:
+        if a not in (NO_ERROR, QKNORM_ALONE):
+            for r in groups.get(a, []):
+                by_horizon.setdefault(r.config.get("args", {}).get("max_steps"), set()).add(r.seed)
+    plural = lambda n: f"{n} seed{'s' * (n != 1)}" + (f" x {len(lrs)} lrs" if lrs else "")
+    if len(by_horizon) > 1 and None not in by_horizon:
+        steps = ", ".join(f"{h} steps x {plural(len(ss))}" for h, ss in sorted(by_horizon.items()))
+        return ", ".join(filter(None, [model, steps])), len(seeds)
+    return ", ".join(filter(None, [model, pick("max_steps") and f"{pick('max_steps')} steps", plural(len(seeds))])
                      ), len(seeds)
 
 
