@@ -2502,10 +2502,11 @@ def plot_lr_study(groups, out_dir, quiet=False):
         for ax in axes:
             ax.grid(alpha=0.3)
             ax.legend(fontsize=7)
-        seeds = {r.seed for _, _, runs in mine for r in runs}
+        counts = sorted({len(runs) for _, _, runs in mine if runs})   # 8 seeds, 16 where rule 2p needed them
+        seeds = f"{counts[0]}" if len(counts) == 1 else f"{counts[0]} to {counts[-1]}"
         steps = "/".join(str(s) for s in sorted({r.horizon() for _, _, runs in mine for r in runs}))
-        axes[0].set_title(f"{arch}, a CPU-scale proxy, {steps} steps per run: each line the median over "
-                          f"{len(seeds)} seeds of one arm (shaded: their min to max)", fontsize=9)
+        axes[0].set_title(f"{arch}, a CPU-scale proxy, {steps} steps per run: each line the median over its "
+                          f"{seeds} seeds of one arm (shaded: their min to max)", fontsize=9)
         gap_ax.set_title("the paired gap rule 2p judges, at each lr where bf16 state ran away in a majority of seeds"
                          + ("; grey: the A/A arm's, at the lrs it ran" if aa else ""), fontsize=9)
         saved.append(os.path.join(out_dir, f"lr-{arch}.png"))
