@@ -1466,10 +1466,11 @@ def lr_guard_claim(c, prefix=""):
                          f"({guard} vs {bf16}), {same[fp32_guard]}/{len(seeds)} ({fp32_guard} vs {fp32}) (unfinished "
                          f"counted against) -> {'holds' if ok else 'fails'}")
         if not runaway and not healthy:
+            ran_f = lr_seeds(c, (fp32,), lr) or seeds
             fired = sum(done(r) and r.trigger is not None for r in at(guard))
             gaps = [end_val(g) - end_val(b) for g, b in zip(at(guard), at(bf16)) if done(g) and done(b)]
             lines.append(f"at lr {lr:g}: neither ({bf16} ran away in {away(bf16, ran_b)}/{len(ran_b)} seeds, {fp32} in "
-                         f"{away(fp32)}/{len(seeds)}; their max logits passed the guard's threshold short of a runaway): "
+                         f"{away(fp32, ran_f)}/{len(ran_f)}; their max logits passed the guard's threshold short of a runaway): "
                          f"not judged; {guard} fired in {fired}/{len(seeds)} and ended {num(median(gaps), '+.3f')} nat "
                          f"from {bf16} (median final val loss difference)")
     for kind, words in (("runaway", f"{bf16} ran away in a majority of seeds: nothing for the guard to prevent"),
