@@ -698,6 +698,13 @@ def long_probe_lines(c, source, need):
     if 2 * delayed > len(seeds):   # what the long probe itself showed, whatever the shrink did
         lines.append(f"not reproduced at this scale: the top-k probe itself ran away by {LONG_STEPS} steps in {delayed} "
                      f"of {len(seeds)} seeds (it delays the runaway; it does not stop it)")
+    onset = lambda r: r.runaway_from() if ran_away(r) else math.inf   # no runaway: later than any
+    both = [(a, b) for a, b in zip(runs(topk), runs(shrink)) if done(a) and done(b)]
+    later, earlier, p_late = sign_test([(onset(a) > onset(b), onset(a) < onset(b)) for a, b in both])
+    gaps = [onset(a) - onset(b) for a, b in both if ran_away(a) and ran_away(b)]
+    lines.append(f"{topk}'s runaway began later than {shrink}'s in {later} of {len(both)} seeds, earlier in {earlier} "
+                 f"(sign test p = {p_late:.3g}), by a median {num(median(gaps))} steps where both ran away (reported, "
+                 f"not judged: looked at after the runs)")
     source_pairs = [(ran_away(c.runs[source][s]), state != "held") for s, state in zip(seeds, states)
                     if done(c.runs[source].get(s))]
     stopped, _, p_step = sign_test(source_pairs)
@@ -1302,16 +1309,17 @@ def worse(run, ref):
 def worse_test(c, arm, ref, alpha, claim_wants):
     """Is arm worse than ref, seed by seed (one-sided sign test at alpha)? claim_wants: that it is. A seed
     with either run missing or unfinished is scored the way that hurts the claim."""
-    both = [(c.runs[arm].get(s), c.runs[ref].get(s)) for s in c.seeds]
+    seeds = sorted({s for a in (arm, ref) for s in c.runs[a]}, key=lambda s: (len(s), s))  # not the other arms'
+    both = [(c.runs[arm].get(s), c.runs[ref].get(s)) for s in seeds]
     pairs = [(worse(a, b), worse(b, a)) if done(a) and done(b) else (not claim_wants, claim_wants) for a, b in both]
     left = sum(not (done(a) and done(b)) for a, b in both)
     k, j, p = sign_test(pairs)
     c.alpha = min(c.alpha, alpha)
     holds = p < alpha
-    return holds, [f"sign test, {arm} worse than {ref}: {k} seeds one way, {j} the other, p = {p:.3g} (threshold "
-                   f"{alpha:.3g}) -> {'holds' if holds else 'fails'}" + ("" if claim_wants else " (the claim wants "
-                   "it to fail)") + (f" ({left} seeds with a run unfinished or missing, counted against)" if left
-                                     else "")]
+    return holds, [f"sign test, {arm} worse than {ref}: {k} seeds one way, {j} the other of {len(seeds)}, p = {p:.3g} "
+                   f"(threshold {alpha:.3g}) -> {'holds' if holds else 'fails'}"
+                   + ("" if claim_wants else " (the claim wants it to fail)")
+                   + (f" ({left} seeds with a run unfinished or missing, counted against)" if left else "")]
 
 
 def lr_fault_claim(c, prefix=""):
@@ -1327,7 +1335,7 @@ def lr_fault_claim(c, prefix=""):
         ok, more = worse_test(c, lr_name(bf16, lr), lr_name(fp32, lr), alpha, True)
         bad, most = worse_test(c, lr_name(safemax, lr), lr_name(fp32, lr), alpha, False)
         found, fixed, lines = found or ok, fixed and not bad, lines + more + most
-        for s in c.seeds:
+        for s in lr_seeds(c, (bf16, fp32), lr):
             a, b = c.runs[lr_name(bf16, lr)].get(s), c.runs[lr_name(fp32, lr)].get(s)
             same = same and done(a) and done(b) and lr_ran_away(a) == lr_ran_away(b) and (
                 end_val(a) == end_val(b) or abs(end_val(a) - end_val(b)) <= LOSS_TOL)
@@ -1909,8 +1917,10 @@ def lr_section(path, groups, rows, markdown, title, plots=(), markdown_dir="."):
 
 VERDICT_WORDS = {"reproduced": "REPRODUCED", "not reproduced": "NOT REPRODUCED", "refuted": "REFUTED",
                  "inconclusive": "INCONCLUSIVE", "not run": "NOT RUN"}   # one spelling, in every table
-SIGN_LINE = re.compile(r"sign test, (\S+) (over|worse than) (\S+): (\d+) seeds one way, (\d+) the other, p = (\S+)"
-                       r"(?: \(threshold (\S+)\))? -> (holds|fails)( \(the claim wants it to fail\))?$")
+SIGN_LINE = re.compile(r"sign test, (\S+) (over|worse than) (\S+): (\d+) seeds one way, (\d+) the other(?: of (\d+))?, "
+                       r"p = (\S+)"
+                       r"(?: \(threshold (\S+)\))? -> (holds|fails)( \(the claim wants it to fail\))?"
+                       r"(?: \(\d+ seeds with a run unfinished or missing, counted against\))?$")
 COUNT_LINE = re.compile(r"(?:^|: )(\S+): ([^\d(]+?) (\d+)/(\d+) \[95% CI")
 DOSE_LINE = re.compile(r"^(\S+) (\S+): max logit .*?coherent 2x higher or earlier collapsed in (\d+) seeds, random sign "
                        r"in (\d+) .*?"
@@ -1927,12 +1937,12 @@ def checks(lines, n):
     out = []
     for line in lines:
         if m := SIGN_LINE.search(line):
-            a, how, b, k, j, p, alpha, result, wants_fail = m.groups()
+            a, how, b, k, j, of, p, alpha, result, wants_fail = m.groups()
             held = result == "holds"
             why = (f"{a} {counts[a][0]} {counts[a][1]}/{counts[a][2]}; {b} {counts[b][0]} {counts[b][1]}/{counts[b][2]}"
                    if a in counts and b in counts else f"{a} {how} {b} in {k} seeds, the reverse in {j}")
             out.append((held != bool(wants_fail), float(p),
-                        f"`{a}` {how} `{b}` in {k} of {n} seeds, the reverse in {j}: sign test p = {float(p):.2g} "
+                        f"`{a}` {how} `{b}` in {k} of {of or n} seeds, the reverse in {j}: sign test p = {float(p):.2g} "
                         f"({'<' if held else '>='} {float(alpha or ALPHA):.2g})", why, None))
         elif m := DOSE_LINE.search(line):
             site, dose, up, down, p_up, _, effect = m.groups()
@@ -1971,7 +1981,8 @@ def decisive(verdict, lines, n):
 
 
 def row_scale(groups, arms, lrs=None):
-    """(the model, steps and seeds of a rule's runs, as their config.json records them; the seeds it judges)."""
+    """(the model, steps and seeds of a rule's runs, as their config.json records them; the seeds it judges).
+    lrs: the lr study's {lr: the seeds its arms ran there}."""
     configs = [r.config["args"] for a in arms for r in groups.get(a, []) if r.config.get("args")]
     seeds = {r.seed for a in arms if a not in (NO_ERROR, QKNORM_ALONE) for r in groups.get(a, [])}
     pick = lambda key: "/".join(sorted({str(c[key]) for c in configs if c.get(key) is not None},
@@ -1983,6 +1994,10 @@ def row_scale(groups, arms, lrs=None):
             for r in groups.get(a, []):
                 by_horizon.setdefault(r.config.get("args", {}).get("max_steps"), set()).add(r.seed)
     plural = lambda n: f"{n} seed{'s' * (n != 1)}" + (f" x {len(lrs)} lrs" if lrs else "")
+    if lrs and len({len(ss) for ss in lrs.values()}) > 1:   # seeds differ by lr: say where the most ran
+        most = max(map(len, lrs.values()))
+        at = ", ".join(f"{lr:g}" for lr, ss in sorted(lrs.items()) if len(ss) == most)
+        plural = lambda n: f"{min(map(len, lrs.values()))}-{most} seeds x {len(lrs)} lrs ({most} at lr {at})"
     if len(by_horizon) > 1 and None not in by_horizon:
         steps = ", ".join(f"{h} steps x {plural(len(ss))}" for h, ss in sorted(by_horizon.items()))
         return ", ".join(filter(None, [model, steps])), len(seeds)
@@ -2019,7 +2034,11 @@ def summary(groups, rows, study=None, lr_rows=()):
     cells = lr_cells(study or {})
     for row, (_, _, bases, _) in zip(lr_rows, LR_RULES):
         names = [name for (base, _), name in cells.items() if base in bases]
-        out.append(summary_row(*row, *row_scale(study, names, {lr for (base, lr) in cells if base in bases})))
+        seeds_at = {}   # lr -> the seeds its arms ran (rule 2p ran more seeds at the runaway lrs)
+        for (base, lr), name in cells.items():
+            if base in bases:
+                seeds_at.setdefault(lr, set()).update(r.seed for r in study.get(name, []))
+        out.append(summary_row(*row, *row_scale(study, names, seeds_at)))
     return out
 
 
@@ -2194,7 +2213,9 @@ def plot_runs(runs, axes, colors, panels=tuple(PANELS)):
 
 # claims 1, 2 and 7's arms that no pattern below names
 NAMED_ARMS = {"bf16-safemax": "bf16 state with safemax (the prior work's fix)",
-              "bf16-qknorm-always": "bf16 state, QK-norm from step 0", "bf16-guard": "bf16 state, QK-Guard",
+              "bf16-qknorm-always": "bf16 state, QK-norm from step 0",
+              "bf16-qknorm-always-tile64": "bf16 state, QK-norm from step 0, key tiles of 64 (A/A)",
+              "bf16-guard": "bf16 state, QK-Guard",
               "fp32-guard": "fp32 state, QK-Guard", "fp32-qknorm-always": "fp32 state, QK-norm from step 0",
               "state-only": "bf16 state, no other rounding", "logits-only": "fp32 state, logits rounded to bf16",
               "pv-only": "fp32 state, P V rounded to bf16", "standard": "fp32 state, no other rounding",

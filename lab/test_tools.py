@@ -591,6 +591,11 @@ KEPT = {"q_update": [1.0, 1.0], "q_removed": [0.8, 0.8], "q_kept": [0.6, 0.6],
            "bf16-probe-topk-long": arm(5, {**RUNAWAY, **PROBE_LONG}, rest=PROBE_LONG)}, "not reproduced",
           "not reproduced at this scale: the top-k probe itself ran away by 2500 steps in 5 of 8 seeds",
           id="the probe itself runs away at the long horizon: it delays, it does not stop"),
+    param({"bf16-probe-shrink-long": arm(7, {**RUNAWAY, **PROBE_LONG}, rest=PROBE_LONG),
+           "bf16-probe-topk-long": arm(5, {**RUNAWAY, **PROBE_LONG}, rest=PROBE_LONG)}, "not reproduced",
+          "bf16-probe-topk-long's runaway began later than bf16-probe-shrink-long's in 2 of 8 seeds, earlier in 0 "
+          "(sign test p = 0.25), by a median 0 steps where both ran away (reported, not judged",
+          id="the delay is reported: a run that never ran away began its runaway later than any that did"),
     param({"bf16-probe-shrink-long": arm(5, {**RUNAWAY, **PROBE_LONG}, rest=PROBE_LONG,
                                          edits={3: {**UNFINISHED, **PROBE_LONG}})},
           "not reproduced", "4 seeds one way, 0 the other, p = 0.0625",
@@ -1019,10 +1024,10 @@ def test_rule_1p(tmp_path, cells, expected):
 def test_rule_1p_text_bonferroni_and_the_same_curve(tmp_path):
     text = lr_rows(tmp_path, lr_study())["1p"][2]
     assert "lrs run: 0.001, 0.003, 0.01, 0.03, 0.1 (Bonferroni: threshold ALPHA / 5)" in text
-    assert ("sign test, bf16-lr0.1 worse than fp32-lr0.1: 7 seeds one way, 0 the other, p = 0.00781 (threshold "
-            "0.01) -> holds") in text
-    assert ("sign test, bf16-safemax-lr0.1 worse than fp32-lr0.1: 0 seeds one way, 0 the other, p = 1 (threshold "
-            "0.01) -> fails (the claim wants it to fail)") in text
+    assert ("sign test, bf16-lr0.1 worse than fp32-lr0.1: 7 seeds one way, 0 the other of 8, p = 0.00781 "
+            "(threshold 0.01) -> holds") in text
+    assert ("sign test, bf16-safemax-lr0.1 worse than fp32-lr0.1: 0 seeds one way, 0 the other of 8, p = 1 "
+            "(threshold 0.01) -> fails (the claim wants it to fail)") in text
     assert "lr 0.1: fp32 median final val 2.900, ran away 0/8 finished, bf16 median final val 4.000, ran away 7/8" \
         in text
     assert "same curve" not in text
@@ -1214,6 +1219,20 @@ def test_rule_7p_shows_each_parts_lines_and_reads_only_llama(tmp_path):
     assert "at lr 0.1: llama-bf16 ran away in 7/8 seeds" in text and "fp32-lr" not in text.replace("llama-fp32", "")
     text = lr_rows(tmp_path / "b", lr_study({("bf16", TOP): arm(0, OK)}, prefix="llama-"))["7p"][2]
     assert "part 1p on llama: fails" in text and "give the same curve on llama" in text
+
+
+def test_rule_7p_judges_1p_on_the_seeds_bf16_and_fp32_ran(tmp_path):
+    """The guard arms' extra seeds (rule 2p's 16) are not 1p's: 7p judges both parts in one claim, and a
+    seed bf16 and fp32 never ran must not count against 1p, nor a 1p row say 16 seeds."""
+    more = {("bf16-guard", TOP): arm(16, TRIG), ("bf16-qknorm-always", TOP): arm(16, OK)}
+    table = lr_rows(tmp_path, lr_study(more, prefix="llama-"))
+    text = table["7p"][2]
+    assert "part 1p on llama: holds" in text and "unfinished or missing" not in text
+    assert "sign test, llama-bf16-lr0.1 worse than llama-fp32-lr0.1: 7 seeds one way, 0 the other of 8" in text
+    summary = report.summary({}, [], write_arms(tmp_path / "b", lr_study(more, prefix="llama-")),
+                             [row for row in table.values()])
+    seven = next(row for row in summary if row[0] == "7p")
+    assert "of 8 seeds" in seven[3] and "of 16" not in seven[3] and "8-16 seeds x 5 lrs (16 at lr 0.1)" in seven[2]
 
 
 def test_the_lr_study_refuses_a_mix_and_a_missing_folder(tmp_path):
@@ -2021,8 +2040,10 @@ def test_results_md_opens_with_one_row_per_claim():
         if verdict == "NOT RUN":
             assert (scale, key) == ("-", "-") and why.startswith("no runs of "), label
         else:
-            assert re.match(r"(gpt2|llama) \d+x\d+, [\d/]+ steps, \d+ seeds", scale), (label, scale)
-            assert re.search(r" of \d+ seeds.*p = |\d+ nat \(tolerance ", key), (label, key)
+            assert re.match(r"(gpt2|llama) \d+x\d+, ([\d/]+ steps, \d+ seeds|\d+ steps x \d+ seeds(, \d+ steps x \d+ "
+                            r"seeds)+|[\d/]+ steps, \d+-\d+ seeds x \d+ lrs \(\d+ at lr [\d., ]+\))", scale), (label, scale)
+            assert re.search(r" of \d+ seeds.*p = |\d+ nat \(tolerance |mean gap .* nat, 90% interval \[.*\] \(margin ",
+                             key), (label, key)
     # the verdicts are those of the tables below, in one spelling
     for label, (verdict, _, _, _) in rows.items():
         assert re.search(rf"^\| {re.escape(label)} \| {verdict} \| ", text.split("## Rules")[1], re.M), label
