@@ -13,7 +13,8 @@ Four parts, one screen each:
   Layer       what an adapter says of one attention layer: where q and k are formed (which module's
               output, which columns), the heads, the logit scale, the rotation applied after them
   adapters    this project's GPT, a nanoGPT-style GPT, Hugging Face GPT2LMHeadModel and LlamaForCausalLM
-              (not the Llama-like models that normalize q and k themselves: Qwen3, OLMo 2, Gemma 3)
+              and its relatives (not the Llama-like models that normalize q and k themselves: Qwen3,
+              OLMo 2, Gemma 3); the other Hugging Face families are in families.py
   signals     the max logit over a sample of query rows of the layer's own q and k, a chunk of rows at a
               time; sigma(W_q,h) and sigma(W_k,h) by power iteration
   AttachedGuard  the hooks and the step. guard.QKGuard decides, unchanged: threshold, deferred check,
@@ -22,10 +23,10 @@ Four parts, one screen each:
 transformers is never imported: the Hugging Face adapters know its modules by their structure, so
 this file works, and its tests pass, without it.
 
-What the monitor assumes: causal self-attention over whole sequences (a padding or document mask is
-not read, so pairs it hides count too), projection outputs laid out (batch, time, features), and
-layers of one shape, one guard per model (watchers, enabled=False, may share one). It runs in eager
-mode; under torch.compile it is untested.
+What the monitor assumes: causal self-attention over whole sequences, within a sliding window where
+the adapter gives one (a padding or document mask is not read, so pairs it hides count too),
+projection outputs laid out (batch, time, features), and layers of one shape, one guard per model
+(watchers, enabled=False, may share one). It runs in eager mode; under torch.compile it is untested.
 """
 import json
 import math
@@ -86,15 +87,22 @@ class Layer:
     def heads(self, role):
         return self.n_head if role == "q" else self.n_kv_head
 
-    def cols(self, role):
+    def cols(self, role, like=None):
+        """q's or k's columns; index columns on the device of the tensor `like`, moved there once (a move
+        at every forward would wait for the device)."""
         cols = self.q_cols if role == "q" else self.k_cols
-        return slice(None) if cols is None else cols
+        if cols is None or isinstance(cols, slice) or like is None or cols.device == like.device:
+            return slice(None) if cols is None else cols
+        moved = self.__dict__.setdefault("_moved", {})
+        if (role, like.device) not in moved:
+            moved[role, like.device] = cols.to(like.device)
+        return moved[role, like.device]
 
     def weight(self, role):
         """W_q or W_k as (heads * head_dim, in): a view of the live weight where the columns are a slice,
         a copy where they are indices (QK-Clip scales the live one through scale_rows)."""
         module = self.q if role == "q" else self.k
-        cols = _on(self.cols(role), module.weight)
+        cols = self.cols(role, module.weight)
         w = module.weight[:, cols].T if self.transposed else module.weight[cols]
         if w.shape[0] != self.heads(role) * self.head_dim:
             raise ValueError(f"attach: W_{role} has {w.shape[0]} rows, not {self.heads(role)} heads x "
@@ -104,24 +112,19 @@ class Layer:
     def bias(self, role):
         """b_q or b_k (a view, or a copy under indices), or None."""
         module = self.q if role == "q" else self.k
-        return None if getattr(module, "bias", None) is None else module.bias[_on(self.cols(role), module.bias)]
+        return None if getattr(module, "bias", None) is None else module.bias[self.cols(role, module.bias)]
 
     @torch.no_grad()
     def scale_rows(self, role, per_row):
         """W_q's or W_k's rows (and bias) times per_row (heads * head_dim,), in the live weight: QK-Clip."""
         module = self.q if role == "q" else self.k
-        cols = _on(self.cols(role), module.weight)
+        cols = self.cols(role, module.weight)
         if self.transposed:
             module.weight[:, cols] *= per_row.to(module.weight.dtype)
         else:
             module.weight[cols] *= per_row.to(module.weight.dtype)[:, None]
         if getattr(module, "bias", None) is not None:
             module.bias[cols] *= per_row.to(module.bias.dtype)
-
-
-def _on(cols, tensor):
-    """Column indices on `tensor`'s device (a slice as it is)."""
-    return cols if isinstance(cols, slice) else cols.to(tensor.device)
 
 
 def head_columns(starts, head_dim):
@@ -447,7 +450,7 @@ class AttachedGuard:
                 if not (acting or measuring):
                     continue                  # the dormant path: nothing computed, the output untouched
                 started = time.perf_counter()
-                cols = _on(layer.cols(role), out)
+                cols = layer.cols(role, out)
                 part = out[..., cols].unflatten(-1, (layer.heads(role), layer.head_dim))   # (B, T, heads, D)
                 if acting:                         # the action, where q and k are formed
                     part = _rms_norm(part)

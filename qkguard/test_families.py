@@ -60,8 +60,9 @@ FAMILIES = {
     "mistral-window": (lambda: _config("Mistral", **LLAMA_LIKE, sliding_window=WINDOW), "hf-llama"),
     "qwen2-window": (lambda: _config("Qwen2", **LLAMA_LIKE, use_sliding_window=True, sliding_window=WINDOW,
                                      max_window_layers=1), "hf-llama"),     # layer 0 full, layer 1 windowed
-    "gemma2": (lambda: _config("Gemma2", **LLAMA_LIKE, head_dim=16, query_pre_attn_scalar=16, sliding_window=WINDOW), "hf-llama"),
-    "olmo-clip": (lambda: _config("Olmo", **LLAMA_LIKE, clip_qkv=2.0), "hf-llama"),    # the clamp bites: |q| reaches 4.5
+    "gemma2": (lambda: _config("Gemma2", **LLAMA_LIKE, head_dim=16, query_pre_attn_scalar=16,
+                               sliding_window=WINDOW), "hf-llama"),          # softcap 50; layer 0 windowed
+    "olmo-clip": (lambda: _config("Olmo", **LLAMA_LIKE, clip_qkv=2.0), "hf-llama"),    # the clamp bites: |q| to 4.5
 }
 
 
