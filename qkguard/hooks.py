@@ -33,7 +33,7 @@ import math
 import sys
 import time
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 import torch
@@ -77,6 +77,7 @@ class Layer:
     # an object with a qk_norm attribute that the model reads itself (this project's GPT);
     # None: the hooks normalize q and k where they are formed
     switch: Optional[object] = None
+    _moved: dict = field(default_factory=dict, init=False, repr=False)   # index columns per device: cols()
 
     def __post_init__(self):
         self.n_kv_head = self.n_kv_head or self.n_head
@@ -93,10 +94,9 @@ class Layer:
         cols = self.q_cols if role == "q" else self.k_cols
         if cols is None or isinstance(cols, slice) or like is None or cols.device == like.device:
             return slice(None) if cols is None else cols
-        moved = self.__dict__.setdefault("_moved", {})
-        if (role, like.device) not in moved:
-            moved[role, like.device] = cols.to(like.device)
-        return moved[role, like.device]
+        if (role, like.device) not in self._moved:
+            self._moved[role, like.device] = cols.to(like.device)
+        return self._moved[role, like.device]
 
     def weight(self, role):
         """W_q or W_k as (heads * head_dim, in): a view of the live weight where the columns are a slice,
@@ -233,6 +233,8 @@ def _hf_rotary(rotate, clamp=None):
         if clamp is not None:
             q, k = q.clamp(-clamp, clamp), k.clamp(-clamp, clamp)
         n = cos.shape[-1]
+        if n == q.shape[-1]:
+            return rotate(q, k, cos, sin)
         q_rot, k_rot = rotate(q[..., :n], k[..., :n], cos, sin)
         return torch.cat([q_rot, q[..., n:]], dim=-1), torch.cat([k_rot, k[..., n:]], dim=-1)
     return rotary
