@@ -37,7 +37,8 @@ GPT2_LIKE = dict(n_embd=64, n_layer=2, n_head=4, n_positions=T)
 
 # name -> (config, the adapter "auto" must choose)
 FAMILIES = {
-    "phi3-window": (lambda: _config("Phi3", **LLAMA_LIKE, sliding_window=WINDOW), "hf-phi3"),
+    "phi3-window": (lambda: _config("Phi3", **LLAMA_LIKE, sliding_window=WINDOW, rope_parameters=dict(
+        rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.5)), "hf-phi3"),
     "gpt-neox": (lambda: _config("GPTNeoX", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                                  num_attention_heads=4, max_position_embeddings=T), "hf-gpt-neox"),
     "gptj": (lambda: _config("GPTJ", **GPT2_LIKE, rotary_dim=8), "hf-gptj"),
@@ -62,6 +63,12 @@ FAMILIES = {
                                      max_window_layers=1), "hf-llama"),     # layer 0 full, layer 1 windowed
     "gemma2": (lambda: _config("Gemma2", **LLAMA_LIKE, head_dim=16, query_pre_attn_scalar=16,
                                sliding_window=WINDOW), "hf-llama"),          # softcap 50; layer 0 windowed
+    "mixtral": (lambda: _config("Mixtral", **LLAMA_LIKE, num_local_experts=2), "hf-llama"),
+    "qwen2-moe": (lambda: _config("Qwen2Moe", **LLAMA_LIKE, num_experts=2, num_experts_per_tok=2,
+                                  moe_intermediate_size=32, shared_expert_intermediate_size=32), "hf-llama"),
+    "gemma": (lambda: _config("Gemma", **LLAMA_LIKE, head_dim=16), "hf-llama"),
+    "starcoder2": (lambda: _config("Starcoder2", **LLAMA_LIKE, sliding_window=WINDOW), "hf-llama"),
+    "cohere": (lambda: _config("Cohere", **LLAMA_LIKE), "hf-llama"),
     "olmo-clip": (lambda: _config("Olmo", **LLAMA_LIKE, clip_qkv=2.0), "hf-llama"),    # the clamp bites: |q| to 4.5
 }
 
@@ -247,6 +254,7 @@ def test_qkclip_brings_every_heads_max_to_tau(name, monkeypatch):
     ("Llama4", lambda: _config("Llama4Text", **LLAMA_LIKE, head_dim=16)),
     ("Phi", lambda: _config("Phi", **LLAMA_LIKE, qk_layernorm=True)),
     ("StableLm", lambda: _config("StableLm", **LLAMA_LIKE, qk_layernorm=True)),
+    ("Cohere", lambda: _config("Cohere", **LLAMA_LIKE, use_qk_norm=True)),
 ])
 def test_a_model_that_normalizes_q_and_k_itself_is_refused_in_one_line(name, config):
     model = transformers.AutoModelForCausalLM.from_config(config())
