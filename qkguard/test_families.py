@@ -251,13 +251,16 @@ def test_qkclip_brings_every_heads_max_to_tau(name, monkeypatch):
 
 
 @pytest.mark.parametrize("name, config", [
-    ("Llama4", lambda: _config("Llama4Text", **LLAMA_LIKE, head_dim=16)),
+    ("Llama4", lambda: _config("Llama4Text", **LLAMA_LIKE, head_dim=16, intermediate_size_mlp=128,
+                               num_local_experts=2)),
     ("Phi", lambda: _config("Phi", **LLAMA_LIKE, qk_layernorm=True)),
     ("StableLm", lambda: _config("StableLm", **LLAMA_LIKE, qk_layernorm=True)),
     ("Cohere", lambda: _config("Cohere", **LLAMA_LIKE, use_qk_norm=True)),
 ])
 def test_a_model_that_normalizes_q_and_k_itself_is_refused_in_one_line(name, config):
+    """By "auto" and by hf-llama named (whose layout these share): neither reads q and k before the norm."""
     model = transformers.AutoModelForCausalLM.from_config(config())
-    with pytest.raises(ValueError, match=rf"^attach: {name}(Text)?Attention .*normalizes q and k itself.*already has "
-                                         rf"QK-norm"):
-        qkguard.attach(model)
+    for adapter in ("auto", "hf-llama"):
+        with pytest.raises(ValueError, match=rf"^attach: {name}(Text)?Attention .*normalizes q and k itself.*already "
+                                             rf"has QK-norm"):
+            qkguard.attach(model, adapter)
