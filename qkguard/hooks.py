@@ -13,7 +13,8 @@ Four parts, one screen each:
   Layer       what an adapter says of one attention layer: where q and k are formed (which module's
               output, which columns), the heads, the logit scale, the rotation applied after them
   adapters    this project's GPT, a nanoGPT-style GPT, Hugging Face GPT2LMHeadModel and LlamaForCausalLM
-              (not the Llama-like models that normalize q and k themselves: Qwen3, OLMo 2, Gemma 3)
+              and its relatives (not the Llama-like models that normalize q and k themselves: Qwen3,
+              OLMo 2, Gemma 3); the other Hugging Face families are in families.py
   signals     the max logit over a sample of query rows of the layer's own q and k, a chunk of rows at a
               time; sigma(W_q,h) and sigma(W_k,h) by power iteration
   AttachedGuard  the hooks and the step. guard.QKGuard decides, unchanged: threshold, deferred check,
@@ -22,17 +23,17 @@ Four parts, one screen each:
 transformers is never imported: the Hugging Face adapters know its modules by their structure, so
 this file works, and its tests pass, without it.
 
-What the monitor assumes: causal self-attention over whole sequences (a padding or document mask is
-not read, so pairs it hides count too), projection outputs laid out (batch, time, features), and
-layers of one shape, one guard per model (watchers, enabled=False, may share one). It runs in eager
-mode; under torch.compile it is untested.
+What the monitor assumes: causal self-attention over whole sequences, within a sliding window where
+the adapter gives one (a padding or document mask is not read, so pairs it hides count too),
+projection outputs laid out (batch, time, features), and layers of one shape, one guard per model
+(watchers, enabled=False, may share one). It runs in eager mode; under torch.compile it is untested.
 """
 import json
 import math
 import sys
 import time
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 import torch
@@ -53,24 +54,30 @@ class Layer:
     """One attention layer, as an adapter describes it. q and k are read from the outputs of the
     modules `q` and `k` (batch, time, features), at columns q_cols and k_cols, head h at
     h*head_dim:(h+1)*head_dim of those; the weights that make them are the same rows of those
-    modules' weights (columns, for a transposed Conv1D)."""
+    modules' weights (columns, for a transposed Conv1D). The columns are a slice where q's are one
+    block, or a 1-D tensor of column indices where a fused projection interleaves q, k and v per
+    head (GPT-NeoX, BLOOM) or per group of heads (Falcon, CodeGen): head_columns() builds them."""
     attn: nn.Module                 # its forward holds one attention: its hook sees q and k complete
     q: nn.Module                    # the module whose output holds q ...
     k: nn.Module                    # ... and k (the same module for a fused q, k, v projection)
     n_head: int
     head_dim: int
     n_kv_head: Optional[int] = None          # k's heads, fewer under GQA; None: n_head
-    q_cols: Optional[slice] = None           # None: all the module's output columns
-    k_cols: Optional[slice] = None
+    q_cols: Optional[slice | torch.Tensor] = None   # None: all the module's output columns
+    k_cols: Optional[slice | torch.Tensor] = None
     scale: Optional[float] = None            # the logit scale; None: 1 / sqrt(head_dim)
     transposed: bool = False                 # weight stored (in, out), as Hugging Face's Conv1D does
     # rotary(q, k, args, kwargs, seqs) -> (q, k): the rotation the model applies after the projections,
     # from the arguments attn was called with; q, k are (sequences, heads, time, head_dim), the
     # sequences `seqs` of the batch (an index tensor; None: all of them) the monitor samples
+    # (or any elementwise step the model takes between the projections and q.k, as OLMo's clamp)
     rotary: Optional[Callable] = None
+    # the model's sliding window: query i sees keys i - window + 1 .. i only; None: every key up to i
+    window: Optional[int] = None
     # an object with a qk_norm attribute that the model reads itself (this project's GPT);
     # None: the hooks normalize q and k where they are formed
     switch: Optional[object] = None
+    _moved: dict = field(default_factory=dict, init=False, repr=False)   # index columns per device: cols()
 
     def __post_init__(self):
         self.n_kv_head = self.n_kv_head or self.n_head
@@ -81,22 +88,50 @@ class Layer:
     def heads(self, role):
         return self.n_head if role == "q" else self.n_kv_head
 
-    def cols(self, role):
-        return (self.q_cols if role == "q" else self.k_cols) or slice(None)
+    def cols(self, role, like=None):
+        """q's or k's columns; index columns on the device of the tensor `like`, moved there once (a move
+        at every forward would wait for the device)."""
+        cols = self.q_cols if role == "q" else self.k_cols
+        if cols is None or isinstance(cols, slice) or like is None or cols.device == like.device:
+            return slice(None) if cols is None else cols
+        if (role, like.device) not in self._moved:
+            self._moved[role, like.device] = cols.to(like.device)
+        return self._moved[role, like.device]
 
     def weight(self, role):
-        """W_q or W_k as (heads * head_dim, in): a view of the live weight, so QK-Clip scales it in place."""
+        """W_q or W_k as (heads * head_dim, in): a view of the live weight where the columns are a slice,
+        a copy where they are indices (QK-Clip scales the live one through scale_rows)."""
         module = self.q if role == "q" else self.k
-        w = module.weight[:, self.cols(role)].T if self.transposed else module.weight[self.cols(role)]
+        cols = self.cols(role, module.weight)
+        w = module.weight[:, cols].T if self.transposed else module.weight[cols]
         if w.shape[0] != self.heads(role) * self.head_dim:
             raise ValueError(f"attach: W_{role} has {w.shape[0]} rows, not {self.heads(role)} heads x "
                              f"{self.head_dim}: fix the adapter's head count or columns")
         return w
 
     def bias(self, role):
-        """b_q or b_k (a view), or None: QK-Clip scales it with its rows, so q itself scales."""
+        """b_q or b_k (a view, or a copy under indices), or None."""
         module = self.q if role == "q" else self.k
-        return None if getattr(module, "bias", None) is None else module.bias[self.cols(role)]
+        return None if getattr(module, "bias", None) is None else module.bias[self.cols(role, module.bias)]
+
+    @torch.no_grad()
+    def scale_rows(self, role, per_row):
+        """W_q's or W_k's rows (and bias) times per_row (heads * head_dim,), in the live weight: QK-Clip."""
+        module = self.q if role == "q" else self.k
+        cols = self.cols(role, module.weight)
+        if self.transposed:
+            module.weight[:, cols] *= per_row.to(module.weight.dtype)
+        else:
+            module.weight[cols] *= per_row.to(module.weight.dtype)[:, None]
+        if getattr(module, "bias", None) is not None:
+            module.bias[cols] *= per_row.to(module.bias.dtype)
+
+
+def head_columns(starts, head_dim):
+    """The column indices of heads of head_dim columns each, head h's from column starts[h]: q or k of a
+    fused projection whose heads interleave with the others' (a Layer's q_cols, k_cols)."""
+    starts = torch.as_tensor(starts)
+    return (starts[:, None] + torch.arange(head_dim)).flatten()
 
 
 class Switch:
@@ -150,17 +185,20 @@ def hf_gpt2(model):
 
 
 # Where a Hugging Face attention normalizes q and k itself, after q_proj and k_proj (Qwen3, OLMo 2,
-# Gemma 3, Cohere: q_norm, k_norm; StableLM, Persimmon: q_layernorm, k_layernorm).
-OWN_QK_NORMS = ("q_norm", "k_norm", "q_layernorm", "k_layernorm")
+# Gemma 3, Cohere: q_norm, k_norm; StableLM, Persimmon, Phi: q_layernorm, k_layernorm; Llama 4: qk_norm;
+# Hunyuan: query_layernorm, key_layernorm).
+OWN_QK_NORMS = ("q_norm", "k_norm", "q_layernorm", "k_layernorm", "qk_norm", "query_layernorm", "key_layernorm")
 
 
 def hf_llama(model):
     """Hugging Face LlamaForCausalLM: q_proj and k_proj Linears (k with fewer heads under GQA), then the
     rotary embedding, by the modeling file's own apply_rotary_pos_emb and the position_embeddings
     (cos, sin) the attention is called with. QK-norm acts on the projections, before the rotation:
-    a rotation keeps each head's norm, so the bound holds after it. A model of this layout that
-    normalizes q and k itself after the projections is refused: the hooks would read q and k before
-    that norm, and the logits they measure would not be the model's."""
+    a rotation keeps each head's norm, so the bound holds after it. The same layout's relatives are
+    read as they attend: a sliding window (Mistral, Qwen2, Gemma 2: hf_window), OLMo's clamp of q and
+    k at clip_qkv. A model of this layout that normalizes q and k itself after the projections is
+    refused: the hooks would read q and k before that norm, and the logits they measure would not be
+    the model's."""
     layers = []
     for m in model.modules():
         q_proj, k_proj = getattr(m, "q_proj", None), getattr(m, "k_proj", None)
@@ -179,20 +217,48 @@ def hf_llama(model):
                              f"whose rotary applies this model's rotation (qkguard/README.md: Another model's adapter)")
         layers.append(Layer(attn=m, q=q_proj, k=k_proj, n_head=q_proj.out_features // m.head_dim,
                             head_dim=m.head_dim, n_kv_head=k_proj.out_features // m.head_dim,
-                            scale=getattr(m, "scaling", None), rotary=_hf_rotary(rotate)))
+                            scale=getattr(m, "scaling", None), window=hf_window(m),
+                            rotary=_hf_rotary(rotate, clamp=getattr(m.config, "clip_qkv", None))))
     return layers
 
 
-def _hf_rotary(rotate):
+def _hf_rotary(rotate, clamp=None):
+    """The rotation by position_embeddings (cos, sin), of the first cos.shape[-1] features of each head
+    (all of them in Llama; a part in Phi, StableLM, GPT-NeoX), after a clamp of q and k to [-clamp,
+    clamp] where the model clamps them (OLMo's clip_qkv: in place, after the hooks copied them out)."""
     def rotary(q, k, args, kwargs, seqs):
-        cos, sin = kwargs["position_embeddings"]          # (batch or 1, time, head_dim)
+        cos, sin = kwargs["position_embeddings"]          # (batch or 1, time, rotated features)
         if seqs is not None and cos.shape[0] > 1:         # positions given per sequence: the sampled ones
             cos, sin = cos[seqs], sin[seqs]
-        return rotate(q, k, cos, sin)
+        if clamp is not None:
+            q, k = q.clamp(-clamp, clamp), k.clamp(-clamp, clamp)
+        n = cos.shape[-1]
+        if n == q.shape[-1]:
+            return rotate(q, k, cos, sin)
+        q_rot, k_rot = rotate(q[..., :n], k[..., :n], cos, sin)
+        return torch.cat([q_rot, q[..., n:]], dim=-1), torch.cat([k_rot, k[..., n:]], dim=-1)
     return rotary
 
 
-ADAPTERS = {"qkguard-gpt": qkguard_gpt, "hf-llama": hf_llama, "hf-gpt2": hf_gpt2, "nanogpt": nanogpt}
+def hf_window(m):
+    """The sliding window a Hugging Face attention m attends within, as its model builds the mask: the
+    layer's own sliding_window where it has one (Qwen2, Gemma 2: None on full-attention layers), else
+    by the config's layer_types, else the config's sliding_window for every layer (Mistral, Phi3)."""
+    if hasattr(m, "sliding_window"):
+        return m.sliding_window
+    config = getattr(m, "config", None)
+    window, types = getattr(config, "sliding_window", None), getattr(config, "layer_types", None)
+    if window is not None and types is not None and getattr(m, "layer_idx", None) is not None:
+        return window if types[m.layer_idx] == "sliding_attention" else None
+    return window
+
+
+# The other Hugging Face families (qkguard/families.py, which builds its Layers from this file's, so it
+# is imported here, below them): each knows its attention by class name, so "auto" tries them first.
+from qkguard.families import FAMILY_ADAPTERS  # noqa: E402
+
+ADAPTERS = {"qkguard-gpt": qkguard_gpt, **FAMILY_ADAPTERS, "hf-llama": hf_llama, "hf-gpt2": hf_gpt2,
+            "nanogpt": nanogpt}
 
 
 def find_layers(model, adapter="auto"):
@@ -230,9 +296,10 @@ MAX_LOGIT_CHUNK = 1 << 25
 
 
 @torch.no_grad()
-def sampled_max_logit(q, k, scale, sample=(None, None), chunk=MAX_LOGIT_CHUNK):
+def sampled_max_logit(q, k, scale, sample=(None, None), chunk=MAX_LOGIT_CHUNK, window=None):
     """Per query head, the max of scale * q.k over the sampled query rows (sample_rows) and the keys
-    each sees (causal), in fp32: a lower bound on the max over all rows, equal without a sample.
+    each sees (causal; under a sliding `window`, the last `window` of them), in fp32: a lower bound on
+    the max over all rows, equal without a sample.
     q (B, H, T, D), k (B, H_kv, T, D): query head h reads key head h // (H / H_kv), as GQA repeats them.
     Whole sequences keep the products large (T x D times D x T): one of a batch of 8 costs 1/8 of a
     dense QK^T, where single rows scattered over the batch would each be a product of its own. The rows
@@ -253,7 +320,10 @@ def sampled_max_logit(q, k, scale, sample=(None, None), chunk=MAX_LOGIT_CHUNK):
         else:              # sampled positions: their last is on the device, so every key (no host sync)
             rows, keys = pos[start:start + step], k
         logits = torch.matmul(q[:, :, :, start:start + step], keys.mT)      # (S, H_kv, group, rows, keys)
-        unseen = torch.arange(keys.shape[3], device=q.device) > rows[:, None]   # key j > query i: masked
+        key = torch.arange(keys.shape[3], device=q.device)
+        unseen = key > rows[:, None]                                             # key j > query i: masked
+        if window is not None:
+            unseen |= key <= rows[:, None] - window                              # and j <= i - window
         value = logits.masked_fill_(unseen, -math.inf).amax(dim=(0, 3, 4))
         best = value if best is None else torch.maximum(best, value)
     return best.flatten()
@@ -382,11 +452,11 @@ class AttachedGuard:
                 if not (acting or measuring):
                     continue                  # the dormant path: nothing computed, the output untouched
                 started = time.perf_counter()
-                cols = layer.cols(role)
+                cols = layer.cols(role, out)
                 part = out[..., cols].unflatten(-1, (layer.heads(role), layer.head_dim))   # (B, T, heads, D)
                 if acting:                         # the action, where q and k are formed
                     part = _rms_norm(part)
-                    if cols == slice(None):
+                    if isinstance(cols, slice) and cols == slice(None):
                         new = part.flatten(-2)
                     else:                          # a fused projection: its other columns pass through
                         new = out.clone() if new is None else new
@@ -411,7 +481,7 @@ class AttachedGuard:
                     seqs, pos = self._sample
                     if layer.rotary is not None:
                         q, k = layer.rotary(q, k, args, kwargs, seqs)
-                    value = sampled_max_logit(q, k, layer.scale, (None, pos))
+                    value = sampled_max_logit(q, k, layer.scale, (None, pos), window=layer.window)
                 running = self._running[i]
                 self._running[i] = value if running is None else torch.maximum(running, value)
                 self.seconds += time.perf_counter() - started
@@ -487,11 +557,7 @@ class AttachedGuard:
             f = torch.where(s > tau, tau / s.clamp_min(1e-30), torch.ones_like(s))
             a = f.unflatten(0, (layer.n_kv_head, -1)).amin(dim=1).sqrt()              # per key head
             for role, factor in (("q", f / a.repeat_interleave(layer.n_head // layer.n_kv_head)), ("k", a)):
-                per_row = factor.repeat_interleave(layer.head_dim)
-                w, b = layer.weight(role), layer.bias(role)
-                w.mul_(per_row.to(w.dtype)[:, None])
-                if b is not None:
-                    b.mul_(per_row.to(b.dtype))
+                layer.scale_rows(role, factor.repeat_interleave(layer.head_dim))
 
     # ------------------------------------------------------------------------- logs and checkpoints
 

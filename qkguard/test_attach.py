@@ -368,8 +368,9 @@ def test_the_first_qkclip_step_brings_every_heads_max_over_all_rows_to_tau(name,
     assert event["event"] == "guard_trigger" and event["active_from"] == 2
     for i, layer in enumerate(guard.layers):
         args, kwargs = inputs[i]
-        if "past_key_values" in kwargs:                           # no cache: this forward's keys alone
-            kwargs["past_key_values"] = None
+        for cache in ("past_key_values", "cache"):                # no cache: this forward's keys alone (the
+            if cache in kwargs:                                   # one the measured forward filled would add
+                kwargs[cache] = None                              # its unclipped keys; 5.25 renamed it cache)
         with torch.no_grad(), spied_attention(monkeypatch) as calls:
             layer.attn(*args, **kwargs)
         after = dense_max_logit(calls)[0]
