@@ -13,8 +13,9 @@ pytest.importorskip("accelerate")
 transformers = pytest.importorskip("transformers")
 
 import qkguard                                            # noqa: E402
+from qkguard import serve                                 # noqa: E402
 from qkguard.callbacks import STATE_FILE, QKGuardCallback  # noqa: E402
-from qkguard.test_attach import VOCAB, build, inflate_qk  # noqa: E402
+from qkguard.test_attach import VOCAB, batch, build, inflate_qk, train_steps  # noqa: E402
 
 STEPS, SAVE_AT = 6, 3         # the uninterrupted run's updates, and the checkpoint the resumed one starts from
 
@@ -106,3 +107,62 @@ def test_a_resume_from_a_checkpoint_without_the_guards_state_is_refused_in_one_l
     os.remove(saved / STATE_FILE)
     with pytest.raises(FileNotFoundError, match=rf"has no {STATE_FILE} .*QKGuardCallback\(guard, missing_ok=True\)"):
         train(tmp_path, resume=str(saved))
+
+
+# --------------------------------------------------------------------------------------------------
+# Serving a fired model (serve.py)
+
+def fired(name):
+    """A model of test_attach's `name` that the guard fired on (qknorm, every layer), and its guard."""
+    model, loss_of = build(name)
+    inflate_qk(model)
+    guard = qkguard.attach(model, threshold=1.0)
+    train_steps(model, loss_of, guard, 2)
+    assert guard.triggered and guard.qkguard.layers == [0, 1]
+    return model.eval(), guard
+
+
+def logits(model, x):
+    with torch.no_grad():
+        return model(input_ids=x).logits
+
+
+def test_a_fired_llama_exported_to_qwen3_gives_the_same_logits_and_generation(tmp_path):
+    """Saved and loaded as a Qwen3ForCausalLM, with no guard: bit for bit the guarded Llama's logits and
+    greedy generate(); the same weights loaded bare as a Llama give other logits."""
+    model, guard = fired("hf-llama")
+    x = batch()[0]
+    guarded = logits(model, x)
+    prompt = x[:, :4]
+    generated = model.generate(prompt, max_new_tokens=10, do_sample=False)
+    serve.to_qwen3(model, guard).save_pretrained(tmp_path / "qwen3")
+    qwen3 = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "qwen3")
+    assert type(qwen3).__name__ == "Qwen3ForCausalLM" and not qkguard.attached(qwen3)
+    assert torch.equal(logits(qwen3, x), guarded)
+    assert torch.equal(qwen3.generate(prompt, max_new_tokens=10, do_sample=False), generated)
+    guard.detach()                                          # the weights alone: what from_pretrained would give
+    assert (logits(model, x) - guarded).abs().max() > 0.1
+
+
+def test_a_fired_model_of_another_family_is_served_with_its_guard_state_beside_it(tmp_path):
+    model, guard = fired("hf-gpt2")
+    x = batch()[0]
+    guarded = logits(model, x)
+    model.save_pretrained(tmp_path)
+    serve.save_guard(guard, tmp_path)
+    bare = transformers.AutoModelForCausalLM.from_pretrained(tmp_path)
+    assert (logits(bare, x) - guarded).abs().max() > 0.1, "loaded bare, a fired model is another function"
+    served = serve.load_guard(bare, tmp_path)               # the action back on, from the next forward
+    assert served.triggered and torch.equal(logits(bare, x), guarded)
+
+
+def test_serving_refuses_what_it_cannot_serve_in_one_line(tmp_path):
+    model, guard = fired("hf-gpt2")
+    with pytest.raises(ValueError, match=r"to_qwen3 takes a LlamaForCausalLM, not GPT2LMHeadModel: .*save_guard\(\)"):
+        serve.to_qwen3(model, guard)
+    llama, _ = build("hf-llama")
+    dormant = qkguard.attach(llama)
+    with pytest.raises(ValueError, match="has not fired.*save_pretrained serves it as it is"):
+        serve.to_qwen3(llama, dormant)
+    with pytest.raises(FileNotFoundError, match=r"has no qkguard.pt: save it with save_guard\(guard, folder\)"):
+        serve.load_guard(model, tmp_path)
