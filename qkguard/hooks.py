@@ -225,13 +225,27 @@ def find_layers(model, adapter="auto"):
 
 # ----------------------------------------------------------------------------------------- signals
 
-def sample_rows(b, t, seqs, rows, generator):
+def sample_rows(b, t, seqs, rows, seed, device=None):
     """The query rows a monitored step reads: `seqs` of the batch's b sequences and `rows` of the t
-    positions (the same in each), drawn without replacement from the guard's own generator (the global
-    RNG, and so dropout, stays untouched). Returns (sequence indices, positions), sorted; None where
-    the count is None or covers them all."""
-    draw = lambda n, k: None if k is None or k >= n else torch.randperm(n, generator=generator)[:k].sort().values
-    return draw(b, seqs), draw(t, rows)
+    positions (the same in each), drawn without replacement: the indices ordered by a hash of each
+    index and `seed`, the first ones taken. The guard draws `seed` from its own generator in step(),
+    outside the forward (the global RNG, and so dropout, stays untouched); the draw itself is tensor
+    arithmetic on `device`, so under torch.compile the hooks trace without a graph break (a generator
+    cannot be traced) and nothing waits on a host copy. Returns (sequence indices, positions), sorted;
+    None where the count is None or covers them all."""
+    def draw(n, k, salt):
+        if k is None or k >= n:
+            return None
+        return _hash31(torch.arange(n, device=device), seed ^ salt).argsort()[:k].sort().values
+    return draw(b, seqs, 0x5EC5), draw(t, rows, 0x2085)
+
+
+def _hash31(x, seed):
+    """A 31-bit integer hash of each x (< 2^31) and seed: multiply-xorshift rounds, in int64 without overflow."""
+    x = (x * 0x9E3779B1 + seed) & 0x7FFFFFFF
+    for multiplier in (0x2C1B3C6D, 0x297A2D39):
+        x = ((x ^ (x >> 16)) * multiplier) & 0x7FFFFFFF
+    return x ^ (x >> 16)
 
 
 # Logits held at once by sampled_max_logit (fp32: 128 MiB): it walks the query rows in chunks of this
@@ -376,6 +390,7 @@ class AttachedGuard:
         self._seen = [{} for _ in layers]          # this forward's q and k, per layer, until its attention ends
         self._running = [None] * len(layers)       # this step's max logit per layer (micro-batches: the max)
         self._plan()
+        self._draw()
         self.writer = _tensorboard_writer(tensorboard) if tensorboard else None
         feeds = {}   # module -> [(layer, "q" or "k")]: one hook per module, as a fused c_attn forms both
         for i, layer in enumerate(layers):
@@ -402,6 +417,10 @@ class AttachedGuard:
         # for the device), so under qkclip every step with a check queued reads all rows too.
         may_clip = self.qkguard.action == "qkclip" and self.qkguard.pending is not None
         self._all_rows, self._sample_shape = self._clipping() or may_clip, None
+
+    def _draw(self):
+        """The next step's sample seed (sample_rows), from the guard's generator: here, not in a hook."""
+        self._seed = int(torch.randint(0, 1 << 31, (), generator=self.generator))
 
     # ------------------------------------------------------------------------- the hooks
 
@@ -459,10 +478,8 @@ class AttachedGuard:
         drawn once per batch shape and step, and read by every layer (and micro-batch) of that shape."""
         shape = part.shape[0], part.shape[-3]
         if self._sample_shape != shape:
-            sample = (None, None) if self._all_rows else sample_rows(*shape, self.seqs, self.rows, self.generator)
-            # to a GPU from pinned memory, non-blocking: a plain copy would wait for the queued work
-            move = (lambda i: i.pin_memory().to(part.device, non_blocking=True)) if part.is_cuda else (lambda i: i)
-            self._sample = tuple(None if i is None else move(i) for i in sample)
+            self._sample = (None, None) if self._all_rows else \
+                sample_rows(*shape, self.seqs, self.rows, self._seed, part.device)
             self._sample_shape = shape
         return self._sample
 
@@ -491,6 +508,7 @@ class AttachedGuard:
             self._write_tensorboard(step)
         self.steps += 1
         self._plan()
+        self._draw()
         if self.timing:
             self.seconds += time.perf_counter() - started
         return event
@@ -571,11 +589,11 @@ class AttachedGuard:
 
     def state_dict(self):
         """The latch (QKGuard's trigger, covered layers, queued check), the settings it was latched under,
-        the step count, the power iteration's vectors and the sampling generator: plain tensors, lists and
-        numbers (torch.load weights_only)."""
+        the step count, the power iteration's vectors, the sampling generator and the next step's sample
+        seed: plain tensors, lists and numbers (torch.load weights_only)."""
         return {"n_layer": len(self.layers), "shape": self._shape(), "steps": self.steps, "guard": self.qkguard.state_dict(),
                 "settings": self._settings(), "sigma_v": {key: v.cpu() for key, v in self.sigma.v.items()},
-                "generator": self.generator.get_state()}
+                "generator": self.generator.get_state(), "sample_seed": self._seed}
 
     def load_state_dict(self, state):
         """A saved guard back; a latched action is on again in the model at once. All or nothing: every
@@ -609,6 +627,11 @@ class AttachedGuard:
         self.sigma_head, self._running = self._measure_sigma(iters=0), [None] * len(self.layers)
         self.qkguard.apply_to_model(self)
         self._plan()
+        # the seed drawn for the next step before the save (a state saved before it was kept: a new draw)
+        if "sample_seed" in state:
+            self._seed = state["sample_seed"]
+        else:
+            self._draw()
 
     def detach(self):
         """Remove the hooks (an action the model switches itself, this project's qk_norm, stays as it is)."""
