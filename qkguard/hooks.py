@@ -20,12 +20,14 @@ Four parts, one screen each:
               latch, events. The hooks measure, and carry its action out in the model.
 
 transformers is never imported: the Hugging Face adapters know its modules by their structure, so
-this file works, and its tests pass, without it.
+this file works, and its tests pass, without it. Nor are triton and the training code (model.py,
+attention_kernel.py): only guard.py, which needs torch alone.
 
 What the monitor assumes: causal self-attention over whole sequences (a padding or document mask is
 not read, so pairs it hides count too), projection outputs laid out (batch, time, features), and
-layers of one shape, one guard per model (watchers, enabled=False, may share one). It runs in eager
-mode; under torch.compile it is untested.
+layers of one shape, one guard per model (watchers, enabled=False, may share one). Under
+torch.compile the hooks trace into the model's graph with no break of their own (no clock read unless
+timing=True, no generator in a hook).
 """
 import itertools
 import json
@@ -340,9 +342,9 @@ def detach(model):
 class AttachedGuard:
     """QK-Guard on a model through hooks: one on each module that forms q or k, one on each attention.
 
-    Dormant, the hooks return nothing. On a monitored step they copy q and k out, detached, and draw the
-    sampled rows from the guard's own generator: the model's outputs, gradients and RNG are those of a
-    run without the guard, so its training is bit for bit the same. The forwards measured are those run
+    Dormant, the hooks return nothing. On a monitored step they copy q and k out, detached, and pick the
+    sampled rows by a seed step() drew from the guard's own generator: the model's outputs, gradients
+    and RNG are those of a run without the guard, so its training is bit for bit the same. The forwards measured are those run
     with gradients enabled, in train() or eval() mode alike (a from_pretrained model is in eval mode):
     a forward under torch.no_grad or inference_mode, as a validation loss, is not part of the step's signal.
     The monitored steps are one update in `interval`: with interval N the guard sees updates 0, N, 2N, ...

@@ -55,7 +55,7 @@ def train(out, stop=STEPS, resume=None, **guard_settings):
     transformers.set_seed(0)
     model, _ = build("hf-llama")
     inflate_qk(model, 8.0)
-    guard = qkguard.attach(model, **{"threshold": 5.0, **guard_settings})
+    guard = qkguard.attach(model, **{"threshold": 3.0, **guard_settings})
     tracker = Tracker()
     args = transformers.TrainingArguments(output_dir=str(out), max_steps=STEPS, per_device_train_batch_size=4,
                                           learning_rate=1e-3, logging_steps=1, save_steps=SAVE_AT, save_strategy="steps",
