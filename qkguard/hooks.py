@@ -21,13 +21,16 @@ Four parts, one screen each:
               latch, events. The hooks measure, and carry its action out in the model.
 
 transformers is never imported: the Hugging Face adapters know its modules by their structure, so
-this file works, and its tests pass, without it.
+this file works, and its tests pass, without it. Nor are triton and the training code (model.py,
+attention_kernel.py): only guard.py, which needs torch alone.
 
 What the monitor assumes: causal self-attention over whole sequences, within a sliding window where
 the adapter gives one (a padding or document mask is not read, so pairs it hides count too),
 projection outputs laid out (batch, time, features), and layers of one shape, one guard per model
-(watchers, enabled=False, may share one). It runs in eager mode; under torch.compile it is untested.
+(watchers, enabled=False, may share one). Under torch.compile the hooks trace into the model's graph
+with no break of their own (no clock read unless timing=True, no generator in a hook).
 """
+import itertools
 import json
 import math
 import sys
@@ -39,12 +42,20 @@ from typing import Callable, Optional
 import torch
 import torch.nn as nn
 
-from attention_kernel import _rms_norm   # the QK-norm of this project's kernel: one action, one definition
-from guard import DEFAULT_THRESHOLD, QKGuard, SpectralMonitor
+from guard import DEFAULT_THRESHOLD, QKGuard, SpectralMonitor   # the decisions: torch alone, no model or kernel
 
 # What an attached guard can do in a model it does not own. guard.py's other attention actions
 # (softcap, fp32-accum) act inside this project's kernel; lr-drop and clip act in train.py's loop.
 ATTACH_ACTIONS = ("qknorm", "qkclip")
+
+
+def _rms_norm(x, eps=1e-6):
+    """The QK-norm: parameter-free RMS norm over head_dim in fp32 (float64 stays), cast back. The same
+    expression as attention_kernel._rms_norm (test_attach checks them equal bit for bit), written here
+    because that file imports triton, and qkguard must import where triton does not install. It is also
+    Qwen3's q_norm and k_norm with weight 1 and eps 1e-6, which qkguard/serve.py's export relies on."""
+    xf = x.to(torch.promote_types(x.dtype, torch.float32))
+    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
 
 
 # ----------------------------------------------------------------------------------------- Layer
@@ -146,9 +157,10 @@ class Switch:
 def qkguard_gpt(model):
     """This project's GPT (model.py): q_proj and k_proj, rotary after them (arch llama), and its own
     qk_norm switch, which the kernel applies."""
-    from model import GPT, apply_rotary
-    if not isinstance(model, GPT):
+    model_py = sys.modules.get("model")      # not imported here: a model of it was built, so it is loaded
+    if model_py is None or not isinstance(model, getattr(model_py, "GPT", ())):
         return []
+    apply_rotary = model_py.apply_rotary
 
     def rotary(q, k, args, kwargs, seqs):   # forward(x, rotary): (cos, sin) by position, or None (gpt2)
         tables = args[1] if len(args) > 1 else kwargs.get("rotary")
@@ -281,13 +293,27 @@ def find_layers(model, adapter="auto"):
 
 # ----------------------------------------------------------------------------------------- signals
 
-def sample_rows(b, t, seqs, rows, generator):
+def sample_rows(b, t, seqs, rows, seed, device=None):
     """The query rows a monitored step reads: `seqs` of the batch's b sequences and `rows` of the t
-    positions (the same in each), drawn without replacement from the guard's own generator (the global
-    RNG, and so dropout, stays untouched). Returns (sequence indices, positions), sorted; None where
-    the count is None or covers them all."""
-    draw = lambda n, k: None if k is None or k >= n else torch.randperm(n, generator=generator)[:k].sort().values
-    return draw(b, seqs), draw(t, rows)
+    positions (the same in each), drawn without replacement: the indices ordered by a hash of each
+    index and `seed`, the first ones taken. The guard draws `seed` from its own generator in step(),
+    outside the forward (the global RNG, and so dropout, stays untouched); the draw itself is tensor
+    arithmetic on `device`, so under torch.compile the hooks trace without a graph break (a generator
+    cannot be traced) and nothing waits on a host copy. Returns (sequence indices, positions), sorted;
+    None where the count is None or covers them all."""
+    def draw(n, k, salt):
+        if k is None or k >= n:
+            return None
+        return _hash31(torch.arange(n, device=device), seed ^ salt).argsort()[:k].sort().values
+    return draw(b, seqs, 0x5EC5), draw(t, rows, 0x2085)
+
+
+def _hash31(x, seed):
+    """A 31-bit integer hash of each x (< 2^31) and seed: multiply-xorshift rounds, in int64 without overflow."""
+    x = (x * 0x9E3779B1 + seed) & 0x7FFFFFFF
+    for multiplier in (0x2C1B3C6D, 0x297A2D39):
+        x = ((x ^ (x >> 16)) * multiplier) & 0x7FFFFFFF
+    return x ^ (x >> 16)
 
 
 # Logits held at once by sampled_max_logit (fp32: 128 MiB): it walks the query rows in chunks of this
@@ -361,16 +387,34 @@ class QKSigma:
 # ----------------------------------------------------------------------------------------- the guard
 
 # module -> the guards hooked on it (weak both ways: a model dropped with its guard still goes), so that
-# a second attach does not stack its hooks on the first's unnoticed
+# a second attach does not stack its hooks on the first's unnoticed, and a guard whose name was lost
+# (a notebook cell run again) can be found from its model
 _ATTACHED = weakref.WeakKeyDictionary()
+
+
+def attached(model):
+    """The guards attached to `model` (to any of its modules), oldest first: one whose variable was lost
+    or overwritten still hooks the model, and is found here."""
+    modules = set(model.modules())
+    guards = {g for m in modules for g in _ATTACHED.get(m, ())}
+    return sorted(guards, key=lambda g: g.serial)
+
+
+def detach(model):
+    """Detach every guard attached to `model` (attached()); returns how many. For a guard that was
+    lost: `attach(model)` run again refuses to stack a second guard, and this frees the model."""
+    guards = attached(model)
+    for guard in guards:
+        guard.detach()
+    return len(guards)
 
 
 class AttachedGuard:
     """QK-Guard on a model through hooks: one on each module that forms q or k, one on each attention.
 
-    Dormant, the hooks return nothing. On a monitored step they copy q and k out, detached, and draw the
-    sampled rows from the guard's own generator: the model's outputs, gradients and RNG are those of a
-    run without the guard, so its training is bit for bit the same. The forwards measured are those run
+    Dormant, the hooks return nothing. On a monitored step they copy q and k out, detached, and pick the
+    sampled rows by a seed step() drew from the guard's own generator: the model's outputs, gradients
+    and RNG are those of a run without the guard, so its training is bit for bit the same. The forwards measured are those run
     with gradients enabled, in train() or eval() mode alike (a from_pretrained model is in eval mode):
     a forward under torch.no_grad or inference_mode, as a validation loss, is not part of the step's signal.
     The monitored steps are one update in `interval`: with interval N the guard sees updates 0, N, 2N, ...
@@ -387,8 +431,10 @@ class AttachedGuard:
               crossing reaches the host only then): an enabled qkclip guard's seqs and rows set step 0's only
     """
 
+    serials = itertools.count()        # attach order, for attached()
+
     def __init__(self, model, layers, qkguard, *, interval=1, seqs=1, rows=None, seed=0, tensorboard=None,
-                 log_every=10):
+                 log_every=10, timing=False):
         if len({(layer.n_head, layer.n_kv_head, layer.head_dim, layer.weight("q").shape) for layer in layers}) > 1:
             raise ValueError("attach: the layers differ in heads or width; QK-Guard's signal is one (layer, head) "
                              "table: guard layers of one shape (an adapter may return a subset)")
@@ -396,10 +442,12 @@ class AttachedGuard:
         others = {g for m in modules for g in _ATTACHED.get(m, ())}
         if others and (qkguard.enabled or any(g.qkguard.enabled for g in others)):
             raise ValueError(f"attach: {type(model).__name__} already has a QK-Guard attached, and a second one would "
-                             f"stack its hooks on the first's: call the first one's detach() before attaching again "
-                             f"(only watchers, enabled=False, may share a model)")
+                             f"stack its hooks on the first's: call the first one's detach() before attaching again, or "
+                             f"qkguard.detach(model) if you no longer hold it (only watchers, enabled=False, may share "
+                             f"a model)")
         self.model, self.layers, self.qkguard = model, layers, qkguard
         self.interval, self.seqs, self.rows, self.log_every = interval, seqs, rows, log_every
+        self.serial, self.timing = next(AttachedGuard.serials), timing
         # what QKGuard.apply_to_model flips: the model's own switch where it has one
         self.attentions = [Switch() if layer.switch is None else layer.switch for layer in layers]
         self.generator = torch.Generator().manual_seed(seed)
@@ -408,10 +456,13 @@ class AttachedGuard:
         self.sigma.measure(iters=30, which="all")
         self.steps, self.max_logit, self.events = 0, None, []
         self.max_logit_step = None        # the update self.max_logit was measured at
-        self.seconds = 0.0        # host time in the guard's hooks and step() (CPU: its whole cost; CUDA: launches)
+        # timing=True: host time in the guard's hooks and step() (CPU: its whole cost; CUDA: launches). Off
+        # by default: a clock read inside a hook is a graph break under torch.compile
+        self.seconds = 0.0
         self._seen = [{} for _ in layers]          # this forward's q and k, per layer, until its attention ends
         self._running = [None] * len(layers)       # this step's max logit per layer (micro-batches: the max)
         self._plan()
+        self._draw()
         self.writer = _tensorboard_writer(tensorboard) if tensorboard else None
         feeds = {}   # module -> [(layer, "q" or "k")]: one hook per module, as a fused c_attn forms both
         for i, layer in enumerate(layers):
@@ -439,6 +490,10 @@ class AttachedGuard:
         may_clip = self.qkguard.action == "qkclip" and self.qkguard.pending is not None
         self._all_rows, self._sample_shape = self._clipping() or may_clip, None
 
+    def _draw(self):
+        """The next step's sample seed (sample_rows), from the guard's generator: here, not in a hook."""
+        self._seed = int(torch.randint(0, 1 << 31, (), generator=self.generator))
+
     # ------------------------------------------------------------------------- the hooks
 
     def _projection_hook(self, roles):
@@ -451,7 +506,7 @@ class AttachedGuard:
                 acting = on and layer.switch is None      # else the model normalizes itself, or it is off
                 if not (acting or measuring):
                     continue                  # the dormant path: nothing computed, the output untouched
-                started = time.perf_counter()
+                started = time.perf_counter() if self.timing else 0.0
                 cols = layer.cols(role, out)
                 part = out[..., cols].unflatten(-1, (layer.heads(role), layer.head_dim))   # (B, T, heads, D)
                 if acting:                         # the action, where q and k are formed
@@ -467,7 +522,8 @@ class AttachedGuard:
                     if on and layer.switch is not None:   # the model normalizes itself: measure what it sees
                         seen = _rms_norm(seen)
                     self._seen[i][role] = seen.transpose(-3, -2)                         # (S, heads, T, D)
-                self.seconds += time.perf_counter() - started
+                if self.timing:
+                    self.seconds += time.perf_counter() - started
             return new
         return hook
 
@@ -475,7 +531,7 @@ class AttachedGuard:
         def hook(module, args, kwargs, out):
             seen = self._seen[i]
             if "q" in seen and "k" in seen:
-                started, layer = time.perf_counter(), self.layers[i]
+                started, layer = time.perf_counter() if self.timing else 0.0, self.layers[i]
                 with torch.no_grad():
                     q, k = seen["q"], seen["k"]
                     seqs, pos = self._sample
@@ -484,7 +540,8 @@ class AttachedGuard:
                     value = sampled_max_logit(q, k, layer.scale, (None, pos), window=layer.window)
                 running = self._running[i]
                 self._running[i] = value if running is None else torch.maximum(running, value)
-                self.seconds += time.perf_counter() - started
+                if self.timing:
+                    self.seconds += time.perf_counter() - started
             seen.clear()
         return hook
 
@@ -493,10 +550,8 @@ class AttachedGuard:
         drawn once per batch shape and step, and read by every layer (and micro-batch) of that shape."""
         shape = part.shape[0], part.shape[-3]
         if self._sample_shape != shape:
-            sample = (None, None) if self._all_rows else sample_rows(*shape, self.seqs, self.rows, self.generator)
-            # to a GPU from pinned memory, non-blocking: a plain copy would wait for the queued work
-            move = (lambda i: i.pin_memory().to(part.device, non_blocking=True)) if part.is_cuda else (lambda i: i)
-            self._sample = tuple(None if i is None else move(i) for i in sample)
+            self._sample = (None, None) if self._all_rows else \
+                sample_rows(*shape, self.seqs, self.rows, self._seed, part.device)
             self._sample_shape = shape
         return self._sample
 
@@ -525,7 +580,9 @@ class AttachedGuard:
             self._write_tensorboard(step)
         self.steps += 1
         self._plan()
-        self.seconds += time.perf_counter() - started
+        self._draw()
+        if self.timing:
+            self.seconds += time.perf_counter() - started
         return event
 
     def _take_max_logit(self):
@@ -593,27 +650,44 @@ class AttachedGuard:
         g = self.qkguard
         return {"signal": g.signal, "action": g.action, "threshold": float(g.threshold), "scope": g.scope}
 
+    def _shape(self):
+        """What a state is a state of: per layer, the heads, key heads, head_dim and W_q's input width."""
+        layer = self.layers[0]
+        return [len(self.layers), layer.n_head, layer.n_kv_head, layer.head_dim, layer.weight("q").shape[1]]
+
     def state_dict(self):
         """The latch (QKGuard's trigger, covered layers, queued check), the settings it was latched under,
-        the step count, the power iteration's vectors and the sampling generator: plain tensors, lists and
-        numbers (torch.load weights_only)."""
-        return {"n_layer": len(self.layers), "steps": self.steps, "guard": self.qkguard.state_dict(),
+        the step count, the power iteration's vectors, the sampling generator and the next step's sample
+        seed: plain tensors, lists and numbers (torch.load weights_only)."""
+        return {"n_layer": len(self.layers), "shape": self._shape(), "steps": self.steps, "guard": self.qkguard.state_dict(),
                 "settings": self._settings(), "sigma_v": {key: v.cpu() for key, v in self.sigma.v.items()},
-                "generator": self.generator.get_state()}
+                "generator": self.generator.get_state(), "sample_seed": self._seed}
 
     def load_state_dict(self, state):
-        """A saved guard back; a latched action is on again in the model at once. The guard must have the
-        saved one's signal, action, threshold and scope: a latch fired under one action and resumed under
-        another would act as neither run asked."""
+        """A saved guard back; a latched action is on again in the model at once. All or nothing: every
+        check comes before the first change. The guard must have the saved one's signal, action,
+        threshold and scope (a latch fired under one action and resumed under another would act as
+        neither run asked), and be of a model of the saved one's shape. A watcher (enabled=False) never
+        acts, so it refuses a state that fired: the model was trained with the action on."""
         if state.get("n_layer") != len(self.layers):
             raise ValueError(f"QK-Guard: this state is of a model with {state.get('n_layer')} attention layers, not "
                              f"{len(self.layers)}: load the guard state saved with this model")
+        saved_v, mine_v = state.get("sigma_v", {}), self.sigma.v  # a state saved before "shape" was: its vectors
+        if state.get("shape", self._shape()) != self._shape() or {k: tuple(v.shape) for k, v in saved_v.items()} != \
+                {k: tuple(v.shape) for k, v in mine_v.items()}:
+            names = "layers, heads, key heads, head_dim, width"
+            raise ValueError(f"QK-Guard: this state is of a model with ({names}) {state.get('shape', '?')}, not "
+                             f"{self._shape()}: load the guard state saved with this model (nothing was changed)")
         saved, mine = state.get("settings", {}), self._settings()    # a state saved before settings were: unchecked
         wrong = [key for key in mine if key in saved and saved[key] != mine[key]]
         if wrong:
             show = lambda settings: ", ".join(f"{key}={settings[key]!r}" for key in wrong)
             raise ValueError(f"QK-Guard: this state was saved by a guard with {show(saved)}, not {show(mine)}: attach "
                              f"with the saved run's settings to resume it")
+        if state["guard"].get("trigger") is not None and not self.qkguard.enabled:
+            raise ValueError(f"QK-Guard: this state fired (at step {state['guard']['trigger']['step']}) and this guard "
+                             f"is a watcher (enabled=False), which never acts: the model was trained with the action "
+                             f"on, so attach with enabled=True to resume it")
         self.qkguard.load_state_dict(state["guard"])
         self.steps = state["steps"]
         self.sigma.v = {key: v.to(self.sigma.v[key].device) for key, v in state["sigma_v"].items()}
@@ -621,6 +695,11 @@ class AttachedGuard:
         self.sigma_head, self._running = self._measure_sigma(iters=0), [None] * len(self.layers)
         self.qkguard.apply_to_model(self)
         self._plan()
+        # the seed drawn for the next step before the save (a state saved before it was kept: a new draw)
+        if "sample_seed" in state:
+            self._seed = state["sample_seed"]
+        else:
+            self._draw()
 
     def detach(self):
         """Remove the hooks (an action the model switches itself, this project's qk_norm, stays as it is)."""
@@ -643,7 +722,8 @@ def _tensorboard_writer(logdir):
 
 
 def attach(model, adapter="auto", *, threshold=None, signal="max-logit", action="qknorm", scope="all",
-           enabled=True, tau=None, interval=1, seqs=1, rows=None, seed=0, tensorboard=None, log_every=10):
+           enabled=True, tau=None, interval=1, seqs=1, rows=None, seed=0, tensorboard=None, log_every=10,
+           timing=False):
     """Attach QK-Guard to `model`; returns an AttachedGuard (call its step() after each update).
 
     adapter    "auto", a name in ADAPTERS, or a function model -> [Layer]
@@ -658,17 +738,30 @@ def attach(model, adapter="auto", *, threshold=None, signal="max-logit", action=
                None: all): the defaults read every row of one sequence. Under qkclip, steps that may clip
                read every row (AttachedGuard)
     tensorboard  a log folder for the signals every log_every steps (needs tensorboard); None: off
+    timing     True: add the host time in the hooks and step() to guard.seconds (a graph break under torch.compile)
     """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"attach: model must be a torch.nn.Module, not a {type(model).__name__} ({model!r:.40}): load "
+                        f"it first (e.g. transformers.AutoModelForCausalLM.from_pretrained(name)) and pass the model")
     if action not in ATTACH_ACTIONS:
         raise ValueError(f"attach: action {action!r} is not one an attached guard can take: choose one of "
                          f"{', '.join(ATTACH_ACTIONS)} (the others act in this project's kernel or train.py's loop)")
     if signal not in DEFAULT_THRESHOLD:
         raise ValueError(f"attach: unknown signal {signal!r}: choose one of {', '.join(DEFAULT_THRESHOLD)}")
-    count = lambda n: isinstance(n, int) and n >= 1
-    if not count(interval) or not all(n is None or count(n) for n in (seqs, rows)):
-        raise ValueError(f"attach: interval ({interval!r}) must be an integer >= 1, seqs ({seqs!r}) and rows "
-                         f"({rows!r}) integers >= 1 or None")
+    count = lambda n: isinstance(n, int) and not isinstance(n, bool) and n >= 1
+    if not count(interval) or not count(log_every) or not all(n is None or count(n) for n in (seqs, rows)):
+        raise ValueError(f"attach: interval ({interval!r}) and log_every ({log_every!r}) must be integers >= 1, seqs "
+                         f"({seqs!r}) and rows ({rows!r}) integers >= 1 or None")
+    # a threshold that is not a finite number never fires (NaN, inf) or fails at the first step (a string);
+    # a cap tau <= 0 would scale W_q by 0 or a negative (or NaN) factor
+    real = lambda x: isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+    if threshold is not None and not real(threshold):
+        raise ValueError(f"attach: threshold must be a finite number in the signal's units, not {threshold!r}: "
+                         f"give e.g. {DEFAULT_THRESHOLD[signal]} (None: that default)")
+    if tau is not None and not (real(tau) and tau > 0):
+        raise ValueError(f"attach: QK-Clip's tau must be a finite number > 0 (the max logit it caps a head at), not "
+                         f"{tau!r}: give e.g. 100.0 (None: guard.py's default)")
     layers = find_layers(model, adapter)
     qkguard = QKGuard(threshold=threshold, enabled=enabled, signal=signal, action=action, scope=scope, tau=tau)
     return AttachedGuard(model, layers, qkguard, interval=interval, seqs=seqs, rows=rows, seed=seed,
-                         tensorboard=tensorboard, log_every=log_every)
+                         tensorboard=tensorboard, log_every=log_every, timing=timing)
