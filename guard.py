@@ -10,8 +10,6 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from model import WEIGHT_KINDS
-
 SIGNALS = ("max-logit", "sigma-product")
 # Default thresholds, between healthy runs and runaways: max-logit's from SOURCES.md's H200 runs, sigma-product's
 # from lab/MEASUREMENTS.md's CPU runs (it scales with the model: set it from a healthy run's log).
@@ -45,12 +43,13 @@ class SpectralMonitor:
         return v / v.norm(dim=-1, keepdim=True).clamp_min(1e-30)
 
     @torch.no_grad()
-    def measure(self, model, iters=1, kinds=WEIGHT_KINDS):
-        """Refresh self.sigma (of `kinds`) and, with W_q and W_k, self.sigma_head; returns both.
-        Each call copies the weights it measures, so train.py measures non-QK kinds at log steps."""
-        stacks = {kind: torch.stack(ws).float()                              # (layer, out, in)
-                  for kind, ws in model.weight_matrices(kinds).items()}
-        if "q" in kinds:   # head h owns rows h*head_dim:(h+1)*head_dim of W_q and W_k
+    def measure(self, model, iters=1, kinds=None):
+        """Refresh self.sigma (of `kinds`; None: every kind model.py's WEIGHT_KINDS names) and, with W_q
+        and W_k, self.sigma_head; returns both. Each call copies the weights it measures, so train.py
+        measures non-QK kinds at log steps. (model.py is not imported: qkguard uses this file without it.)"""
+        weights = model.weight_matrices() if kinds is None else model.weight_matrices(kinds)
+        stacks = {kind: torch.stack(ws).float() for kind, ws in weights.items()}    # (layer, out, in)
+        if "q" in stacks:   # head h owns rows h*head_dim:(h+1)*head_dim of W_q and W_k
             stacks["qk_head"] = torch.stack([stacks["q"], stacks["k"]], dim=1).unflatten(2, (self.n_head, -1))
         norms = {}
         for kind, w in stacks.items():

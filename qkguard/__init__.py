@@ -4,10 +4,12 @@
 
 The code is qkguard/hooks.py (adapters, signals, the hooks); qkguard/example.py runs it on a
 nanoGPT-style GPT; qkguard/README.md is the documentation. It uses the reference's guard.py (the
-decisions) and attention_kernel.py (the QK-norm), imported from the repository root, where it runs.
+decisions, torch alone), from the repository root or installed beside it (`pip install .`); it
+imports neither triton nor the training code. callbacks.py (the Trainer callback) and serve.py (a
+fired model served) are imported where used: transformers stays optional.
 """
-from qkguard.hooks import (ADAPTERS, ATTACH_ACTIONS, AttachedGuard, Layer, attach, find_layers, hf_gpt2, hf_llama,
-                           nanogpt, qkguard_gpt)
+from qkguard.hooks import (ADAPTERS, ATTACH_ACTIONS, AttachedGuard, Layer, attach, attached, detach, find_layers,
+                           hf_gpt2, hf_llama, nanogpt, qkguard_gpt)
 
-__all__ = ["attach", "AttachedGuard", "Layer", "ADAPTERS", "ATTACH_ACTIONS", "find_layers",
+__all__ = ["attach", "attached", "detach", "AttachedGuard", "Layer", "ADAPTERS", "ATTACH_ACTIONS", "find_layers",
            "qkguard_gpt", "nanogpt", "hf_gpt2", "hf_llama"]

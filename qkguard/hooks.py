@@ -13,37 +13,49 @@ Four parts, one screen each:
   Layer       what an adapter says of one attention layer: where q and k are formed (which module's
               output, which columns), the heads, the logit scale, the rotation applied after them
   adapters    this project's GPT, a nanoGPT-style GPT, Hugging Face GPT2LMHeadModel and LlamaForCausalLM
-              (not the Llama-like models that normalize q and k themselves: Qwen3, OLMo 2, Gemma 3)
+              and its relatives (not the Llama-like models that normalize q and k themselves: Qwen3,
+              OLMo 2, Gemma 3); the other Hugging Face families are in families.py
   signals     the max logit over a sample of query rows of the layer's own q and k, a chunk of rows at a
               time; sigma(W_q,h) and sigma(W_k,h) by power iteration
   AttachedGuard  the hooks and the step. guard.QKGuard decides, unchanged: threshold, deferred check,
               latch, events. The hooks measure, and carry its action out in the model.
 
 transformers is never imported: the Hugging Face adapters know its modules by their structure, so
-this file works, and its tests pass, without it.
+this file works, and its tests pass, without it. Nor are triton and the training code (model.py,
+attention_kernel.py): only guard.py, which needs torch alone.
 
-What the monitor assumes: causal self-attention over whole sequences (a padding or document mask is
-not read, so pairs it hides count too), projection outputs laid out (batch, time, features), and
-layers of one shape, one guard per model (watchers, enabled=False, may share one). It runs in eager
-mode; under torch.compile it is untested.
+What the monitor assumes: causal self-attention over whole sequences, within a sliding window where
+the adapter gives one (a padding or document mask is not read, so pairs it hides count too),
+projection outputs laid out (batch, time, features), and layers of one shape, one guard per model
+(watchers, enabled=False, may share one). Under torch.compile the hooks trace into the model's graph
+with no break of their own (no clock read unless timing=True, no generator in a hook).
 """
+import itertools
 import json
 import math
 import sys
 import time
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 import torch
 import torch.nn as nn
 
-from attention_kernel import _rms_norm   # the QK-norm of this project's kernel: one action, one definition
-from guard import DEFAULT_THRESHOLD, QKGuard, SpectralMonitor
+from guard import DEFAULT_THRESHOLD, QKGuard, SpectralMonitor   # the decisions: torch alone, no model or kernel
 
 # What an attached guard can do in a model it does not own. guard.py's other attention actions
 # (softcap, fp32-accum) act inside this project's kernel; lr-drop and clip act in train.py's loop.
 ATTACH_ACTIONS = ("qknorm", "qkclip")
+
+
+def _rms_norm(x, eps=1e-6):
+    """The QK-norm: parameter-free RMS norm over head_dim in fp32 (float64 stays), cast back. The same
+    expression as attention_kernel._rms_norm (test_attach checks them equal bit for bit), written here
+    because that file imports triton, and qkguard must import where triton does not install. It is also
+    Qwen3's q_norm and k_norm with weight 1 and eps 1e-6, which qkguard/serve.py's export relies on."""
+    xf = x.to(torch.promote_types(x.dtype, torch.float32))
+    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
 
 
 # ----------------------------------------------------------------------------------------- Layer
@@ -53,24 +65,30 @@ class Layer:
     """One attention layer, as an adapter describes it. q and k are read from the outputs of the
     modules `q` and `k` (batch, time, features), at columns q_cols and k_cols, head h at
     h*head_dim:(h+1)*head_dim of those; the weights that make them are the same rows of those
-    modules' weights (columns, for a transposed Conv1D)."""
+    modules' weights (columns, for a transposed Conv1D). The columns are a slice where q's are one
+    block, or a 1-D tensor of column indices where a fused projection interleaves q, k and v per
+    head (GPT-NeoX, BLOOM) or per group of heads (Falcon, CodeGen): head_columns() builds them."""
     attn: nn.Module                 # its forward holds one attention: its hook sees q and k complete
     q: nn.Module                    # the module whose output holds q ...
     k: nn.Module                    # ... and k (the same module for a fused q, k, v projection)
     n_head: int
     head_dim: int
     n_kv_head: Optional[int] = None          # k's heads, fewer under GQA; None: n_head
-    q_cols: Optional[slice] = None           # None: all the module's output columns
-    k_cols: Optional[slice] = None
+    q_cols: Optional[slice | torch.Tensor] = None   # None: all the module's output columns
+    k_cols: Optional[slice | torch.Tensor] = None
     scale: Optional[float] = None            # the logit scale; None: 1 / sqrt(head_dim)
     transposed: bool = False                 # weight stored (in, out), as Hugging Face's Conv1D does
     # rotary(q, k, args, kwargs, seqs) -> (q, k): the rotation the model applies after the projections,
     # from the arguments attn was called with; q, k are (sequences, heads, time, head_dim), the
     # sequences `seqs` of the batch (an index tensor; None: all of them) the monitor samples
+    # (or any elementwise step the model takes between the projections and q.k, as OLMo's clamp)
     rotary: Optional[Callable] = None
+    # the model's sliding window: query i sees keys i - window + 1 .. i only; None: every key up to i
+    window: Optional[int] = None
     # an object with a qk_norm attribute that the model reads itself (this project's GPT);
     # None: the hooks normalize q and k where they are formed
     switch: Optional[object] = None
+    _moved: dict = field(default_factory=dict, init=False, repr=False)   # index columns per device: cols()
 
     def __post_init__(self):
         self.n_kv_head = self.n_kv_head or self.n_head
@@ -81,22 +99,50 @@ class Layer:
     def heads(self, role):
         return self.n_head if role == "q" else self.n_kv_head
 
-    def cols(self, role):
-        return (self.q_cols if role == "q" else self.k_cols) or slice(None)
+    def cols(self, role, like=None):
+        """q's or k's columns; index columns on the device of the tensor `like`, moved there once (a move
+        at every forward would wait for the device)."""
+        cols = self.q_cols if role == "q" else self.k_cols
+        if cols is None or isinstance(cols, slice) or like is None or cols.device == like.device:
+            return slice(None) if cols is None else cols
+        if (role, like.device) not in self._moved:
+            self._moved[role, like.device] = cols.to(like.device)
+        return self._moved[role, like.device]
 
     def weight(self, role):
-        """W_q or W_k as (heads * head_dim, in): a view of the live weight, so QK-Clip scales it in place."""
+        """W_q or W_k as (heads * head_dim, in): a view of the live weight where the columns are a slice,
+        a copy where they are indices (QK-Clip scales the live one through scale_rows)."""
         module = self.q if role == "q" else self.k
-        w = module.weight[:, self.cols(role)].T if self.transposed else module.weight[self.cols(role)]
+        cols = self.cols(role, module.weight)
+        w = module.weight[:, cols].T if self.transposed else module.weight[cols]
         if w.shape[0] != self.heads(role) * self.head_dim:
             raise ValueError(f"attach: W_{role} has {w.shape[0]} rows, not {self.heads(role)} heads x "
                              f"{self.head_dim}: fix the adapter's head count or columns")
         return w
 
     def bias(self, role):
-        """b_q or b_k (a view), or None: QK-Clip scales it with its rows, so q itself scales."""
+        """b_q or b_k (a view, or a copy under indices), or None."""
         module = self.q if role == "q" else self.k
-        return None if getattr(module, "bias", None) is None else module.bias[self.cols(role)]
+        return None if getattr(module, "bias", None) is None else module.bias[self.cols(role, module.bias)]
+
+    @torch.no_grad()
+    def scale_rows(self, role, per_row):
+        """W_q's or W_k's rows (and bias) times per_row (heads * head_dim,), in the live weight: QK-Clip."""
+        module = self.q if role == "q" else self.k
+        cols = self.cols(role, module.weight)
+        if self.transposed:
+            module.weight[:, cols] *= per_row.to(module.weight.dtype)
+        else:
+            module.weight[cols] *= per_row.to(module.weight.dtype)[:, None]
+        if getattr(module, "bias", None) is not None:
+            module.bias[cols] *= per_row.to(module.bias.dtype)
+
+
+def head_columns(starts, head_dim):
+    """The column indices of heads of head_dim columns each, head h's from column starts[h]: q or k of a
+    fused projection whose heads interleave with the others' (a Layer's q_cols, k_cols)."""
+    starts = torch.as_tensor(starts)
+    return (starts[:, None] + torch.arange(head_dim)).flatten()
 
 
 class Switch:
@@ -111,9 +157,10 @@ class Switch:
 def qkguard_gpt(model):
     """This project's GPT (model.py): q_proj and k_proj, rotary after them (arch llama), and its own
     qk_norm switch, which the kernel applies."""
-    from model import GPT, apply_rotary
-    if not isinstance(model, GPT):
+    model_py = sys.modules.get("model")      # not imported here: a model of it was built, so it is loaded
+    if model_py is None or not isinstance(model, getattr(model_py, "GPT", ())):
         return []
+    apply_rotary = model_py.apply_rotary
 
     def rotary(q, k, args, kwargs, seqs):   # forward(x, rotary): (cos, sin) by position, or None (gpt2)
         tables = args[1] if len(args) > 1 else kwargs.get("rotary")
@@ -150,17 +197,20 @@ def hf_gpt2(model):
 
 
 # Where a Hugging Face attention normalizes q and k itself, after q_proj and k_proj (Qwen3, OLMo 2,
-# Gemma 3, Cohere: q_norm, k_norm; StableLM, Persimmon: q_layernorm, k_layernorm).
-OWN_QK_NORMS = ("q_norm", "k_norm", "q_layernorm", "k_layernorm")
+# Gemma 3, Cohere: q_norm, k_norm; StableLM, Persimmon, Phi: q_layernorm, k_layernorm; Llama 4: qk_norm;
+# Hunyuan: query_layernorm, key_layernorm).
+OWN_QK_NORMS = ("q_norm", "k_norm", "q_layernorm", "k_layernorm", "qk_norm", "query_layernorm", "key_layernorm")
 
 
 def hf_llama(model):
     """Hugging Face LlamaForCausalLM: q_proj and k_proj Linears (k with fewer heads under GQA), then the
     rotary embedding, by the modeling file's own apply_rotary_pos_emb and the position_embeddings
     (cos, sin) the attention is called with. QK-norm acts on the projections, before the rotation:
-    a rotation keeps each head's norm, so the bound holds after it. A model of this layout that
-    normalizes q and k itself after the projections is refused: the hooks would read q and k before
-    that norm, and the logits they measure would not be the model's."""
+    a rotation keeps each head's norm, so the bound holds after it. The same layout's relatives are
+    read as they attend: a sliding window (Mistral, Qwen2, Gemma 2: hf_window), OLMo's clamp of q and
+    k at clip_qkv. A model of this layout that normalizes q and k itself after the projections is
+    refused: the hooks would read q and k before that norm, and the logits they measure would not be
+    the model's."""
     layers = []
     for m in model.modules():
         q_proj, k_proj = getattr(m, "q_proj", None), getattr(m, "k_proj", None)
@@ -179,20 +229,48 @@ def hf_llama(model):
                              f"whose rotary applies this model's rotation (qkguard/README.md: Another model's adapter)")
         layers.append(Layer(attn=m, q=q_proj, k=k_proj, n_head=q_proj.out_features // m.head_dim,
                             head_dim=m.head_dim, n_kv_head=k_proj.out_features // m.head_dim,
-                            scale=getattr(m, "scaling", None), rotary=_hf_rotary(rotate)))
+                            scale=getattr(m, "scaling", None), window=hf_window(m),
+                            rotary=_hf_rotary(rotate, clamp=getattr(m.config, "clip_qkv", None))))
     return layers
 
 
-def _hf_rotary(rotate):
+def _hf_rotary(rotate, clamp=None):
+    """The rotation by position_embeddings (cos, sin), of the first cos.shape[-1] features of each head
+    (all of them in Llama; a part in Phi, StableLM, GPT-NeoX), after a clamp of q and k to [-clamp,
+    clamp] where the model clamps them (OLMo's clip_qkv: in place, after the hooks copied them out)."""
     def rotary(q, k, args, kwargs, seqs):
-        cos, sin = kwargs["position_embeddings"]          # (batch or 1, time, head_dim)
+        cos, sin = kwargs["position_embeddings"]          # (batch or 1, time, rotated features)
         if seqs is not None and cos.shape[0] > 1:         # positions given per sequence: the sampled ones
             cos, sin = cos[seqs], sin[seqs]
-        return rotate(q, k, cos, sin)
+        if clamp is not None:
+            q, k = q.clamp(-clamp, clamp), k.clamp(-clamp, clamp)
+        n = cos.shape[-1]
+        if n == q.shape[-1]:
+            return rotate(q, k, cos, sin)
+        q_rot, k_rot = rotate(q[..., :n], k[..., :n], cos, sin)
+        return torch.cat([q_rot, q[..., n:]], dim=-1), torch.cat([k_rot, k[..., n:]], dim=-1)
     return rotary
 
 
-ADAPTERS = {"qkguard-gpt": qkguard_gpt, "hf-llama": hf_llama, "hf-gpt2": hf_gpt2, "nanogpt": nanogpt}
+def hf_window(m):
+    """The sliding window a Hugging Face attention m attends within, as its model builds the mask: the
+    layer's own sliding_window where it has one (Qwen2, Gemma 2: None on full-attention layers), else
+    by the config's layer_types, else the config's sliding_window for every layer (Mistral, Phi3)."""
+    if hasattr(m, "sliding_window"):
+        return m.sliding_window
+    config = getattr(m, "config", None)
+    window, types = getattr(config, "sliding_window", None), getattr(config, "layer_types", None)
+    if window is not None and types is not None and getattr(m, "layer_idx", None) is not None:
+        return window if types[m.layer_idx] == "sliding_attention" else None
+    return window
+
+
+# The other Hugging Face families (qkguard/families.py, which builds its Layers from this file's, so it
+# is imported here, below them): each knows its attention by class name, so "auto" tries them first.
+from qkguard.families import FAMILY_ADAPTERS  # noqa: E402
+
+ADAPTERS = {"qkguard-gpt": qkguard_gpt, **FAMILY_ADAPTERS, "hf-llama": hf_llama, "hf-gpt2": hf_gpt2,
+            "nanogpt": nanogpt}
 
 
 def find_layers(model, adapter="auto"):
@@ -215,13 +293,27 @@ def find_layers(model, adapter="auto"):
 
 # ----------------------------------------------------------------------------------------- signals
 
-def sample_rows(b, t, seqs, rows, generator):
+def sample_rows(b, t, seqs, rows, seed, device=None):
     """The query rows a monitored step reads: `seqs` of the batch's b sequences and `rows` of the t
-    positions (the same in each), drawn without replacement from the guard's own generator (the global
-    RNG, and so dropout, stays untouched). Returns (sequence indices, positions), sorted; None where
-    the count is None or covers them all."""
-    draw = lambda n, k: None if k is None or k >= n else torch.randperm(n, generator=generator)[:k].sort().values
-    return draw(b, seqs), draw(t, rows)
+    positions (the same in each), drawn without replacement: the indices ordered by a hash of each
+    index and `seed`, the first ones taken. The guard draws `seed` from its own generator in step(),
+    outside the forward (the global RNG, and so dropout, stays untouched); the draw itself is tensor
+    arithmetic on `device`, so under torch.compile the hooks trace without a graph break (a generator
+    cannot be traced) and nothing waits on a host copy. Returns (sequence indices, positions), sorted;
+    None where the count is None or covers them all."""
+    def draw(n, k, salt):
+        if k is None or k >= n:
+            return None
+        return _hash31(torch.arange(n, device=device), seed ^ salt).argsort()[:k].sort().values
+    return draw(b, seqs, 0x5EC5), draw(t, rows, 0x2085)
+
+
+def _hash31(x, seed):
+    """A 31-bit integer hash of each x (< 2^31) and seed: multiply-xorshift rounds, in int64 without overflow."""
+    x = (x * 0x9E3779B1 + seed) & 0x7FFFFFFF
+    for multiplier in (0x2C1B3C6D, 0x297A2D39):
+        x = ((x ^ (x >> 16)) * multiplier) & 0x7FFFFFFF
+    return x ^ (x >> 16)
 
 
 # Logits held at once by sampled_max_logit (fp32: 128 MiB): it walks the query rows in chunks of this
@@ -230,9 +322,10 @@ MAX_LOGIT_CHUNK = 1 << 25
 
 
 @torch.no_grad()
-def sampled_max_logit(q, k, scale, sample=(None, None), chunk=MAX_LOGIT_CHUNK):
+def sampled_max_logit(q, k, scale, sample=(None, None), chunk=MAX_LOGIT_CHUNK, window=None):
     """Per query head, the max of scale * q.k over the sampled query rows (sample_rows) and the keys
-    each sees (causal), in fp32: a lower bound on the max over all rows, equal without a sample.
+    each sees (causal; under a sliding `window`, the last `window` of them), in fp32: a lower bound on
+    the max over all rows, equal without a sample.
     q (B, H, T, D), k (B, H_kv, T, D): query head h reads key head h // (H / H_kv), as GQA repeats them.
     Whole sequences keep the products large (T x D times D x T): one of a batch of 8 costs 1/8 of a
     dense QK^T, where single rows scattered over the batch would each be a product of its own. The rows
@@ -253,7 +346,10 @@ def sampled_max_logit(q, k, scale, sample=(None, None), chunk=MAX_LOGIT_CHUNK):
         else:              # sampled positions: their last is on the device, so every key (no host sync)
             rows, keys = pos[start:start + step], k
         logits = torch.matmul(q[:, :, :, start:start + step], keys.mT)      # (S, H_kv, group, rows, keys)
-        unseen = torch.arange(keys.shape[3], device=q.device) > rows[:, None]   # key j > query i: masked
+        key = torch.arange(keys.shape[3], device=q.device)
+        unseen = key > rows[:, None]                                             # key j > query i: masked
+        if window is not None:
+            unseen |= key <= rows[:, None] - window                              # and j <= i - window
         value = logits.masked_fill_(unseen, -math.inf).amax(dim=(0, 3, 4))
         best = value if best is None else torch.maximum(best, value)
     return best.flatten()
@@ -291,16 +387,34 @@ class QKSigma:
 # ----------------------------------------------------------------------------------------- the guard
 
 # module -> the guards hooked on it (weak both ways: a model dropped with its guard still goes), so that
-# a second attach does not stack its hooks on the first's unnoticed
+# a second attach does not stack its hooks on the first's unnoticed, and a guard whose name was lost
+# (a notebook cell run again) can be found from its model
 _ATTACHED = weakref.WeakKeyDictionary()
+
+
+def attached(model):
+    """The guards attached to `model` (to any of its modules), oldest first: one whose variable was lost
+    or overwritten still hooks the model, and is found here."""
+    modules = set(model.modules())
+    guards = {g for m in modules for g in _ATTACHED.get(m, ())}
+    return sorted(guards, key=lambda g: g.serial)
+
+
+def detach(model):
+    """Detach every guard attached to `model` (attached()); returns how many. For a guard that was
+    lost: `attach(model)` run again refuses to stack a second guard, and this frees the model."""
+    guards = attached(model)
+    for guard in guards:
+        guard.detach()
+    return len(guards)
 
 
 class AttachedGuard:
     """QK-Guard on a model through hooks: one on each module that forms q or k, one on each attention.
 
-    Dormant, the hooks return nothing. On a monitored step they copy q and k out, detached, and draw the
-    sampled rows from the guard's own generator: the model's outputs, gradients and RNG are those of a
-    run without the guard, so its training is bit for bit the same. The forwards measured are those run
+    Dormant, the hooks return nothing. On a monitored step they copy q and k out, detached, and pick the
+    sampled rows by a seed step() drew from the guard's own generator: the model's outputs, gradients
+    and RNG are those of a run without the guard, so its training is bit for bit the same. The forwards measured are those run
     with gradients enabled, in train() or eval() mode alike (a from_pretrained model is in eval mode):
     a forward under torch.no_grad or inference_mode, as a validation loss, is not part of the step's signal.
     The monitored steps are one update in `interval`: with interval N the guard sees updates 0, N, 2N, ...
@@ -317,8 +431,10 @@ class AttachedGuard:
               crossing reaches the host only then): an enabled qkclip guard's seqs and rows set step 0's only
     """
 
+    serials = itertools.count()        # attach order, for attached()
+
     def __init__(self, model, layers, qkguard, *, interval=1, seqs=1, rows=None, seed=0, tensorboard=None,
-                 log_every=10):
+                 log_every=10, timing=False):
         if len({(layer.n_head, layer.n_kv_head, layer.head_dim, layer.weight("q").shape) for layer in layers}) > 1:
             raise ValueError("attach: the layers differ in heads or width; QK-Guard's signal is one (layer, head) "
                              "table: guard layers of one shape (an adapter may return a subset)")
@@ -326,10 +442,12 @@ class AttachedGuard:
         others = {g for m in modules for g in _ATTACHED.get(m, ())}
         if others and (qkguard.enabled or any(g.qkguard.enabled for g in others)):
             raise ValueError(f"attach: {type(model).__name__} already has a QK-Guard attached, and a second one would "
-                             f"stack its hooks on the first's: call the first one's detach() before attaching again "
-                             f"(only watchers, enabled=False, may share a model)")
+                             f"stack its hooks on the first's: call the first one's detach() before attaching again, or "
+                             f"qkguard.detach(model) if you no longer hold it (only watchers, enabled=False, may share "
+                             f"a model)")
         self.model, self.layers, self.qkguard = model, layers, qkguard
         self.interval, self.seqs, self.rows, self.log_every = interval, seqs, rows, log_every
+        self.serial, self.timing = next(AttachedGuard.serials), timing
         # what QKGuard.apply_to_model flips: the model's own switch where it has one
         self.attentions = [Switch() if layer.switch is None else layer.switch for layer in layers]
         self.generator = torch.Generator().manual_seed(seed)
@@ -338,10 +456,13 @@ class AttachedGuard:
         self.sigma.measure(iters=30, which="all")
         self.steps, self.max_logit, self.events = 0, None, []
         self.max_logit_step = None        # the update self.max_logit was measured at
-        self.seconds = 0.0        # host time in the guard's hooks and step() (CPU: its whole cost; CUDA: launches)
+        # timing=True: host time in the guard's hooks and step() (CPU: its whole cost; CUDA: launches). Off
+        # by default: a clock read inside a hook is a graph break under torch.compile
+        self.seconds = 0.0
         self._seen = [{} for _ in layers]          # this forward's q and k, per layer, until its attention ends
         self._running = [None] * len(layers)       # this step's max logit per layer (micro-batches: the max)
         self._plan()
+        self._draw()
         self.writer = _tensorboard_writer(tensorboard) if tensorboard else None
         feeds = {}   # module -> [(layer, "q" or "k")]: one hook per module, as a fused c_attn forms both
         for i, layer in enumerate(layers):
@@ -369,6 +490,10 @@ class AttachedGuard:
         may_clip = self.qkguard.action == "qkclip" and self.qkguard.pending is not None
         self._all_rows, self._sample_shape = self._clipping() or may_clip, None
 
+    def _draw(self):
+        """The next step's sample seed (sample_rows), from the guard's generator: here, not in a hook."""
+        self._seed = int(torch.randint(0, 1 << 31, (), generator=self.generator))
+
     # ------------------------------------------------------------------------- the hooks
 
     def _projection_hook(self, roles):
@@ -381,12 +506,12 @@ class AttachedGuard:
                 acting = on and layer.switch is None      # else the model normalizes itself, or it is off
                 if not (acting or measuring):
                     continue                  # the dormant path: nothing computed, the output untouched
-                started = time.perf_counter()
-                cols = layer.cols(role)
+                started = time.perf_counter() if self.timing else 0.0
+                cols = layer.cols(role, out)
                 part = out[..., cols].unflatten(-1, (layer.heads(role), layer.head_dim))   # (B, T, heads, D)
                 if acting:                         # the action, where q and k are formed
                     part = _rms_norm(part)
-                    if cols == slice(None):
+                    if isinstance(cols, slice) and cols == slice(None):
                         new = part.flatten(-2)
                     else:                          # a fused projection: its other columns pass through
                         new = out.clone() if new is None else new
@@ -397,7 +522,8 @@ class AttachedGuard:
                     if on and layer.switch is not None:   # the model normalizes itself: measure what it sees
                         seen = _rms_norm(seen)
                     self._seen[i][role] = seen.transpose(-3, -2)                         # (S, heads, T, D)
-                self.seconds += time.perf_counter() - started
+                if self.timing:
+                    self.seconds += time.perf_counter() - started
             return new
         return hook
 
@@ -405,16 +531,17 @@ class AttachedGuard:
         def hook(module, args, kwargs, out):
             seen = self._seen[i]
             if "q" in seen and "k" in seen:
-                started, layer = time.perf_counter(), self.layers[i]
+                started, layer = time.perf_counter() if self.timing else 0.0, self.layers[i]
                 with torch.no_grad():
                     q, k = seen["q"], seen["k"]
                     seqs, pos = self._sample
                     if layer.rotary is not None:
                         q, k = layer.rotary(q, k, args, kwargs, seqs)
-                    value = sampled_max_logit(q, k, layer.scale, (None, pos))
+                    value = sampled_max_logit(q, k, layer.scale, (None, pos), window=layer.window)
                 running = self._running[i]
                 self._running[i] = value if running is None else torch.maximum(running, value)
-                self.seconds += time.perf_counter() - started
+                if self.timing:
+                    self.seconds += time.perf_counter() - started
             seen.clear()
         return hook
 
@@ -423,10 +550,8 @@ class AttachedGuard:
         drawn once per batch shape and step, and read by every layer (and micro-batch) of that shape."""
         shape = part.shape[0], part.shape[-3]
         if self._sample_shape != shape:
-            sample = (None, None) if self._all_rows else sample_rows(*shape, self.seqs, self.rows, self.generator)
-            # to a GPU from pinned memory, non-blocking: a plain copy would wait for the queued work
-            move = (lambda i: i.pin_memory().to(part.device, non_blocking=True)) if part.is_cuda else (lambda i: i)
-            self._sample = tuple(None if i is None else move(i) for i in sample)
+            self._sample = (None, None) if self._all_rows else \
+                sample_rows(*shape, self.seqs, self.rows, self._seed, part.device)
             self._sample_shape = shape
         return self._sample
 
@@ -455,7 +580,9 @@ class AttachedGuard:
             self._write_tensorboard(step)
         self.steps += 1
         self._plan()
-        self.seconds += time.perf_counter() - started
+        self._draw()
+        if self.timing:
+            self.seconds += time.perf_counter() - started
         return event
 
     def _take_max_logit(self):
@@ -487,11 +614,7 @@ class AttachedGuard:
             f = torch.where(s > tau, tau / s.clamp_min(1e-30), torch.ones_like(s))
             a = f.unflatten(0, (layer.n_kv_head, -1)).amin(dim=1).sqrt()              # per key head
             for role, factor in (("q", f / a.repeat_interleave(layer.n_head // layer.n_kv_head)), ("k", a)):
-                per_row = factor.repeat_interleave(layer.head_dim)
-                w, b = layer.weight(role), layer.bias(role)
-                w.mul_(per_row.to(w.dtype)[:, None])
-                if b is not None:
-                    b.mul_(per_row.to(b.dtype))
+                layer.scale_rows(role, factor.repeat_interleave(layer.head_dim))
 
     # ------------------------------------------------------------------------- logs and checkpoints
 
@@ -527,27 +650,44 @@ class AttachedGuard:
         g = self.qkguard
         return {"signal": g.signal, "action": g.action, "threshold": float(g.threshold), "scope": g.scope}
 
+    def _shape(self):
+        """What a state is a state of: per layer, the heads, key heads, head_dim and W_q's input width."""
+        layer = self.layers[0]
+        return [len(self.layers), layer.n_head, layer.n_kv_head, layer.head_dim, layer.weight("q").shape[1]]
+
     def state_dict(self):
         """The latch (QKGuard's trigger, covered layers, queued check), the settings it was latched under,
-        the step count, the power iteration's vectors and the sampling generator: plain tensors, lists and
-        numbers (torch.load weights_only)."""
-        return {"n_layer": len(self.layers), "steps": self.steps, "guard": self.qkguard.state_dict(),
+        the step count, the power iteration's vectors, the sampling generator and the next step's sample
+        seed: plain tensors, lists and numbers (torch.load weights_only)."""
+        return {"n_layer": len(self.layers), "shape": self._shape(), "steps": self.steps, "guard": self.qkguard.state_dict(),
                 "settings": self._settings(), "sigma_v": {key: v.cpu() for key, v in self.sigma.v.items()},
-                "generator": self.generator.get_state()}
+                "generator": self.generator.get_state(), "sample_seed": self._seed}
 
     def load_state_dict(self, state):
-        """A saved guard back; a latched action is on again in the model at once. The guard must have the
-        saved one's signal, action, threshold and scope: a latch fired under one action and resumed under
-        another would act as neither run asked."""
+        """A saved guard back; a latched action is on again in the model at once. All or nothing: every
+        check comes before the first change. The guard must have the saved one's signal, action,
+        threshold and scope (a latch fired under one action and resumed under another would act as
+        neither run asked), and be of a model of the saved one's shape. A watcher (enabled=False) never
+        acts, so it refuses a state that fired: the model was trained with the action on."""
         if state.get("n_layer") != len(self.layers):
             raise ValueError(f"QK-Guard: this state is of a model with {state.get('n_layer')} attention layers, not "
                              f"{len(self.layers)}: load the guard state saved with this model")
+        saved_v, mine_v = state.get("sigma_v", {}), self.sigma.v  # a state saved before "shape" was: its vectors
+        if state.get("shape", self._shape()) != self._shape() or {k: tuple(v.shape) for k, v in saved_v.items()} != \
+                {k: tuple(v.shape) for k, v in mine_v.items()}:
+            names = "layers, heads, key heads, head_dim, width"
+            raise ValueError(f"QK-Guard: this state is of a model with ({names}) {state.get('shape', '?')}, not "
+                             f"{self._shape()}: load the guard state saved with this model (nothing was changed)")
         saved, mine = state.get("settings", {}), self._settings()    # a state saved before settings were: unchecked
         wrong = [key for key in mine if key in saved and saved[key] != mine[key]]
         if wrong:
             show = lambda settings: ", ".join(f"{key}={settings[key]!r}" for key in wrong)
             raise ValueError(f"QK-Guard: this state was saved by a guard with {show(saved)}, not {show(mine)}: attach "
                              f"with the saved run's settings to resume it")
+        if state["guard"].get("trigger") is not None and not self.qkguard.enabled:
+            raise ValueError(f"QK-Guard: this state fired (at step {state['guard']['trigger']['step']}) and this guard "
+                             f"is a watcher (enabled=False), which never acts: the model was trained with the action "
+                             f"on, so attach with enabled=True to resume it")
         self.qkguard.load_state_dict(state["guard"])
         self.steps = state["steps"]
         self.sigma.v = {key: v.to(self.sigma.v[key].device) for key, v in state["sigma_v"].items()}
@@ -555,6 +695,11 @@ class AttachedGuard:
         self.sigma_head, self._running = self._measure_sigma(iters=0), [None] * len(self.layers)
         self.qkguard.apply_to_model(self)
         self._plan()
+        # the seed drawn for the next step before the save (a state saved before it was kept: a new draw)
+        if "sample_seed" in state:
+            self._seed = state["sample_seed"]
+        else:
+            self._draw()
 
     def detach(self):
         """Remove the hooks (an action the model switches itself, this project's qk_norm, stays as it is)."""
@@ -577,7 +722,8 @@ def _tensorboard_writer(logdir):
 
 
 def attach(model, adapter="auto", *, threshold=None, signal="max-logit", action="qknorm", scope="all",
-           enabled=True, tau=None, interval=1, seqs=1, rows=None, seed=0, tensorboard=None, log_every=10):
+           enabled=True, tau=None, interval=1, seqs=1, rows=None, seed=0, tensorboard=None, log_every=10,
+           timing=False):
     """Attach QK-Guard to `model`; returns an AttachedGuard (call its step() after each update).
 
     adapter    "auto", a name in ADAPTERS, or a function model -> [Layer]
@@ -592,17 +738,30 @@ def attach(model, adapter="auto", *, threshold=None, signal="max-logit", action=
                None: all): the defaults read every row of one sequence. Under qkclip, steps that may clip
                read every row (AttachedGuard)
     tensorboard  a log folder for the signals every log_every steps (needs tensorboard); None: off
+    timing     True: add the host time in the hooks and step() to guard.seconds (a graph break under torch.compile)
     """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"attach: model must be a torch.nn.Module, not a {type(model).__name__} ({model!r:.40}): load "
+                        f"it first (e.g. transformers.AutoModelForCausalLM.from_pretrained(name)) and pass the model")
     if action not in ATTACH_ACTIONS:
         raise ValueError(f"attach: action {action!r} is not one an attached guard can take: choose one of "
                          f"{', '.join(ATTACH_ACTIONS)} (the others act in this project's kernel or train.py's loop)")
     if signal not in DEFAULT_THRESHOLD:
         raise ValueError(f"attach: unknown signal {signal!r}: choose one of {', '.join(DEFAULT_THRESHOLD)}")
-    count = lambda n: isinstance(n, int) and n >= 1
-    if not count(interval) or not all(n is None or count(n) for n in (seqs, rows)):
-        raise ValueError(f"attach: interval ({interval!r}) must be an integer >= 1, seqs ({seqs!r}) and rows "
-                         f"({rows!r}) integers >= 1 or None")
+    count = lambda n: isinstance(n, int) and not isinstance(n, bool) and n >= 1
+    if not count(interval) or not count(log_every) or not all(n is None or count(n) for n in (seqs, rows)):
+        raise ValueError(f"attach: interval ({interval!r}) and log_every ({log_every!r}) must be integers >= 1, seqs "
+                         f"({seqs!r}) and rows ({rows!r}) integers >= 1 or None")
+    # a threshold that is not a finite number never fires (NaN, inf) or fails at the first step (a string);
+    # a cap tau <= 0 would scale W_q by 0 or a negative (or NaN) factor
+    real = lambda x: isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+    if threshold is not None and not real(threshold):
+        raise ValueError(f"attach: threshold must be a finite number in the signal's units, not {threshold!r}: "
+                         f"give e.g. {DEFAULT_THRESHOLD[signal]} (None: that default)")
+    if tau is not None and not (real(tau) and tau > 0):
+        raise ValueError(f"attach: QK-Clip's tau must be a finite number > 0 (the max logit it caps a head at), not "
+                         f"{tau!r}: give e.g. 100.0 (None: guard.py's default)")
     layers = find_layers(model, adapter)
     qkguard = QKGuard(threshold=threshold, enabled=enabled, signal=signal, action=action, scope=scope, tau=tau)
     return AttachedGuard(model, layers, qkguard, interval=interval, seqs=seqs, rows=rows, seed=seed,
-                         tensorboard=tensorboard, log_every=log_every)
+                         tensorboard=tensorboard, log_every=log_every, timing=timing)

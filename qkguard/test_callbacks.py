@@ -1,0 +1,168 @@
+"""qkguard/callbacks.py and qkguard/serve.py: the guard under transformers.Trainer, and a fired model served.
+
+Needs transformers (and accelerate, which Trainer needs); skipped without them. A tiny Llama on fixed
+random tokens, its W_q and W_k inflated so that the guard fires within the first updates.
+"""
+import math
+import os
+
+import pytest
+import torch
+
+pytest.importorskip("accelerate")
+transformers = pytest.importorskip("transformers")
+
+import qkguard                                            # noqa: E402
+from qkguard import serve                                 # noqa: E402
+from qkguard.callbacks import STATE_FILE, QKGuardCallback  # noqa: E402
+from qkguard.test_attach import VOCAB, batch, build, inflate_qk, train_steps  # noqa: E402
+
+STEPS, SAVE_AT = 6, 3         # the uninterrupted run's updates, and the checkpoint the resumed one starts from
+
+
+class Tokens(torch.utils.data.Dataset):
+    def __init__(self, n=64, t=16):
+        self.x = torch.randint(0, VOCAB, (n, t), generator=torch.Generator().manual_seed(3))
+
+    def __len__(self):
+        return len(self.x)
+
+    def __getitem__(self, i):
+        return {"input_ids": self.x[i], "labels": self.x[i]}
+
+
+class Tracker(transformers.TrainerCallback):
+    """A report_to tracker's place in the list (before the user's callbacks): what it is handed to log."""
+    def __init__(self):
+        self.logged = []
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        self.logged.append((state.global_step, dict(logs)))
+
+
+class Stop(transformers.TrainerCallback):
+    """The interruption: training ends after update `at` (and its checkpoint), as a killed job would."""
+    def __init__(self, at):
+        self.at = at
+
+    def on_step_end(self, args, state, control, **kwargs):
+        control.should_training_stop = state.global_step >= self.at
+
+
+def train(out, stop=STEPS, resume=None, **guard_settings):
+    """A Trainer run of STEPS updates, ended after `stop` or resumed from the checkpoint `resume`: its logs
+    and guard. (STEPS for all: the learning rate schedule follows max_steps.)"""
+    transformers.set_seed(0)
+    model, _ = build("hf-llama")
+    inflate_qk(model, 8.0)
+    guard = qkguard.attach(model, **{"threshold": 3.0, **guard_settings})
+    tracker = Tracker()
+    args = transformers.TrainingArguments(output_dir=str(out), max_steps=STEPS, per_device_train_batch_size=4,
+                                          learning_rate=1e-3, logging_steps=1, save_steps=SAVE_AT, save_strategy="steps",
+                                          report_to="none", use_cpu=True, seed=0, disable_tqdm=True,
+                                          dataloader_num_workers=0, save_only_model=False)
+    callback = QKGuardCallback(guard)
+    trainer = transformers.Trainer(model=model, args=args, train_dataset=Tokens(), callbacks=[tracker, callback, Stop(stop)])
+    trainer.train(resume_from_checkpoint=resume)
+    losses = {e["step"]: e["loss"] for e in trainer.state.log_history if "loss" in e}
+    return losses, guard, callback, tracker, trainer
+
+
+def test_a_resumed_trainer_run_is_the_uninterrupted_one_bit_for_bit(tmp_path):
+    """6 updates in one go, against 3, a checkpoint, and a new Trainer resumed from it for the other 3:
+    the same losses and the same guard state bit for bit, the guard having fired before the checkpoint."""
+    whole, guard, callback, tracker, _ = train(tmp_path / "whole")
+    assert guard.triggered and callback.events[0]["active_from"] <= SAVE_AT, "the check needs a fire before the save"
+    train(tmp_path / "parts", stop=SAVE_AT)
+    saved = tmp_path / "parts" / f"checkpoint-{SAVE_AT}"
+    assert (saved / STATE_FILE).exists()
+    later, resumed, _, _, _ = train(tmp_path / "parts", resume=str(saved))
+    assert resumed.triggered and resumed.steps == guard.steps == STEPS
+    assert later == whole and set(whole) == set(range(1, STEPS + 1))   # the resumed history holds steps 1-3 too
+    a, b = guard.state_dict(), resumed.state_dict()
+    assert a["guard"]["trigger"] == b["guard"]["trigger"] and torch.equal(a["generator"], b["generator"])
+    assert all(torch.equal(a["sigma_v"][k], b["sigma_v"][k]) for k in a["sigma_v"])
+    assert torch.equal(guard.max_logit, resumed.max_logit)
+
+
+def test_events_and_signals_reach_the_trackers_at_trainers_global_step(tmp_path):
+    """The guard counts updates from 0, Trainer from 1: the event is logged in Trainer's numbering, at the
+    step the guard acts, in the logs a tracker listed before the callback is handed, and in log_history."""
+    _, guard, callback, tracker, trainer = train(tmp_path, stop=4)
+    (event,) = guard.events
+    (logged,) = callback.events
+    assert logged["step"] == event["step"] + 1 and logged["active_from"] == event["active_from"] + 1
+    at = {step: logs for step, logs in tracker.logged if "loss" in logs}    # not the end-of-training summary
+    acted = logged["active_from"] - 1                          # the update after which guard.step() acted
+    assert at[acted]["qkguard/guard_trigger/step"] == logged["step"] and at[acted]["qkguard/on"] == 1.0
+    assert all("qkguard/max_logit" in at[s] for s in range(1, 5))
+    history = {e["step"]: e for e in trainer.state.log_history if "loss" in e}
+    assert history[acted]["qkguard/guard_trigger/value"] == pytest.approx(logged["value"])
+    assert math.isfinite(history[4]["qkguard/sigma_product"])
+
+
+def test_a_resume_from_a_checkpoint_without_the_guards_state_is_refused_in_one_line(tmp_path):
+    train(tmp_path, stop=SAVE_AT)
+    saved = tmp_path / f"checkpoint-{SAVE_AT}"
+    os.remove(saved / STATE_FILE)
+    with pytest.raises(FileNotFoundError, match=rf"has no {STATE_FILE} .*QKGuardCallback\(guard, missing_ok=True\)"):
+        train(tmp_path, resume=str(saved))
+
+
+# --------------------------------------------------------------------------------------------------
+# Serving a fired model (serve.py)
+
+def fired(name):
+    """A model of test_attach's `name` that the guard fired on (qknorm, every layer), and its guard."""
+    model, loss_of = build(name)
+    inflate_qk(model)
+    guard = qkguard.attach(model, threshold=1.0)
+    train_steps(model, loss_of, guard, 2)
+    assert guard.triggered and guard.qkguard.layers == [0, 1]
+    return model.eval(), guard
+
+
+def logits(model, x):
+    with torch.no_grad():
+        return model(input_ids=x).logits
+
+
+def test_a_fired_llama_exported_to_qwen3_gives_the_same_logits_and_generation(tmp_path):
+    """Saved and loaded as a Qwen3ForCausalLM, with no guard: bit for bit the guarded Llama's logits and
+    greedy generate(); the same weights loaded bare as a Llama give other logits."""
+    model, guard = fired("hf-llama")
+    x = batch()[0]
+    guarded = logits(model, x)
+    prompt = x[:, :4]
+    generated = model.generate(prompt, max_new_tokens=10, do_sample=False)
+    serve.to_qwen3(model, guard).save_pretrained(tmp_path / "qwen3")
+    qwen3 = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "qwen3")
+    assert type(qwen3).__name__ == "Qwen3ForCausalLM" and not qkguard.attached(qwen3)
+    assert torch.equal(logits(qwen3, x), guarded)
+    assert torch.equal(qwen3.generate(prompt, max_new_tokens=10, do_sample=False), generated)
+    guard.detach()                                          # the weights alone: what from_pretrained would give
+    assert (logits(model, x) - guarded).abs().max() > 0.1
+
+
+def test_a_fired_model_of_another_family_is_served_with_its_guard_state_beside_it(tmp_path):
+    model, guard = fired("hf-gpt2")
+    x = batch()[0]
+    guarded = logits(model, x)
+    model.save_pretrained(tmp_path)
+    serve.save_guard(guard, tmp_path)
+    bare = transformers.AutoModelForCausalLM.from_pretrained(tmp_path)
+    assert (logits(bare, x) - guarded).abs().max() > 0.1, "loaded bare, a fired model is another function"
+    served = serve.load_guard(bare, tmp_path)               # the action back on, from the next forward
+    assert served.triggered and torch.equal(logits(bare, x), guarded)
+
+
+def test_serving_refuses_what_it_cannot_serve_in_one_line(tmp_path):
+    model, guard = fired("hf-gpt2")
+    with pytest.raises(ValueError, match=r"to_qwen3 takes a LlamaForCausalLM, not GPT2LMHeadModel: .*save_guard\(\)"):
+        serve.to_qwen3(model, guard)
+    llama, _ = build("hf-llama")
+    dormant = qkguard.attach(llama)
+    with pytest.raises(ValueError, match="has not fired.*save_pretrained serves it as it is"):
+        serve.to_qwen3(llama, dormant)
+    with pytest.raises(FileNotFoundError, match=r"has no qkguard.pt: save it with save_guard\(guard, folder\)"):
+        serve.load_guard(model, tmp_path)

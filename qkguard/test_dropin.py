@@ -1,0 +1,213 @@
+"""qkguard as a drop-in: installed and imported without triton or the training code, bad input refused in
+one line, QK-Clip's split between W_q and W_k, and torch.compile without graph breaks from the guard.
+"""
+import gc
+import math
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import qkguard
+from qkguard import hooks
+from qkguard.example import NanoGPT
+from qkguard.test_attach import ROOT, batch, build, inflate_qk, qk_rows, train_steps
+
+ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
+
+# --------------------------------------------------------------------------------------------------
+# Imports and installation
+
+# A fresh interpreter where triton and the reference's training modules cannot be imported, as on a
+# machine where triton does not install (macOS, Windows) with only qkguard and guard.py.
+BLOCKED = ("triton", "attention_kernel", "model", "train", "run", "sample", "prepare_data")
+BLOCK = f"""
+import sys
+class Blocked:
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in {BLOCKED!r}:
+            raise ImportError(f"blocked in this test: {{name}}")
+sys.meta_path.insert(0, Blocked())
+"""
+
+
+def test_qkguard_imports_and_acts_without_triton_or_the_training_code():
+    code = BLOCK + """
+import torch, qkguard
+from qkguard.example import NanoGPT
+model = NanoGPT(vocab_size=64, block_size=16)
+with torch.no_grad():
+    model.transformer.h[0].attn.c_attn.weight.mul_(30.0)
+guard = qkguard.attach(model, threshold=1.0)
+x = torch.randint(0, 64, (2, 16))
+for _ in range(2):
+    model(x, x)[1].backward(); guard.step()
+assert guard.triggered and not any(m in sys.modules for m in ("triton", "attention_kernel", "model"))
+print("ok")
+"""
+    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr[-2000:]
+
+
+def test_pip_install_of_the_clone_gives_an_importable_qkguard(tmp_path):
+    """pyproject.toml's distribution `qkguard`, built from a copy of its files (a build writes into its
+    source folder) and installed into a folder of its own, offline: importable from elsewhere (about 2 s)."""
+    pytest.importorskip("setuptools")
+    src = tmp_path / "src"
+    shutil.copytree(os.path.join(ROOT, "qkguard"), src / "qkguard", ignore=shutil.ignore_patterns("__pycache__"))
+    for name in ("pyproject.toml", "guard.py"):
+        shutil.copy(os.path.join(ROOT, name), src)
+    install = [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation", "--no-index",
+               "--target", str(tmp_path / "site"), str(src)]
+    result = subprocess.run(install, env=ENV, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    code = BLOCK + "import qkguard, guard; print(qkguard.__file__, guard.__file__)"
+    env = {**ENV, "PYTHONPATH": str(tmp_path / "site")}
+    result = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.split() == [str(tmp_path / "site" / "qkguard" / "__init__.py"), str(tmp_path / "site" / "guard.py")]
+
+
+def test_the_qk_norm_is_the_kernels_bit_for_bit():
+    """hooks._rms_norm is written out, not imported from attention_kernel (which imports triton): the same values."""
+    import attention_kernel
+    gen = torch.Generator().manual_seed(0)
+    for dtype in (torch.float32, torch.bfloat16, torch.float64):
+        x = (torch.randn(3, 5, 4, 16, generator=gen) * 40).to(dtype)
+        assert torch.equal(hooks._rms_norm(x), attention_kernel._rms_norm(x)), dtype
+
+
+# --------------------------------------------------------------------------------------------------
+# Bad input: refused at attach or load in one line, or made to work
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"threshold": math.nan}, "threshold must be a finite number in the signal's units, not nan"),
+    ({"threshold": math.inf}, "threshold must be a finite number in the signal's units, not inf"),
+    ({"threshold": "200"}, "threshold must be a finite number in the signal's units, not '200'"),
+    ({"action": "qkclip", "tau": 0.0}, r"tau must be a finite number > 0 .*not 0.0"),
+    ({"action": "qkclip", "tau": -5.0}, r"tau must be a finite number > 0 .*not -5.0"),
+    ({"log_every": 0}, r"log_every \(0\) must be integers >= 1"),
+])
+def test_bad_settings_are_refused_at_attach_in_one_line(kwargs, message):
+    model, _ = build("nanogpt")
+    with pytest.raises(ValueError, match=message):
+        qkguard.attach(model, **kwargs)
+    assert not qkguard.attached(model)
+
+
+def test_a_model_name_in_place_of_a_model_is_refused_in_one_line():
+    with pytest.raises(TypeError, match=r"model must be a torch.nn.Module, not a str \('gpt2'\): load it first"):
+        qkguard.attach("gpt2")
+
+
+def fired_nanogpt(**kwargs):
+    model, loss_of = build("nanogpt")
+    inflate_qk(model)
+    guard = qkguard.attach(model, "nanogpt", threshold=1.0, **kwargs)
+    train_steps(model, loss_of, guard, 2)
+    assert guard.triggered
+    return guard
+
+
+def test_a_watcher_refuses_a_fired_state_and_never_acts():
+    state = fired_nanogpt().state_dict()
+    model, _ = build("nanogpt")
+    watcher = qkguard.attach(model, "nanogpt", enabled=False, threshold=1.0)
+    x = batch()[0]
+    before = model(x)[0]
+    with pytest.raises(ValueError, match=r"this state fired \(at step 0\) and this guard is a watcher.*attach with "
+                                         r"enabled=True to resume it"):
+        watcher.load_state_dict(state)
+    assert not watcher.triggered and torch.equal(model(x)[0], before)
+
+
+def test_another_models_state_is_refused_and_nothing_changes():
+    """The same layer count, another width: refused before the first change (the latch, the vectors)."""
+    state = fired_nanogpt().state_dict()
+    other = NanoGPT(n_embd=32, n_head=2)
+    guard = qkguard.attach(other, "nanogpt", threshold=1.0)
+    before = guard.state_dict()
+    with pytest.raises(ValueError, match=r"this state is of a model with \(layers, heads, key heads, head_dim, width\) "
+                                         r"\[2, 4, 4, 16, 64\], not \[2, 2, 2, 16, 32\]: load the guard state saved"):
+        guard.load_state_dict(state)
+    after = guard.state_dict()
+    assert not guard.triggered and after["guard"] == before["guard"] and after["steps"] == before["steps"]
+    assert all(torch.equal(after["sigma_v"][k], before["sigma_v"][k]) for k in before["sigma_v"])
+    other(batch()[0][:, :16], batch()[1][:, :16])[1].backward()
+    guard.step()
+    assert guard.record()["guard"] == "dormant"
+
+
+def test_a_guard_whose_name_was_lost_is_found_and_detached():
+    """A notebook cell `guard = attach(model)` run twice: the first guard still hooks the model."""
+    model, loss_of = build("nanogpt")
+    guard = qkguard.attach(model, "nanogpt")
+    del guard
+    gc.collect()
+    with pytest.raises(ValueError, match=r"already has a QK-Guard attached.*or qkguard.detach\(model\) if you no longer "
+                                         r"hold it"):
+        qkguard.attach(model, "nanogpt")
+    (lost,) = qkguard.attached(model)
+    assert qkguard.detach(model) == 1 and not lost.handles and not qkguard.attached(model)
+    guard = qkguard.attach(model, "nanogpt")
+    assert len(model.transformer.h[0].attn.c_attn._forward_hooks) == 1
+    loss_of(model, *batch()).backward()
+    guard.step()
+
+
+# --------------------------------------------------------------------------------------------------
+# QK-Clip: each head's factor split between W_q and W_k
+
+TAU = 2.0
+S = torch.tensor([8.0, 1.0, 4.0, 18.0])        # per head: factors tau / S = 1/4, 1 (under tau), 1/2, 1/9
+
+
+@pytest.mark.parametrize("name, q_factor, k_factor", [
+    # no GQA: sqrt(f) each, Kimi K2's split and train.py's QK-Clip
+    ("nanogpt", [1 / 2, 1, 2 ** -0.5, 1 / 3], [1 / 2, 1, 2 ** -0.5, 1 / 3]),
+    ("hf-gpt2", [1 / 2, 1, 2 ** -0.5, 1 / 3], [1 / 2, 1, 2 ** -0.5, 1 / 3]),   # W stored (in, out)
+    # GQA, heads (0, 1) read key head 0 and (2, 3) key head 1: W_k takes sqrt of the group's least f
+    # (1/4: 1/2; 1/9: 1/3), W_q the rest, so head 1 (f = 1) keeps its logits
+    ("hf-llama", [1 / 2, 2, 3 / 2, 1 / 3], [1 / 2, 1 / 3]),
+])
+def test_qkclip_scales_w_q_and_w_k_each_by_the_square_root_of_the_heads_factor(name, q_factor, k_factor):
+    model, _ = build(name)
+    with torch.no_grad():       # biases away from 0 (Hugging Face starts them at 0), so their scaling shows
+        for n, p in model.named_parameters():
+            if n.endswith(("c_attn.bias", "q_proj.bias", "k_proj.bias")):
+                p.normal_(0.0, 0.1, generator=torch.Generator().manual_seed(2))
+    guard = qkguard.attach(model, action="qkclip", tau=TAU)
+    guard.qkguard.layers = [0, 1]                   # as the trigger leaves them (scope "all")
+    before = [qk_rows(layer) for layer in guard.layers]
+    guard._clip(torch.stack([S, S * 0.5]))          # layer 1: factors 1/2, 1, 1, 2/9
+    expected = {"q": torch.tensor(q_factor), "k": torch.tensor(k_factor)}
+    for role, tensors in qk_rows(guard.layers[0]).items():
+        for after, prior in zip(tensors, before[0][role]):      # the weight's rows, then the bias's
+            torch.testing.assert_close(after, prior * expected[role].view(-1, *[1] * (after.dim() - 1)),
+                                       msg=f"{name} W_{role}")
+
+
+# --------------------------------------------------------------------------------------------------
+# torch.compile
+
+def test_the_guard_adds_no_graph_break_under_torch_compile():
+    """torch._dynamo.explain of a compiled step: as many graphs with the guard, dormant or fired, as without
+    (timing=True's clock reads in the hooks would add breaks; the sample's draw is tensor arithmetic)."""
+    import torch._dynamo as dynamo
+    counts = {}
+    for case in ("bare", "dormant", "fired"):
+        model, loss_of = build("nanogpt")
+        if case == "fired":
+            inflate_qk(model)
+        guard = None if case == "bare" else qkguard.attach(model, "nanogpt", threshold=1.0 if case == "fired" else None)
+        if case == "fired":
+            train_steps(model, loss_of, guard, 2)
+            assert guard.triggered
+        x, y = batch()
+        dynamo.reset()
+        counts[case] = dynamo.explain(lambda x: loss_of(model, x, y))(x).graph_count
+    assert counts == {"bare": 1, "dormant": 1, "fired": 1}
