@@ -28,7 +28,7 @@ import sys
 import torch
 import torch.nn as nn
 
-from qkguard.hooks import OWN_QK_NORMS, Layer, _hf_rotary, head_columns, hf_window
+from qkguard.hooks import Layer, _hf_rotary, head_columns, hf_window, refuse_own_qk_norm
 
 
 def _attentions(model, *names):
@@ -39,15 +39,6 @@ def _attentions(model, *names):
 def _module_function(m, name):
     """A function of the modeling file m's class is defined in (its own rotation)."""
     return getattr(sys.modules[type(m).__module__], name)
-
-
-def _refuse_own_qk_norm(m, adapter):
-    norms = [n for n in OWN_QK_NORMS if isinstance(getattr(m, n, None), nn.Module)]
-    if norms:
-        raise ValueError(f"attach: {type(m).__name__} normalizes q and k itself ({', '.join(norms)}, after the "
-                         f"projections: qk_layernorm=True), so the {adapter} adapter would measure them before that "
-                         f"norm: this model already has QK-norm; to watch its logits anyway, write an adapter whose q "
-                         f"and k are read after the model's own norm (qkguard/README.md: Another model's adapter)")
 
 
 def _interleaved(n_head, head_dim, parts=3):
@@ -192,7 +183,7 @@ def _partial_llama(model, names, adapter):
     with qk_layernorm=True they normalize q and k themselves, and are refused."""
     layers = []
     for m in _attentions(model, *names):
-        _refuse_own_qk_norm(m, adapter)
+        refuse_own_qk_norm(m, adapter, "after the projections: qk_layernorm=True")
         layers.append(Layer(attn=m, q=m.q_proj, k=m.k_proj, n_head=m.q_proj.out_features // m.head_dim,
                             head_dim=m.head_dim, n_kv_head=m.k_proj.out_features // m.head_dim, scale=m.scaling,
                             window=hf_window(m), rotary=_hf_rotary(_module_function(m, "apply_rotary_pos_emb"))))

@@ -202,6 +202,16 @@ def hf_gpt2(model):
 OWN_QK_NORMS = ("q_norm", "k_norm", "q_layernorm", "k_layernorm", "qk_norm", "query_layernorm", "key_layernorm")
 
 
+def refuse_own_qk_norm(m, adapter, where):
+    """Refuse an attention module m that normalizes q and k itself (`where`: after which projections)."""
+    norms = [n for n in OWN_QK_NORMS if isinstance(getattr(m, n, None), nn.Module)]
+    if norms:
+        raise ValueError(f"attach: {type(m).__name__} normalizes q and k itself ({', '.join(norms)}, {where}), so "
+                         f"the {adapter} adapter would measure them before that norm: this model already has "
+                         f"QK-norm; to watch its logits anyway, write an adapter whose q and k are read after the "
+                         f"model's own norm (qkguard/README.md: Another model's adapter)")
+
+
 def hf_llama(model):
     """Hugging Face LlamaForCausalLM: q_proj and k_proj Linears (k with fewer heads under GQA), then the
     rotary embedding, by the modeling file's own apply_rotary_pos_emb and the position_embeddings
@@ -217,12 +227,7 @@ def hf_llama(model):
         if not (isinstance(q_proj, nn.Linear) and isinstance(k_proj, nn.Linear)
                 and hasattr(getattr(m, "config", None), "num_key_value_heads")):
             continue
-        norms = [n for n in OWN_QK_NORMS if isinstance(getattr(m, n, None), nn.Module)]
-        if norms:
-            raise ValueError(f"attach: {type(m).__name__} normalizes q and k itself ({', '.join(norms)}, after q_proj "
-                             f"and k_proj), so the hf-llama adapter would measure them before that norm: this model "
-                             f"already has QK-norm; to watch its logits anyway, write an adapter whose q and k are "
-                             f"read after the model's own norm (qkguard/README.md: Another model's adapter)")
+        refuse_own_qk_norm(m, "hf-llama", "after q_proj and k_proj")
         rotate = getattr(sys.modules[type(m).__module__], "apply_rotary_pos_emb", None)
         if rotate is None:
             raise ValueError(f"attach: {type(m).__name__}'s module has no apply_rotary_pos_emb: write an adapter "
