@@ -62,7 +62,8 @@ def fit(tmp, steps=STEPS, accumulate=1, resume=None, every=1, logger=True, callb
         package=pl):
     """A Lightning run of `steps` updates (from the checkpoint `resume`, if given), checkpointed after update
     SAVE_AT: its module, guard, callback(guard) and trainer. An epoch is SAVE_AT updates (accumulate batches
-    each), so the checkpoint is at an epoch's end."""
+    each), so the checkpoint is at an epoch's end. The saver is listed first: Lightning runs checkpoint
+    callbacks last, so the state saved holds the guard's step of the update the checkpoint is of."""
     torch.manual_seed(0)
     module = module_class(package)()
     guard = qkguard.attach(module.model, threshold=THRESHOLD)
@@ -71,7 +72,7 @@ def fit(tmp, steps=STEPS, accumulate=1, resume=None, every=1, logger=True, callb
     data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x[:, :-1], x[:, 1:]), batch_size=BATCH)
     saver = package.callbacks.ModelCheckpoint(dirpath=tmp / "ckpt", every_n_train_steps=SAVE_AT, save_top_k=-1)
     trainer = package.Trainer(max_steps=steps, accumulate_grad_batches=accumulate, log_every_n_steps=every,
-                              callbacks=[callback, saver], accelerator="cpu", devices=1, enable_progress_bar=False,
+                              callbacks=[saver, callback], accelerator="cpu", devices=1, enable_progress_bar=False,
                               enable_model_summary=False, logger=package.loggers.CSVLogger(tmp) if logger else False)
     trainer.fit(module, data, ckpt_path=resume)
     return module, guard, callback, trainer
