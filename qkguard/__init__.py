@@ -5,8 +5,9 @@
 The code is qkguard/hooks.py (adapters, signals, the hooks); qkguard/example.py runs it on a
 nanoGPT-style GPT; qkguard/README.md is the documentation. It uses the reference's guard.py (the
 decisions, torch alone), from the repository root or installed beside it (`pip install .`); it
-imports neither triton nor the training code. callbacks.py (the Trainer callback) and serve.py (a
-fired model served) are imported where used: transformers stays optional.
+imports neither triton nor the training code. callbacks.py (the Trainer callback), lightning.py (the
+Lightning callback) and serve.py (a fired model served) are imported where used: transformers and
+Lightning stay optional.
 """
 from qkguard.hooks import (ADAPTERS, ATTACH_ACTIONS, AttachedGuard, Layer, attach, attached, detach, find_layers,
                            hf_gpt2, hf_llama, nanogpt, qkguard_gpt)

@@ -30,6 +30,8 @@ import sys
 import torch
 from transformers import Trainer, TrainerCallback
 
+from qkguard._loop import GuardLoop
+
 STATE_FILE = "qkguard.pt"     # in each checkpoint-<step> folder, beside Trainer's own files
 
 
@@ -44,18 +46,16 @@ def _trainer_frame(has=None):
                        "Trainer call it (this transformers may call its callbacks in a way this file does not know)")
 
 
-class QKGuardCallback(TrainerCallback):
+class QKGuardCallback(GuardLoop, TrainerCallback):
     """Steps, logs, saves and resumes an AttachedGuard under transformers.Trainer.
 
     guard       the AttachedGuard of Trainer's model (qkguard.attach(model, ...))
     missing_ok  on a resume from a checkpoint with no qkguard.pt (saved without this callback): False
                 refuses in one line; True starts the guard as attached (a fired state is then lost)
-    """
 
-    def __init__(self, guard, missing_ok=False):
-        self.guard, self.missing_ok = guard, missing_ok
-        self.events = []          # the guard's events, steps in Trainer's numbering
-        self._unlogged = []       # events since the last log
+    callback.events holds the guard's events with their steps in Trainer's numbering; callback.signals()
+    is what goes into a log (both from _loop.GuardLoop, which the Lightning callback shares).
+    """
 
     def on_init_end(self, args, state, control, **kwargs):
         handler = _trainer_frame().f_locals["self"].callback_handler
@@ -80,14 +80,7 @@ class QKGuardCallback(TrainerCallback):
                                     f"QKGuardCallback(guard, missing_ok=True) to start the guard anew")
 
     def on_step_end(self, args, state, control, **kwargs):
-        event = self.guard.step()
-        if event is not None:
-            # this update is the guard's number steps - 1 (it counts from 0) and Trainer's global_step (from 1);
-            # the offset also holds for a guard attached mid-run
-            offset = state.global_step - (self.guard.steps - 1)
-            event = {**event, "step": event["step"] + offset, "active_from": event["active_from"] + offset}
-            self.events.append(event)
-            self._unlogged.append(event)
+        if self.step_guard(state.global_step) is not None:
             control.should_log = True           # logged at the step it acts, not at the next logging step
         return control
 
@@ -98,21 +91,6 @@ class QKGuardCallback(TrainerCallback):
         logs.update(signals)
         if state.log_history and state.log_history[-1].get("step") == state.global_step:
             state.log_history[-1].update(signals)      # Trainer copied the logs into the history before calling us
-
-    def signals(self):
-        """The guard's last measured values as numbers (trackers log numbers), and the events since the last
-        log. guard.record() refreshes the sigmas the guard does not watch (a host sync, as a log step is)."""
-        guard, out = self.guard, {}
-        guard.record()
-        if guard.max_logit is not None:
-            out["qkguard/max_logit"] = guard.max_logit.max().item()
-        out["qkguard/sigma_product"] = (guard.sigma_head[:, 0] * guard.sigma_head[:, 1]).max().item()
-        out["qkguard/on"] = float(guard.triggered)
-        for event in self._unlogged:            # one per event kind is plenty: a trigger, then extensions
-            for key in ("step", "layer", "head", "value", "active_from"):
-                out[f"qkguard/{event['event']}/{key}"] = event[key]
-        self._unlogged = []
-        return out
 
     def on_save(self, args, state, control, **kwargs):
         folder = os.path.join(args.output_dir, f"checkpoint-{state.global_step}")   # Trainer's own name for it
