@@ -282,8 +282,9 @@ def _orthonormal_complement(basis, generator):
     """A random orthonormal basis (n, n - k) of the complement of the columns of `basis` (n, k)."""
     n, k = basis.shape
     g = torch.randn(n, n - k, generator=generator).to(basis)
-    g = g - basis @ (basis.T @ g)
-    return torch.linalg.qr(g).Q
+    for _ in range(2):   # twice: where g is ill-conditioned, QR magnifies the first pass's roundoff along basis
+        g = torch.linalg.qr(g - basis @ (basis.T @ g)).Q
+    return g
 
 
 class Probe:

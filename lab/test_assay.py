@@ -224,7 +224,10 @@ def test_qk_topk_update_is_orthogonal_to_top_singular_directions():
         assert log[f"{name}_target"] == pytest.approx(energy, rel=1e-3)
 
 
-def test_equal_energy_removes_the_same_energy_elsewhere():
+@pytest.mark.parametrize("seed", [None, 730])
+def test_equal_energy_removes_the_same_energy_elsewhere(seed):
+    if seed is not None:   # 730: a complement projected off once leaked 2.5% of the removed norm into V
+        torch.manual_seed(seed)
     gpt = tiny_gpt()
     updates = random_updates(gpt)
     applied, log, tops = probe_step("equal-energy", gpt, updates)
@@ -232,8 +235,8 @@ def test_equal_energy_removes_the_same_energy_elsewhere():
         removed = dW - new
         target = topk_removed(dW, U, V).norm()
         assert removed.norm().item() == pytest.approx(target.item(), rel=1e-4)
-        # complement's QR roundoff: up to 7e-4 of the removed norm in 200 seeds (1e-4 failed once)
-        assert (U.T @ removed).norm() / target < 3e-3 and (removed @ V).norm() / target < 3e-3
+        # fp32 roundoff: at most 3e-7 of the removed norm over 1,500 seeds (projected off twice)
+        assert (U.T @ removed).norm() / target < 1e-5 and (removed @ V).norm() / target < 1e-5
         assert (dW - new).norm() > 0.1 * dW.norm()   # it did remove something
     assert log["q_removed"] == pytest.approx(log["q_target"], rel=1e-4)
     assert log["k_removed"] == pytest.approx(log["k_target"], rel=1e-4)
