@@ -695,16 +695,19 @@ def long_probe_lines(c, source, need):
                      f"{len(finished)}, first at RUNAWAY_LOGIT at steps {', '.join(str(f) for f in first if f) or 'none'}"
                      f", still rising over its last {RISE_WINDOW} steps in {sum(rising)}/{len(finished)}")
     delayed = count(topk, ran_away)
+    by_loss = count(topk, lambda r: ran_away(r) and (r.max_logit or 0.0) < RUNAWAY_LOGIT)
     if 2 * delayed > len(seeds):   # what the long probe itself showed, whatever the shrink did
         lines.append(f"not reproduced at this scale: the top-k probe itself ran away by {LONG_STEPS} steps in {delayed} "
-                     f"of {len(seeds)} seeds (it delays the runaway; it does not stop it)")
+                     f"of {len(seeds)} seeds (it delays the runaway; it does not stop it)"
+                     + (f"; in {by_loss} of them by a collapse, its max logit under RUNAWAY_LOGIT" if by_loss else ""))
     onset = lambda r: r.runaway_from() if ran_away(r) else math.inf   # no runaway: later than any
     both = [(a, b) for a, b in zip(runs(topk), runs(shrink)) if done(a) and done(b)]
     later, earlier, p_late = sign_test([(onset(a) > onset(b), onset(a) < onset(b)) for a, b in both])
     gaps = [onset(a) - onset(b) for a, b in both if ran_away(a) and ran_away(b)]
-    lines.append(f"{topk}'s runaway began later than {shrink}'s in {later} of {len(both)} seeds, earlier in {earlier} "
-                 f"(sign test p = {p_late:.3g}), by a median {num(median(gaps))} steps where both ran away (reported, "
-                 f"not judged: looked at after the runs)")
+    lines.append(f"{topk}'s runaway began later than {shrink}'s in {later} of {len(both)} seeds (one that never ran "
+                 f"away counted as later), earlier in {earlier} (sign test p = {p_late:.3g}), by a median "
+                 f"{num(median(gaps))} steps over the {len(gaps)} seeds where both ran away (its first logged step past "
+                 f"RUNAWAY_LOGIT, or its collapse; reported, not judged: looked at after the runs)")
     source_pairs = [(ran_away(c.runs[source][s]), state != "held") for s, state in zip(seeds, states)
                     if done(c.runs[source].get(s))]
     stopped, _, p_step = sign_test(source_pairs)
@@ -1280,7 +1283,9 @@ ARCHS = {"gpt2": "", "llama": LLAMA}
 LR_WORDS = {"fp32": "fp32 state", "bf16": "bf16 state", "bf16-safemax": "bf16 state, safemax fix",
             "bf16-guard": "bf16 state, QK-Guard", "bf16-qknorm-always": "bf16 state, QK-norm always",
             "fp32-guard": "fp32 state, QK-Guard",
+            "bf16-qknorm-always-aa": "bf16 state, QK-norm always, run again beside its A/A twin",
             "bf16-qknorm-always-tile64": "bf16 state, QK-norm always, state rounded per 64 keys (A/A)"}
+AA_NAMES = tuple(a for pair in AA_ARMS.values() for a in pair)   # the A/A arms: each arm again, and its twin
 PROXY = ("A proxy, not the claims themselves: claims 1, 2 and 7 at CPU scale as a learning-rate sensitivity "
          "study, in the style of Wortsman et al. 2023 (\"Small-scale proxies for large-scale Transformer training "
          "instabilities\"). Here the runaway's source is the learning rate; the bf16 state's fault rides along.")
@@ -1372,6 +1377,22 @@ def same_losses(run, ref):
     return logged(run) == logged(ref)
 
 
+def aa_lines(c, prefix, always, lr):
+    """The A/A pair at lr, where both ran (AA_ARMS): the twin less the arm run again beside it, one commit's
+    code (this scale's noise floor); and the arm run again less its own runs of the sweep (what a later
+    commit, or another CPU's rounding, moved: 0 where they ran the same code on the same kind of CPU)."""
+    again, twin = (prefix + a for a in AA_ARMS["bf16-qknorm-always"])
+    if not (c.runs.get(lr_name(again, lr)) and c.runs.get(lr_name(twin, lr))):
+        return []
+    seeds = lr_seeds(c, (again, twin), lr)
+    gaps, _ = paired_gaps(c, twin, again, lr, seeds)
+    redo, _ = paired_gaps(c, again, always, lr, lr_seeds(c, (again,), lr))
+    return [f"A/A noise floor at lr {lr:g}, {twin} - {again} (run side by side, nothing that should matter differs): "
+            + equivalence_line(c, twin, again, lr, seeds)[2] + f"; per seed {', '.join(f'{g:+.3f}' for g in gaps)}",
+            f"lr {lr:g}, {again} - {always} (the same flags, run again on a later day: other code, perhaps another "
+            f"CPU): identical in {sum(g == 0 for g in redo)}/{len(redo)} seeds; per seed {', '.join(f'{g:+.3f}' for g in redo)}"]
+
+
 def lr_seeds(c, arms, lr):
     """The seeds any of `arms` ran at lr (an arm's seed missing among them counts against the claim)."""
     return sorted({s for a in arms for s in c.runs.get(lr_name(a, lr), {})}, key=lambda s: (len(s), s))
@@ -1455,12 +1476,7 @@ def lr_guard_claim(c, prefix=""):
             if len(judged) > SEEDS:   # what the first sweep's seeds alone said
                 lines.append(f"lr {lr:g}, seeds {judged[0]} to {judged[SEEDS - 1]} alone (the first sweep): "
                              + equivalence_line(c, guard, always, lr, judged[:SEEDS])[2])
-            if c.runs.get(lr_name(prefix + AA_ARMS["bf16-qknorm-always"], lr)):
-                aa = prefix + AA_ARMS["bf16-qknorm-always"]
-                aa_gaps, _ = paired_gaps(c, aa, always, lr, lr_seeds(c, (aa,), lr))
-                lines.append(f"A/A noise floor at lr {lr:g}, {aa} - {always} (nothing that should matter differs): "
-                             + equivalence_line(c, aa, always, lr, lr_seeds(c, (aa,), lr))[2]
-                             + f"; per seed {', '.join(f'{g:+.3f}' for g in aa_gaps)}")
+            lines += aa_lines(c, prefix, always, lr)
         if healthy:
             kinds.add("healthy")
             fired = {g: sum(not done(r) or r.trigger is not None for r in at(g)) for g in (guard, fp32_guard)}
@@ -1524,7 +1540,7 @@ LR_TITLES = {"1p": "claim 1 as a proxy: bf16 state ends worse than fp32 state at
 
 def lr_cells(groups):
     """{(base arm, lr): group name} of the study's folders that are <arm>-lr<lr> of a study arm."""
-    bases = {prefix + a for prefix in ARCHS.values() for a in (*LR_STUDY_ARMS, *AA_ARMS.values())}
+    bases = {prefix + a for prefix in ARCHS.values() for a in (*LR_STUDY_ARMS, *AA_NAMES)}
     return {(base, lr): name for name in groups for base, lr in [split_lr(name)]
             if base in bases and lr is not None and lr_name(base, lr) == name}
 
@@ -1846,7 +1862,7 @@ def pilot_rows(pilot_groups):
 def lr_order(groups):
     """The study's cells in table order: architecture, arm (as LR_STUDY_ARMS), lr: [(base, lr, name)]."""
     rank = {prefix + a: (i, j) for i, prefix in enumerate(ARCHS.values())
-            for j, a in enumerate((*LR_STUDY_ARMS, *AA_ARMS.values()))}
+            for j, a in enumerate((*LR_STUDY_ARMS, *AA_NAMES))}
     return sorted(((base, lr, name) for (base, lr), name in lr_cells(groups).items()),
                   key=lambda cell: (rank[cell[0]], cell[1]))
 
@@ -1997,7 +2013,7 @@ def row_scale(groups, arms, lrs=None):
     if lrs and len({len(ss) for ss in lrs.values()}) > 1:   # seeds differ by lr: say where the most ran
         most = max(map(len, lrs.values()))
         at = ", ".join(f"{lr:g}" for lr, ss in sorted(lrs.items()) if len(ss) == most)
-        plural = lambda n: f"{min(map(len, lrs.values()))}-{most} seeds x {len(lrs)} lrs ({most} at lr {at})"
+        plural = lambda n: f"{min(map(len, lrs.values()))}-{most} seeds x {len(lrs)} lrs ({most} for some arms at lr {at})"
     if len(by_horizon) > 1 and None not in by_horizon:
         steps = ", ".join(f"{h} steps x {plural(len(ss))}" for h, ss in sorted(by_horizon.items()))
         return ", ".join(filter(None, [model, steps])), len(seeds)
@@ -2214,6 +2230,7 @@ def plot_runs(runs, axes, colors, panels=tuple(PANELS)):
 # claims 1, 2 and 7's arms that no pattern below names
 NAMED_ARMS = {"bf16-safemax": "bf16 state with safemax (the prior work's fix)",
               "bf16-qknorm-always": "bf16 state, QK-norm from step 0",
+              "bf16-qknorm-always-aa": "bf16 state, QK-norm from step 0, run again (A/A)",
               "bf16-qknorm-always-tile64": "bf16 state, QK-norm from step 0, key tiles of 64 (A/A)",
               "bf16-guard": "bf16 state, QK-Guard",
               "fp32-guard": "fp32 state, QK-Guard", "fp32-qknorm-always": "fp32 state, QK-norm from step 0",
@@ -2421,8 +2438,8 @@ def plot_dose_response(plt, groups, png):
     plt.close(fig)
 
 
-AA_ARM = AA_ARMS["bf16-qknorm-always"]   # the lr study's A/A arm, where run: bf16-qknorm-always with the bf16
-                                         # state rounded per 64 keys, not 128; its gap to that arm is the noise floor
+AA_AGAIN, AA_TWIN = AA_ARMS["bf16-qknorm-always"]   # the lr study's A/A pair, where run: bf16-qknorm-always
+                    # again, and with the bf16 state rounded per 64 keys, not 128: their gap is the noise floor
 GAP_LEVEL = 0.90                       # the lr figures' interval around the mean paired gap
 
 
@@ -2443,13 +2460,14 @@ def runaway_lrs(groups, prefix=""):
 
 def lr_gaps(groups, prefix=""):
     """The paired gap rule 2p judges: ({runaway lr: seed_gaps(bf16-guard, bf16-qknorm-always)}, {lr: the
-    A/A arm's seed_gaps to bf16-qknorm-always} at each lr it ran, read from the folders: lr_cells knows
+    A/A twin's seed_gaps to the arm run again beside it} at each lr both ran, read from the folders: lr_cells knows
     only the study's own arms)."""
     always = lambda lr: lr_name(prefix + "bf16-qknorm-always", lr)
     guard = {lr: seed_gaps(groups, lr_name(prefix + "bf16-guard", lr), always(lr))
              for lr in runaway_lrs(groups, prefix)}
-    aa = {lr: seed_gaps(groups, name, always(lr)) for name in groups for base, lr in [split_lr(name)]
-          if base == prefix + AA_ARM and lr is not None and groups[name]}
+    aa = {lr: seed_gaps(groups, name, lr_name(prefix + AA_AGAIN, lr)) for name in groups
+          for base, lr in [split_lr(name)] if base == prefix + AA_TWIN and lr is not None and groups[name]
+          and groups.get(lr_name(prefix + AA_AGAIN, lr))}
     return guard, aa
 
 
@@ -2530,7 +2548,7 @@ def plot_lr_study(groups, out_dir, quiet=False):
         axes[0].set_title(f"{arch}, a CPU-scale proxy, {steps} steps per run: each line the median over its "
                           f"{seeds} seeds of one arm (shaded: their min to max)", fontsize=9)
         gap_ax.set_title("the paired gap rule 2p judges, at each lr where bf16 state ran away in a majority of seeds"
-                         + ("; grey: the A/A arm's, at the lrs it ran" if aa else ""), fontsize=9)
+                         + ("; grey: the A/A pair's, at the lrs it ran" if aa else ""), fontsize=9)
         saved.append(os.path.join(out_dir, f"lr-{arch}.png"))
         fig.savefig(saved[-1], dpi=110, bbox_inches="tight")
         plt.close(fig)

@@ -145,8 +145,10 @@ CLAIMS = {
         "bf16": "--accum bf16",
         "bf16-guard": "--accum bf16 --guard on",
         "bf16-qknorm-always": "--accum bf16 --qknorm always",
-        # the A/A pair of the arm above (2p's noise floor): the same function, data and seed, the bf16 state
-        # rounded after each 64 keys instead of once per 128-key row; nothing that should move the end loss
+        # the A/A pair (2p's noise floor), run side by side with one commit's code: the arm above again, and
+        # its twin with the bf16 state rounded after each 64 keys instead of once per 128-key row: the same
+        # function, data and seed; nothing that should move the end loss
+        "bf16-qknorm-always-aa": "--accum bf16 --qknorm always",
         "bf16-qknorm-always-tile64": "--accum bf16 --qknorm always --block-n 64",
         "fp32": "--accum fp32",
         "fp32-guard": "--accum fp32 --guard on",
@@ -164,6 +166,7 @@ CLAIMS = {
         "llama-fp32": "--arch llama --accum fp32",
         "llama-bf16-guard": "--arch llama --accum bf16 --guard on",
         "llama-bf16-qknorm-always": "--arch llama --accum bf16 --qknorm always",
+        "llama-bf16-qknorm-always-aa": "--arch llama --accum bf16 --qknorm always",
         "llama-bf16-qknorm-always-tile64": "--arch llama --accum bf16 --qknorm always --block-n 64",
         "llama-fp32-guard": "--arch llama --accum fp32 --guard on",
         "llama-bf16-safemax": "--arch llama --accum bf16-safemax",
@@ -175,9 +178,11 @@ CLAIMS = {
 # the unguarded runs run away, half-decades.
 LRS = (1e-3, 3e-3, 1e-2, 3e-2, 1e-1)
 LR_STUDY_ARMS = ("fp32", "bf16", "bf16-safemax", "bf16-guard", "bf16-qknorm-always", "fp32-guard")
-# A/A arms: an arm -> its twin that differs in nothing that should move the end loss (the noise floor of a
-# tolerance at this scale: report.py's rule 2p); run at the learning rates that need it
-AA_ARMS = {"bf16-qknorm-always": "bf16-qknorm-always-tile64"}
+# A/A arms: an arm -> (the arm again, its twin that differs in nothing that should move the end loss), the
+# two run side by side with one commit's code (the noise floor of a tolerance at this scale: report.py's
+# rule 2p); run at the learning rates that need it. The arm again also shows what the code's changes since
+# the arm's own runs moved.
+AA_ARMS = {"bf16-qknorm-always": ("bf16-qknorm-always-aa", "bf16-qknorm-always-tile64")}
 DONE = ("completed", "collapsed")    # end statuses that mean "nothing left to run"
 STOP_WAIT_S = 300                    # after Ctrl-C, how long children get to save their checkpoint
 

@@ -102,14 +102,14 @@ def test_the_claim_figure_draws_the_long_arms_over_their_whole_horizon(tmp_path,
 
 def lr_cells_with_gaps():
     """bf16 runs away at lr 0.03 (so rule 2p compares the guard there), not at 0.001; bf16-qknorm-always
-    lacks seed 4 and has a seed 5 bf16-guard lacks; the A/A arm ran seeds 1, 2."""
+    lacks seed 4 and has a seed 5 bf16-guard lacks; the A/A pair ran seeds 1, 2."""
     lr = lambda x, kw: {**kw, "args": {"lr": x, "min_lr": x, "max_steps": 20, **kw.get("args", {})}}
     val = lambda v: lr(0.03, {"val": v})
     return {"bf16-lr0.03": [lr(0.03, RUNAWAY)] * 5, "bf16-lr0.001": [lr(0.001, OK)] * 5,
             "bf16-guard-lr0.03": [val(3.0), val(3.1), val(3.2), val(3.3)],
             "bf16-qknorm-always-lr0.03": [val(3.0), val(3.0), val(3.0), None, val(3.0)],
             "bf16-guard-lr0.001": [lr(0.001, OK)] * 2, "bf16-qknorm-always-lr0.001": [lr(0.001, OK)] * 2,
-            report.AA_ARM + "-lr0.03": [val(2.95), val(3.05)]}
+            report.AA_TWIN + "-lr0.03": [val(2.95), val(3.05)], report.AA_AGAIN + "-lr0.03": [val(3.0), val(3.0)]}
 
 
 def test_the_paired_gap_pairs_only_seeds_both_arms_ran(tmp_path):
