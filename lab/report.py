@@ -372,6 +372,10 @@ class Claim:
         self.seeds = sorted({s for a in arms if a not in refs for s in self.runs[a]}, key=lambda s: (len(s), s))
         self.alpha = ALPHA      # the strictest threshold the rule's tests used, for "inconclusive"
 
+    def seeds_of(self, *arms):
+        """The seeds any of `arms` ran, in numeric order (a seed one of them lacks counts against a claim)."""
+        return sorted({s for a in arms for s in self.runs.get(a, {})}, key=lambda s: (len(s), s))
+
     def outcomes(self, arm, pred, claim_wants, ref=None):
         """Per seed: pred(run), or pred(run, the same seed's run of arm `ref`) if ref is given;
         a run it needs unfinished or missing gives not claim_wants (what the claim hopes for)."""
@@ -673,7 +677,7 @@ def long_probe_lines(c, source, need):
     the source against held shrinks (the step-size statement). Returns (holds, step size alone stopped it,
     lines)."""
     topk, shrink = probe_long_arms(source)
-    seeds = sorted({s for a in (topk, shrink) for s in c.runs.get(a, {})}, key=lambda s: (len(s), s))
+    seeds = c.seeds_of(topk, shrink)
     runs = lambda arm: [c.runs.get(arm, {}).get(s) for s in seeds]
     pairs = [(done(b) and ran_away(b), not done(a) or ran_away(a)) for a, b in zip(runs(topk), runs(shrink))]
     k, j, p = sign_test(pairs)
@@ -1314,7 +1318,7 @@ def worse(run, ref):
 def worse_test(c, arm, ref, alpha, claim_wants):
     """Is arm worse than ref, seed by seed (one-sided sign test at alpha)? claim_wants: that it is. A seed
     with either run missing or unfinished is scored the way that hurts the claim."""
-    seeds = sorted({s for a in (arm, ref) for s in c.runs[a]}, key=lambda s: (len(s), s))  # not the other arms'
+    seeds = c.seeds_of(arm, ref)   # not the other arms'
     both = [(c.runs[arm].get(s), c.runs[ref].get(s)) for s in seeds]
     pairs = [(worse(a, b), worse(b, a)) if done(a) and done(b) else (not claim_wants, claim_wants) for a, b in both]
     left = sum(not (done(a) and done(b)) for a, b in both)
@@ -1395,7 +1399,7 @@ def aa_lines(c, prefix, always, lr):
 
 def lr_seeds(c, arms, lr):
     """The seeds any of `arms` ran at lr (an arm's seed missing among them counts against the claim)."""
-    return sorted({s for a in arms for s in c.runs.get(lr_name(a, lr), {})}, key=lambda s: (len(s), s))
+    return c.seeds_of(*(lr_name(a, lr) for a in arms))
 
 
 def gap_words(verdict, mean, lo, hi, n, sd):
@@ -2009,11 +2013,12 @@ def row_scale(groups, arms, lrs=None):
         if a not in (NO_ERROR, QKNORM_ALONE):
             for r in groups.get(a, []):
                 by_horizon.setdefault(r.config.get("args", {}).get("max_steps"), set()).add(r.seed)
-    plural = lambda n: f"{n} seed{'s' * (n != 1)}" + (f" x {len(lrs)} lrs" if lrs else "")
-    if lrs and len({len(ss) for ss in lrs.values()}) > 1:   # seeds differ by lr: say where the most ran
-        most = max(map(len, lrs.values()))
-        at = ", ".join(f"{lr:g}" for lr, ss in sorted(lrs.items()) if len(ss) == most)
-        plural = lambda n: f"{min(map(len, lrs.values()))}-{most} seeds x {len(lrs)} lrs ({most} for some arms at lr {at})"
+    def plural(n):
+        counts = sorted({len(ss) for ss in (lrs or {}).values()})
+        if len(counts) < 2:
+            return f"{n} seed{'s' * (n != 1)}" + (f" x {len(lrs)} lrs" if lrs else "")
+        at = ", ".join(f"{lr:g}" for lr, ss in sorted(lrs.items()) if len(ss) == counts[-1])   # where the most ran
+        return f"{counts[0]}-{counts[-1]} seeds x {len(lrs)} lrs ({counts[-1]} for some arms at lr {at})"
     if len(by_horizon) > 1 and None not in by_horizon:
         steps = ", ".join(f"{h} steps x {plural(len(ss))}" for h, ss in sorted(by_horizon.items()))
         return ", ".join(filter(None, [model, steps])), len(seeds)
