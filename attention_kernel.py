@@ -51,10 +51,9 @@ DEFAULT_ROUNDING = ("logits", "pv")               # rounding=None with bf16 inpu
 IMPLS = ("auto", "triton", "torch", "sdpa")
 TRITON_HEAD_DIMS = (16, 32, 64, 128)
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-# The state and the separate PV product are rounded once per key block, so the block is part of the
-# fault: where either is rounded, both implementations use this one unless block_n says otherwise
-# (an H200 emulation of the fault used 128; the prior work's model, 512 at context 1024). Elsewhere
-# it is a speed choice (Triton: fwd_config) and changes only the summation order.
+# The key block where the state or pv is rounded, unless block_n says otherwise (an H200 emulation of
+# the fault used 128; the prior work's model, 512 at context 1024). Elsewhere block_n is a speed choice
+# (Triton: fwd_config) and changes only the summation order.
 BF16_STATE_BLOCK_N = 128
 # The bf16 backward's block: it rounds the dq sums once per key block, dk and dv per query block.
 BF16_BWD_BLOCK = 64
@@ -82,8 +81,7 @@ def _round(x, dtype=torch.bfloat16):
     return x.to(dtype).float()
 
 
-def _no_round(x):
-    """A rounding point switched off."""
+def _no_round(x):   # a rounding point switched off
     return x
 
 
@@ -114,7 +112,7 @@ def _causal_mask(row0, row1, key0, key1, device):
     return seen.float().log(), seen.float()   # log(1) = 0, log(0) = -inf
 
 
-def _exp_seen(x, seen, round_p=_no_round):
+def _exp_seen(x, seen, round_p):
     """round_p(exp(x)) where the row sees the key, else 0: exp of a logit masked to -inf, but no
     exp(-inf) (slow on a CPU, as are other underflows: lab/MEASUREMENTS.md, 2026-12-01, the CPU lab)."""
     return round_p(torch.exp(x * seen)) * seen
@@ -126,7 +124,6 @@ def _fwd_torch(q, k, v, scale, softcap, accum, rounding, beta, block_n):
     state_bf16 = accum != "fp32"
     round_state = _round if state_bf16 else _no_round   # the state's rounding points
     round_pv = _round if "pv" in rounding else _no_round   # the block product's own rounding
-    exact_p = state_bf16 and v.dtype == torch.bfloat16  # P holds bf16 values: no cast before P V
     qf, kf, vf = q.float(), k.float(), v.float()
     m = torch.full((B, H, T), float("-inf"), device=q.device)   # running max (or safe-max shift)
     l = torch.zeros((B, H, T), device=q.device)                  # running sum of P
@@ -146,7 +143,7 @@ def _fwd_torch(q, k, v, scale, softcap, accum, rounding, beta, block_n):
         p = _exp_seen(round_state(s - m_new[..., None]), seen, round_state)   # bf16 state: P = 1 at a repeated max
         block_sum = _round(p.sum(-1)).clamp_min(1e-10) if state_bf16 else p.sum(-1)
         l[..., rows] = round_state(round_state(alpha * l[..., rows]) + block_sum)
-        pv = round_pv((p if exact_p else _round(p, v.dtype)) @ vf[:, :, keys])
+        pv = round_pv(_round(p, v.dtype) @ vf[:, :, keys])
         acc[..., rows, :] = round_state(round_state(acc[..., rows, :] * alpha[..., None]) + pv)
         m[..., rows] = m_new
     lse = _round(_round(torch.log(l)) + m) if "backward" in rounding else m + torch.log(l)
@@ -154,12 +151,10 @@ def _fwd_torch(q, k, v, scale, softcap, accum, rounding, beta, block_n):
 
 
 def _bwd_torch(do, q, k, v, o, lse, scale, softcap, rounding, block_n):
-    """Recompute S (the forward's rounding) and P = exp(S - lse); dV = P^T dO; dP = dO V^T;
-    dS = P * (dP - delta) [softcap: * (1 - tanh^2)]; dQ = dS K scale; dK = dS^T Q scale, with
-    delta = rowsum(dO * O) of the stored o (in bf16 modes the biased O enters the gradient here).
-    P and dS are cast to the input dtype for the matmuls. "backward" on: the prior work's, r() at each
-    step (lse came rounded), the scale inside dS, dq, dk, dv summed in bf16 per BF16_BWD_BLOCK tile
-    (dq over key blocks in order, dk and dv over query blocks, as the Triton kernels loop)."""
+    """Recompute S and P = exp(S - lse); dV = P^T dO; dS = P * (dO V^T - delta); dQ = dS K scale;
+    dK = dS^T Q scale. delta = rowsum(dO * O) of the stored o: in bf16 modes the biased O enters the
+    gradient here. "backward" on: the module docstring's r() points, tiles summed in the order the
+    Triton kernels loop (dq over key blocks, dk and dv over query blocks)."""
     T, dtype = q.shape[2], q.dtype
     bf16 = "backward" in rounding
     r = _round if bf16 else _no_round
@@ -177,10 +172,8 @@ def _bwd_torch(do, q, k, v, o, lse, scale, softcap, rounding, block_n):
             p = _exp_seen(r(s - lse[..., rows, None]), _causal_mask(i, rows.stop, j, keys.stop, q.device)[1], r)
             dv[:, :, keys] = r(dv[:, :, keys] + r(_round(p, dtype).mT @ dof[:, :, rows]))
             dp = r(dof[:, :, rows] @ vf[:, :, keys].mT)
-            if bf16:   # the prior work's order: the scale inside dS
-                ds = r(r(p * scale) * r(dp - delta[..., rows, None]))
-            else:
-                ds = p * (dp - delta[..., rows, None])
+            # the prior work's order puts the scale inside dS
+            ds = r(r(p * scale) * r(dp - delta[..., rows, None])) if bf16 else p * (dp - delta[..., rows, None])
             if softcap > 0:
                 ds = r(ds * (1.0 - t * t))
             ds = _round(ds, dtype)
@@ -195,8 +188,7 @@ def _bwd_torch(do, q, k, v, o, lse, scale, softcap, rounding, block_n):
 # The same algorithm as Triton kernels, one program per (query or key block, batch*head). A call's
 # (B, H, T, D) tensors share a layout, passed as (batch, head, time) strides (head_dim unit-stride):
 # the model's transposed views as they are. Key blocks left of the diagonal skip the causal mask.
-# The switches are constexpr, so each combination compiles to its own kernel: BF16_STATE and SAFEMAX
-# (accum), ROUND_LOGITS, ROUND_PV and BWD_BF16 (rounding), SOFTCAP (softcap > 0); see kernel_flags.
+# The switches (kernel_flags) are constexpr, so each combination compiles to its own kernel.
 
 @triton.jit
 def _r(x, ON: tl.constexpr = True):
@@ -231,11 +223,7 @@ def _rows(offs, stride_t):
 @triton.jit
 def _load_block(ptrs, in_range, MASK: tl.constexpr):
     # A diagonal key block may run past T: mask it. Those left of it (most loads) lie below T.
-    if MASK:
-        x = tl.load(ptrs, mask=in_range, other=0.0)
-    else:
-        x = tl.load(ptrs)
-    return x
+    return tl.load(ptrs, mask=in_range, other=0.0) if MASK else tl.load(ptrs)
 
 
 @triton.jit
@@ -250,11 +238,7 @@ def _dot(a, b, acc):
     # dtype; fp32 ones get IEEE products (TF32 on the GPU would break a 1e-4 tolerance).
     if _DOT_FP32:
         a, b = a.to(tl.float32), b.to(tl.float32)
-    if a.dtype == tl.float32:
-        acc = tl.dot(a, b, acc, input_precision="ieee")
-    else:
-        acc = tl.dot(a, b, acc)
-    return acc
+    return tl.dot(a, b, acc, input_precision="ieee") if a.dtype == tl.float32 else tl.dot(a, b, acc)
 
 
 @triton.jit
@@ -341,9 +325,7 @@ def attn_fwd(Q, K, V, O, LSE, ROWMAX, stride_b, stride_h, stride_t, H, T, scale,
                                         SOFTCAP, CAUSAL_MASK=True)
 
     o = _r(acc / l_i[:, None], BF16_STATE)    # the O that the backward's delta sees
-    lse = m_i + tl.log(l_i)
-    if BWD_BF16:
-        lse = _r(_r(tl.log(l_i)) + m_i)
+    lse = _r(_r(tl.log(l_i)) + m_i) if BWD_BF16 else m_i + tl.log(l_i)
     row_ok = offs_m < T
     rows = bh.to(tl.int64) * T + offs_m                       # LSE, ROWMAX: contiguous (B, H, T)
     tl.store(O + _rows(offs_m, stride_t)[:, None] + offs_d[None, :], _cast(o, O), mask=row_ok[:, None])
@@ -369,10 +351,7 @@ def attn_bwd_delta(O, DO, DELTA, stride_b, stride_h, stride_t, H, T, HEAD_DIM: t
 @triton.jit
 def _ds(p, dp, delta, t, scale, SOFTCAP: tl.constexpr, BWD_BF16: tl.constexpr):
     # dS = P * (dP - delta) [* (1 - tanh^2)]; the bf16 backward rounds each product, scale inside.
-    if BWD_BF16:
-        ds = _r(_r(p * scale) * _r(dp - delta))
-    else:
-        ds = p * (dp - delta)
+    ds = _r(_r(p * scale) * _r(dp - delta)) if BWD_BF16 else p * (dp - delta)
     if SOFTCAP:
         ds = _r(ds * (1.0 - t * t), BWD_BF16)
     return ds
@@ -381,11 +360,7 @@ def _ds(p, dp, delta, t, scale, SOFTCAP: tl.constexpr, BWD_BF16: tl.constexpr):
 @triton.jit
 def _add_tile(acc, a, b, BWD_BF16: tl.constexpr):
     # acc + a @ b: accumulated in fp32, or (bf16 backward) r(acc + r(a @ b)) once per tile.
-    if BWD_BF16:
-        acc = _r(acc + _r(_mm(a, b)))
-    else:
-        acc = _dot(a, b, acc)
-    return acc
+    return _r(acc + _r(_mm(a, b))) if BWD_BF16 else _dot(a, b, acc)
 
 
 @triton.jit
