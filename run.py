@@ -27,23 +27,30 @@ import torch
 
 import model as model_lib
 import prepare_data
-from attention_kernel import ACCUM_MODES, ROUNDING_SOURCES
+from attention_kernel import ACCUM_MODES, BF16_STATE_BLOCK_N, ROUNDING_SOURCES
 from guard import ACTIONS, DEFAULT_ACTION, DEFAULT_THRESHOLD, SCOPES, SIGNALS
 fcntl = prepare_data.fcntl   # None on Windows: no lock
 
 # Training defaults per preset, one column per flag; the model sizes are model.MODEL_SIZES[size].
 PRESET_COLUMNS = ("size", "tokenizer", "batch_size", "grad_accum", "max_steps", "lr", "min_lr", "warmup_steps",
-                  "schedule", "log_interval", "eval_interval", "eval_iters", "ckpt_interval")
+                  "schedule", "log_interval", "eval_interval", "eval_iters", "ckpt_interval", "block_n")
 PRESETS = {name: dict(zip(PRESET_COLUMNS, row)) for name, row in {
+    # block_n: the key block where the bf16 state is rounded (0: the kernel's, 128). The fault lives in the
+    # streaming rescale across key blocks, so a preset that shows it streams 4 per row (the H200 collapse's
+    # 512 / 128, SOURCES.md): 32-key blocks at the CPU model's context of 128. The lab preset keeps one
+    # 128-key block per row: the claims 3-6 assay injects its own error and its committed runs used it.
     # demo (auto's pick on a CPU): the cpu model at an lr that makes its logits run away (README)
-    "demo":        ("cpu", "byte", 8, 1, 300, 3e-2, 3e-2, 20, "constant", 10, 100, 4, 100),
-    "cpu":         ("cpu", "byte", 8, 1, 100, 3e-3, 3e-4, 10, "cosine", 10, 50, 4, 50),
+    "demo":        ("cpu", "byte", 8, 1, 300, 3e-2, 3e-2, 20, "constant", 10, 100, 4, 100, 32),
+    "cpu":         ("cpu", "byte", 8, 1, 100, 3e-3, 3e-4, 10, "cosine", 10, 50, 4, 50, 32),
     # lab (the claims sweeps of RESULTS.md): the cpu model at a healthy lr, held constant so that
     # an injected error meets the same optimizer all run long
-    "lab":         ("cpu", "byte", 8, 1, 300, 3e-3, 3e-3, 20, "constant", 10, 100, 4, 100),
-    "assay":       ("assay", "gpt2", 32, 1, 2000, 2e-3, 2e-3, 200, "constant", 10, 250, 20, 500),
-    "gpt2":        ("gpt2", "gpt2", 16, 32, 60000, 1e-3, 1e-4, 2000, "cosine", 10, 1000, 50, 1000),
-    "gpt2-medium": ("gpt2-medium", "gpt2", 8, 64, 60000, 6e-4, 6e-5, 2000, "cosine", 10, 1000, 50, 1000),
+    "lab":         ("cpu", "byte", 8, 1, 300, 3e-3, 3e-3, 20, "constant", 10, 100, 4, 100, 0),
+    # stream (claim 1 at CPU scale, lab/preregistered/claim1-stream.md): the lab's model and lr with
+    # 4 key blocks per row, long enough for a slow drift; the final val loss on 16 batches
+    "stream":      ("cpu", "byte", 8, 1, 4000, 3e-3, 3e-3, 20, "constant", 10, 500, 16, 500, 32),
+    "assay":       ("assay", "gpt2", 32, 1, 2000, 2e-3, 2e-3, 200, "constant", 10, 250, 20, 500, 0),
+    "gpt2":        ("gpt2", "gpt2", 16, 32, 60000, 1e-3, 1e-4, 2000, "cosine", 10, 1000, 50, 1000, 0),
+    "gpt2-medium": ("gpt2-medium", "gpt2", 8, 64, 60000, 6e-4, 6e-5, 2000, "cosine", 10, 1000, 50, 1000, 0),
 }.items()}
 PRESET_KEYS = {key for values in (*PRESETS.values(), *model_lib.MODEL_SIZES.values()) for key in values}
 # Flags that may change when a run is resumed; any other difference from the saved run is an error.
@@ -135,7 +142,8 @@ def build_parser():
         "backward; none; or auto: logits,pv for bf16 inputs, so --accum changes the state alone", type=rounding_sources)
     add(g, "--attn-dtype", "bf16", "q, k, v enter attention in bf16 (as under a GPU's autocast), or native: in the "
         "dtype they were computed in", choices=["bf16", "native"])
-    add(g, "--block-n", 0, "key block of the streaming loop (0: the kernel's default)", type=SIZE)
+    add(g, "--block-n", None, "key block of the streaming loop, where the bf16 state is rounded (0: the kernel's "
+        "default, 128); context / block-n is the key blocks per row", type=SIZE)
     add(g, "--safemax-beta", 2.0, "bf16-safemax: shift repeated maxima by beta*max", type=number(low=1, above=True))
     add(g, "--qknorm", "off", "parameter-free QK-norm from step 0 (the always-on baseline)", choices=["off", "always"])
     add(g, "--softcap", 0.0, "tanh soft-cap of the logits from step 0 (0: off)", type=NONNEGATIVE)
@@ -256,7 +264,20 @@ def resolve(args, device, parser):
         parser.error(f"--min-lr {args.min_lr:g} is above --lr {args.lr:g}: the cosine would climb; lower --min-lr")
     if args.n_embd % args.n_head:
         parser.error(f"--n-embd {args.n_embd} is not a multiple of --n-head {args.n_head}")
+    block = args.block_n or BF16_STATE_BLOCK_N
+    if args.block_n and (args.block_n < 16 or args.block_n > 128 or args.block_n & (args.block_n - 1)):
+        parser.error(f"--block-n {args.block_n}: the kernel's Triton path (a GPU) runs key blocks of 16, 32, 64 or "
+                     f"128; give one of them (or 0, the kernel's 128)")
+    if args.block_size > block and args.block_size % block:
+        parser.error(f"--block-size {args.block_size} is not a whole number of --block-n {block} key blocks: the "
+                     f"last block of a row would be partial; give a multiple of {block}")
     return args
+
+
+def key_blocks_per_row(args):
+    """How many key blocks the longest row streams through, each rounding the bf16 state once: the
+    rescale across blocks (alpha = exp(m_old - m_new)) happens only where there are 2 or more."""
+    return max(1, args.block_size // (args.block_n or BF16_STATE_BLOCK_N))
 
 
 def qk_norm_from_step_0(args):
@@ -552,7 +573,7 @@ class RunDir:
         if dist.master and not resumed and not os.path.exists(config_json):
             with writing(config_json), open(config_json, "w") as f:
                 json.dump({"args": vars(args), "versions": run_versions, "command": sys.argv, "data": self.data,
-                           "world_size": dist.world, "params": params,
+                           "world_size": dist.world, "params": params, "key_blocks_per_row": key_blocks_per_row(args),
                            "started": time.strftime("%Y-%m-%d %H:%M:%S %Z")}, f, indent=2)
                 save_source(args.out_dir, run_versions)
         with writing(log):
@@ -562,10 +583,11 @@ class RunDir:
         over = " (it had saved no checkpoint: starting over)" if args.resume and not resumed else ""
         self.write({"event": "resume" if args.resume else "start", "step": step, "from_checkpoint": resumed,
                    "versions": run_versions, "world_size": dist.world, "command": sys.argv, "changed": changed,
-                   "data": self.data},
+                   "data": self.data, "key_blocks_per_row": key_blocks_per_row(args)},
                    f"{'resuming' if args.resume else 'starting'} {args.out_dir} at step {step}{over}: {args.preset} "
                    f"preset, {args.arch} {args.n_layer}x{args.n_embd}, {params / 1e6:.2f}M params, {args.tokenizer} "
-                   f"tokens, accum {args.accum}, guard {args.guard}, on {dist.device} x{dist.world}")
+                   f"tokens, accum {args.accum} with {key_blocks_per_row(args)} key blocks per row (block "
+                   f"{args.block_n or BF16_STATE_BLOCK_N} of {args.block_size}), guard {args.guard}, on {dist.device} x{dist.world}")
         return self
 
     def write(self, record, line=None):
