@@ -757,3 +757,28 @@ def test_bf16_state_defaults_to_the_same_key_block_in_both_implementations(accum
     assert torch.equal(by_default[0], explicit)
     assert rel(by_default[1], by_default[0]) < 1e-3, f"seed {seed}"
     assert not torch.equal(other_block, explicit), f"seed {seed}: block_n=32 was ignored"
+
+
+@pytest.mark.parametrize("impl", ["torch", "triton"])
+def test_bf16_state_rescale_across_key_blocks_is_exercised(impl, seed):
+    # The streaming rescale (alpha = exp(m_old - m_new), O = alpha O + P V) runs only where a row sees a
+    # second key block. A row inside one block (rows < block_n) is computed alike at every block size, so
+    # neither state can show the rescale there; a row streaming 2-4 blocks of 32 moves with the block in
+    # bf16 state by bf16's precision (each rescale is rounded), in fp32 state only by fp32's (the sums'
+    # order). fp32 inputs and no other rounding source: the state is the only bf16 in the kernel.
+    need_triton(impl)
+    B, H, T, D, block = 2, 4, 128, 32, 32
+    q, k, v = (randn(B, H, T, D, dtype=FP32) for _ in range(3))
+    moved = {}
+    for accum in ("fp32", "bf16"):
+        streamed, one_block = (attention(q, k, v, accum=accum, impl=impl, block_n=n, rounding=()).double()
+                               for n in (block, T))
+        moved[accum] = (streamed - one_block).norm(dim=-1) / one_block.norm(dim=-1)    # per row
+        assert torch.equal(streamed[..., :block, :], one_block[..., :block, :]), f"seed {seed}: {accum}, rows < {block}"
+    by_blocks = [f"{moved['bf16'][..., j:j + block].mean():.1e}" for j in range(0, T, block)]
+    print(f"\n{impl}: bf16 state, rows moved by streaming 1-4 key blocks: {by_blocks}; fp32 state at most "
+          f"{moved['fp32'].max():.1e}")
+    assert moved["fp32"].max() < 1e-5, f"seed {seed}: fp32 state moved {moved['fp32'].max():.2e}"
+    # every row that streams 2 or more blocks moves by a bf16 rounding (2^-9 relative) or more, on average
+    assert (moved["bf16"][..., block:] > 0).float().mean() > 0.99, f"seed {seed}"
+    assert moved["bf16"][..., block:].mean() > 1e-3, f"seed {seed}: {moved['bf16'][..., block:].mean():.2e}"

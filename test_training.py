@@ -482,6 +482,9 @@ def test_the_demo_runs_away_on_a_cpu_and_the_guard_fires(tmp_path, data_dir):
              and r["step"] >= trigger["active_from"]]
     assert after and max(after) <= 32 ** 0.5 * 1.01, "QK-norm bounds every logit by scale * head_dim = sqrt(32)"
     assert log[-1]["status"] == "completed" and "QK-Guard fired at step" in stdout.splitlines()[-1]
+    # the demo streams the bf16 state through 4 key blocks per row, and says so where a reader looks first
+    assert json.load(open(tmp_path / "on" / "config.json"))["key_blocks_per_row"] == 4
+    assert log[0]["key_blocks_per_row"] == 4 and "4 key blocks per row (block 32 of 128)" in stdout.splitlines()[0]
 
 
 def test_lr_drop_cuts_the_learning_rate_from_the_trigger_on(tmp_path, data_dir):
@@ -617,6 +620,9 @@ def test_damaged_data_gives_a_clear_error(tmp_path, data_dir):
     (["--attn-impl", "sdpa", "--accum", "bf16"], "sdpa"),
     (["--n-embd", "30", "--n-head", "4"], "not a multiple of --n-head"),
     (["--guard", "on", "--guard-action", "fp32-accum"], "nothing to switch"),
+    (["--block-n", "48"], "runs key blocks of 16, 32, 64 or 128"),
+    (["--block-n", "256"], "runs key blocks of 16, 32, 64 or 128"),
+    (["--block-size", "48"], "is not a whole number of --block-n 32 key blocks"),
 ])
 def test_settings_that_cannot_run_fail_before_training(tmp_path, data_dir, argv, message):
     result = subprocess.run([sys.executable, os.path.join(ROOT, "train.py"), "--data-dir", data_dir, "--out-dir",
@@ -899,6 +905,17 @@ def test_the_cpu_presets_read_bytes_and_the_gpu_presets_gpt2_bpe():
     args, typed, parser = run.parse_args(["--preset", "assay", "--tokenizer", "byte"])
     assert run.resolve(args, cpu, parser).data_dir.endswith(os.path.join("data", "pycode-byte"))
     assert run.padded_vocab(257) == 320 and run.padded_vocab(50257) == 50304 and run.padded_vocab(64) == 64
+
+
+def test_the_presets_that_show_the_fault_stream_four_key_blocks_per_row():
+    # The bf16 state's fault lives in the rescale across key blocks; a row inside one block never
+    # rescales. The lab preset (the claims 3-6 assay, which injects its own error) keeps one block.
+    import run
+    blocks = {}
+    for preset in run.PRESETS:
+        args, typed, parser = run.parse_args(["--preset", preset])
+        blocks[preset] = run.key_blocks_per_row(run.resolve(args, torch.device("cpu"), parser))
+    assert blocks == {"demo": 4, "cpu": 4, "lab": 1, "stream": 4, "assay": 4, "gpt2": 8, "gpt2-medium": 8}
 
 
 def test_resuming_on_data_of_another_tokenizer_is_refused_in_one_line(tmp_path, data_dir):

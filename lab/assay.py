@@ -21,6 +21,7 @@ import math
 import torch
 
 import run
+from attention_kernel import BF16_STATE_BLOCK_N
 
 
 INJECT_SITES = ("none", "attn-out", "mlp-in", "mlp-out", "residual", "delta", "grad-wv", "grad-mlp")
@@ -240,6 +241,29 @@ class ErrorInjector:
 
 
 @torch.no_grad()
+@torch.no_grad()
+def tie_fraction(q, k, scale, block_n):
+    """The share of (query row, key block) pairs, over the blocks each row sees, where the bf16 state's P
+    holds two or more exact 1s: the prior work's precondition for a biased P V (a row max that repeats;
+    bf16 rounds exp(S - m) to 1 within about 2e-3 of the max). As the kernel's twin computes it: logits
+    S = r(r(q k^T) * scale), the running max m rounded, P = r(exp(r(S - m))). Returns (H,) over batch."""
+    r = lambda x: x.to(torch.bfloat16).float()
+    T = q.shape[2]
+    s = r(r(q.float() @ k.float().mT) * scale)
+    causal = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()
+    s = s.masked_fill(~causal, float("-inf"))
+    m = torch.full(s.shape[:3], float("-inf"), device=q.device)
+    tied, seen = torch.zeros(s.shape[:2], device=q.device), torch.zeros((), device=q.device)
+    for j in range(0, T, block_n):
+        block = s[..., j:j + block_n]
+        m = r(torch.maximum(m, block.amax(-1)))
+        rows = slice(j, T)                                    # rows before j see none of this block's keys
+        ones = (r(torch.exp(r(block[:, :, rows] - m[:, :, rows, None]))) == 1).sum(-1)   # (B, H, rows)
+        tied += (ones >= 2).float().sum(dim=2)
+        seen += T - j
+    return (tied / seen).mean(0)
+
+
 def measure_fault(model, idx, accum="bf16", dtype=torch.bfloat16):
     """The real fault's error, per layer and head, on a batch idx (B, T).
 
@@ -248,7 +272,8 @@ def measure_fault(model, idx, accum="bf16", dtype=torch.bfloat16):
     q, k, v are recomputed as CausalSelfAttention does, from the input a forward pre-hook captures
     while the model runs (pause an attached injector first). Returns float32 tensors, over batch and
     tokens: error_ratio (L, H) = rms(O_faulty - O_fp32) / rms(O_fp32); bias_dir (L, H, head_dim) =
-    mean(O_faulty - O_fp32); bias_ratio (L, H) = rms(bias_dir) / rms(O_fp32).
+    mean(O_faulty - O_fp32); bias_ratio (L, H) = rms(bias_dir) / rms(O_fp32); tie_fraction (L, H), the
+    prior work's precondition (tie_fraction below).
     """
     inputs = {}
     hooks = [attn.register_forward_pre_hook(lambda m, args: inputs.__setitem__(m.layer_idx, args[:2]))
@@ -258,7 +283,7 @@ def measure_fault(model, idx, accum="bf16", dtype=torch.bfloat16):
     finally:
         for h in hooks:
             h.remove()
-    stats = {"error_ratio": [], "bias_ratio": [], "bias_dir": []}
+    stats = {"error_ratio": [], "bias_ratio": [], "bias_dir": [], "tie_fraction": []}
     for attn in model.attentions:
         x, rotary = inputs[attn.layer_idx]
         q, k, v = (t.to(dtype) for t in attn.project(x.float(), rotary))
@@ -272,6 +297,7 @@ def measure_fault(model, idx, accum="bf16", dtype=torch.bfloat16):
         stats["error_ratio"].append(err.pow(2).mean(dim=(0, 2, 3)).sqrt() / ref_rms)
         stats["bias_ratio"].append(bias.pow(2).mean(dim=1).sqrt() / ref_rms)
         stats["bias_dir"].append(bias)
+        stats["tie_fraction"].append(tie_fraction(q, k, attn.scale or q.shape[-1] ** -0.5, attn.block_n or BF16_STATE_BLOCK_N))
     return {key: torch.stack(vals).cpu() for key, vals in stats.items()}
 
 
