@@ -16,7 +16,7 @@ import statistics
 import sys
 
 from lab.stats import ALPHA, binom_tail, mean_interval
-from lab.sweep import DONE, Unreadable, read_log
+from lab.sweep import DONE, ROOT, Unreadable, read_log
 
 RULE = "lab/preregistered/claim1-stream.md"
 PREREGISTERED = "b823d3f"          # the commit that holds RULE, made before the first of its runs
@@ -160,10 +160,59 @@ TABLE_HEADER = ["seed"] + [f"{arm}: {what}" for arm in ARMS for what in
                            ("M", "peak", "sigma(W_q)", "val")]
 
 
+def scale_words(runs):
+    """The rule's scale, in RESULTS.md's words: model, horizon, seeds; then what this study adds."""
+    n = max((sum(r.finished for s, r in runs.get(arm, {}).items() if s in SEEDS) for arm in ARMS), default=0)
+    return (f"gpt2 4x128, 4000 steps, {n} seed{'s' * (n != 1)}, 4 key blocks per row, 1,024 tokens a step"
+            + ("" if n == len(SEEDS) else f" ({len(SEEDS)} planned)"))
+
+
+WHY = {"reproduced": "bf16 state's late max logit is 2x fp32's in nearly every seed; safe-max's is not",
+       "reproduced as state noise": "bf16 state's logits grow 2x fp32's, but safe-max's do too: not the ties",
+       "not reproduced": "bf16 state's late max logit is not 2x fp32's in 7 of 8 seeds",
+       "inconclusive": "the A/A set passes the same test, or did not run",
+       "not run": "no runs of bf16, fp32 with the stream preset"}
+
+
+def rule_row(runs):
+    """(claim, verdict, text) as lab.report's rules give them: the rule in a line, then its tests."""
+    verdict, lines = judge(runs)
+    return "1", verdict, "\n".join([f"claim 1 at CPU scale, pre-registered at {PREREGISTERED} ({RULE})", *lines,
+                                    *reported(runs)])
+
+
+def summary_row(runs):
+    """RESULTS.md's claim-1 row: [claim, verdict, scale, key number (n, test), why]."""
+    verdict, lines = judge(runs)
+    if verdict == "not run":
+        return ["1", verdict, "-", "-", WHY[verdict]]
+    count, n, p, _ = ratio_test(runs, "bf16", "fp32")
+    key = (f"`bf16` over `fp32`: M >= {RATIO:g}x in {count} of {n} seeds, sign test p = {p:.2g} "
+           f"({'<' if p < ALPHA else '>='} {ALPHA:g})")
+    return ["1", verdict, scale_words(runs), key, WHY[verdict]]
+
+
+def section(runs, root, plot_path=None, markdown_dir="."):
+    """RESULTS.md's section on claim 1 at CPU scale: the rule's link and commit, its tests, what is
+    reported, the seed table and the figure."""
+    verdict, lines = judge(runs)
+    table = "\n".join("| " + " | ".join(row) + " |" for row in
+                      [TABLE_HEADER, ["---"] * len(TABLE_HEADER), *seed_table(runs)])
+    link = os.path.relpath(os.path.join(ROOT, RULE), markdown_dir)
+    parts = [f"Pre-registered at commit {PREREGISTERED} ([{RULE}]({link})), before "
+             f"the first of its runs; judged by `python -m lab.claim1 {root}`. M is a run's median max attention "
+             f"logit over the last quarter of its steps. Verdict: **{verdict.upper()}**.",
+             "\n".join(f"- {line}" for line in lines + reported(runs)), table]
+    if plot_path:
+        parts.append(f"![claim 1 at CPU scale]({os.path.relpath(plot_path, markdown_dir)})")
+    return parts
+
+
 def plot(runs, path):
     """Max logit and sigma(W_q) against step, one line per run, one color per state."""
-    from lab.report import _pyplot
-    plt = _pyplot()
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
     colors = {"bf16": "tab:red", "fp32": "tab:blue", "bf16-safemax": "tab:green"}
     for arm, words in ARMS.items():

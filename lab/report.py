@@ -26,6 +26,7 @@ import statistics
 import sys
 
 from guard import ACTIONS, DEFAULT_THRESHOLD
+from lab import claim1
 from lab.stats import (ALPHA, LOSS_TOL, binom_tail, clopper_pearson, equivalence, mean_interval,  # noqa: F401
                        sign_test, t_quantile)
 from lab.sweep import (AA_ARMS, CLAIM3_SITE, CLAIM4_SITES, CLAIMS, COHERENCES, DONE, DOSES, LR_STUDY_ARMS, NO_ERROR,
@@ -1975,26 +1976,34 @@ def summary(groups, rows, study=None, lr_rows=()):
 
 
 def build(groups, root, markdown, plots=(), markdown_dir=".", pilots=(), plots_flag=None, study=None,
-          study_plots=()):
+          study_plots=(), stream=None, stream_plot=None):
     """The report as text (markdown False) or Markdown (markdown: the file's path as given; plots_flag:
-    the --plots given, for the command that rewrites it); study: (its folder, its groups), the lr study's."""
+    the --plots given, for the command that rewrites it); study: (its folder, its groups), the lr study's;
+    stream: (its folder, claim1.load's runs), claim 1 at CPU scale, which then decides claim 1's row."""
     known = list(dict.fromkeys(n for _, experiments in CLAIMS.values() for n in experiments))
     order = [n for n in known if n in groups] + sorted(set(groups) - set(known))
     title = (lambda level, text: "#" * level + " " + text) if markdown else (lambda level, text: f"== {text} ==")
     rows = verdicts(groups)
+    if stream:   # claim 1 judged at CPU scale, by its pre-registered rule (lab/claim1.py)
+        rows = [claim1.rule_row(stream[1]) if row[0] == "1" else row for row in rows]
     lr_rows = lr_verdicts(study[1]) if study else []
     parts = []
     if markdown:
         parts += [title(1, "The paper's claims, judged on this project's own runs"),
                   f"Written by `python -m lab.report {root}"
                   + "".join(f" --pilot {p}" for p, _ in pilots) + (f" --lr-study {study[0]}" if study else "")
+                  + (f" --stream {stream[0]}" if stream else "")
                   + f" --markdown {markdown}"
                   + (f" --plots {plots_flag}" if plots_flag else "") + "`, from the runs' logs. One row per rule: "
                   "its verdict, the scale it ran at, the test that decided it (a reproduced claim's weakest passing "
                   "test, else the failing test that came closest to passing) and why. The rules follow, then the "
                   "detail: every test, the learning-rate study, each run and its command."]
-    parts.append(render(["claim", "verdict", "scale", "key number (n, test)", "why"],
-                        summary(groups, rows, study and study[1], lr_rows), markdown))
+    table = summary(groups, rows, study and study[1], lr_rows)
+    if stream:
+        row = claim1.summary_row(stream[1])
+        table = [[row[0], VERDICT_WORDS.get(row[1], row[1].upper()), *row[2:]] if old[0] == "1" else old
+                 for old in table]
+    parts.append(render(["claim", "verdict", "scale", "key number (n, test)", "why"], table, markdown))
     parts.append(paper_scale(groups, *([study[1]] if study else [])))
     if markdown:
         parts.append(f"QK-Guard's trigger as a detector, scored beside OLMo-core's, Lightning's, llm-foundry's and "
@@ -2062,6 +2071,10 @@ def build(groups, root, markdown, plots=(), markdown_dir=".", pilots=(), plots_f
                            "seed / finished pairs"),
                   render(["site", "coherence"] + [f"dose {d:g}" for d in DOSES], dose_table(groups), markdown)]
         parts += fault_units(root)
+    if stream:
+        parts.append(title(2, "Claim 1 at CPU scale: the bf16 streaming state, 4 key blocks per row"))
+        parts += (claim1.section(stream[1], stream[0], stream_plot, markdown_dir) if markdown else
+                  ["\n".join(claim1.judge(stream[1])[1] + claim1.reported(stream[1]))])
     if study:
         parts += lr_section(*study, lr_rows, markdown, title, study_plots, markdown_dir)
     parts.append(title(2, "Runs"))
@@ -2550,6 +2563,8 @@ def main(argv=None):
                    help="a pilot's runs, <DIR>/<experiment>/seed<k>/, tabled apart (repeatable)")
     p.add_argument("--lr-study", metavar="DIR", help="the learning-rate study's runs (lab.sweep --lrs), "
                    "<DIR>/<arm>-lr<lr>/seed<k>/: claims 1, 2 and 7 as a CPU-scale proxy, in a section of their own")
+    p.add_argument("--stream", metavar="DIR", help="claim 1 at CPU scale, the stream preset's runs "
+                   "(lab/claim1.py): <DIR>/<bf16|fp32|bf16-safemax>/seed<k>/; it decides claim 1's row")
     p.add_argument("--runs", nargs="+", metavar="DIR", help="plot these run folders instead")
     p.add_argument("--png", default="runs.png", help="--runs: the figure's file (default runs.png)")
     p.add_argument("--labels", nargs="+", metavar="TEXT",
@@ -2577,6 +2592,8 @@ def main(argv=None):
     for d in args.pilot:
         if not os.path.isdir(d):
             p.error(f"--pilot {d} is not a folder: give a pilot's runs, <DIR>/<experiment>/seed<k>/")
+    if args.stream is not None and not os.path.isdir(args.stream):
+        p.error(f"--stream {args.stream} is not a folder: give the stream sweep's runs, <DIR>/<arm>/seed<k>/")
     if args.lr_study is not None and not os.path.isdir(args.lr_study):
         p.error(f"--lr-study {args.lr_study} is not a folder: give the study's runs, <DIR>/<arm>-lr<lr>/seed<k>/")
     if args.markdown:   # before the work: appending, so an existing file is kept as it is
@@ -2603,15 +2620,21 @@ def main(argv=None):
         print(f"no runs under {args.root} (expected <experiment>/seed<k>/log.jsonl)")
     pilots = [(d, load_runs(d)) for d in args.pilot]
     study = (args.lr_study, load_runs(args.lr_study)) if args.lr_study is not None else None
-    print(build(groups, args.root, markdown=False, pilots=pilots, study=study))
+    stream = (args.stream, claim1.load(args.stream)) if args.stream is not None else None
+    print(build(groups, args.root, markdown=False, pilots=pilots, study=study, stream=stream))
     markdown_dir = os.path.dirname(os.path.abspath(args.markdown)) if args.markdown else None
     plots = plot_claims(groups, plots_dir)
     study_plots = plot_lr_study(study[1], plots_dir, quiet=True) if study else []
+    stream_plot = os.path.join(plots_dir, "claim1-stream.png") if stream else None
+    if stream_plot and _pyplot(quiet=True):
+        claim1.plot(stream[1], stream_plot)
+        print(f"plot: {stream_plot}")
     for path in plots + study_plots:
         print(f"plot: {path}")
     if args.markdown:
         text = build(groups, args.root, markdown=args.markdown, plots=plots, markdown_dir=markdown_dir, pilots=pilots,
-                     plots_flag=args.plots, study=study, study_plots=study_plots)
+                     plots_flag=args.plots, study=study, study_plots=study_plots, stream=stream,
+                     stream_plot=stream_plot)
         old = judged_claims(args.markdown)
         if judged_claims(text) < old and not args.force:   # the folders given hold less than the file's
             p.error(f"--markdown {args.markdown}: it judges {old} claims, this report {judged_claims(text)}: left as it "
