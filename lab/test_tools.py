@@ -1713,6 +1713,24 @@ def test_the_readme_lab_sweep_commands_name_real_arms(tmp_path, capsys):
         assert "train.py" in capsys.readouterr().out
 
 
+def test_the_readme_stream_study_commands_plan_what_its_rule_names(tmp_path, capsys):
+    # lab/README.md's claim-1 stream study, dry-run as written: the arms, seeds and preset its pre-registered
+    # rule (lab/preregistered/claim1-stream.md) names
+    with open(os.path.join(ROOT, "lab", "README.md")) as f:
+        block = f.read().split("Claim 1 at CPU scale, with the bf16 state")[1].split("```bash")[1].split("```")[0]
+    commands = [shlex.split(line.split("#")[0])[3:] for line in block.replace("\\\n", "").splitlines()
+                if line.startswith("python -m lab.sweep")]
+    planned = []
+    for argv in commands:
+        argv[argv.index("--out-root") + 1] = str(tmp_path)
+        assert sweep.main(["--dry-run", *argv]) == 0, argv
+        planned += [line for line in capsys.readouterr().out.splitlines() if "train.py" in line]
+    assert len(planned) == 3 * 8 + 8 and all("--preset stream" in line for line in planned)
+    from lab import claim1
+    seeds = {int(line.split("--seed ")[1].split()[0]) for line in planned}
+    assert seeds == set(claim1.SEEDS) | set(claim1.AA_SEEDS)
+
+
 def test_sweep_shared_arm_runs_once():
     chosen = sweep.experiments([1, 2, 5])
     assert chosen["bf16"] == ["--accum", "bf16"] and list(chosen).count("bf16") == 1
