@@ -27,7 +27,6 @@ import sys
 import time
 import zlib
 
-from guard import ACTIONS, DEFAULT_ACTION   # claim 6's actions: guard.py's registry, not a copy
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))   # the reference: train.py, prepare_data.py
 
@@ -103,9 +102,15 @@ SOFTCAP = 500
 LONG_STEPS = 2500
 
 
+# Claim 6's actions at QK-Guard's trigger, besides its own (QK-norm), by kind: the lab's list, not guard.py's
+# registry, so that an action a fork adds to guard.py changes no committed arm or verdict (add it here to
+# run it in claim 6). Each is one of guard.ACTIONS of that kind (a test checks).
+CLAIM6_ACTIONS = {"non-qk": ("lr-drop", "clip", "softcap"), "qk": ("qkclip",), "source": ("fp32-accum",)}
+
+
 def actions_of(kind):
-    """guard.py's actions of a kind ("non-qk", "qk", "source"), in its order, less the guard's own."""
-    return [name for name, action in ACTIONS.items() if action.kind == kind and name != DEFAULT_ACTION]
+    """Claim 6's actions of a kind ("non-qk", "qk", "source"), in CLAIM6_ACTIONS' order."""
+    return list(CLAIM6_ACTIONS[kind])
 
 
 def action_arms(source):

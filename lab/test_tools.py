@@ -972,15 +972,25 @@ def new_action():
     del guard.ACTIONS["halve"]
 
 
-def test_claim_6s_actions_are_guard_pys_registry(tmp_path, new_action):
+def test_an_action_a_fork_adds_changes_no_claim_6_arm_or_verdict(tmp_path, new_action):
+    # claim 6's arms are the lab's list (sweep.CLAIM6_ACTIONS): guard.py's registry may grow in a fork
     import guard
     arms = sweep.action_arms("bf16")
     assert {a for a in arms if a.startswith("bf16-guard-") and not a.endswith("-long")} == \
-        {f"bf16-guard-{a}" for a in guard.ACTIONS if a != guard.DEFAULT_ACTION} >= {"bf16-guard-halve"}
-    assert arms["bf16-guard-halve"] == "--accum bf16 --guard on --guard-action halve"
-    assert "assay-guard-halve" in sweep.action_arms("assay") and "assay-guard-fp32-accum" not in sweep.action_arms(
-        "assay"), "a fix at the source runs only where the state is bf16"
+        {f"bf16-guard-{a}" for kind in sweep.CLAIM6_ACTIONS.values() for a in kind}
+    assert "bf16-guard-halve" not in arms and "halve" in guard.ACTIONS
+    for kind, names in sweep.CLAIM6_ACTIONS.items():   # each is a real action of its kind
+        assert all(guard.ACTIONS[name].kind == kind for name in names), kind
+    assert "assay-guard-fp32-accum" not in sweep.action_arms("assay"), "a fix at the source runs only on bf16 state"
     assert report.arm_words("bf16-guard-halve") == "bf16 state: QK-Guard's trigger, then the lr halved"
+    # the rule judges the arms it always did: a halve arm on disk is not one of them
+    assert judge(tmp_path / "held", "6", {**RULE6, "bf16-guard-halve": arm(0, TRIG)}) == "reproduced"
+
+
+def test_an_action_added_to_claim_6s_list_is_judged_like_the_others(tmp_path, new_action, monkeypatch):
+    monkeypatch.setitem(sweep.CLAIM6_ACTIONS, "non-qk", (*sweep.CLAIM6_ACTIONS["non-qk"], "halve"))
+    arms = sweep.action_arms("bf16")
+    assert arms["bf16-guard-halve"] == "--accum bf16 --guard on --guard-action halve"
     # rule 6 judges it as it does the other non-QK controls: it must fail too
     assert judge(tmp_path / "held", "6", {**RULE6, "bf16-guard-halve": arm(0, TRIG)}) == "not reproduced"
     assert judge(tmp_path / "failed", "6", {**RULE6, "bf16-guard-halve": arm(7, COLLAPSED_AFTER, rest=TRIG)}) == \
