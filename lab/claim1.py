@@ -10,6 +10,7 @@ commit). Here it is as code, and nothing else: the statistic, the two sign tests
 what is reported beside them. lab.report puts the verdict in RESULTS.md's claim-1 row.
 """
 import argparse
+import json
 import math
 import os
 import statistics
@@ -141,6 +142,23 @@ def reported(runs):
     return lines
 
 
+def fault_lines(root):
+    """The final checkpoints' fault, per arm, from root/fault_size.json (`python -m lab.fault_size --runs`):
+    medians over seeds of each run's median over layers and heads; [] where it was not measured."""
+    path = os.path.join(root, "fault_size.json")
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        measured = json.load(f)
+    lines = []
+    for arm, m in measured["median"].items():
+        n = sum(r["arm"] == arm for r in measured["per_seed"])
+        lines.append(f"{arm} at its final checkpoints ({n} seeds, medians): (row, key block) pairs whose bf16 P "
+                     f"holds 2+ exact 1s {m['tie_fraction_median']:.1%}; bf16 state's O error against fp32 "
+                     f"state's {m['error_ratio_median']:.2e} of rms(O), its sign-keeping part {m['bias_ratio_median']:.2e}")
+    return lines
+
+
 def seed_table(runs):
     """[seed, then per arm: M, the last quarter's peak, the final sigma(W_q), the final val loss]."""
     rows = []
@@ -202,7 +220,7 @@ def section(runs, root, plot_path=None, markdown_dir="."):
     parts = [f"Pre-registered at commit {PREREGISTERED} ([{RULE}]({link})), before "
              f"the first of its runs; judged by `python -m lab.claim1 {root}`. M is a run's median max attention "
              f"logit over the last quarter of its steps. Verdict: **{verdict.upper()}**.",
-             "\n".join(f"- {line}" for line in lines + reported(runs)), table]
+             "\n".join(f"- {line}" for line in lines + reported(runs) + fault_lines(root)), table]
     if plot_path:
         parts.append(f"![claim 1 at CPU scale]({os.path.relpath(plot_path, markdown_dir)})")
     return parts
@@ -248,7 +266,7 @@ def main(argv=None):
     runs = load(args.root)
     verdict, lines = judge(runs)
     print(f"claim 1 at CPU scale ({RULE}, pre-registered at {PREREGISTERED}): {verdict.upper()}")
-    for line in lines + reported(runs):
+    for line in lines + reported(runs) + fault_lines(args.root):
         print("  " + line)
     widths = [max(len(str(x)) for x in col) for col in zip(TABLE_HEADER, *seed_table(runs))]
     for row in [TABLE_HEADER, *seed_table(runs)]:

@@ -109,3 +109,13 @@ def test_the_command_prints_the_verdict_and_draws_the_figure(tmp_path, capsys):
     assert "REPRODUCED" in out and (tmp_path / "fig.png").stat().st_size > 10_000
     with pytest.raises(SystemExit):
         claim1.main([str(tmp_path / "nothing")])
+
+
+def test_the_final_checkpoints_fault_is_reported_where_measured(tmp_path):
+    assert claim1.fault_lines(str(tmp_path)) == []
+    row = {"arm": "bf16", "seed": 11, "tie_fraction_median": 0.25, "error_ratio_median": 5e-3,
+           "bias_ratio_median": 2e-4}
+    (tmp_path / "fault_size.json").write_text(json.dumps({"per_seed": [row], "median": {"bf16": row}}))
+    (line,) = claim1.fault_lines(str(tmp_path))
+    assert line.startswith("bf16 at its final checkpoints (1 seeds") and "2+ exact 1s 25.0%" in line
+    assert "5.00e-03 of rms(O), its sign-keeping part 2.00e-04" in line
