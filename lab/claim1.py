@@ -90,7 +90,7 @@ def geometric_mean(ratios):
     return tuple(math.exp(x) if not math.isnan(x) else math.nan for x in (mean, lo, hi))
 
 
-def test_line(name, count, n, p):
+def sign_line(name, count, n, p):
     held = p < ALPHA
     return held, (f"sign test, {name}: M >= {RATIO:g}x in {count} of {n} seeds, p = {p:.3g} "
                   f"-> {'holds' if held else 'fails'}")
@@ -100,11 +100,11 @@ def judge(runs):
     """(verdict, lines): the pre-registered verdict and the tests behind it."""
     if not runs.get("bf16") or not runs.get("fp32"):
         return "not run", ["no bf16 and fp32 runs of the stream preset"]
-    primary, primary_line = test_line("bf16 over fp32", *ratio_test(runs, "bf16", "fp32")[:3])
-    mechanism, mechanism_line = test_line("bf16-safemax over fp32", *ratio_test(runs, "bf16-safemax", "fp32")[:3])
+    primary, primary_line = sign_line("bf16 over fp32", *ratio_test(runs, "bf16", "fp32")[:3])
+    mechanism, mechanism_line = sign_line("bf16-safemax over fp32", *ratio_test(runs, "bf16-safemax", "fp32")[:3])
     aa_count, aa_n, aa_p, _ = ratio_test(runs, "fp32", "fp32", SEEDS, AA_SEEDS)
     aa_ran = all(s in runs["fp32"] for s in AA_SEEDS)
-    aa_held, aa_line = test_line("A/A, fp32 seeds 11-18 over fp32 seeds 19-26", aa_count, aa_n, aa_p)
+    aa_held, aa_line = sign_line("A/A, fp32 seeds 11-18 over fp32 seeds 19-26", aa_count, aa_n, aa_p)
     lines = [primary_line, mechanism_line, aa_line if aa_ran else "A/A: fp32 seeds 19-26 not run"]
     if not primary:
         verdict = "not reproduced"
