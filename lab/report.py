@@ -1684,14 +1684,19 @@ def scale(groups):
     steps = "/".join(sorted({str(r.config["args"].get("max_steps")) for a, rs in groups.items() for r in rs
                              if r.config.get("args") and "max_steps" not in arm_flags(a)}, key=lambda v: (len(v), v)))
     steps = f"{steps} steps" + (f" ({', '.join(sorted(own))} for the arms that set their own)" if own else "")
+    blocks = "/".join(sorted({str(max(1, c["args"].get("block_size", 0) // (c["args"].get("block_n") or 128)))
+                              for c in configs}))
     return (f"Scale: preset {joined('preset')}: {joined('arch')} model, {joined('n_layer')} layers of width "
-            f"{joined('n_embd')} ({joined('n_head')} heads), context {joined('block_size')}, batch "
+            f"{joined('n_embd')} ({joined('n_head')} heads), context {joined('block_size')} streamed in {blocks} "
+            f"key block(s) per row{ONE_BLOCK if blocks == '1' else ''}, batch "
             f"{joined('batch_size')} x {joined('grad_accum')}, {steps} at lr {joined('lr')} "
             f"({joined('schedule')} after {joined('warmup_steps')} warmup steps); data {joined('dataset')} in "
             f"{joined('tokenizer')} tokens; {len(seeds)} seeds ({seeds[0]} to {seeds[-1]}), {len(configs)} runs; "
             f"{machines(configs)}.")
 
 
+ONE_BLOCK = (" (so the bf16 state is rounded once per row and never rescaled across blocks: the assay injects its "
+             "own error, and the fault's rescale is claim 1 at CPU scale's, with 4 blocks per row)")
 PAPER_SCALE = ("the paper's guard result: plain GPT-2, 12 final train and val losses within 0.03 nat of always-on "
                "QK-norm over 60k steps (SOURCES.md)")
 
