@@ -10,6 +10,8 @@ commit). Here it is as code, and nothing else: the statistic, the two sign tests
 what is reported beside them. lab.report puts the verdict in RESULTS.md's claim-1 row.
 """
 import argparse
+import dataclasses
+import glob
 import json
 import math
 import os
@@ -19,14 +21,31 @@ import sys
 from lab.stats import ALPHA, binom_tail, mean_interval
 from lab.sweep import DONE, ROOT, Unreadable, read_log
 
-RULE = "lab/preregistered/claim1-stream.md"
-PREREGISTERED = "b823d3f"          # the commit that holds RULE, made before the first of its runs
-SEEDS = tuple(range(11, 19))       # every arm's seeds
-AA_SEEDS = tuple(range(19, 27))    # fp32 again: seed k of SEEDS against seed k + 8
 RATIO = 2.0                        # a seed counts for the claim where M_bf16 >= RATIO * M_fp32
 LAST_QUARTER = 0.75                # M: the median max logit of the logged steps after 3/4 of the horizon
 RUNAWAY_LOGIT = 1000.0             # a runaway's max logit (lab/report.py's)
 ARMS = {"bf16": "bf16 state", "fp32": "fp32 state", "bf16-safemax": "bf16 state with safe-max (no exact 1s)"}
+
+
+@dataclasses.dataclass(frozen=True)
+class Study:
+    """One pre-registered study of claim 1: its rule, the commit that held it before the runs, its seeds."""
+    name: str
+    rule: str                      # the rule's file, from the repository's root
+    commit: str                    # the commit that holds it, made before the first of its runs
+    seeds: tuple                   # every arm's seeds
+    aa_seeds: tuple                # fp32 again, seed k of `seeds` against the k-th of these; () for none
+    scale: str                     # its scale in RESULTS.md's words; {n}: the seeds that finished
+    holds: str                     # the verdict where the primary test holds (and the A/A does not)
+
+
+STREAM = Study("stream", "lab/preregistered/claim1-stream.md", "b823d3f", tuple(range(11, 19)), tuple(range(19, 27)),
+               "gpt2 4x128, 4000 steps, {n}, 4 key blocks per row, 1,024 tokens a step", "reproduced")
+TOKENS = Study("tokens", "lab/preregistered/claim1-tokens.md", "75c11bd", tuple(range(31, 36)), (),
+               "gpt2 4x128, 1000 steps, {n}, 4 key blocks per row, 16,384 tokens a step", "separates")
+STUDIES = {s.name: s for s in (STREAM, TOKENS)}
+# the first study's, by their old names
+RULE, PREREGISTERED, SEEDS, AA_SEEDS = STREAM.rule, STREAM.commit, STREAM.seeds, STREAM.aa_seeds
 
 
 class StreamRun:
@@ -60,22 +79,47 @@ class StreamRun:
         return statistics.median(late) if self.finished and late else None
 
 
-def load(root):
-    """{arm: {seed: StreamRun}} for the arms and seeds present under root/<arm>/seed<k>."""
+def arm_folder(root, arm):
+    """root/<arm>, or root/<arm>-lr<lr> where the sweep ran it at one learning rate (lab.sweep --lrs)."""
+    found = sorted(glob.glob(os.path.join(glob.escape(root), f"{arm}-lr*")))
+    if os.path.isdir(os.path.join(root, arm)) or not found:
+        return os.path.join(root, arm)
+    if len(found) > 1:
+        raise SystemExit(f"error: {root} holds {arm} at several learning rates ({', '.join(found)}): the rule "
+                         f"judges one; give a folder that holds one")
+    return found[0]
+
+
+def load(root, study=STREAM):
+    """{arm: {seed: StreamRun}} for the arms and seeds present under root/<arm>[-lr<lr>]/seed<k>."""
     out = {}
     for arm in ARMS:
-        for seed in (*SEEDS, *AA_SEEDS):
-            path = os.path.join(root, arm, f"seed{seed}")
+        for seed in (*study.seeds, *study.aa_seeds):
+            path = os.path.join(arm_folder(root, arm), f"seed{seed}")
             if os.path.isdir(path):
                 out.setdefault(arm, {})[seed] = StreamRun(path)
     return out
 
 
-def ratio_test(runs, arm, ref, seeds=SEEDS, ref_seeds=SEEDS):
-    """The rule's sign test: seed k counts where M(arm, k) >= RATIO * M(ref, k'); a run missing or
-    unfinished counts against. Returns (count, n, p, the ratios of the seeds where both have an M)."""
+def pilot_lr(root, seed=201, healthy_below=200.0, fallback=1e-3):
+    """claim1-tokens.md's learning rate: the largest lr of the pilot (root/fp32-lr<lr>/seed<seed>) at which
+    fp32 state stayed healthy: finished, no collapse, its max logit below `healthy_below` at every logged
+    step; `fallback` if none did. Returns (lr, {lr: (healthy, peak max logit)})."""
+    seen = {}
+    for folder in glob.glob(os.path.join(glob.escape(root), "fp32-lr*")):
+        r = StreamRun(os.path.join(folder, f"seed{seed}"))
+        peak = max(r.logit, default=math.inf)
+        seen[float(folder.rsplit("-lr", 1)[1])] = (r.finished and not r.collapsed and peak < healthy_below, peak)
+    healthy = [lr for lr, (ok, _) in seen.items() if ok]
+    return (max(healthy) if healthy else fallback), dict(sorted(seen.items()))
+
+
+def ratio_test(runs, arm, ref, seeds, ref_seeds=None):
+    """The rule's sign test: seed k counts where M(arm, k) >= RATIO * M(ref, k'), k' the k-th of ref_seeds
+    (default: seeds); a run missing or unfinished counts against. Returns (count, n, p, the ratios of the
+    seeds where both have an M)."""
     count, ratios = 0, []
-    for seed, ref_seed in zip(seeds, ref_seeds):
+    for seed, ref_seed in zip(seeds, ref_seeds or seeds):
         a, b = runs.get(arm, {}).get(seed), runs.get(ref, {}).get(ref_seed)
         m_a, m_b = a and a.statistic(), b and b.statistic()
         if m_a is not None and m_b is not None and m_b > 0:
@@ -96,49 +140,58 @@ def sign_line(name, count, n, p):
                   f"-> {'holds' if held else 'fails'}")
 
 
-def judge(runs):
+def judge(runs, study=STREAM):
     """(verdict, lines): the pre-registered verdict and the tests behind it."""
     if not runs.get("bf16") or not runs.get("fp32"):
-        return "not run", ["no bf16 and fp32 runs of the stream preset"]
-    primary, primary_line = sign_line("bf16 over fp32", *ratio_test(runs, "bf16", "fp32")[:3])
-    mechanism, mechanism_line = sign_line("bf16-safemax over fp32", *ratio_test(runs, "bf16-safemax", "fp32")[:3])
-    aa_count, aa_n, aa_p, _ = ratio_test(runs, "fp32", "fp32", SEEDS, AA_SEEDS)
-    aa_ran = all(s in runs["fp32"] for s in AA_SEEDS)
-    aa_held, aa_line = sign_line("A/A, fp32 seeds 11-18 over fp32 seeds 19-26", aa_count, aa_n, aa_p)
-    lines = [primary_line, mechanism_line, aa_line if aa_ran else "A/A: fp32 seeds 19-26 not run"]
+        return "not run", [f"no bf16 and fp32 runs of the {study.name} study"]
+    seeds = study.seeds
+    primary, primary_line = sign_line("bf16 over fp32", *ratio_test(runs, "bf16", "fp32", seeds)[:3])
+    mechanism, mechanism_line = sign_line("bf16-safemax over fp32", *ratio_test(runs, "bf16-safemax", "fp32", seeds)[:3])
+    safemax_done = all(runs.get("bf16-safemax", {}).get(s) and runs["bf16-safemax"][s].finished for s in seeds)
+    if not study.aa_seeds:   # the tokens study: safe-max runs only where bf16 separates
+        lines = [primary_line, mechanism_line if runs.get("bf16-safemax") else "bf16-safemax: not run"]
+        return (study.holds if primary else "does not separate"), lines
+    lines = [primary_line, mechanism_line]
+    aa_count, aa_n, aa_p, _ = ratio_test(runs, "fp32", "fp32", seeds, study.aa_seeds)
+    aa_ran = all(s in runs["fp32"] for s in study.aa_seeds)
+    aa_held, aa_line = sign_line(f"A/A, fp32 seeds {seeds[0]}-{seeds[-1]} over fp32 seeds "
+                                 f"{study.aa_seeds[0]}-{study.aa_seeds[-1]}", aa_count, aa_n, aa_p)
+    lines.append(aa_line if aa_ran else f"A/A: fp32 seeds {study.aa_seeds[0]}-{study.aa_seeds[-1]} not run")
     if not primary:
-        verdict = "not reproduced"
-    elif aa_held or not aa_ran:
-        verdict = "inconclusive"
+        return "not reproduced", lines
+    if aa_held or not aa_ran:
         lines.append("the A/A set " + ("passes the same test: the threshold is inside this scale's noise" if aa_ran
                                        else "did not run, so the rule's noise is unchecked"))
-    else:
-        verdict = "reproduced as state noise" if mechanism else "reproduced"
-    return verdict, lines
+        return "inconclusive", lines
+    if mechanism:
+        return "reproduced as state noise", lines
+    if not safemax_done:   # a missing safe-max run could have passed the mechanism check
+        lines.append("bf16-safemax did not finish every seed, so the mechanism check cannot clear the ties' role")
+        return "inconclusive", lines
+    return study.holds, lines
 
 
-def reported(runs):
+def reported(runs, study=STREAM):
     """What the rule reports beside its tests, as lines."""
     lines = []
     for arm in ("bf16", "bf16-safemax"):
-        _, _, _, ratios = ratio_test(runs, arm, "fp32")
+        _, _, _, ratios = ratio_test(runs, arm, "fp32", study.seeds)
         if ratios:
             g, lo, hi = geometric_mean(ratios)
             lines.append(f"{arm} / fp32, M per seed: {', '.join(f'{r:.2f}' for r in ratios)}; geometric mean "
                          f"{g:.2f}, 95% interval [{lo:.2f}, {hi:.2f}] (n = {len(ratios)})")
-        gaps = [runs[arm][s].final_val - runs["fp32"][s].final_val for s in SEEDS
-                if s in runs.get(arm, {}) and s in runs["fp32"] and runs[arm][s].final_val is not None
-                and runs["fp32"][s].final_val is not None]
+        pairs = [(runs.get(arm, {}).get(s), runs["fp32"].get(s)) for s in study.seeds]
+        gaps = [a.final_val - b.final_val for a, b in pairs if a and b and a.final_val is not None
+                and b.final_val is not None]
         if len(gaps) > 1:
             mean, lo, hi = mean_interval(gaps, level=0.95)
             lines.append(f"final val loss, {arm} - fp32: mean {mean:+.3f} nat, 95% interval [{lo:+.3f}, {hi:+.3f}] "
                          f"(n = {len(gaps)})")
     for arm in ARMS:
-        these = [runs.get(arm, {}).get(s) for s in SEEDS]
-        done = [r for r in these if r and r.finished]
+        done = [r for r in (runs.get(arm, {}).get(s) for s in study.seeds) if r and r.finished]
         away = sum(max(r.logit, default=0) >= RUNAWAY_LOGIT for r in done)
-        lines.append(f"{arm}: {len(done)}/{len(SEEDS)} finished, {away} ran away (max logit >= {RUNAWAY_LOGIT:g}), "
-                     f"{sum(r.collapsed for r in done)} collapsed")
+        lines.append(f"{arm}: {len(done)}/{len(study.seeds)} finished, {away} ran away (max logit >= "
+                     f"{RUNAWAY_LOGIT:g}), {sum(r.collapsed for r in done)} collapsed")
     return lines
 
 
@@ -159,10 +212,13 @@ def fault_lines(root):
     return lines
 
 
-def seed_table(runs):
+TABLE_HEADER = ["seed"] + [f"{arm}: {what}" for arm in ARMS for what in ("M", "peak", "sigma(W_q)", "val")]
+
+
+def seed_table(runs, study=STREAM):
     """[seed, then per arm: M, the last quarter's peak, the final sigma(W_q), the final val loss]."""
     rows = []
-    for seed in SEEDS:
+    for seed in study.seeds:
         row = [str(seed)]
         for arm in ARMS:
             r = runs.get(arm, {}).get(seed)
@@ -174,59 +230,59 @@ def seed_table(runs):
     return rows
 
 
-TABLE_HEADER = ["seed"] + [f"{arm}: {what}" for arm in ARMS for what in
-                           ("M", "peak", "sigma(W_q)", "val")]
-
-
-def scale_words(runs):
+def scale_words(runs, study=STREAM):
     """The rule's scale, in RESULTS.md's words: model, horizon, seeds; then what this study adds."""
-    n = max((sum(r.finished for s, r in runs.get(arm, {}).items() if s in SEEDS) for arm in ARMS), default=0)
-    return (f"gpt2 4x128, 4000 steps, {n} seed{'s' * (n != 1)}, 4 key blocks per row, 1,024 tokens a step"
-            + ("" if n == len(SEEDS) else f" ({len(SEEDS)} planned)"))
+    n = max((sum(r.finished for s, r in runs.get(arm, {}).items() if s in study.seeds) for arm in ARMS), default=0)
+    seeds = f"{n} seed{'s' * (n != 1)}" + ("" if n == len(study.seeds) else f" ({len(study.seeds)} planned)")
+    return study.scale.format(n=seeds)
 
 
-WHY = {"reproduced": "bf16 state's late max logit is 2x fp32's in nearly every seed; safe-max's is not",
-       "reproduced as state noise": "bf16 state's logits grow 2x fp32's, but safe-max's do too: not the ties",
-       "not reproduced": "bf16 state's late max logit is not 2x fp32's in 7 of 8 seeds",
-       "inconclusive": "the A/A set passes the same test, or did not run",
-       "not run": "no runs of bf16, fp32 with the stream preset"}
+def why(verdict, runs, study=STREAM):
+    """The verdict's reason in at most 15 words."""
+    count, n, _, _ = ratio_test(runs, "bf16", "fp32", study.seeds)
+    need = next(k for k in range(n + 1) if binom_tail(k, n) < ALPHA) if binom_tail(n, n) < ALPHA else None
+    return {"reproduced": f"bf16's late max logit reached 2x fp32's in {count} of {n} seeds; safe-max's did not",
+            "reproduced as state noise": "bf16's logits reached 2x fp32's, and safe-max's too: not the ties",
+            "inconclusive": "the A/A set passes the same test, or did not run",
+            "not run": f"no runs of bf16, fp32 in the {study.name} study"}.get(
+        verdict, f"bf16's late max logit reached 2x fp32's in {count} of {n} seeds; {need} needed")
 
 
-def rule_row(runs):
+def rule_row(runs, study=STREAM):
     """(claim, verdict, text) as lab.report's rules give them: the rule in a line, then its tests."""
-    verdict, lines = judge(runs)
-    return "1", verdict, "\n".join([f"claim 1 at CPU scale, pre-registered at {PREREGISTERED} ({RULE})", *lines,
-                                    *reported(runs)])
+    verdict, lines = judge(runs, study)
+    return "1", verdict, "\n".join([f"claim 1 at CPU scale, pre-registered at {study.commit} ({study.rule})", *lines,
+                                    *reported(runs, study)])
 
 
-def summary_row(runs):
+def summary_row(runs, study=STREAM):
     """RESULTS.md's claim-1 row: [claim, verdict, scale, key number (n, test), why]."""
-    verdict, lines = judge(runs)
+    verdict, lines = judge(runs, study)
     if verdict == "not run":
-        return ["1", verdict, "-", "-", WHY[verdict]]
-    count, n, p, _ = ratio_test(runs, "bf16", "fp32")
+        return ["1", verdict, "-", "-", why(verdict, runs, study)]
+    count, n, p, _ = ratio_test(runs, "bf16", "fp32", study.seeds)
     key = (f"`bf16` over `fp32`: M >= {RATIO:g}x in {count} of {n} seeds, sign test p = {p:.2g} "
            f"({'<' if p < ALPHA else '>='} {ALPHA:g})")
-    return ["1", verdict, scale_words(runs), key, WHY[verdict]]
+    return ["1", verdict, scale_words(runs, study), key, why(verdict, runs, study)]
 
 
-def section(runs, root, plot_path=None, markdown_dir="."):
-    """RESULTS.md's section on claim 1 at CPU scale: the rule's link and commit, its tests, what is
+def section(runs, root, plot_path=None, markdown_dir=".", study=STREAM):
+    """RESULTS.md's section on one study of claim 1: the rule's link and commit, its tests, what is
     reported, the seed table and the figure."""
-    verdict, lines = judge(runs)
+    verdict, lines = judge(runs, study)
     table = "\n".join("| " + " | ".join(row) + " |" for row in
-                      [TABLE_HEADER, ["---"] * len(TABLE_HEADER), *seed_table(runs)])
-    link = os.path.relpath(os.path.join(ROOT, RULE), markdown_dir)
-    parts = [f"Pre-registered at commit {PREREGISTERED} ([{RULE}]({link})), before "
-             f"the first of its runs; judged by `python -m lab.claim1 {root}`. M is a run's median max attention "
-             f"logit over the last quarter of its steps. Verdict: **{verdict.upper()}**.",
-             "\n".join(f"- {line}" for line in lines + reported(runs) + fault_lines(root)), table]
+                      [TABLE_HEADER, ["---"] * len(TABLE_HEADER), *seed_table(runs, study)])
+    link = os.path.relpath(os.path.join(ROOT, study.rule), markdown_dir)
+    parts = [f"Pre-registered at commit {study.commit} ([{study.rule}]({link})), before the first of its runs; "
+             f"judged by `python -m lab.claim1 {root}{'' if study is STREAM else ' --study ' + study.name}`. M is a "
+             f"run's median max attention logit over the last quarter of its steps. Verdict: **{verdict.upper()}**.",
+             "\n".join(f"- {line}" for line in lines + reported(runs, study) + fault_lines(root)), table]
     if plot_path:
-        parts.append(f"![claim 1 at CPU scale]({os.path.relpath(plot_path, markdown_dir)})")
+        parts.append(f"![claim 1 at CPU scale, the {study.name} study]({os.path.relpath(plot_path, markdown_dir)})")
     return parts
 
 
-def plot(runs, path):
+def plot(runs, path, study=STREAM):
     """Max logit and sigma(W_q) against step, one line per run, one color per state."""
     import matplotlib
     matplotlib.use("Agg")
@@ -234,11 +290,9 @@ def plot(runs, path):
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
     colors = {"bf16": "tab:red", "fp32": "tab:blue", "bf16-safemax": "tab:green"}
     for arm, words in ARMS.items():
-        for i, seed in enumerate(SEEDS):
-            r = runs.get(arm, {}).get(seed)
-            if r is None:
-                continue
-            label = f"{words} ({len(runs.get(arm, {}))} seeds)" if i == 0 else None
+        these = [r for r in (runs.get(arm, {}).get(s) for s in study.seeds) if r is not None]
+        for i, r in enumerate(these):
+            label = f"{words} ({len(these)} seeds)" if i == 0 else None
             axes[0].plot(r.steps, r.logit, color=colors[arm], alpha=0.5, lw=0.8, label=label)
             axes[1].plot(r.steps, r.sigma_q, color=colors[arm], alpha=0.5, lw=0.8, label=label)
     horizon = max((r.horizon for arm in runs.values() for r in arm.values()), default=0)
@@ -248,9 +302,8 @@ def plot(runs, path):
         ax.set_yscale("log")
         ax.axvspan(LAST_QUARTER * horizon, horizon, color="0.9", zorder=0)
         ax.legend(fontsize=8)
-    axes[0].set_title(f"the rule's window (grey): M, the median of its max logits")
-    fig.suptitle("Claim 1 at CPU scale: bf16, fp32 and safe-max state, 4 key blocks per row, lr 3e-3, "
-                 "1,024 tokens a step")
+    axes[0].set_title("grey: the last quarter, where M (the median max logit) is read")
+    fig.suptitle(f"Claim 1 at CPU scale: {study.scale.format(n='').replace(', ,', ',')}")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -258,21 +311,32 @@ def plot(runs, path):
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].strip(), allow_abbrev=False)
-    p.add_argument("root", help="the sweep's folder: <root>/<arm>/seed<k>")
+    p.add_argument("root", help="the sweep's folder: <root>/<arm>/seed<k> (or <arm>-lr<lr>)")
+    p.add_argument("--study", default="stream", choices=list(STUDIES), help="which pre-registered rule")
     p.add_argument("--plot", help="write the figure here (PNG)")
+    p.add_argument("--pilot", action="store_true", help="the tokens study's pilot: print the lr its rule picks")
     args = p.parse_args(argv)
     if not os.path.isdir(args.root):
-        p.error(f"{args.root} is not a folder: give the --out-root of the stream sweep")
-    runs = load(args.root)
-    verdict, lines = judge(runs)
-    print(f"claim 1 at CPU scale ({RULE}, pre-registered at {PREREGISTERED}): {verdict.upper()}")
-    for line in lines + reported(runs) + fault_lines(args.root):
+        p.error(f"{args.root} is not a folder: give the --out-root of the study's sweep")
+    if args.pilot:
+        lr, seen = pilot_lr(args.root)
+        for each, (ok, peak) in seen.items():
+            print(f"lr {each:g}: peak max logit {peak:.1f}, {'healthy' if ok else 'not healthy'}")
+        print(f"the rule's learning rate: {lr:g}")
+        return
+    study = STUDIES[args.study]
+    runs = load(args.root, study)
+    verdict, lines = judge(runs, study)
+    print(f"claim 1 at CPU scale, the {study.name} study ({study.rule}, pre-registered at {study.commit}): "
+          f"{verdict.upper()}")
+    for line in lines + reported(runs, study) + fault_lines(args.root):
         print("  " + line)
-    widths = [max(len(str(x)) for x in col) for col in zip(TABLE_HEADER, *seed_table(runs))]
-    for row in [TABLE_HEADER, *seed_table(runs)]:
+    table = [TABLE_HEADER, *seed_table(runs, study)]
+    widths = [max(len(str(x)) for x in col) for col in zip(*table)]
+    for row in table:
         print("  ".join(str(x).rjust(w) for x, w in zip(row, widths)))
     if args.plot:
-        plot(runs, args.plot)
+        plot(runs, args.plot, study)
         print(f"wrote {args.plot}")
 
 
