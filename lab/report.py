@@ -1981,10 +1981,11 @@ def summary(groups, rows, study=None, lr_rows=()):
 
 
 def build(groups, root, markdown, plots=(), markdown_dir=".", pilots=(), plots_flag=None, study=None,
-          study_plots=(), stream=None, stream_plot=None):
+          study_plots=(), stream=None, stream_plot=None, tokens=None, tokens_plot=None):
     """The report as text (markdown False) or Markdown (markdown: the file's path as given; plots_flag:
     the --plots given, for the command that rewrites it); study: (its folder, its groups), the lr study's;
-    stream: (its folder, claim1.load's runs), claim 1 at CPU scale, which then decides claim 1's row."""
+    stream: (its folder, claim1.load's runs), claim 1 at CPU scale, which then decides claim 1's row;
+    tokens: the same at 16x the tokens a step (claim1.TOKENS), reported in a section of its own."""
     known = list(dict.fromkeys(n for _, experiments in CLAIMS.values() for n in experiments))
     order = [n for n in known if n in groups] + sorted(set(groups) - set(known))
     title = (lambda level, text: "#" * level + " " + text) if markdown else (lambda level, text: f"== {text} ==")
@@ -1997,7 +1998,7 @@ def build(groups, root, markdown, plots=(), markdown_dir=".", pilots=(), plots_f
         parts += [title(1, "The paper's claims, judged on this project's own runs"),
                   f"Written by `python -m lab.report {root}"
                   + "".join(f" --pilot {p}" for p, _ in pilots) + (f" --lr-study {study[0]}" if study else "")
-                  + (f" --stream {stream[0]}" if stream else "")
+                  + (f" --stream {stream[0]}" if stream else "") + (f" --tokens {tokens[0]}" if tokens else "")
                   + f" --markdown {markdown}"
                   + (f" --plots {plots_flag}" if plots_flag else "") + "`, from the runs' logs. One row per rule: "
                   "its verdict, the scale it ran at, the test that decided it (a reproduced claim's weakest passing "
@@ -2080,6 +2081,10 @@ def build(groups, root, markdown, plots=(), markdown_dir=".", pilots=(), plots_f
         parts.append(title(2, "Claim 1 at CPU scale: the bf16 streaming state, 4 key blocks per row"))
         parts += (claim1.section(stream[1], stream[0], stream_plot, markdown_dir) if markdown else
                   ["\n".join(claim1.judge(stream[1])[1] + claim1.reported(stream[1]))])
+    if tokens:
+        parts.append(title(2, "Claim 1 at 16x the tokens a step (16,384), 4 key blocks per row"))
+        parts += (claim1.section(tokens[1], tokens[0], tokens_plot, markdown_dir, claim1.TOKENS) if markdown else
+                  ["\n".join(claim1.judge(tokens[1], claim1.TOKENS)[1] + claim1.reported(tokens[1], claim1.TOKENS))])
     if study:
         parts += lr_section(*study, lr_rows, markdown, title, study_plots, markdown_dir)
     parts.append(title(2, "Runs"))
@@ -2570,6 +2575,8 @@ def main(argv=None):
                    "<DIR>/<arm>-lr<lr>/seed<k>/: claims 1, 2 and 7 as a CPU-scale proxy, in a section of their own")
     p.add_argument("--stream", metavar="DIR", help="claim 1 at CPU scale, the stream preset's runs "
                    "(lab/claim1.py): <DIR>/<bf16|fp32|bf16-safemax>/seed<k>/; it decides claim 1's row")
+    p.add_argument("--tokens", metavar="DIR", help="claim 1 at 16x the tokens a step (lab/claim1.py, study "
+                   "tokens): <DIR>/<arm>-lr<lr>/seed<k>/, in a section of its own")
     p.add_argument("--runs", nargs="+", metavar="DIR", help="plot these run folders instead")
     p.add_argument("--png", default="runs.png", help="--runs: the figure's file (default runs.png)")
     p.add_argument("--labels", nargs="+", metavar="TEXT",
@@ -2599,6 +2606,8 @@ def main(argv=None):
             p.error(f"--pilot {d} is not a folder: give a pilot's runs, <DIR>/<experiment>/seed<k>/")
     if args.stream is not None and not os.path.isdir(args.stream):
         p.error(f"--stream {args.stream} is not a folder: give the stream sweep's runs, <DIR>/<arm>/seed<k>/")
+    if args.tokens is not None and not os.path.isdir(args.tokens):
+        p.error(f"--tokens {args.tokens} is not a folder: give the tokens sweep's runs, <DIR>/<arm>-lr<lr>/seed<k>/")
     if args.lr_study is not None and not os.path.isdir(args.lr_study):
         p.error(f"--lr-study {args.lr_study} is not a folder: give the study's runs, <DIR>/<arm>-lr<lr>/seed<k>/")
     if args.markdown:   # before the work: appending, so an existing file is kept as it is
@@ -2626,20 +2635,23 @@ def main(argv=None):
     pilots = [(d, load_runs(d)) for d in args.pilot]
     study = (args.lr_study, load_runs(args.lr_study)) if args.lr_study is not None else None
     stream = (args.stream, claim1.load(args.stream)) if args.stream is not None else None
-    print(build(groups, args.root, markdown=False, pilots=pilots, study=study, stream=stream))
+    tokens = (args.tokens, claim1.load(args.tokens, claim1.TOKENS)) if args.tokens is not None else None
+    print(build(groups, args.root, markdown=False, pilots=pilots, study=study, stream=stream, tokens=tokens))
     markdown_dir = os.path.dirname(os.path.abspath(args.markdown)) if args.markdown else None
     plots = plot_claims(groups, plots_dir)
     study_plots = plot_lr_study(study[1], plots_dir, quiet=True) if study else []
     stream_plot = os.path.join(plots_dir, "claim1-stream.png") if stream else None
-    if stream_plot and _pyplot(quiet=True):
-        claim1.plot(stream[1], stream_plot)
-        print(f"plot: {stream_plot}")
+    tokens_plot = os.path.join(plots_dir, "claim1-tokens.png") if tokens else None
+    for runs, path, which in ((stream, stream_plot, claim1.STREAM), (tokens, tokens_plot, claim1.TOKENS)):
+        if path and _pyplot(quiet=True):
+            claim1.plot(runs[1], path, which)
+            print(f"plot: {path}")
     for path in plots + study_plots:
         print(f"plot: {path}")
     if args.markdown:
         text = build(groups, args.root, markdown=args.markdown, plots=plots, markdown_dir=markdown_dir, pilots=pilots,
                      plots_flag=args.plots, study=study, study_plots=study_plots, stream=stream,
-                     stream_plot=stream_plot)
+                     stream_plot=stream_plot, tokens=tokens, tokens_plot=tokens_plot)
         old = judged_claims(args.markdown)
         if judged_claims(text) < old and not args.force:   # the folders given hold less than the file's
             p.error(f"--markdown {args.markdown}: it judges {old} claims, this report {judged_claims(text)}: left as it "

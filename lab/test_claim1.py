@@ -155,3 +155,20 @@ def test_the_final_checkpoints_fault_is_reported_where_measured(tmp_path):
     (line,) = claim1.fault_lines(str(tmp_path))
     assert line.startswith("bf16 at its final checkpoints (1 seeds") and "2+ exact 1s 25.0%" in line
     assert "5.00e-03 of rms(O), its sign-keeping part 2.00e-04" in line
+
+
+def test_lab_report_gives_each_study_its_section_and_claim_1_its_row(tmp_path):
+    pytest.importorskip("matplotlib")
+    from lab import report
+    study(tmp_path / "stream", [50.0] * 8)
+    for seed in claim1.TOKENS.seeds:
+        write(tmp_path / "tokens", "fp32-lr0.01", seed, 20.0)
+        write(tmp_path / "tokens", "bf16-lr0.01", seed, 25.0)
+    write(tmp_path / "lab", "fp32", 1, 10.0)     # a claims root with one run of another claim
+    md = tmp_path / "R.md"
+    report.main([str(tmp_path / "lab"), "--stream", str(tmp_path / "stream"), "--tokens", str(tmp_path / "tokens"),
+                 "--markdown", str(md), "--plots", str(tmp_path / "plots")])
+    text = md.read_text()
+    assert "| 1 | REPRODUCED | gpt2 4x128, 4000 steps, 8 seeds" in text
+    assert "## Claim 1 at CPU scale" in text and "## Claim 1 at 16x the tokens a step" in text
+    assert "Verdict: **DOES NOT SEPARATE**" in text and (tmp_path / "plots" / "claim1-tokens.png").exists()
