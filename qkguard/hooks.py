@@ -42,7 +42,7 @@ from typing import Callable, Optional
 import torch
 import torch.nn as nn
 
-from guard import DEFAULT_THRESHOLD, QKGuard, SpectralMonitor   # the decisions: torch alone, no model or kernel
+from qkguard.guard import DEFAULT_THRESHOLD, QKGuard, SpectralMonitor   # the decisions: torch alone
 
 # What an attached guard can do in a model it does not own. guard.py's other attention actions
 # (softcap, fp32-accum) act inside this project's kernel; lr-drop and clip act in train.py's loop.

@@ -22,7 +22,7 @@ ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 # Imports and installation
 
 # A fresh interpreter where triton and the reference's training modules cannot be imported, as on a
-# machine where triton does not install (macOS, Windows) with only qkguard and guard.py.
+# machine where triton does not install (macOS, Windows) with only qkguard.
 BLOCKED = ("triton", "attention_kernel", "model", "train", "run", "sample", "prepare_data")
 BLOCK = f"""
 import sys
@@ -52,24 +52,33 @@ print("ok")
     assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr[-2000:]
 
 
-def test_pip_install_of_the_clone_gives_an_importable_qkguard(tmp_path):
+def test_pip_install_of_the_clone_installs_only_qkguard_beside_a_users_own_guard_py(tmp_path):
     """pyproject.toml's distribution `qkguard`, built from a copy of its files (a build writes into its
-    source folder) and installed into a folder of its own, offline: importable from elsewhere (about 2 s)."""
+    source folder) and installed into a folder of its own, offline: it installs the package qkguard and
+    no other top-level name, so a script beside the user's own guard.py imports both (about 2 s)."""
     pytest.importorskip("setuptools")
     src = tmp_path / "src"
     shutil.copytree(os.path.join(ROOT, "qkguard"), src / "qkguard", ignore=shutil.ignore_patterns("__pycache__"))
-    for name in ("pyproject.toml", "guard.py"):
-        shutil.copy(os.path.join(ROOT, name), src)
+    shutil.copy(os.path.join(ROOT, "pyproject.toml"), src)
     install = [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation", "--no-index",
                "--target", str(tmp_path / "site"), str(src)]
     result = subprocess.run(install, env=ENV, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-2000:]
-    code = BLOCK + "import qkguard, guard; print(qkguard.__file__, guard.__file__)"
+    installed = sorted(p.name for p in (tmp_path / "site").iterdir() if not p.name.endswith((".dist-info", "__pycache__")))
+    assert installed == ["qkguard"], installed
+    user = tmp_path / "user"                     # the user's project: a guard.py of their own beside their script
+    user.mkdir()
+    (user / "guard.py").write_text("MINE = True\n")
+    code = BLOCK + """
+import guard, qkguard, qkguard.guard
+assert guard.MINE and not hasattr(guard, "QKGuard")        # the user's own module, untouched
+print(qkguard.__file__, qkguard.guard.QKGuard.__module__)
+"""
     env = {**ENV, "PYTHONPATH": str(tmp_path / "site")}
-    result = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True,
+    result = subprocess.run([sys.executable, "-c", code], cwd=user, env=env, capture_output=True, text=True,
                             timeout=120)
     assert result.returncode == 0, result.stderr[-2000:]
-    assert result.stdout.split() == [str(tmp_path / "site" / "qkguard" / "__init__.py"), str(tmp_path / "site" / "guard.py")]
+    assert result.stdout.split() == [str(tmp_path / "site" / "qkguard" / "__init__.py"), "qkguard.guard"]
 
 
 def test_the_qk_norm_is_the_kernels_bit_for_bit():
