@@ -31,8 +31,8 @@ import torch
 from transformers import Trainer, TrainerCallback
 
 from qkguard._loop import GuardLoop
+from qkguard.serve import GUARD_FILE as STATE_FILE, read_guard_file, save_guard
 
-STATE_FILE = "qkguard.pt"     # in each checkpoint-<step> folder, beside Trainer's own files
 
 
 def _trainer_frame(has=None):
@@ -73,7 +73,7 @@ class QKGuardCallback(GuardLoop, TrainerCallback):
             return
         path = os.path.join(checkpoint, STATE_FILE)
         if os.path.exists(path):
-            self.guard.load_state_dict(torch.load(path, weights_only=True))
+            self.guard.load_state_dict(read_guard_file(path, bare_ok=True)["state"])
         elif not self.missing_ok:
             raise FileNotFoundError(f"QKGuardCallback: the checkpoint {checkpoint} has no {STATE_FILE} (saved without "
                                     f"this callback), so a guard that had fired would run unguarded: pass "
@@ -94,5 +94,5 @@ class QKGuardCallback(GuardLoop, TrainerCallback):
 
     def on_save(self, args, state, control, **kwargs):
         folder = os.path.join(args.output_dir, f"checkpoint-{state.global_step}")   # Trainer's own name for it
-        if args.should_save:
-            torch.save(self.guard.state_dict(), os.path.join(folder, STATE_FILE))
+        if args.should_save:     # save_guard's format, so serve.load_guard reads this folder too
+            save_guard(self.guard, folder)

@@ -85,20 +85,50 @@ def _attach_settings(guard):
             "interval": guard.interval, "seqs": guard.seqs, "rows": guard.rows}
 
 
+def guard_file(guard):
+    """What qkguard.pt holds, wherever it is written (save_guard's folder, the Trainer callback's
+    checkpoint-<step>): the settings attach() takes and the guard's state. One format, so load_guard
+    reads either folder."""
+    return {"attach": _attach_settings(guard), "state": guard.state_dict()}
+
+
+def read_guard_file(path, bare_ok=False):
+    """qkguard.pt as guard_file() wrote it, or a one-line refusal naming the file: a half-written or
+    foreign file, or a bare guard.state_dict() (no attach settings; bare_ok: read as {"state": it}, as the
+    Trainer callback's checkpoints were saved before they took guard_file's format)."""
+    try:
+        saved = torch.load(path, weights_only=True)
+    except (OSError, RuntimeError, EOFError, ValueError) as error:       # a truncated zip, a foreign pickle
+        raise ValueError(f"serve: {path} cannot be read as a guard file ({type(error).__name__}: "
+                         f"{str(error).splitlines()[0][:120]}): it may be half-written; use the one from an earlier "
+                         f"checkpoint, or save it again with save_guard(guard, folder)") from None
+    if bare_ok and isinstance(saved, dict) and "n_layer" in saved:
+        return {"attach": None, "state": saved}
+    if not (isinstance(saved, dict) and {"attach", "state"} <= saved.keys()):
+        raise ValueError(f"serve: {path} is not a guard file (no 'attach' settings and 'state'): if it is a bare "
+                         f"guard.state_dict(), attach(model, ...) with the run's settings and call "
+                         f"guard.load_state_dict(torch.load(path)); else save it with save_guard(guard, folder)")
+    return saved
+
+
 def save_guard(guard, folder):
-    """The guard's settings and state into `folder` (save_pretrained's), as qkguard.pt."""
+    """The guard's settings and state into `folder` (save_pretrained's), as qkguard.pt: written whole
+    (a temporary file, then renamed), so an interrupted save leaves the previous file or none."""
     os.makedirs(folder, exist_ok=True)
-    torch.save({"attach": _attach_settings(guard), "state": guard.state_dict()}, os.path.join(folder, GUARD_FILE))
+    path = os.path.join(folder, GUARD_FILE)
+    torch.save(guard_file(guard), path + ".tmp")
+    os.replace(path + ".tmp", path)
 
 
 def load_guard(model, folder, adapter="auto"):
     """After model = from_pretrained(folder): attach a guard with the saved settings and load its state,
-    so the action the saved model was trained with is on from the next forward. Returns the guard."""
+    so the action the saved model was trained with is on from the next forward. Returns the guard.
+    `folder` may also be a Trainer checkpoint-<step> folder that QKGuardCallback saved the guard in."""
     path = os.path.join(folder, GUARD_FILE)
     if not os.path.exists(path):
         raise FileNotFoundError(f"serve: {folder} has no {GUARD_FILE}: save it with save_guard(guard, folder) beside "
                                 f"save_pretrained (a model the guard never fired on needs none)")
-    saved = torch.load(path, weights_only=True)
+    saved = read_guard_file(path)
     guard = attach(model, adapter, **saved["attach"])
     try:
         guard.load_state_dict(saved["state"])

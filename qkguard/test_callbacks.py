@@ -109,6 +109,25 @@ def test_a_resume_from_a_checkpoint_without_the_guards_state_is_refused_in_one_l
         train(tmp_path, resume=str(saved))
 
 
+def test_load_guard_reads_a_trainer_checkpoint_and_refuses_a_half_written_file_in_one_line(tmp_path):
+    """The callback's qkguard.pt is save_guard's format: load_guard takes a checkpoint-<step> folder, and
+    gives the saved guard, fired. A file cut short (a save killed midway) is one line naming it."""
+    _, guard, _, _, _ = train(tmp_path, stop=SAVE_AT)
+    saved = tmp_path / f"checkpoint-{SAVE_AT}"
+    model = transformers.AutoModelForCausalLM.from_pretrained(saved)
+    served = serve.load_guard(model, saved)
+    assert served.triggered and served.steps == guard.steps == SAVE_AT
+    assert served._settings() == guard._settings()
+    served.detach()
+    data = (saved / STATE_FILE).read_bytes()
+    (saved / STATE_FILE).write_bytes(data[: len(data) // 2])
+    with pytest.raises(ValueError, match=rf"^serve: {saved / STATE_FILE} cannot be read as a guard file .*half-written"):
+        serve.load_guard(model, saved)
+    torch.save(guard.state_dict(), saved / STATE_FILE)      # a bare state: no settings to attach with
+    with pytest.raises(ValueError, match=r"is not a guard file .*attach\(model, ...\) with the run's settings"):
+        serve.load_guard(model, saved)
+
+
 # --------------------------------------------------------------------------------------------------
 # Serving a fired model (serve.py)
 
