@@ -113,8 +113,9 @@ class Layer:
         """W_q or W_k as (heads * head_dim, in): a view of the live weight where the columns are a slice,
         a copy where they are indices (QK-Clip scales the live one through scale_rows)."""
         module = self.q if role == "q" else self.k
-        cols = self.cols(role, module.weight)
-        w = module.weight[:, cols].T if self.transposed else module.weight[cols]
+        full = effective_weight(module)
+        cols = self.cols(role, full)
+        w = full[:, cols].T if self.transposed else full[cols]
         if w.shape[0] != self.heads(role) * self.head_dim:
             raise ValueError(f"attach: W_{role} has {w.shape[0]} rows, not {self.heads(role)} heads x "
                              f"{self.head_dim}: fix the adapter's head count or columns")
@@ -136,6 +137,39 @@ class Layer:
             module.weight[cols] *= per_row.to(module.weight.dtype)[:, None]
         if getattr(module, "bias", None) is not None:
             module.bias[cols] *= per_row.to(module.bias.dtype)
+
+
+# ----------------------------------------------------------------------------------------- LoRA
+# peft's LoRA wraps a projection (q_proj, k_proj, v_proj) in a module of its own: `base_layer` is the
+# model's nn.Linear, and the wrapper's output is base_layer(x) + scaling * B(A(x)) for each active
+# adapter not merged into base_layer. That output is the q (or k) the model forms, so the hooks read
+# the wrapper; the weight that forms it is the base weight plus the adapters' deltas. Known by its
+# structure: peft is never imported.
+
+def as_linear(module):
+    """The nn.Linear `module` is, or the one peft's LoRA wraps (its base_layer); else None."""
+    if isinstance(module, nn.Linear):
+        return module
+    base = getattr(module, "base_layer", None)
+    return base if isinstance(base, nn.Linear) and hasattr(module, "get_delta_weight") else None
+
+
+def lora_adapters(module):
+    """The LoRA adapters that add to `module`'s output now: active, not merged into its base weight, and
+    not switched off (peft's disable_adapter()); [] for a module LoRA does not wrap."""
+    if not hasattr(module, "get_delta_weight") or getattr(module, "disable_adapters", False):
+        return []
+    merged = set(getattr(module, "merged_adapters", ()))
+    return [a for a in module.active_adapters if a in getattr(module, "lora_A", {}) and a not in merged]
+
+
+@torch.no_grad()
+def effective_weight(module):
+    """The weight that forms `module`'s output: its own, or under LoRA the base weight plus each unmerged
+    active adapter's delta (peft's get_delta_weight: scaling * B @ A, laid out as the base weight)."""
+    weight = module.weight            # a LoRA wrapper's weight is its base layer's
+    adapters = lora_adapters(module)
+    return weight if not adapters else weight + sum(module.get_delta_weight(a) for a in adapters)
 
 
 def head_columns(starts, head_dim):
@@ -224,7 +258,7 @@ def hf_llama(model):
     layers = []
     for m in model.modules():
         q_proj, k_proj = getattr(m, "q_proj", None), getattr(m, "k_proj", None)
-        if not (isinstance(q_proj, nn.Linear) and isinstance(k_proj, nn.Linear)
+        if not (as_linear(q_proj) is not None and as_linear(k_proj) is not None     # or LoRA's wrappers of them
                 and hasattr(getattr(m, "config", None), "num_key_value_heads")):
             continue
         refuse_own_qk_norm(m, "hf-llama", "after q_proj and k_proj")
@@ -232,8 +266,8 @@ def hf_llama(model):
         if rotate is None:
             raise ValueError(f"attach: {type(m).__name__}'s module has no apply_rotary_pos_emb: write an adapter "
                              f"whose rotary applies this model's rotation (qkguard/README.md: Another model's adapter)")
-        layers.append(Layer(attn=m, q=q_proj, k=k_proj, n_head=q_proj.out_features // m.head_dim,
-                            head_dim=m.head_dim, n_kv_head=k_proj.out_features // m.head_dim,
+        layers.append(Layer(attn=m, q=q_proj, k=k_proj, n_head=as_linear(q_proj).out_features // m.head_dim,
+                            head_dim=m.head_dim, n_kv_head=as_linear(k_proj).out_features // m.head_dim,
                             scale=getattr(m, "scaling", None), window=hf_window(m),
                             rotary=_hf_rotary(rotate, clamp=getattr(m.config, "clip_qkv", None))))
     return layers
@@ -767,6 +801,11 @@ def attach(model, adapter="auto", *, threshold=None, signal="max-logit", action=
         raise ValueError(f"attach: QK-Clip's tau must be a finite number > 0 (the max logit it caps a head at), not "
                          f"{tau!r}: give e.g. 100.0 (None: guard.py's default)")
     layers = find_layers(model, adapter)
+    if action == "qkclip" and any(hasattr(m, "get_delta_weight") for l in layers for m in (l.q, l.k)):
+        raise ValueError("attach: QK-Clip scales W_q and W_k, and under LoRA they are a frozen base weight (which "
+                         "peft does not save with the adapter) plus B @ A: merge the adapter first "
+                         "(model = model.merge_and_unload()), or use action='qknorm', which acts on q and k as "
+                         "the LoRA model forms them")
     qkguard = QKGuard(threshold=threshold, enabled=enabled, signal=signal, action=action, scope=scope, tau=tau)
     return AttachedGuard(model, layers, qkguard, interval=interval, seqs=seqs, rows=rows, seed=seed,
                          tensorboard=tensorboard, log_every=log_every, timing=timing)

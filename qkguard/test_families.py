@@ -264,3 +264,72 @@ def test_a_model_that_normalizes_q_and_k_itself_is_refused_in_one_line(name, con
         with pytest.raises(ValueError, match=rf"^attach: {name}(Text)?Attention .*normalizes q and k itself.*already "
                                              rf"has QK-norm"):
             qkguard.attach(model, adapter)
+
+
+# --------------------------------------------------------------------------------------------------
+# LoRA (peft) on q_proj, k_proj, v_proj: the guard reads q and k as the adapted model forms them
+
+def lora_llama():
+    """A tiny Llama under peft's LoRA on q, k and v, its B matrices random (peft's default B = 0 would
+    make the adapted logits the base's, and a reading that missed the adapter would pass)."""
+    peft = pytest.importorskip("peft")
+    model = build("mistral-window")       # Llama's layout, with a sliding window
+    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "k_proj", "v_proj"],
+                             init_lora_weights=False)
+    return peft.get_peft_model(model, config)
+
+
+@pytest.mark.parametrize("merged", [False, True], ids=["adapters", "merged"])
+def test_lora_on_q_and_k_is_read_as_the_adapted_model_forms_them(merged, monkeypatch):
+    model = lora_llama()
+    with torch.no_grad():            # logits of a visible size: the base weights, not the adapters, inflated
+        for name, p in model.named_parameters():
+            if name.endswith(("q_proj.base_layer.weight", "k_proj.base_layer.weight")):
+                p.mul_(8.0)
+    if merged:
+        model.merge_adapter()         # the deltas inside the base weights, the wrappers kept; then trained whole
+        for p in model.parameters():
+            p.requires_grad_(True)
+    guard = qkguard.attach(model)
+    assert len(guard.layers) == 2 and guard.layers[0].n_kv_head == 2
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+    for step in range(STEPS):
+        x = tokens(step)
+        with spied_softmax(monkeypatch) as calls:
+            model(input_ids=x, labels=x).loss.backward()
+        sampled = guard._sample[0]
+        optimizer.step()
+        optimizer.zero_grad()
+        guard.step()
+        want = reference(model, calls, sampled)
+        torch.testing.assert_close(guard.max_logit.double(), want, rtol=1e-5, atol=1e-4,
+                                   msg=lambda m: f"step {step}: {m}")
+    # the sigmas are of the weight that forms q: the base plus the unmerged deltas
+    attn = model.base_model.model.model.layers[0].self_attn
+    w_q = guard.layers[0].weight("q").clone()
+    if not merged:
+        assert not torch.allclose(w_q, attn.q_proj.base_layer.weight)
+        model.merge_adapter()
+    torch.testing.assert_close(w_q, attn.q_proj.base_layer.weight)
+    with torch.no_grad(), model.disable_adapter(), spied_softmax(monkeypatch) as calls:   # (unmerges them)
+        model(input_ids=x)              # the base alone: other logits, so a reading that missed LoRA would fail
+    assert not torch.allclose(reference(model, calls, sampled), want, rtol=1e-3)
+
+
+def test_qkclip_on_lora_is_refused_in_one_line_and_qknorm_acts(monkeypatch):
+    model = lora_llama()
+    with pytest.raises(ValueError, match=r"^attach: QK-Clip scales W_q and W_k, and under LoRA .*merge_and_unload"):
+        qkguard.attach(model, action="qkclip")
+    guard = qkguard.attach(model, threshold=1.0)
+    inflate(guard, 30.0)                 # the base weights (a LoRA wrapper's weight is its base layer's)
+    for step in range(2):
+        model(input_ids=tokens(step), labels=tokens(step)).loss.backward()
+        guard.step()
+    layer = guard.layers[0]
+    bound = layer.scale * layer.head_dim
+    with torch.no_grad(), spied_softmax(monkeypatch) as calls:
+        model(input_ids=tokens(0))
+    assert guard.triggered and reference(model, calls, None).max() <= bound * (1 + 1e-5)
+    merged = model.merge_and_unload()    # plain Linears again: QK-Clip's weights are the model's own
+    guard.detach()
+    assert qkguard.attach(merged, action="qkclip").qkguard.action == "qkclip"
