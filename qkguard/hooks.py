@@ -113,7 +113,7 @@ class Layer:
         """W_q or W_k as (heads * head_dim, in): a view of the live weight where the columns are a slice,
         a copy where they are indices (QK-Clip scales the live one through scale_rows)."""
         module = self.q if role == "q" else self.k
-        full = effective_weight(module)
+        full = gathered(effective_weight(module), f"W_{role}")
         cols = self.cols(role, full)
         w = full[:, cols].T if self.transposed else full[cols]
         if w.shape[0] != self.heads(role) * self.head_dim:
@@ -126,10 +126,16 @@ class Layer:
         module = self.q if role == "q" else self.k
         return None if getattr(module, "bias", None) is None else module.bias[self.cols(role, module.bias)]
 
+    def in_features(self):
+        """W_q's input width, from its (global) shape: no gather of a sharded weight."""
+        return self.q.weight.shape[0 if self.transposed else 1]
+
     @torch.no_grad()
     def scale_rows(self, role, per_row):
         """W_q's or W_k's rows (and bias) times per_row (heads * head_dim,), in the live weight: QK-Clip."""
         module = self.q if role == "q" else self.k
+        if is_sharded(module.weight):
+            return _scale_sharded_rows(module, self.cols(role, module.weight), per_row, self.transposed)
         cols = self.cols(role, module.weight)
         if self.transposed:
             module.weight[:, cols] *= per_row.to(module.weight.dtype)
@@ -170,6 +176,51 @@ def effective_weight(module):
     weight = module.weight            # a LoRA wrapper's weight is its base layer's
     adapters = lora_adapters(module)
     return weight if not adapters else weight + sum(module.get_delta_weight(a) for a in adapters)
+
+
+# ----------------------------------------------------------------------------------------- sharded weights
+# FSDP2 (fully_shard) keeps each parameter as a DTensor whose rows are split across the ranks, and
+# gathers it whole only inside its module's forward. The hooks read q and k (activations, whole on
+# every rank) as before, and the max logit is all-reduced; what needs the weights themselves is
+# done on every rank at once, in step(): the sigmas gather W_q and W_k (full_tensor, a collective),
+# and QK-Clip scales each rank's own rows. DeepSpeed ZeRO-3 leaves an empty tensor in place of a
+# partitioned weight outside a forward: nothing to read or scale there, so it is refused.
+
+def is_sharded(weight):
+    """Whether `weight` is a DTensor (FSDP2's sharded parameter; tensor parallelism's too)."""
+    DTensor = getattr(getattr(torch.distributed, "tensor", None), "DTensor", None)
+    return DTensor is not None and isinstance(weight, DTensor)
+
+
+def gathered(weight, name):
+    """`weight` whole: a sharded one gathered from every rank (a collective: every rank must call it
+    at once), a ZeRO-3 one refused in one line."""
+    if hasattr(weight, "ds_shape") or hasattr(weight, "ds_id"):
+        raise ValueError(f"attach: {name} is partitioned by DeepSpeed ZeRO-3 (an empty tensor outside the forward), "
+                         f"so the guard can neither read its sigmas nor scale it: use ZeRO stage 1 or 2, or FSDP2 "
+                         f"(torch.distributed.fsdp.fully_shard), which qkguard supports")
+    return weight.full_tensor() if is_sharded(weight) else weight
+
+
+@torch.no_grad()
+def _scale_sharded_rows(module, cols, per_row, transposed):
+    """QK-Clip on a DTensor weight: the factor for every output row (1 outside `cols`), split as the
+    weight's rows are (every rank computed the same factors from the all-reduced max logit, so no data
+    moves), each rank scaling its own shard in place."""
+    from torch.distributed.tensor import distribute_tensor
+    weight = module.weight
+    rows = weight.shape[1 if transposed else 0]
+    factor = torch.ones(rows, device=weight.to_local().device, dtype=weight.dtype)
+    factor[cols] = per_row.to(factor)
+    if transposed:                     # a Conv1D's outputs are its columns: the shards split its inputs
+        weight.to_local().mul_(factor[None, :])
+        return
+    local = distribute_tensor(factor, weight.device_mesh, weight.placements, src_data_rank=None).to_local()
+    weight.to_local().mul_(local[:, None])
+    if getattr(module, "bias", None) is not None:
+        bias = module.bias
+        shard = distribute_tensor(factor, bias.device_mesh, bias.placements, src_data_rank=None).to_local()
+        bias.to_local().mul_(shard.to(bias.dtype))
 
 
 def head_columns(starts, head_dim):
@@ -492,7 +543,7 @@ class AttachedGuard:
         self.generator = torch.Generator().manual_seed(seed)
         self.sigma = QKSigma(layers, self.generator)
         self.sigma_head = self._measure_sigma(iters=30)   # converged before step 0, as in train.py
-        self.sigma.measure(iters=30, which="all")
+        self._sigma_whole = self.sigma.measure(iters=30, which="all")     # (sigma_q, sigma_k) of whole matrices
         self.steps, self.max_logit, self.events = 0, None, []
         self.max_logit_step = None        # the update self.max_logit was measured at
         # timing=True: host time in the guard's hooks and step() (CPU: its whole cost; CUDA: launches). Off
@@ -516,6 +567,10 @@ class AttachedGuard:
     @property
     def triggered(self):
         return self.qkguard.triggered
+
+    def _sharded(self):
+        """Whether W_q or W_k is sharded now (FSDP2 may shard the model after the guard was attached)."""
+        return any(is_sharded(m.weight) for layer in self.layers for m in (layer.q, layer.k))
 
     def _clipping(self):
         return self.qkguard.triggered and self.qkguard.action == "qkclip"
@@ -546,6 +601,11 @@ class AttachedGuard:
                 if not (acting or measuring):
                     continue                  # the dormant path: nothing computed, the output untouched
                 started = time.perf_counter() if self.timing else 0.0
+                if out.shape[-1] != module.weight.shape[1 if layer.transposed else 0]:
+                    raise ValueError(f"QK-Guard: {type(module).__name__}'s output has {out.shape[-1]} features, not "
+                                     f"its weight's {module.weight.shape[1 if layer.transposed else 0]}: under tensor "
+                                     f"parallelism a rank forms only its own heads, which qkguard does not support "
+                                     f"(data parallelism, DDP or FSDP2, is): attach to a model that is not tensor-parallel")
                 cols = layer.cols(role, out)
                 part = out[..., cols].unflatten(-1, (layer.heads(role), layer.head_dim))   # (B, T, heads, D)
                 if acting:                         # the action, where q and k are formed
@@ -611,6 +671,10 @@ class AttachedGuard:
             event = self.qkguard.observe_deferred(step, max_logit, self.sigma_head, self)
         if self._clipping():
             self._clip(max_logit)
+        if step % self.interval == 0 and self._sharded():   # record()'s sigmas, after the clip: a gather needs
+            if self.qkguard.signal != "sigma-product":        # every rank, and record() may be called on one
+                self.sigma_head = self._measure_sigma()
+            self._sigma_whole = self.sigma.measure(1, which="all")
         if event is not None:
             self.events.append(event)
             if self.writer is not None:
@@ -662,9 +726,12 @@ class AttachedGuard:
         at log steps): max_logit (layer x head), sigma_q_head and sigma_k_head (per head; k's per key
         head), sigma_q and sigma_k (whole matrices), and guard. The sigmas the guard does not watch are
         refreshed here, by `iters` power steps from where the last call left them."""
-        if self.qkguard.signal != "sigma-product":
-            self.sigma_head = self._measure_sigma(iters)
-        whole_q, whole_k = self.sigma.measure(iters, which="all")
+        if self._sharded():         # gathering W_q here would wait for the ranks that do not log: step()'s values
+            whole_q, whole_k = self._sigma_whole
+        else:
+            if self.qkguard.signal != "sigma-product":
+                self.sigma_head = self._measure_sigma(iters)
+            whole_q, whole_k = self._sigma_whole = self.sigma.measure(iters, which="all")
         groups = self.layers[0].n_head // self.layers[0].n_kv_head
         return {"max_logit": None if self.max_logit is None else self.max_logit.tolist(),
                 "sigma_q": whole_q[:, 0].tolist(), "sigma_k": whole_k[:, 0].tolist(),
@@ -678,7 +745,7 @@ class AttachedGuard:
             for i, value in enumerate(self.max_logit.amax(dim=1).tolist()):
                 self.writer.add_scalar(f"qkguard/max_logit/layer{i}", value, step)
         watched = self.qkguard.signal == "sigma-product"
-        if not watched:       # refreshed for the log alone, as record() does
+        if not watched and not self._sharded():       # refreshed for the log alone, as record() does
             self.sigma_head = self._measure_sigma(iters=2)
         if not watched or step % self.interval == 0:   # the guard's own: measured at monitored steps
             for i, value in enumerate((self.sigma_head[:, 0] * self.sigma_head[:, 1]).amax(dim=1).tolist()):
@@ -692,7 +759,7 @@ class AttachedGuard:
     def _shape(self):
         """What a state is a state of: per layer, the heads, key heads, head_dim and W_q's input width."""
         layer = self.layers[0]
-        return [len(self.layers), layer.n_head, layer.n_kv_head, layer.head_dim, layer.weight("q").shape[1]]
+        return [len(self.layers), layer.n_head, layer.n_kv_head, layer.head_dim, layer.in_features()]
 
     def state_dict(self):
         """The latch (QKGuard's trigger, covered layers, queued check), the settings it was latched under,
