@@ -586,7 +586,16 @@ class AttachedGuard:
 
     def _draw(self):
         """The next step's sample seed (sample_rows), from the guard's generator: here, not in a hook."""
-        self._seed = int(torch.randint(0, 1 << 31, (), generator=self.generator))
+        self._set_seed(int(torch.randint(0, 1 << 31, (), generator=self.generator)))
+
+    def _set_seed(self, seed):
+        """The seed as a number (for state_dict) and as a tensor the hooks read. A tensor, written in place:
+        under torch.compile a graph reads it as an input, where a Python int would be a constant the
+        graph is specialised on, and a new seed at each step would recompile the model each step."""
+        self._seed = seed
+        if not hasattr(self, "_seed_tensor"):
+            self._seed_tensor = torch.zeros((), dtype=torch.int64)
+        self._seed_tensor.fill_(seed)
 
     # ------------------------------------------------------------------------- the hooks
 
@@ -650,7 +659,7 @@ class AttachedGuard:
         shape = part.shape[0], part.shape[-3]
         if self._sample_shape != shape:
             self._sample = (None, None) if self._all_rows else \
-                sample_rows(*shape, self.seqs, self.rows, self._seed, part.device)
+                sample_rows(*shape, self.seqs, self.rows, self._seed_tensor, part.device)
             self._sample_shape = shape
         return self._sample
 
@@ -803,7 +812,7 @@ class AttachedGuard:
         self._plan()
         # the seed drawn for the next step before the save (a state saved before it was kept: a new draw)
         if "sample_seed" in state:
-            self._seed = state["sample_seed"]
+            self._set_seed(state["sample_seed"])
         else:
             self._draw()
 

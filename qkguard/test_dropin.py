@@ -220,3 +220,34 @@ def test_the_guard_adds_no_graph_break_under_torch_compile():
         dynamo.reset()
         counts[case] = dynamo.explain(lambda x: loss_of(model, x, y))(x).graph_count
     assert counts == {"bare": 1, "dormant": 1, "fired": 1}
+
+
+def test_a_compiled_model_compiles_at_most_three_graphs_over_dormant_steps_and_a_fire():
+    """torch.compile of the model, trained 12 dormant steps, then its W_q and W_k inflated so the guard
+    fires, then 4 steps fired: the guard's per-step sample seed is a tensor the graph reads, not a
+    constant it is specialised on, so a dormant step compiles nothing new (before, each step recompiled
+    until dynamo's limit of 8, and the model then ran eager without a word). The fire switches QK-norm
+    on in the hooks: one more graph."""
+    import torch._dynamo as dynamo
+    graphs = []
+
+    def backend(gm, example_inputs):              # counts each graph dynamo compiles, runs it as it is
+        graphs.append(gm)
+        return gm.forward
+    dynamo.reset()
+    model, _ = build("nanogpt")
+    guard = qkguard.attach(model, "nanogpt", threshold=100.0)
+    compiled = torch.compile(model, backend=backend)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    for step in range(16):
+        if step == 12:
+            inflate_qk(model)                     # the logits pass 100: the check at step 12 acts at step 13
+        compiled(*batch(seed=step))[1].backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        guard.step()
+        if step == 11:
+            dormant = len(graphs)
+    assert dormant == 1 and guard.triggered and guard.events[0]["active_from"] == 14
+    assert len(graphs) <= 3, f"{len(graphs)} graphs compiled"
+    dynamo.reset()
