@@ -317,14 +317,28 @@ def hf_llama(model):
         if rotate is None:
             raise ValueError(f"attach: {type(m).__name__}'s module has no apply_rotary_pos_emb: write an adapter "
                              f"whose rotary applies this model's rotation (qkguard/README.md: Another model's adapter)")
+        # gpt-oss rotates the whole head by cos, sin of half its width (each feature of the first half
+        # with its partner in the second), where a table of half the width elsewhere means half the head
+        whole = type(m).__name__.startswith("GptOss")
+        rotary = _hf_rotary(rotate, clamp=getattr(m.config, "clip_qkv", None), whole=whole) if _rotates(m) else None
         layers.append(Layer(attn=m, q=q_proj, k=k_proj, n_head=as_linear(q_proj).out_features // m.head_dim,
                             head_dim=m.head_dim, n_kv_head=as_linear(k_proj).out_features // m.head_dim,
-                            scale=getattr(m, "scaling", None), window=hf_window(m),
-                            rotary=_hf_rotary(rotate, clamp=getattr(m.config, "clip_qkv", None))))
+                            scale=getattr(m, "scaling", None), window=hf_window(m), rotary=rotary))
     return layers
 
 
-def _hf_rotary(rotate, clamp=None):
+def _rotates(m):
+    """Whether the attention m rotates q and k: not on SmolLM3's layers listed 0 in no_rope_layers
+    (use_rope), nor on Cohere2's full-attention layers (rotary on its sliding layers only, unless
+    force_rope). Read with a rotation those layers never apply, their logits would be wrong."""
+    if not getattr(m, "use_rope", True):
+        return False
+    if type(m).__name__.startswith("Cohere2"):
+        return m.sliding_window is not None or getattr(m, "force_rope", False)
+    return True
+
+
+def _hf_rotary(rotate, clamp=None, whole=False):
     """The rotation by position_embeddings (cos, sin), of the first cos.shape[-1] features of each head
     (all of them in Llama; a part in Phi, StableLM, GPT-NeoX), after a clamp of q and k to [-clamp,
     clamp] where the model clamps them (OLMo's clip_qkv: in place, after the hooks copied them out)."""
@@ -335,7 +349,7 @@ def _hf_rotary(rotate, clamp=None):
         if clamp is not None:
             q, k = q.clamp(-clamp, clamp), k.clamp(-clamp, clamp)
         n = cos.shape[-1]
-        if n == q.shape[-1]:
+        if whole or n == q.shape[-1]:
             return rotate(q, k, cos, sin)
         q_rot, k_rot = rotate(q[..., :n], k[..., :n], cos, sin)
         return torch.cat([q_rot, q[..., n:]], dim=-1), torch.cat([k_rot, k[..., n:]], dim=-1)
@@ -375,6 +389,12 @@ def find_layers(model, adapter="auto"):
     else:
         raise ValueError(f"attach: unknown adapter {adapter!r}: choose one of auto, {', '.join(ADAPTERS)}, or pass "
                          f"a function model -> [Layer]")
+    mla = next((m for m in model.modules() if hasattr(m, "kv_a_proj_with_mqa")), None)
+    if not layers and mla is not None:
+        raise ValueError(f"attach: {type(mla).__name__} is multi-head latent attention (DeepSeek-V2/V3's MLA): each "
+                         f"head's k joins a part from kv_b_proj with a rotary part shared by all heads from "
+                         f"kv_a_proj_with_mqa, which no built-in adapter reads yet: write an adapter for it "
+                         f"(qkguard/README.md: Another model's adapter)")
     if not layers:
         raise ValueError(f"attach: {name} found no attention layer in {type(model).__name__}: pass adapter= one of "
                          f"{', '.join(ADAPTERS)}, or write one (qkguard/README.md: Another model's adapter)")
