@@ -544,18 +544,21 @@ class AttachedGuard:
     serials = itertools.count()        # attach order, for attached()
 
     def __init__(self, model, layers, qkguard, *, interval=1, seqs=1, rows=None, seed=0, tensorboard=None,
-                 log_every=10, timing=False):
+                 log_every=10, timing=False, always=False, alpha=0.5):
         if len({(layer.n_head, layer.n_kv_head, layer.head_dim, layer.weight("q").shape) for layer in layers}) > 1:
             raise ValueError("attach: the layers differ in heads or width; QK-Guard's signal is one (layer, head) "
                              "table: guard layers of one shape (an adapter may return a subset)")
         modules = {m for layer in layers for m in (layer.attn, layer.q, layer.k)}
         others = {g for m in modules for g in _ATTACHED.get(m, ())}
-        if others and (qkguard.enabled or any(g.qkguard.enabled for g in others)):
+        if others and (qkguard.enabled or always or any(g.acts for g in others)):
             raise ValueError(f"attach: {type(model).__name__} already has a QK-Guard attached, and a second one would "
                              f"stack its hooks on the first's: call the first one's detach() before attaching again, or "
                              f"qkguard.detach(model) if you no longer hold it (only watchers, enabled=False, may share "
                              f"a model)")
         self.model, self.layers, self.qkguard = model, layers, qkguard
+        # always: QK-Clip at every update from the first, as Megatron-LM's --qk-clip and torchtitan's do (no
+        # trigger: qkguard then only watches); alpha: the share of each head's factor W_q takes (W_k: 1 - alpha)
+        self.always, self.alpha = always, alpha
         self.interval, self.seqs, self.rows, self.log_every = interval, seqs, rows, log_every
         self.serial, self.timing = next(AttachedGuard.serials), timing
         # what QKGuard.apply_to_model flips: the model's own switch where it has one
@@ -588,12 +591,17 @@ class AttachedGuard:
     def triggered(self):
         return self.qkguard.triggered
 
+    @property
+    def acts(self):
+        """Whether it ever changes the model: dormant or fired, or always clipping (not a watcher)."""
+        return self.qkguard.enabled or self.always
+
     def _sharded(self):
         """Whether W_q or W_k is sharded now (FSDP2 may shard the model after the guard was attached)."""
         return any(is_sharded(m.weight) for layer in self.layers for m in (layer.q, layer.k))
 
     def _clipping(self):
-        return self.qkguard.triggered and self.qkguard.action == "qkclip"
+        return self.always or (self.qkguard.triggered and self.qkguard.action == "qkclip")
 
     def _plan(self):
         """Whether the next update's forwards are measured, and over all rows or a sample."""
@@ -735,16 +743,18 @@ class AttachedGuard:
 
     @torch.no_grad()
     def _clip(self, max_logit):
-        """QK-Clip, with no host sync: each covered head h gets its logits times f_h = tau / S_h where its
-        max logit S_h passed tau (1 elsewhere). W_q's rows take f_h / a and W_k's take a, with a the
-        square root of the least f_h among the query heads that read that key head: sqrt(f_h) each
-        without GQA (Kimi K2's split); under GQA the other heads of the group keep their logits."""
+        """QK-Clip, with no host sync: each covered head h (every head, if always) gets its logits times
+        f_h = tau / S_h where its max logit S_h passed tau (1 elsewhere). W_q's rows take f_h / a and
+        W_k's take a, with a the least f_h among the query heads that read that key head, to the power
+        1 - alpha: without GQA, f_h^alpha and f_h^(1 - alpha) (Kimi K2's split, sqrt each, at alpha 0.5;
+        Megatron-LM's and torchtitan's alpha); under GQA the other heads of the group keep their logits."""
         tau = self.qkguard.tau
-        for i in self.qkguard.layers:
+        for i in range(len(self.layers)) if self.always else self.qkguard.layers:
             layer = self.layers[i]
             s = max_logit[i]
             f = torch.where(s > tau, tau / s.clamp_min(1e-30), torch.ones_like(s))
-            a = f.unflatten(0, (layer.n_kv_head, -1)).amin(dim=1).sqrt()              # per key head
+            least = f.unflatten(0, (layer.n_kv_head, -1)).amin(dim=1)                # per key head
+            a = least.sqrt() if self.alpha == 0.5 else least.pow(1 - self.alpha)       # (sqrt: the split as it was)
             for role, factor in (("q", f / a.repeat_interleave(layer.n_head // layer.n_kv_head)), ("k", a)):
                 layer.scale_rows(role, factor.repeat_interleave(layer.head_dim))
 
@@ -766,7 +776,7 @@ class AttachedGuard:
                 "sigma_q": whole_q[:, 0].tolist(), "sigma_k": whole_k[:, 0].tolist(),
                 "sigma_q_head": self.sigma_head[:, 0].tolist(),
                 "sigma_k_head": self.sigma_head[:, 1, ::groups].tolist(),
-                "guard": "on" if self.triggered else ("dormant" if self.qkguard.enabled else "off")}
+                "guard": "on" if self.triggered or self.always else ("dormant" if self.qkguard.enabled else "off")}
 
     def _write_tensorboard(self, step):
         """Each signal at `step` only if it was measured at `step`: an older value plotted there would be stale."""
@@ -779,11 +789,12 @@ class AttachedGuard:
         if not watched or step % self.interval == 0:   # the guard's own: measured at monitored steps
             for i, value in enumerate((self.sigma_head[:, 0] * self.sigma_head[:, 1]).amax(dim=1).tolist()):
                 self.writer.add_scalar(f"qkguard/sigma_product/layer{i}", value, step)
-        self.writer.add_scalar("qkguard/on", float(self.triggered), step)
+        self.writer.add_scalar("qkguard/on", float(self.triggered or self.always), step)
 
     def _settings(self):
         g = self.qkguard
-        return {"signal": g.signal, "action": g.action, "threshold": float(g.threshold), "scope": g.scope}
+        return {"signal": g.signal, "action": g.action, "threshold": float(g.threshold), "scope": g.scope,
+                "always": self.always, "alpha": self.alpha}
 
     def _shape(self):
         """What a state is a state of: per layer, the heads, key heads, head_dim and W_q's input width."""
@@ -858,7 +869,7 @@ def _tensorboard_writer(logdir):
 
 def attach(model, adapter="auto", *, threshold=None, signal="max-logit", action="qknorm", scope="all",
            enabled=True, tau=None, interval=1, seqs=1, rows=None, seed=0, tensorboard=None, log_every=10,
-           timing=False):
+           timing=False, always=False, alpha=0.5):
     """Attach QK-Guard to `model`; returns an AttachedGuard (call its step() after each update).
 
     adapter    "auto", a name in ADAPTERS, or a function model -> [Layer]
@@ -868,6 +879,9 @@ def attach(model, adapter="auto", *, threshold=None, signal="max-logit", action=
     action     "qknorm" or "qkclip" (tau: QK-Clip's cap; None: guard.QKClip's); scope "all" or "crossed", as
                in guard.py
     enabled    False: watch and log, never act (the unguarded run of a comparison)
+    always     True (with action="qkclip"): QK-Clip at every update from the first, no trigger, as Megatron-LM's
+               --qk-clip (--qk-clip-threshold: tau, default 100) and torchtitan's; alpha (0 < alpha < 1, 0.5):
+               the share of each head's factor taken by W_q, 1 - alpha by W_k (--qk-clip-alpha)
     interval   monitor one update in N (updates 0, N, 2N, ...: a spike on the updates between is not seen),
                reading `seqs` sequences of the batch and `rows` positions of each (drawn anew each step;
                None: all): the defaults read every row of one sequence. Under qkclip, steps that may clip
@@ -890,9 +904,17 @@ def attach(model, adapter="auto", *, threshold=None, signal="max-logit", action=
     # a threshold that is not a finite number never fires (NaN, inf) or fails at the first step (a string);
     # a cap tau <= 0 would scale W_q by 0 or a negative (or NaN) factor
     real = lambda x: isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
-    if threshold is not None and not real(threshold):
-        raise ValueError(f"attach: threshold must be a finite number in the signal's units, not {threshold!r}: "
-                         f"give e.g. {DEFAULT_THRESHOLD[signal]} (None: that default)")
+    # and one <= 0 fires at once (a sigma product, a max logit over a batch are > 0): not a guard, a switch
+    if threshold is not None and not (real(threshold) and threshold > 0):
+        raise ValueError(f"attach: threshold must be a finite number > 0 in the signal's units, not {threshold!r}: "
+                         f"give e.g. {DEFAULT_THRESHOLD[signal]} (None: that default); to act from the first step, "
+                         f"attach(model, action='qkclip', always=True)")
+    if always and action != "qkclip":
+        raise ValueError(f"attach: always=True is QK-Clip at every update (Megatron-LM's --qk-clip), not {action!r}: "
+                         f"pass action='qkclip' (QK-norm from the first step is a model with QK-norm: build it so)")
+    if not (real(alpha) and 0 < alpha < 1):
+        raise ValueError(f"attach: alpha, W_q's share of QK-Clip's factor, must be a number in (0, 1), not {alpha!r}: "
+                         f"give 0.5 (the default: sqrt of the factor on each of W_q and W_k)")
     if tau is not None and not (real(tau) and tau > 0):
         raise ValueError(f"attach: QK-Clip's tau must be a finite number > 0 (the max logit it caps a head at), not "
                          f"{tau!r}: give e.g. 100.0 (None: guard.py's default)")
@@ -902,6 +924,8 @@ def attach(model, adapter="auto", *, threshold=None, signal="max-logit", action=
                          "peft does not save with the adapter) plus B @ A: merge the adapter first "
                          "(model = model.merge_and_unload()), or use action='qknorm', which acts on q and k as "
                          "the LoRA model forms them")
-    qkguard = QKGuard(threshold=threshold, enabled=enabled, signal=signal, action=action, scope=scope, tau=tau)
+    # always-on, the trigger has nothing to do: QKGuard only watches, and AttachedGuard clips every update
+    qkguard = QKGuard(threshold=threshold, enabled=enabled and not always, signal=signal, action=action, scope=scope,
+                      tau=tau)
     return AttachedGuard(model, layers, qkguard, interval=interval, seqs=seqs, rows=rows, seed=seed,
-                         tensorboard=tensorboard, log_every=log_every, timing=timing)
+                         tensorboard=tensorboard, log_every=log_every, timing=timing, always=always, alpha=alpha)

@@ -82,7 +82,8 @@ def _attach_settings(guard):
     g = guard.qkguard
     return {"signal": g.signal, "action": g.action, "threshold": float(g.threshold), "scope": g.scope,
             "enabled": g.enabled, "tau": float(g.tau) if g.action == "qkclip" else None,
-            "interval": guard.interval, "seqs": guard.seqs, "rows": guard.rows}
+            "interval": guard.interval, "seqs": guard.seqs, "rows": guard.rows, "always": guard.always,
+            "alpha": guard.alpha}
 
 
 def guard_file(guard):

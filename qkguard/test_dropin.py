@@ -94,9 +94,14 @@ def test_the_qk_norm_is_the_kernels_bit_for_bit():
 # Bad input: refused at attach or load in one line, or made to work
 
 @pytest.mark.parametrize("kwargs, message", [
-    ({"threshold": math.nan}, "threshold must be a finite number in the signal's units, not nan"),
-    ({"threshold": math.inf}, "threshold must be a finite number in the signal's units, not inf"),
-    ({"threshold": "200"}, "threshold must be a finite number in the signal's units, not '200'"),
+    ({"threshold": math.nan}, "threshold must be a finite number > 0 in the signal's units, not nan"),
+    ({"threshold": math.inf}, "threshold must be a finite number > 0 in the signal's units, not inf"),
+    ({"threshold": "200"}, "threshold must be a finite number > 0 in the signal's units, not '200'"),
+    ({"threshold": 0.0}, r"threshold must be a finite number > 0 .*not 0.0: .*always=True"),   # fires at once
+    ({"threshold": -1}, r"threshold must be a finite number > 0 .*not -1: "),
+    ({"always": True}, r"always=True is QK-Clip at every update .*not 'qknorm': pass action='qkclip'"),
+    ({"action": "qkclip", "always": True, "alpha": 1.0}, r"alpha, W_q's share .* in \(0, 1\), not 1.0"),
+    ({"action": "qkclip", "alpha": 0}, r"alpha, W_q's share .* in \(0, 1\), not 0"),
     ({"action": "qkclip", "tau": 0.0}, r"tau must be a finite number > 0 .*not 0.0"),
     ({"action": "qkclip", "tau": -5.0}, r"tau must be a finite number > 0 .*not -5.0"),
     ({"log_every": 0}, r"log_every \(0\) must be integers >= 1"),
@@ -198,6 +203,37 @@ def test_qkclip_scales_w_q_and_w_k_each_by_the_square_root_of_the_heads_factor(n
         for after, prior in zip(tensors, before[0][role]):      # the weight's rows, then the bias's
             torch.testing.assert_close(after, prior * expected[role].view(-1, *[1] * (after.dim() - 1)),
                                        msg=f"{name} W_{role}")
+
+
+TAU_ON = 9.0        # between the heads' max logits of the models below (W_q, W_k times 10: 7 to 11)
+
+
+@pytest.mark.parametrize("name, alpha", [("nanogpt", 0.5), ("nanogpt", 0.25), ("hf-gpt2", 0.75)])
+def test_always_on_qkclip_clips_every_update_from_the_first_with_megatrons_alpha_split(name, alpha):
+    """always=True, Megatron-LM's --qk-clip: no trigger, no event; after the first update (no optimizer
+    step, so only the clip moves the weights) each head over tau has W_q's rows times f^alpha and W_k's
+    times f^(1 - alpha), f = tau / S (its max over the batch); a head under tau is untouched."""
+    model, loss_of = build(name)
+    inflate_qk(model, 10.0)
+    default = qkguard.attach(model, action="qkclip", always=True)
+    assert default.qkguard.tau == 100.0 and default.alpha == 0.5 and default.record()["guard"] == "on"   # Megatron's
+    default.detach()
+    guard = qkguard.attach(model, action="qkclip", always=True, alpha=alpha, tau=TAU_ON)
+    before = [qk_rows(layer) for layer in guard.layers]
+    loss_of(model, *batch()).backward()
+    assert guard.step() is None and guard.events == [] and not guard.triggered
+    S = guard.max_logit                                                           # every row: (layer, head)
+    assert (S > TAU_ON).any() and (S < TAU_ON).any(), "the check needs heads on each side of tau"
+    f = torch.where(S > TAU_ON, TAU_ON / S, torch.ones_like(S))
+    for i, layer in enumerate(guard.layers):
+        for role, share in (("q", alpha), ("k", 1 - alpha)):
+            for after, prior in zip(qk_rows(layer)[role], before[i][role]):
+                factor = f[i] ** share
+                torch.testing.assert_close(after, prior * factor.view(-1, *[1] * (after.dim() - 1)))
+    loss_of(model, *batch()).backward()
+    guard.step()
+    # layer 0, whose input the clip leaves as it was (layer 1's moved with layer 0's output): at most tau
+    torch.testing.assert_close(guard.max_logit[0].clamp_max(TAU_ON), guard.max_logit[0], rtol=1e-5, atol=1e-5)
 
 
 # --------------------------------------------------------------------------------------------------
