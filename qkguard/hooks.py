@@ -807,7 +807,8 @@ class AttachedGuard:
         seed: plain tensors, lists and numbers (torch.load weights_only)."""
         return {"n_layer": len(self.layers), "shape": self._shape(), "steps": self.steps, "guard": self.qkguard.state_dict(),
                 "settings": self._settings(), "sigma_v": {key: v.cpu() for key, v in self.sigma.v.items()},
-                "generator": self.generator.get_state(), "sample_seed": self._seed}
+                "generator": self.generator.get_state(), "sample_seed": self._seed,
+                "events": [dict(event) for event in self.events]}
 
     def load_state_dict(self, state):
         """A saved guard back; a latched action is on again in the model at once. All or nothing: every
@@ -836,6 +837,7 @@ class AttachedGuard:
                              f"on, so attach with enabled=True to resume it")
         self.qkguard.load_state_dict(state["guard"])
         self.steps = state["steps"]
+        self.events = [dict(event) for event in state.get("events", [])]    # (a state saved before they were: none)
         self.sigma.v = {key: v.to(self.sigma.v[key].device) for key, v in state["sigma_v"].items()}
         self.generator.set_state(state["generator"])
         self.sigma_head, self._running = self._measure_sigma(iters=0), [None] * len(self.layers)

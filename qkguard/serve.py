@@ -86,11 +86,11 @@ def _attach_settings(guard):
             "alpha": guard.alpha}
 
 
-def guard_file(guard):
+def guard_file(guard, **extra):
     """What qkguard.pt holds, wherever it is written (save_guard's folder, the Trainer callback's
-    checkpoint-<step>): the settings attach() takes and the guard's state. One format, so load_guard
-    reads either folder."""
-    return {"attach": _attach_settings(guard), "state": guard.state_dict()}
+    checkpoint-<step>): the settings attach() takes and the guard's state (and the callback's `extra`
+    keys). One format, so load_guard reads either folder."""
+    return {"attach": _attach_settings(guard), "state": guard.state_dict(), **extra}
 
 
 def read_guard_file(path, bare_ok=False):
@@ -112,12 +112,12 @@ def read_guard_file(path, bare_ok=False):
     return saved
 
 
-def save_guard(guard, folder):
+def save_guard(guard, folder, **extra):
     """The guard's settings and state into `folder` (save_pretrained's), as qkguard.pt: written whole
     (a temporary file, then renamed), so an interrupted save leaves the previous file or none."""
     os.makedirs(folder, exist_ok=True)
     path = os.path.join(folder, GUARD_FILE)
-    torch.save(guard_file(guard), path + ".tmp")
+    torch.save(guard_file(guard, **extra), path + ".tmp")
     os.replace(path + ".tmp", path)
 
 

@@ -76,8 +76,11 @@ def test_a_resumed_trainer_run_is_the_uninterrupted_one_bit_for_bit(tmp_path):
     train(tmp_path / "parts", stop=SAVE_AT)
     saved = tmp_path / "parts" / f"checkpoint-{SAVE_AT}"
     assert (saved / STATE_FILE).exists()
-    later, resumed, _, _, _ = train(tmp_path / "parts", resume=str(saved))
+    later, resumed, resumed_callback, _, _ = train(tmp_path / "parts", resume=str(saved))
     assert resumed.triggered and resumed.steps == guard.steps == STEPS
+    # the events, fired before the checkpoint, come back: the guard's from its state, the callback's (in
+    # Trainer's numbering) from trainer_state.json
+    assert resumed.events == guard.events != [] and resumed_callback.events == callback.events
     assert later == whole and set(whole) == set(range(1, STEPS + 1))   # the resumed history holds steps 1-3 too
     a, b = guard.state_dict(), resumed.state_dict()
     assert a["guard"]["trigger"] == b["guard"]["trigger"] and torch.equal(a["generator"], b["generator"])
@@ -104,6 +107,10 @@ def test_events_and_signals_reach_the_trackers_at_trainers_global_step(tmp_path)
 def test_a_resume_from_a_checkpoint_without_the_guards_state_is_refused_in_one_line(tmp_path):
     train(tmp_path, stop=SAVE_AT)
     saved = tmp_path / f"checkpoint-{SAVE_AT}"
+    file = torch.load(saved / STATE_FILE, weights_only=True)
+    torch.save({**file, "token": "another save's"}, saved / STATE_FILE)       # one from another checkpoint
+    with pytest.raises(ValueError, match=rf"was saved with another checkpoint than the one this run resumes"):
+        train(tmp_path, resume=str(saved))
     os.remove(saved / STATE_FILE)
     with pytest.raises(FileNotFoundError, match=rf"has no {STATE_FILE} .*QKGuardCallback\(guard, missing_ok=True\)"):
         train(tmp_path, resume=str(saved))
