@@ -24,7 +24,10 @@ import torch
 from qkguard.hooks import attach
 
 GUARD_FILE = "qkguard.pt"        # save_guard's file in a save_pretrained folder
-QK_NORM_EPS = 1e-6               # hooks._rms_norm's eps: Qwen3's q_norm and k_norm must use the same
+QK_NORM_EPS = 1e-6               # hooks._rms_norm's eps: Qwen3's q_norm and k_norm are bit for bit the guard's at it
+# Llama's rms_norm_eps values (Llama 3's and 2's 1e-5, others' 1e-6). Qwen3 takes one eps for every norm, so
+# at 1e-5 its q_norm, k_norm add 1e-5 where the guard adds 1e-6: close, not bit for bit (README: Serving)
+LLAMA_EPS = (1e-6, 1e-5)
 
 
 def _fired_qknorm(guard):
@@ -44,8 +47,9 @@ def _fired_qknorm(guard):
 def to_qwen3(model, guard, strict=True):
     """A Qwen3ForCausalLM computing what `model`, a LlamaForCausalLM with `guard` fired (qknorm, every
     layer), computes: the same weights, q_norm and k_norm of weight 1. Then qwen3.save_pretrained(folder).
-    strict: refuse a Llama whose rms_norm_eps is not 1e-6 (Qwen3 uses that eps in q_norm and k_norm too,
-    so theirs would differ from the guard's; strict=False exports it all the same, close but not bit for bit)."""
+    Bit for bit where the Llama's rms_norm_eps is 1e-6; at Llama 3's 1e-5, Qwen3 uses that eps in q_norm
+    and k_norm too, which changes each head's norm by a factor 1 + (1e-5 - 1e-6) / (2 mean(q^2)) at most:
+    close, not bit for bit. strict: refuse another eps (strict=False exports it all the same)."""
     import transformers
     config = model.config
     if getattr(config, "model_type", None) != "llama":
@@ -55,10 +59,11 @@ def to_qwen3(model, guard, strict=True):
     if getattr(config, "mlp_bias", False):
         raise ValueError("serve: this Llama has mlp_bias=True, which Qwen3's MLP lacks: use save_guard() and "
                          "load_guard() instead")
-    if strict and config.rms_norm_eps != QK_NORM_EPS:
-        raise ValueError(f"serve: this Llama's rms_norm_eps is {config.rms_norm_eps}, and Qwen3 would use it in q_norm "
-                         f"and k_norm, where the guard uses {QK_NORM_EPS}: pass strict=False to export it all the same "
-                         f"(logits close, not bit for bit), or use save_guard() and load_guard()")
+    if strict and config.rms_norm_eps not in LLAMA_EPS:
+        raise ValueError(f"serve: this Llama's rms_norm_eps is {config.rms_norm_eps}, not one of Llama's "
+                         f"{LLAMA_EPS}, and Qwen3 would use it in q_norm and k_norm, where the guard uses {QK_NORM_EPS}: "
+                         f"pass strict=False to export it all the same (logits close, not bit for bit), or use "
+                         f"save_guard() and load_guard()")
     same = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
             "num_key_value_heads", "head_dim", "hidden_act", "max_position_embeddings", "initializer_range",
             "rms_norm_eps", "use_cache", "tie_word_embeddings", "rope_parameters", "attention_bias",

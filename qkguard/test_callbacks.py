@@ -192,3 +192,57 @@ def test_serving_refuses_what_it_cannot_serve_in_one_line(tmp_path):
         serve.to_qwen3(llama, dormant)
     with pytest.raises(FileNotFoundError, match=r"has no qkguard.pt: save it with save_guard\(guard, folder\)"):
         serve.load_guard(model, tmp_path)
+
+
+def fired_llama(**config):
+    """A tiny Llama (test_attach's, with `config` changed) that the guard fired on, with its guard; by
+    default qknorm in every layer."""
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        **{**dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, vocab_size=VOCAB, rms_norm_eps=1e-6), **config}))
+    return model
+
+
+def test_to_qwen3_refuses_each_llama_it_cannot_serve_in_one_line():
+    """Each refusal, since an export past it serves another function: QK-norm in some layers only (a
+    planted bug that dropped this refusal exported a model 0.19 off in its logits), the action in the
+    weights already (QK-Clip), an MLP with biases (Qwen3's has none), an eps that is not Llama's."""
+    x = batch()[0]
+    cases = [({}, dict(scope="crossed"), r"QK-norm is on in layers \[0\] of 2 \(scope='crossed'\).*save_guard"),
+             ({}, dict(action="qkclip", tau=1.0), r"action is qkclip, which is in the weights already"),
+             (dict(mlp_bias=True), {}, r"mlp_bias=True, which Qwen3's MLP lacks: use save_guard"),
+             (dict(rms_norm_eps=1e-4), {}, r"rms_norm_eps is 0.0001, not one of Llama's \(1e-06, 1e-05\).*strict=False")]
+    for config, settings, refusal in cases:
+        torch.manual_seed(0)
+        model = fired_llama(**config)
+        inflate_qk(model)
+        if settings.get("scope") == "crossed":          # only layer 0 crosses
+            with torch.no_grad():
+                model.model.layers[1].self_attn.q_proj.weight.mul_(1 / 900)
+        guard = qkguard.attach(model, threshold=20.0, **settings)
+        for _ in range(2):
+            model(input_ids=x, labels=x).loss.backward()
+            guard.step()
+        assert guard.triggered
+        with pytest.raises(ValueError, match=rf"^serve: .*{refusal}"):
+            serve.to_qwen3(model, guard)
+        guard.detach()
+
+
+def test_to_qwen3_takes_llama_3s_eps_close_not_bit_for_bit():
+    """rms_norm_eps 1e-5 (Llama 3's): exported, its logits within 5e-4 of the guarded Llama's (QK_NORM_EPS
+    1e-6 in the guard, 1e-5 in Qwen3's q_norm, k_norm), and not equal: the tolerance is real. At the
+    initial weights (std 0.02), where q and k are smallest and the eps weighs most: 1.1e-4 measured."""
+    torch.manual_seed(0)
+    model = fired_llama(rms_norm_eps=1e-5)
+    guard = qkguard.attach(model, threshold=1e-30)       # fired at the first check
+    x = batch()[0]
+    for _ in range(2):
+        model(input_ids=x, labels=x).loss.backward()
+        guard.step()
+    assert guard.triggered
+    qwen3 = serve.to_qwen3(model.eval(), guard)
+    guarded, exported = logits(model, x), logits(qwen3, x)
+    difference = (guarded - exported).abs().max().item()
+    print(f"eps 1e-5: max |logit difference| {difference:.2e}")
+    assert 0 < difference < 5e-4
