@@ -24,6 +24,10 @@ transformers is never imported: the Hugging Face adapters know its modules by th
 this file works, and its tests pass, without it. Nor are triton and the training code (model.py,
 attention_kernel.py): only guard.py, which needs torch alone.
 
+Where peft's LoRA wraps q_proj or k_proj, the hooks read the wrapper (q as the adapted model forms
+it); under FSDP2 the weights are gathered for the sigmas and QK-Clip scales each rank's shard (the
+sections LoRA and sharded weights below).
+
 What the monitor assumes: causal self-attention over whole sequences, within a sliding window where
 the adapter gives one (a padding or document mask is not read, so pairs it hides count too),
 projection outputs laid out (batch, time, features), and layers of one shape, one guard per model
