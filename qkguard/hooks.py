@@ -191,7 +191,8 @@ def effective_weight(module):
 # partitioned weight outside a forward: nothing to read or scale there, so it is refused.
 
 def is_sharded(weight):
-    """Whether `weight` is a DTensor (FSDP2's sharded parameter; tensor parallelism's too)."""
+    """Whether `weight` is a DTensor (FSDP2's sharded parameter; tensor parallelism's too). Looked up, not
+    imported: a model holds DTensors only once torch.distributed.tensor was imported by whoever made them."""
     DTensor = getattr(getattr(torch.distributed, "tensor", None), "DTensor", None)
     return DTensor is not None and isinstance(weight, DTensor)
 

@@ -725,7 +725,7 @@ def _readme_blocks():
 
 # What a README block needs beyond torch and qkguard, by what it uses: (a mark in its code, the package)
 OPTIONAL = (("transformers", "transformers"), ("transformers.Trainer(", "accelerate"),
-            ("import torch, lightning", "lightning"), ("import pytorch_lightning", "pytorch_lightning"),
+            ("import torch, lightning", "lightning"),
             ("tensorboard=", "tensorboard"), ("peft", "peft"))
 
 
