@@ -13,7 +13,7 @@ none. The cell is the median step time of the guarded copy over the unguarded on
 Step time is the CPU time of this thread (time.thread_time, torch on one thread): on a shared machine
 the time the process waits for a core is not counted, where wall-clock time would count it.
   dormant  attach(model, threshold=1e30): measuring, never crossing
-  fired    attach(model, threshold=-1e30): it crosses at update 0 and acts from update 2 on (QK-norm on
+  fired    attach(model, threshold=1e-30): it crosses at update 0 and acts from update 2 on (QK-norm on
            every layer), then measures as before; timed from the 4th update
   A/A      neither copy guarded: the spread to expect from the machine alone
 Host time only (CPU, one thread): on a GPU the guard's launches overlap the model's, and the table
@@ -55,7 +55,7 @@ def compare(kind, size, batch, interval, mode, steps, warmup=4):
     copies = []
     for guarded in (False, mode != "A/A"):
         model, loss_of = build(kind, size, t)
-        threshold = {"dormant": 1e30, "fired": -1e30}.get(mode)
+        threshold = {"dormant": 1e30, "fired": 1e-30}.get(mode)
         guard = qkguard.attach(model, threshold=threshold, interval=interval) if guarded else None
         copies.append((model, loss_of, torch.optim.AdamW(model.parameters(), lr=1e-4), guard))
     tokens = torch.randint(0, VOCAB, (b, t), generator=torch.Generator().manual_seed(1))

@@ -3,10 +3,9 @@
     guard = attach(model)      # dormant; call guard.step() after each optimizer update
 
 The code is qkguard/hooks.py (adapters, signals, the hooks); qkguard/example.py runs it on a
-nanoGPT-style GPT; qkguard/README.md is the documentation. It uses the reference's guard.py (the
-decisions, torch alone), from the repository root or installed beside it (`pip install .`); it
-imports neither triton nor the training code. callbacks.py (the Trainer callback), lightning.py (the
-Lightning callback) and serve.py (a fired model served) are imported where used: transformers and
+nanoGPT-style GPT; qkguard/README.md is the documentation. Its guard.py holds the decisions (torch
+alone), which the reference's root guard.py re-exports; it imports neither triton nor the training
+code. callbacks.py (the Trainer callback), lightning.py (the Lightning callback) and serve.py (a fired model served) are imported where used: transformers and
 Lightning stay optional.
 """
 from qkguard.hooks import (ADAPTERS, ATTACH_ACTIONS, AttachedGuard, Layer, attach, attached, detach, find_layers,

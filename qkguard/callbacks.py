@@ -11,73 +11,103 @@ What it does, at each of Trainer's events:
         0), and makes Trainer log at that step
   at each log (on_log)  the guard's signals, and an event since the last log, go into Trainer's logs:
         the console, every report_to tracker and trainer.state.log_history, at Trainer's global step
-  at each checkpoint (on_save)  guard.state_dict() into the checkpoint folder, as qkguard.pt
-  at a resume (on_train_begin)  that file loaded from the checkpoint Trainer resumes from: the latch,
-        the sampling generator and the power iteration's vectors, so the run goes on bit for bit as
-        the uninterrupted one (test_callbacks.py checks it)
+  at each checkpoint  Trainer asks every stateful callback (transformers' ExportableState) for its
+        state() and writes it into the checkpoint's trainer_state.json: here the events and a token
+        naming this save; then (on_save) the guard itself, as serve.save_guard writes it, into the
+        checkpoint folder as qkguard.pt, with that token
+  at a resume (on_train_begin)  Trainer has read trainer_state.json back into `state`: the events come
+        back from it, and the guard from the qkguard.pt of checkpoint-<global_step>, its token checked
+        against the one the state names, so the run goes on bit for bit as the uninterrupted one
+        (test_callbacks.py checks it)
 
 transformers is imported here, and only here: `import qkguard` works without it.
 
 Trainer calls its callbacks in list order, the report_to trackers first. The guard's values must be in
 the logs before the trackers read them, so this callback moves itself to the front of the list when
-Trainer is built (on_init_end). Callbacks are handed no Trainer: it is found on the call stack, as
-the `self` of the Trainer method that called the event (the same lookup finds the checkpoint a
-resume reads). If a later transformers moved those calls, the lookup fails in one line, not silently.
+Trainer is built (on_init_end). Callbacks are handed no Trainer, and transformers has no way to put a
+callback before its trackers, so this one lookup finds the Trainer on the call stack (the `self` of
+the method that called on_init_end) and gives it a new list; if a later transformers moved that call,
+the lookup fails in one line, not silently.
 """
 import os
 import sys
+import uuid
 
-import torch
 from transformers import Trainer, TrainerCallback
+from transformers.trainer_callback import ExportableState
 
 from qkguard._loop import GuardLoop
+from qkguard.serve import GUARD_FILE as STATE_FILE, read_guard_file, save_guard
 
-STATE_FILE = "qkguard.pt"     # in each checkpoint-<step> folder, beside Trainer's own files
 
-
-def _trainer_frame(has=None):
-    """The innermost caller frame whose `self` is a Trainer (and which has the local `has`, if given)."""
+def _building_trainer():
+    """The Trainer whose __init__ calls on_init_end: the `self` of the innermost caller that is one."""
     frame = sys._getframe(2)
     while frame is not None:
-        if isinstance(frame.f_locals.get("self"), Trainer) and (has is None or has in frame.f_locals):
-            return frame
+        if isinstance(frame.f_locals.get("self"), Trainer):
+            return frame.f_locals["self"]
         frame = frame.f_back
-    raise RuntimeError("QKGuardCallback: no Trainer on the call stack: pass it to Trainer(callbacks=[...]) and let "
-                       "Trainer call it (this transformers may call its callbacks in a way this file does not know)")
+    raise RuntimeError("QKGuardCallback: no Trainer on the call stack at on_init_end: pass it to "
+                       "Trainer(callbacks=[...]) (this transformers may build its callbacks in a way this file does "
+                       "not know)")
 
 
-class QKGuardCallback(GuardLoop, TrainerCallback):
+class QKGuardCallback(GuardLoop, TrainerCallback, ExportableState):
     """Steps, logs, saves and resumes an AttachedGuard under transformers.Trainer.
 
     guard       the AttachedGuard of Trainer's model (qkguard.attach(model, ...))
-    missing_ok  on a resume from a checkpoint with no qkguard.pt (saved without this callback): False
-                refuses in one line; True starts the guard as attached (a fired state is then lost)
+    missing_ok  on a resume from a checkpoint with no guard saved in it (saved without this callback):
+                False refuses in one line; True starts the guard as attached (a fired state is then lost)
 
     callback.events holds the guard's events with their steps in Trainer's numbering; callback.signals()
     is what goes into a log (both from _loop.GuardLoop, which the Lightning callback shares).
     """
 
+    def __init__(self, guard=None, missing_ok=False):
+        if guard is None:      # Trainer rebuilds stateful callbacks from JSON where asked to: a guard is not JSON
+            raise ValueError("QKGuardCallback needs the attached guard, QKGuardCallback(guard); if Trainer built it, "
+                             "leave TrainingArguments(restore_callback_states_from_checkpoint=False): this callback "
+                             "restores its own state on a resume")
+        super().__init__(guard, missing_ok)
+        self._token = None         # names the save whose trainer_state.json and qkguard.pt belong together
+
+    def state(self):
+        """What Trainer writes into trainer_state.json at each checkpoint (ExportableState), just before
+        on_save writes the guard: the events in Trainer's numbering, and a new token naming this save."""
+        self._token = uuid.uuid4().hex
+        return {"args": {}, "attributes": {"events": self.events, "token": self._token}}
+
     def on_init_end(self, args, state, control, **kwargs):
-        handler = _trainer_frame().f_locals["self"].callback_handler
-        # first: the trackers read the logs after this adds to them. (The handler is looping over this list
-        # now; a remove before and an insert before leave the callbacks after this one where they were.)
-        handler.callbacks.remove(self)
-        handler.callbacks.insert(0, self)
+        handler = _building_trainer().callback_handler
+        # first, so the trackers read the logs after this adds to them: a new list, since the handler is
+        # iterating over the old one now
+        handler.callbacks = [self] + [c for c in handler.callbacks if c is not self]
 
     def on_train_begin(self, args, state, control, model=None, **kwargs):
         if model is not None and model is not self.guard.model:
             raise ValueError("QKGuardCallback: the guard is attached to another model than Trainer's: attach it to "
                              "the model you pass to Trainer")
-        checkpoint = _trainer_frame(has="resume_from_checkpoint").f_locals["resume_from_checkpoint"]
-        if checkpoint is None:
-            return
-        path = os.path.join(checkpoint, STATE_FILE)
-        if os.path.exists(path):
-            self.guard.load_state_dict(torch.load(path, weights_only=True))
-        elif not self.missing_ok:
-            raise FileNotFoundError(f"QKGuardCallback: the checkpoint {checkpoint} has no {STATE_FILE} (saved without "
-                                    f"this callback), so a guard that had fired would run unguarded: pass "
-                                    f"QKGuardCallback(guard, missing_ok=True) to start the guard anew")
+        if state.global_step == 0:
+            return                              # a new run: nothing to resume
+        folder = os.path.join(args.output_dir, f"checkpoint-{state.global_step}")
+        saved = state.stateful_callbacks.get(type(self).__name__)
+        saved = saved[0] if isinstance(saved, list) else saved
+        path = os.path.join(folder, STATE_FILE)
+        if saved is None or not os.path.exists(path):
+            if self.missing_ok:
+                return
+            raise FileNotFoundError(f"QKGuardCallback: the checkpoint of step {state.global_step} has no {STATE_FILE} "
+                                    f"in {folder} (saved without this callback, or resumed from another folder), so a "
+                                    f"guard that had fired would run unguarded: resume from a checkpoint in "
+                                    f"args.output_dir, or pass QKGuardCallback(guard, missing_ok=True) to start the "
+                                    f"guard anew")
+        file = read_guard_file(path)
+        if file.get("token") != saved["attributes"]["token"]:
+            raise ValueError(f"QKGuardCallback: {path} was saved with another checkpoint than the one this run resumes "
+                             f"(step {state.global_step}): resume from the checkpoint-{state.global_step} folder in "
+                             f"args.output_dir, whose {STATE_FILE} and trainer_state.json were saved together")
+        self.guard.load_state_dict(file["state"])
+        self.events = [dict(event) for event in saved["attributes"]["events"]]
 
     def on_step_end(self, args, state, control, **kwargs):
         if self.step_guard(state.global_step) is not None:
@@ -94,5 +124,5 @@ class QKGuardCallback(GuardLoop, TrainerCallback):
 
     def on_save(self, args, state, control, **kwargs):
         folder = os.path.join(args.output_dir, f"checkpoint-{state.global_step}")   # Trainer's own name for it
-        if args.should_save:
-            torch.save(self.guard.state_dict(), os.path.join(folder, STATE_FILE))
+        if args.should_save:     # save_guard's format, so serve.load_guard reads this folder too
+            save_guard(self.guard, folder, token=self._token)

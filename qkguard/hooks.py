@@ -24,6 +24,10 @@ transformers is never imported: the Hugging Face adapters know its modules by th
 this file works, and its tests pass, without it. Nor are triton and the training code (model.py,
 attention_kernel.py): only guard.py, which needs torch alone.
 
+Where peft's LoRA wraps q_proj or k_proj, the hooks read the wrapper (q as the adapted model forms
+it); under FSDP2 the weights are gathered for the sigmas and QK-Clip scales each rank's shard (the
+sections LoRA and sharded weights below).
+
 What the monitor assumes: causal self-attention over whole sequences, within a sliding window where
 the adapter gives one (a padding or document mask is not read, so pairs it hides count too),
 projection outputs laid out (batch, time, features), and layers of one shape, one guard per model
@@ -42,7 +46,7 @@ from typing import Callable, Optional
 import torch
 import torch.nn as nn
 
-from guard import DEFAULT_THRESHOLD, QKGuard, SpectralMonitor   # the decisions: torch alone, no model or kernel
+from qkguard.guard import DEFAULT_THRESHOLD, QKGuard, SpectralMonitor   # the decisions: torch alone
 
 # What an attached guard can do in a model it does not own. guard.py's other attention actions
 # (softcap, fp32-accum) act inside this project's kernel; lr-drop and clip act in train.py's loop.
@@ -113,8 +117,9 @@ class Layer:
         """W_q or W_k as (heads * head_dim, in): a view of the live weight where the columns are a slice,
         a copy where they are indices (QK-Clip scales the live one through scale_rows)."""
         module = self.q if role == "q" else self.k
-        cols = self.cols(role, module.weight)
-        w = module.weight[:, cols].T if self.transposed else module.weight[cols]
+        full = gathered(effective_weight(module), f"W_{role}")
+        cols = self.cols(role, full)
+        w = full[:, cols].T if self.transposed else full[cols]
         if w.shape[0] != self.heads(role) * self.head_dim:
             raise ValueError(f"attach: W_{role} has {w.shape[0]} rows, not {self.heads(role)} heads x "
                              f"{self.head_dim}: fix the adapter's head count or columns")
@@ -125,10 +130,16 @@ class Layer:
         module = self.q if role == "q" else self.k
         return None if getattr(module, "bias", None) is None else module.bias[self.cols(role, module.bias)]
 
+    def in_features(self):
+        """W_q's input width, from its (global) shape: no gather of a sharded weight."""
+        return self.q.weight.shape[0 if self.transposed else 1]
+
     @torch.no_grad()
     def scale_rows(self, role, per_row):
         """W_q's or W_k's rows (and bias) times per_row (heads * head_dim,), in the live weight: QK-Clip."""
         module = self.q if role == "q" else self.k
+        if is_sharded(module.weight):
+            return _scale_sharded_rows(module, self.cols(role, module.weight), per_row, self.transposed)
         cols = self.cols(role, module.weight)
         if self.transposed:
             module.weight[:, cols] *= per_row.to(module.weight.dtype)
@@ -136,6 +147,85 @@ class Layer:
             module.weight[cols] *= per_row.to(module.weight.dtype)[:, None]
         if getattr(module, "bias", None) is not None:
             module.bias[cols] *= per_row.to(module.bias.dtype)
+
+
+# ----------------------------------------------------------------------------------------- LoRA
+# peft's LoRA wraps a projection (q_proj, k_proj, v_proj) in a module of its own: `base_layer` is the
+# model's nn.Linear, and the wrapper's output is base_layer(x) + scaling * B(A(x)) for each active
+# adapter not merged into base_layer. That output is the q (or k) the model forms, so the hooks read
+# the wrapper; the weight that forms it is the base weight plus the adapters' deltas. Known by its
+# structure: peft is never imported.
+
+def as_linear(module):
+    """The nn.Linear `module` is, or the one peft's LoRA wraps (its base_layer); else None."""
+    if isinstance(module, nn.Linear):
+        return module
+    base = getattr(module, "base_layer", None)
+    return base if isinstance(base, nn.Linear) and hasattr(module, "get_delta_weight") else None
+
+
+def lora_adapters(module):
+    """The LoRA adapters that add to `module`'s output now: active, not merged into its base weight, and
+    not switched off (peft's disable_adapter()); [] for a module LoRA does not wrap."""
+    if not hasattr(module, "get_delta_weight") or getattr(module, "disable_adapters", False):
+        return []
+    merged = set(getattr(module, "merged_adapters", ()))
+    return [a for a in module.active_adapters if a in getattr(module, "lora_A", {}) and a not in merged]
+
+
+@torch.no_grad()
+def effective_weight(module):
+    """The weight that forms `module`'s output: its own, or under LoRA the base weight plus each unmerged
+    active adapter's delta (peft's get_delta_weight: scaling * B @ A, laid out as the base weight)."""
+    weight = module.weight            # a LoRA wrapper's weight is its base layer's
+    adapters = lora_adapters(module)
+    return weight if not adapters else weight + sum(module.get_delta_weight(a) for a in adapters)
+
+
+# ----------------------------------------------------------------------------------------- sharded weights
+# FSDP2 (fully_shard) keeps each parameter as a DTensor whose rows are split across the ranks, and
+# gathers it whole only inside its module's forward. The hooks read q and k (activations, whole on
+# every rank) as before, and the max logit is all-reduced; what needs the weights themselves is
+# done on every rank at once, in step(): the sigmas gather W_q and W_k (full_tensor, a collective),
+# and QK-Clip scales each rank's own rows. DeepSpeed ZeRO-3 leaves an empty tensor in place of a
+# partitioned weight outside a forward: nothing to read or scale there, so it is refused.
+
+def is_sharded(weight):
+    """Whether `weight` is a DTensor (FSDP2's sharded parameter; tensor parallelism's too). Looked up, not
+    imported: a model holds DTensors only once torch.distributed.tensor was imported by whoever made them."""
+    DTensor = getattr(getattr(torch.distributed, "tensor", None), "DTensor", None)
+    return DTensor is not None and isinstance(weight, DTensor)
+
+
+def gathered(weight, name):
+    """`weight` whole: a sharded one gathered from every rank (a collective: every rank must call it
+    at once), a ZeRO-3 one refused in one line."""
+    if hasattr(weight, "ds_shape") or hasattr(weight, "ds_id"):
+        raise ValueError(f"attach: {name} is partitioned by DeepSpeed ZeRO-3 (an empty tensor outside the forward), "
+                         f"so the guard can neither read its sigmas nor scale it: use ZeRO stage 1 or 2, or FSDP2 "
+                         f"(torch.distributed.fsdp.fully_shard), which qkguard supports")
+    return weight.full_tensor() if is_sharded(weight) else weight
+
+
+@torch.no_grad()
+def _scale_sharded_rows(module, cols, per_row, transposed):
+    """QK-Clip on a DTensor weight: the factor for every output row (1 outside `cols`), split as the
+    weight's rows are (every rank computed the same factors from the all-reduced max logit, so no data
+    moves), each rank scaling its own shard in place."""
+    from torch.distributed.tensor import distribute_tensor
+    weight = module.weight
+    rows = weight.shape[1 if transposed else 0]
+    factor = torch.ones(rows, device=weight.to_local().device, dtype=weight.dtype)
+    factor[cols] = per_row.to(factor)
+    if transposed:                     # a Conv1D's outputs are its columns: the shards split its inputs
+        weight.to_local().mul_(factor[None, :])
+        return
+    local = distribute_tensor(factor, weight.device_mesh, weight.placements, src_data_rank=None).to_local()
+    weight.to_local().mul_(local[:, None])
+    if getattr(module, "bias", None) is not None:
+        bias = module.bias
+        shard = distribute_tensor(factor, bias.device_mesh, bias.placements, src_data_rank=None).to_local()
+        bias.to_local().mul_(shard.to(bias.dtype))
 
 
 def head_columns(starts, head_dim):
@@ -224,7 +314,7 @@ def hf_llama(model):
     layers = []
     for m in model.modules():
         q_proj, k_proj = getattr(m, "q_proj", None), getattr(m, "k_proj", None)
-        if not (isinstance(q_proj, nn.Linear) and isinstance(k_proj, nn.Linear)
+        if not (as_linear(q_proj) is not None and as_linear(k_proj) is not None     # or LoRA's wrappers of them
                 and hasattr(getattr(m, "config", None), "num_key_value_heads")):
             continue
         refuse_own_qk_norm(m, "hf-llama", "after q_proj and k_proj")
@@ -232,14 +322,28 @@ def hf_llama(model):
         if rotate is None:
             raise ValueError(f"attach: {type(m).__name__}'s module has no apply_rotary_pos_emb: write an adapter "
                              f"whose rotary applies this model's rotation (qkguard/README.md: Another model's adapter)")
-        layers.append(Layer(attn=m, q=q_proj, k=k_proj, n_head=q_proj.out_features // m.head_dim,
-                            head_dim=m.head_dim, n_kv_head=k_proj.out_features // m.head_dim,
-                            scale=getattr(m, "scaling", None), window=hf_window(m),
-                            rotary=_hf_rotary(rotate, clamp=getattr(m.config, "clip_qkv", None))))
+        # gpt-oss rotates the whole head by cos, sin of half its width (each feature of the first half
+        # with its partner in the second), where a table of half the width elsewhere means half the head
+        whole = type(m).__name__.startswith("GptOss")
+        rotary = _hf_rotary(rotate, clamp=getattr(m.config, "clip_qkv", None), whole=whole) if _rotates(m) else None
+        layers.append(Layer(attn=m, q=q_proj, k=k_proj, n_head=as_linear(q_proj).out_features // m.head_dim,
+                            head_dim=m.head_dim, n_kv_head=as_linear(k_proj).out_features // m.head_dim,
+                            scale=getattr(m, "scaling", None), window=hf_window(m), rotary=rotary))
     return layers
 
 
-def _hf_rotary(rotate, clamp=None):
+def _rotates(m):
+    """Whether the attention m rotates q and k: not on SmolLM3's layers listed 0 in no_rope_layers
+    (use_rope), nor on Cohere2's full-attention layers (rotary on its sliding layers only, unless
+    force_rope). Read with a rotation those layers never apply, their logits would be wrong."""
+    if not getattr(m, "use_rope", True):
+        return False
+    if type(m).__name__.startswith("Cohere2"):
+        return m.sliding_window is not None or getattr(m, "force_rope", False)
+    return True
+
+
+def _hf_rotary(rotate, clamp=None, whole=False):
     """The rotation by position_embeddings (cos, sin), of the first cos.shape[-1] features of each head
     (all of them in Llama; a part in Phi, StableLM, GPT-NeoX), after a clamp of q and k to [-clamp,
     clamp] where the model clamps them (OLMo's clip_qkv: in place, after the hooks copied them out)."""
@@ -250,7 +354,7 @@ def _hf_rotary(rotate, clamp=None):
         if clamp is not None:
             q, k = q.clamp(-clamp, clamp), k.clamp(-clamp, clamp)
         n = cos.shape[-1]
-        if n == q.shape[-1]:
+        if whole or n == q.shape[-1]:
             return rotate(q, k, cos, sin)
         q_rot, k_rot = rotate(q[..., :n], k[..., :n], cos, sin)
         return torch.cat([q_rot, q[..., n:]], dim=-1), torch.cat([k_rot, k[..., n:]], dim=-1)
@@ -290,6 +394,12 @@ def find_layers(model, adapter="auto"):
     else:
         raise ValueError(f"attach: unknown adapter {adapter!r}: choose one of auto, {', '.join(ADAPTERS)}, or pass "
                          f"a function model -> [Layer]")
+    mla = next((m for m in model.modules() if hasattr(m, "kv_a_proj_with_mqa")), None)
+    if not layers and mla is not None:
+        raise ValueError(f"attach: {type(mla).__name__} is multi-head latent attention (DeepSeek-V2/V3's MLA): each "
+                         f"head's k joins a part from kv_b_proj with a rotary part shared by all heads from "
+                         f"kv_a_proj_with_mqa, which no built-in adapter reads yet: write an adapter for it "
+                         f"(qkguard/README.md: Another model's adapter)")
     if not layers:
         raise ValueError(f"attach: {name} found no attention layer in {type(model).__name__}: pass adapter= one of "
                          f"{', '.join(ADAPTERS)}, or write one (qkguard/README.md: Another model's adapter)")
@@ -439,18 +549,21 @@ class AttachedGuard:
     serials = itertools.count()        # attach order, for attached()
 
     def __init__(self, model, layers, qkguard, *, interval=1, seqs=1, rows=None, seed=0, tensorboard=None,
-                 log_every=10, timing=False):
+                 log_every=10, timing=False, always=False, alpha=0.5):
         if len({(layer.n_head, layer.n_kv_head, layer.head_dim, layer.weight("q").shape) for layer in layers}) > 1:
             raise ValueError("attach: the layers differ in heads or width; QK-Guard's signal is one (layer, head) "
                              "table: guard layers of one shape (an adapter may return a subset)")
         modules = {m for layer in layers for m in (layer.attn, layer.q, layer.k)}
         others = {g for m in modules for g in _ATTACHED.get(m, ())}
-        if others and (qkguard.enabled or any(g.qkguard.enabled for g in others)):
+        if others and (qkguard.enabled or always or any(g.acts for g in others)):
             raise ValueError(f"attach: {type(model).__name__} already has a QK-Guard attached, and a second one would "
                              f"stack its hooks on the first's: call the first one's detach() before attaching again, or "
                              f"qkguard.detach(model) if you no longer hold it (only watchers, enabled=False, may share "
                              f"a model)")
         self.model, self.layers, self.qkguard = model, layers, qkguard
+        # always: QK-Clip at every update from the first, as Megatron-LM's --qk-clip and torchtitan's do (no
+        # trigger: qkguard then only watches); alpha: the share of each head's factor W_q takes (W_k: 1 - alpha)
+        self.always, self.alpha = always, alpha
         self.interval, self.seqs, self.rows, self.log_every = interval, seqs, rows, log_every
         self.serial, self.timing = next(AttachedGuard.serials), timing
         # what QKGuard.apply_to_model flips: the model's own switch where it has one
@@ -458,7 +571,7 @@ class AttachedGuard:
         self.generator = torch.Generator().manual_seed(seed)
         self.sigma = QKSigma(layers, self.generator)
         self.sigma_head = self._measure_sigma(iters=30)   # converged before step 0, as in train.py
-        self.sigma.measure(iters=30, which="all")
+        self._sigma_whole = self.sigma.measure(iters=30, which="all")     # (sigma_q, sigma_k) of whole matrices
         self.steps, self.max_logit, self.events = 0, None, []
         self.max_logit_step = None        # the update self.max_logit was measured at
         # timing=True: host time in the guard's hooks and step() (CPU: its whole cost; CUDA: launches). Off
@@ -483,8 +596,17 @@ class AttachedGuard:
     def triggered(self):
         return self.qkguard.triggered
 
+    @property
+    def acts(self):
+        """Whether it ever changes the model: dormant or fired, or always clipping (not a watcher)."""
+        return self.qkguard.enabled or self.always
+
+    def _sharded(self):
+        """Whether W_q or W_k is sharded now (FSDP2 may shard the model after the guard was attached)."""
+        return any(is_sharded(m.weight) for layer in self.layers for m in (layer.q, layer.k))
+
     def _clipping(self):
-        return self.qkguard.triggered and self.qkguard.action == "qkclip"
+        return self.always or (self.qkguard.triggered and self.qkguard.action == "qkclip")
 
     def _plan(self):
         """Whether the next update's forwards are measured, and over all rows or a sample."""
@@ -497,7 +619,16 @@ class AttachedGuard:
 
     def _draw(self):
         """The next step's sample seed (sample_rows), from the guard's generator: here, not in a hook."""
-        self._seed = int(torch.randint(0, 1 << 31, (), generator=self.generator))
+        self._set_seed(int(torch.randint(0, 1 << 31, (), generator=self.generator)))
+
+    def _set_seed(self, seed):
+        """The seed as a number (for state_dict) and as a tensor the hooks read. A tensor, written in place:
+        under torch.compile a graph reads it as an input, where a Python int would be a constant the
+        graph is specialised on, and a new seed at each step would recompile the model each step."""
+        self._seed = seed
+        if not hasattr(self, "_seed_tensor"):
+            self._seed_tensor = torch.zeros((), dtype=torch.int64)
+        self._seed_tensor.fill_(seed)
 
     # ------------------------------------------------------------------------- the hooks
 
@@ -512,6 +643,11 @@ class AttachedGuard:
                 if not (acting or measuring):
                     continue                  # the dormant path: nothing computed, the output untouched
                 started = time.perf_counter() if self.timing else 0.0
+                if out.shape[-1] != module.weight.shape[1 if layer.transposed else 0]:
+                    raise ValueError(f"QK-Guard: {type(module).__name__}'s output has {out.shape[-1]} features, not "
+                                     f"its weight's {module.weight.shape[1 if layer.transposed else 0]}: under tensor "
+                                     f"parallelism a rank forms only its own heads, which qkguard does not support "
+                                     f"(data parallelism, DDP or FSDP2, is): attach to a model that is not tensor-parallel")
                 cols = layer.cols(role, out)
                 part = out[..., cols].unflatten(-1, (layer.heads(role), layer.head_dim))   # (B, T, heads, D)
                 if acting:                         # the action, where q and k are formed
@@ -556,7 +692,7 @@ class AttachedGuard:
         shape = part.shape[0], part.shape[-3]
         if self._sample_shape != shape:
             self._sample = (None, None) if self._all_rows else \
-                sample_rows(*shape, self.seqs, self.rows, self._seed, part.device)
+                sample_rows(*shape, self.seqs, self.rows, self._seed_tensor, part.device)
             self._sample_shape = shape
         return self._sample
 
@@ -577,6 +713,10 @@ class AttachedGuard:
             event = self.qkguard.observe_deferred(step, max_logit, self.sigma_head, self)
         if self._clipping():
             self._clip(max_logit)
+        if step % self.interval == 0 and self._sharded():   # record()'s sigmas, after the clip: a gather needs
+            if self.qkguard.signal != "sigma-product":        # every rank, and record() may be called on one
+                self.sigma_head = self._measure_sigma()
+            self._sigma_whole = self.sigma.measure(1, which="all")
         if event is not None:
             self.events.append(event)
             if self.writer is not None:
@@ -608,16 +748,18 @@ class AttachedGuard:
 
     @torch.no_grad()
     def _clip(self, max_logit):
-        """QK-Clip, with no host sync: each covered head h gets its logits times f_h = tau / S_h where its
-        max logit S_h passed tau (1 elsewhere). W_q's rows take f_h / a and W_k's take a, with a the
-        square root of the least f_h among the query heads that read that key head: sqrt(f_h) each
-        without GQA (Kimi K2's split); under GQA the other heads of the group keep their logits."""
+        """QK-Clip, with no host sync: each covered head h (every head, if always) gets its logits times
+        f_h = tau / S_h where its max logit S_h passed tau (1 elsewhere). W_q's rows take f_h / a and
+        W_k's take a, with a the least f_h among the query heads that read that key head, to the power
+        1 - alpha: without GQA, f_h^alpha and f_h^(1 - alpha) (Kimi K2's split, sqrt each, at alpha 0.5;
+        Megatron-LM's and torchtitan's alpha); under GQA the other heads of the group keep their logits."""
         tau = self.qkguard.tau
-        for i in self.qkguard.layers:
+        for i in range(len(self.layers)) if self.always else self.qkguard.layers:
             layer = self.layers[i]
             s = max_logit[i]
             f = torch.where(s > tau, tau / s.clamp_min(1e-30), torch.ones_like(s))
-            a = f.unflatten(0, (layer.n_kv_head, -1)).amin(dim=1).sqrt()              # per key head
+            least = f.unflatten(0, (layer.n_kv_head, -1)).amin(dim=1)                # per key head
+            a = least.sqrt() if self.alpha == 0.5 else least.pow(1 - self.alpha)       # (sqrt: the split as it was)
             for role, factor in (("q", f / a.repeat_interleave(layer.n_head // layer.n_kv_head)), ("k", a)):
                 layer.scale_rows(role, factor.repeat_interleave(layer.head_dim))
 
@@ -628,15 +770,18 @@ class AttachedGuard:
         at log steps): max_logit (layer x head), sigma_q_head and sigma_k_head (per head; k's per key
         head), sigma_q and sigma_k (whole matrices), and guard. The sigmas the guard does not watch are
         refreshed here, by `iters` power steps from where the last call left them."""
-        if self.qkguard.signal != "sigma-product":
-            self.sigma_head = self._measure_sigma(iters)
-        whole_q, whole_k = self.sigma.measure(iters, which="all")
+        if self._sharded():         # gathering W_q here would wait for the ranks that do not log: step()'s values
+            whole_q, whole_k = self._sigma_whole
+        else:
+            if self.qkguard.signal != "sigma-product":
+                self.sigma_head = self._measure_sigma(iters)
+            whole_q, whole_k = self._sigma_whole = self.sigma.measure(iters, which="all")
         groups = self.layers[0].n_head // self.layers[0].n_kv_head
         return {"max_logit": None if self.max_logit is None else self.max_logit.tolist(),
                 "sigma_q": whole_q[:, 0].tolist(), "sigma_k": whole_k[:, 0].tolist(),
                 "sigma_q_head": self.sigma_head[:, 0].tolist(),
                 "sigma_k_head": self.sigma_head[:, 1, ::groups].tolist(),
-                "guard": "on" if self.triggered else ("dormant" if self.qkguard.enabled else "off")}
+                "guard": "on" if self.triggered or self.always else ("dormant" if self.qkguard.enabled else "off")}
 
     def _write_tensorboard(self, step):
         """Each signal at `step` only if it was measured at `step`: an older value plotted there would be stale."""
@@ -644,21 +789,22 @@ class AttachedGuard:
             for i, value in enumerate(self.max_logit.amax(dim=1).tolist()):
                 self.writer.add_scalar(f"qkguard/max_logit/layer{i}", value, step)
         watched = self.qkguard.signal == "sigma-product"
-        if not watched:       # refreshed for the log alone, as record() does
+        if not watched and not self._sharded():       # refreshed for the log alone, as record() does
             self.sigma_head = self._measure_sigma(iters=2)
         if not watched or step % self.interval == 0:   # the guard's own: measured at monitored steps
             for i, value in enumerate((self.sigma_head[:, 0] * self.sigma_head[:, 1]).amax(dim=1).tolist()):
                 self.writer.add_scalar(f"qkguard/sigma_product/layer{i}", value, step)
-        self.writer.add_scalar("qkguard/on", float(self.triggered), step)
+        self.writer.add_scalar("qkguard/on", float(self.triggered or self.always), step)
 
     def _settings(self):
         g = self.qkguard
-        return {"signal": g.signal, "action": g.action, "threshold": float(g.threshold), "scope": g.scope}
+        return {"signal": g.signal, "action": g.action, "threshold": float(g.threshold), "scope": g.scope,
+                "always": self.always, "alpha": self.alpha}
 
     def _shape(self):
         """What a state is a state of: per layer, the heads, key heads, head_dim and W_q's input width."""
         layer = self.layers[0]
-        return [len(self.layers), layer.n_head, layer.n_kv_head, layer.head_dim, layer.weight("q").shape[1]]
+        return [len(self.layers), layer.n_head, layer.n_kv_head, layer.head_dim, layer.in_features()]
 
     def state_dict(self):
         """The latch (QKGuard's trigger, covered layers, queued check), the settings it was latched under,
@@ -666,7 +812,8 @@ class AttachedGuard:
         seed: plain tensors, lists and numbers (torch.load weights_only)."""
         return {"n_layer": len(self.layers), "shape": self._shape(), "steps": self.steps, "guard": self.qkguard.state_dict(),
                 "settings": self._settings(), "sigma_v": {key: v.cpu() for key, v in self.sigma.v.items()},
-                "generator": self.generator.get_state(), "sample_seed": self._seed}
+                "generator": self.generator.get_state(), "sample_seed": self._seed,
+                "events": [dict(event) for event in self.events]}
 
     def load_state_dict(self, state):
         """A saved guard back; a latched action is on again in the model at once. All or nothing: every
@@ -695,6 +842,7 @@ class AttachedGuard:
                              f"on, so attach with enabled=True to resume it")
         self.qkguard.load_state_dict(state["guard"])
         self.steps = state["steps"]
+        self.events = [dict(event) for event in state.get("events", [])]    # (a state saved before they were: none)
         self.sigma.v = {key: v.to(self.sigma.v[key].device) for key, v in state["sigma_v"].items()}
         self.generator.set_state(state["generator"])
         self.sigma_head, self._running = self._measure_sigma(iters=0), [None] * len(self.layers)
@@ -702,7 +850,7 @@ class AttachedGuard:
         self._plan()
         # the seed drawn for the next step before the save (a state saved before it was kept: a new draw)
         if "sample_seed" in state:
-            self._seed = state["sample_seed"]
+            self._set_seed(state["sample_seed"])
         else:
             self._draw()
 
@@ -728,7 +876,7 @@ def _tensorboard_writer(logdir):
 
 def attach(model, adapter="auto", *, threshold=None, signal="max-logit", action="qknorm", scope="all",
            enabled=True, tau=None, interval=1, seqs=1, rows=None, seed=0, tensorboard=None, log_every=10,
-           timing=False):
+           timing=False, always=False, alpha=0.5):
     """Attach QK-Guard to `model`; returns an AttachedGuard (call its step() after each update).
 
     adapter    "auto", a name in ADAPTERS, or a function model -> [Layer]
@@ -738,6 +886,9 @@ def attach(model, adapter="auto", *, threshold=None, signal="max-logit", action=
     action     "qknorm" or "qkclip" (tau: QK-Clip's cap; None: guard.QKClip's); scope "all" or "crossed", as
                in guard.py
     enabled    False: watch and log, never act (the unguarded run of a comparison)
+    always     True (with action="qkclip"): QK-Clip at every update from the first, no trigger, as Megatron-LM's
+               --qk-clip (--qk-clip-threshold: tau, default 100) and torchtitan's; alpha (0 < alpha < 1, 0.5):
+               the share of each head's factor taken by W_q, 1 - alpha by W_k (--qk-clip-alpha)
     interval   monitor one update in N (updates 0, N, 2N, ...: a spike on the updates between is not seen),
                reading `seqs` sequences of the batch and `rows` positions of each (drawn anew each step;
                None: all): the defaults read every row of one sequence. Under qkclip, steps that may clip
@@ -760,13 +911,28 @@ def attach(model, adapter="auto", *, threshold=None, signal="max-logit", action=
     # a threshold that is not a finite number never fires (NaN, inf) or fails at the first step (a string);
     # a cap tau <= 0 would scale W_q by 0 or a negative (or NaN) factor
     real = lambda x: isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
-    if threshold is not None and not real(threshold):
-        raise ValueError(f"attach: threshold must be a finite number in the signal's units, not {threshold!r}: "
-                         f"give e.g. {DEFAULT_THRESHOLD[signal]} (None: that default)")
+    # and one <= 0 fires at once (a sigma product, a max logit over a batch are > 0): not a guard, a switch
+    if threshold is not None and not (real(threshold) and threshold > 0):
+        raise ValueError(f"attach: threshold must be a finite number > 0 in the signal's units, not {threshold!r}: "
+                         f"give e.g. {DEFAULT_THRESHOLD[signal]} (None: that default); to act from the first step, "
+                         f"attach(model, action='qkclip', always=True)")
+    if always and action != "qkclip":
+        raise ValueError(f"attach: always=True is QK-Clip at every update (Megatron-LM's --qk-clip), not {action!r}: "
+                         f"pass action='qkclip' (QK-norm from the first step is a model with QK-norm: build it so)")
+    if not (real(alpha) and 0 < alpha < 1):
+        raise ValueError(f"attach: alpha, W_q's share of QK-Clip's factor, must be a number in (0, 1), not {alpha!r}: "
+                         f"give 0.5 (the default: sqrt of the factor on each of W_q and W_k)")
     if tau is not None and not (real(tau) and tau > 0):
         raise ValueError(f"attach: QK-Clip's tau must be a finite number > 0 (the max logit it caps a head at), not "
                          f"{tau!r}: give e.g. 100.0 (None: guard.py's default)")
     layers = find_layers(model, adapter)
-    qkguard = QKGuard(threshold=threshold, enabled=enabled, signal=signal, action=action, scope=scope, tau=tau)
+    if action == "qkclip" and any(hasattr(m, "get_delta_weight") for l in layers for m in (l.q, l.k)):
+        raise ValueError("attach: QK-Clip scales W_q and W_k, and under LoRA they are a frozen base weight (which "
+                         "peft does not save with the adapter) plus B @ A: merge the adapter first "
+                         "(model = model.merge_and_unload()), or use action='qknorm', which acts on q and k as "
+                         "the LoRA model forms them")
+    # always-on, the trigger has nothing to do: QKGuard only watches, and AttachedGuard clips every update
+    qkguard = QKGuard(threshold=threshold, enabled=enabled and not always, signal=signal, action=action, scope=scope,
+                      tau=tau)
     return AttachedGuard(model, layers, qkguard, interval=interval, seqs=seqs, rows=rows, seed=seed,
-                         tensorboard=tensorboard, log_every=log_every, timing=timing)
+                         tensorboard=tensorboard, log_every=log_every, timing=timing, always=always, alpha=alpha)

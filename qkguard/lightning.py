@@ -50,6 +50,7 @@ def _lightning():
 PACKAGES = _lightning()   # `lightning` depends on `pytorch_lightning`, so most installs have both
 
 STATE_KEY = "qkguard"     # in Lightning's checkpoint dict, beside "state_dict", "optimizer_states", ...
+EVENTS_KEY = "qkguard_events"     # callback.events, kept across a resume
 SIGNALS = ("qkguard/max_logit", "qkguard/sigma_product", "qkguard/on")
 
 
@@ -99,11 +100,13 @@ class QKGuardLightningCallback(GuardLoop, *(package.Callback for package in PACK
                 logger.log_metrics(direct, step=row)
 
     def on_save_checkpoint(self, trainer, pl_module, checkpoint):
-        checkpoint[STATE_KEY] = self.guard.state_dict()
+        checkpoint[STATE_KEY] = self.guard.state_dict()                  # the guard's own events inside
+        checkpoint[EVENTS_KEY] = [dict(event) for event in self.events]   # the callback's, in Lightning's numbering
 
     def on_load_checkpoint(self, trainer, pl_module, checkpoint):
         if STATE_KEY in checkpoint:
             self.guard.load_state_dict(checkpoint[STATE_KEY])
+            self.events = [dict(event) for event in checkpoint.get(EVENTS_KEY, [])]
         elif not self.missing_ok:
             raise ValueError(f"QKGuardLightningCallback: the checkpoint {trainer.ckpt_path} has no {STATE_KEY!r} entry "
                              f"(saved without this callback), so a guard that had fired would run unguarded: pass "

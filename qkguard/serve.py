@@ -24,7 +24,10 @@ import torch
 from qkguard.hooks import attach
 
 GUARD_FILE = "qkguard.pt"        # save_guard's file in a save_pretrained folder
-QK_NORM_EPS = 1e-6               # hooks._rms_norm's eps: Qwen3's q_norm and k_norm must use the same
+QK_NORM_EPS = 1e-6               # hooks._rms_norm's eps: Qwen3's q_norm and k_norm are bit for bit the guard's at it
+# Llama's rms_norm_eps values (Llama 3's and 2's 1e-5, others' 1e-6). Qwen3 takes one eps for every norm, so
+# at 1e-5 its q_norm, k_norm add 1e-5 where the guard adds 1e-6: close, not bit for bit (README: Serving)
+LLAMA_EPS = (1e-6, 1e-5)
 
 
 def _fired_qknorm(guard):
@@ -44,8 +47,9 @@ def _fired_qknorm(guard):
 def to_qwen3(model, guard, strict=True):
     """A Qwen3ForCausalLM computing what `model`, a LlamaForCausalLM with `guard` fired (qknorm, every
     layer), computes: the same weights, q_norm and k_norm of weight 1. Then qwen3.save_pretrained(folder).
-    strict: refuse a Llama whose rms_norm_eps is not 1e-6 (Qwen3 uses that eps in q_norm and k_norm too,
-    so theirs would differ from the guard's; strict=False exports it all the same, close but not bit for bit)."""
+    Bit for bit where the Llama's rms_norm_eps is 1e-6; at Llama 3's 1e-5, Qwen3 uses that eps in q_norm
+    and k_norm too, which changes each head's norm by a factor 1 + (1e-5 - 1e-6) / (2 mean(q^2)) at most:
+    close, not bit for bit. strict: refuse another eps (strict=False exports it all the same)."""
     import transformers
     config = model.config
     if getattr(config, "model_type", None) != "llama":
@@ -55,10 +59,11 @@ def to_qwen3(model, guard, strict=True):
     if getattr(config, "mlp_bias", False):
         raise ValueError("serve: this Llama has mlp_bias=True, which Qwen3's MLP lacks: use save_guard() and "
                          "load_guard() instead")
-    if strict and config.rms_norm_eps != QK_NORM_EPS:
-        raise ValueError(f"serve: this Llama's rms_norm_eps is {config.rms_norm_eps}, and Qwen3 would use it in q_norm "
-                         f"and k_norm, where the guard uses {QK_NORM_EPS}: pass strict=False to export it all the same "
-                         f"(logits close, not bit for bit), or use save_guard() and load_guard()")
+    if strict and config.rms_norm_eps not in LLAMA_EPS:
+        raise ValueError(f"serve: this Llama's rms_norm_eps is {config.rms_norm_eps}, not one of Llama's "
+                         f"{LLAMA_EPS}, and Qwen3 would use it in q_norm and k_norm, where the guard uses {QK_NORM_EPS}: "
+                         f"pass strict=False to export it all the same (logits close, not bit for bit), or use "
+                         f"save_guard() and load_guard()")
     same = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
             "num_key_value_heads", "head_dim", "hidden_act", "max_position_embeddings", "initializer_range",
             "rms_norm_eps", "use_cache", "tie_word_embeddings", "rope_parameters", "attention_bias",
@@ -82,23 +87,54 @@ def _attach_settings(guard):
     g = guard.qkguard
     return {"signal": g.signal, "action": g.action, "threshold": float(g.threshold), "scope": g.scope,
             "enabled": g.enabled, "tau": float(g.tau) if g.action == "qkclip" else None,
-            "interval": guard.interval, "seqs": guard.seqs, "rows": guard.rows}
+            "interval": guard.interval, "seqs": guard.seqs, "rows": guard.rows, "always": guard.always,
+            "alpha": guard.alpha}
 
 
-def save_guard(guard, folder):
-    """The guard's settings and state into `folder` (save_pretrained's), as qkguard.pt."""
+def guard_file(guard, **extra):
+    """What qkguard.pt holds, wherever it is written (save_guard's folder, the Trainer callback's
+    checkpoint-<step>): the settings attach() takes and the guard's state (and the callback's `extra`
+    keys). One format, so load_guard reads either folder."""
+    return {"attach": _attach_settings(guard), "state": guard.state_dict(), **extra}
+
+
+def read_guard_file(path, bare_ok=False):
+    """qkguard.pt as guard_file() wrote it, or a one-line refusal naming the file: a half-written or
+    foreign file, or a bare guard.state_dict() (no attach settings; bare_ok: read as {"state": it}, as the
+    Trainer callback's checkpoints were saved before they took guard_file's format)."""
+    try:
+        saved = torch.load(path, weights_only=True)
+    except (OSError, RuntimeError, EOFError, ValueError) as error:       # a truncated zip, a foreign pickle
+        raise ValueError(f"serve: {path} cannot be read as a guard file ({type(error).__name__}: "
+                         f"{str(error).splitlines()[0][:120]}): it may be half-written; use the one from an earlier "
+                         f"checkpoint, or save it again with save_guard(guard, folder)") from None
+    if bare_ok and isinstance(saved, dict) and "n_layer" in saved:
+        return {"attach": None, "state": saved}
+    if not (isinstance(saved, dict) and {"attach", "state"} <= saved.keys()):
+        raise ValueError(f"serve: {path} is not a guard file (no 'attach' settings and 'state'): if it is a bare "
+                         f"guard.state_dict(), attach(model, ...) with the run's settings and call "
+                         f"guard.load_state_dict(torch.load(path)); else save it with save_guard(guard, folder)")
+    return saved
+
+
+def save_guard(guard, folder, **extra):
+    """The guard's settings and state into `folder` (save_pretrained's), as qkguard.pt: written whole
+    (a temporary file, then renamed), so an interrupted save leaves the previous file or none."""
     os.makedirs(folder, exist_ok=True)
-    torch.save({"attach": _attach_settings(guard), "state": guard.state_dict()}, os.path.join(folder, GUARD_FILE))
+    path = os.path.join(folder, GUARD_FILE)
+    torch.save(guard_file(guard, **extra), path + ".tmp")
+    os.replace(path + ".tmp", path)
 
 
 def load_guard(model, folder, adapter="auto"):
     """After model = from_pretrained(folder): attach a guard with the saved settings and load its state,
-    so the action the saved model was trained with is on from the next forward. Returns the guard."""
+    so the action the saved model was trained with is on from the next forward. Returns the guard.
+    `folder` may also be a Trainer checkpoint-<step> folder that QKGuardCallback saved the guard in."""
     path = os.path.join(folder, GUARD_FILE)
     if not os.path.exists(path):
         raise FileNotFoundError(f"serve: {folder} has no {GUARD_FILE}: save it with save_guard(guard, folder) beside "
                                 f"save_pretrained (a model the guard never fired on needs none)")
-    saved = torch.load(path, weights_only=True)
+    saved = read_guard_file(path)
     guard = attach(model, adapter, **saved["attach"])
     try:
         guard.load_state_dict(saved["state"])

@@ -76,8 +76,11 @@ def test_a_resumed_trainer_run_is_the_uninterrupted_one_bit_for_bit(tmp_path):
     train(tmp_path / "parts", stop=SAVE_AT)
     saved = tmp_path / "parts" / f"checkpoint-{SAVE_AT}"
     assert (saved / STATE_FILE).exists()
-    later, resumed, _, _, _ = train(tmp_path / "parts", resume=str(saved))
+    later, resumed, resumed_callback, _, _ = train(tmp_path / "parts", resume=str(saved))
     assert resumed.triggered and resumed.steps == guard.steps == STEPS
+    # the events, fired before the checkpoint, come back: the guard's from its state, the callback's (in
+    # Trainer's numbering) from trainer_state.json
+    assert resumed.events == guard.events != [] and resumed_callback.events == callback.events
     assert later == whole and set(whole) == set(range(1, STEPS + 1))   # the resumed history holds steps 1-3 too
     a, b = guard.state_dict(), resumed.state_dict()
     assert a["guard"]["trigger"] == b["guard"]["trigger"] and torch.equal(a["generator"], b["generator"])
@@ -104,9 +107,32 @@ def test_events_and_signals_reach_the_trackers_at_trainers_global_step(tmp_path)
 def test_a_resume_from_a_checkpoint_without_the_guards_state_is_refused_in_one_line(tmp_path):
     train(tmp_path, stop=SAVE_AT)
     saved = tmp_path / f"checkpoint-{SAVE_AT}"
+    file = torch.load(saved / STATE_FILE, weights_only=True)
+    torch.save({**file, "token": "another save's"}, saved / STATE_FILE)       # one from another checkpoint
+    with pytest.raises(ValueError, match=rf"was saved with another checkpoint than the one this run resumes"):
+        train(tmp_path, resume=str(saved))
     os.remove(saved / STATE_FILE)
     with pytest.raises(FileNotFoundError, match=rf"has no {STATE_FILE} .*QKGuardCallback\(guard, missing_ok=True\)"):
         train(tmp_path, resume=str(saved))
+
+
+def test_load_guard_reads_a_trainer_checkpoint_and_refuses_a_half_written_file_in_one_line(tmp_path):
+    """The callback's qkguard.pt is save_guard's format: load_guard takes a checkpoint-<step> folder, and
+    gives the saved guard, fired. A file cut short (a save killed midway) is one line naming it."""
+    _, guard, _, _, _ = train(tmp_path, stop=SAVE_AT)
+    saved = tmp_path / f"checkpoint-{SAVE_AT}"
+    model = transformers.AutoModelForCausalLM.from_pretrained(saved)
+    served = serve.load_guard(model, saved)
+    assert served.triggered and served.steps == guard.steps == SAVE_AT
+    assert served._settings() == guard._settings()
+    served.detach()
+    data = (saved / STATE_FILE).read_bytes()
+    (saved / STATE_FILE).write_bytes(data[: len(data) // 2])
+    with pytest.raises(ValueError, match=rf"^serve: {saved / STATE_FILE} cannot be read as a guard file .*half-written"):
+        serve.load_guard(model, saved)
+    torch.save(guard.state_dict(), saved / STATE_FILE)      # a bare state: no settings to attach with
+    with pytest.raises(ValueError, match=r"is not a guard file .*attach\(model, ...\) with the run's settings"):
+        serve.load_guard(model, saved)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -166,3 +192,57 @@ def test_serving_refuses_what_it_cannot_serve_in_one_line(tmp_path):
         serve.to_qwen3(llama, dormant)
     with pytest.raises(FileNotFoundError, match=r"has no qkguard.pt: save it with save_guard\(guard, folder\)"):
         serve.load_guard(model, tmp_path)
+
+
+def fired_llama(**config):
+    """A tiny Llama (test_attach's, with `config` changed) that the guard fired on, with its guard; by
+    default qknorm in every layer."""
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        **{**dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, vocab_size=VOCAB, rms_norm_eps=1e-6), **config}))
+    return model
+
+
+def test_to_qwen3_refuses_each_llama_it_cannot_serve_in_one_line():
+    """Each refusal, since an export past it serves another function: QK-norm in some layers only (a
+    planted bug that dropped this refusal exported a model 0.19 off in its logits), the action in the
+    weights already (QK-Clip), an MLP with biases (Qwen3's has none), an eps that is not Llama's."""
+    x = batch()[0]
+    cases = [({}, dict(scope="crossed"), r"QK-norm is on in layers \[0\] of 2 \(scope='crossed'\).*save_guard"),
+             ({}, dict(action="qkclip", tau=1.0), r"action is qkclip, which is in the weights already"),
+             (dict(mlp_bias=True), {}, r"mlp_bias=True, which Qwen3's MLP lacks: use save_guard"),
+             (dict(rms_norm_eps=1e-4), {}, r"rms_norm_eps is 0.0001, not one of Llama's \(1e-06, 1e-05\).*strict=False")]
+    for config, settings, refusal in cases:
+        torch.manual_seed(0)
+        model = fired_llama(**config)
+        inflate_qk(model)
+        if settings.get("scope") == "crossed":          # only layer 0 crosses
+            with torch.no_grad():
+                model.model.layers[1].self_attn.q_proj.weight.mul_(1 / 900)
+        guard = qkguard.attach(model, threshold=20.0, **settings)
+        for _ in range(2):
+            model(input_ids=x, labels=x).loss.backward()
+            guard.step()
+        assert guard.triggered
+        with pytest.raises(ValueError, match=rf"^serve: .*{refusal}"):
+            serve.to_qwen3(model, guard)
+        guard.detach()
+
+
+def test_to_qwen3_takes_llama_3s_eps_close_not_bit_for_bit():
+    """rms_norm_eps 1e-5 (Llama 3's): exported, its logits within 5e-4 of the guarded Llama's (QK_NORM_EPS
+    1e-6 in the guard, 1e-5 in Qwen3's q_norm, k_norm), and not equal: the tolerance is real. At the
+    initial weights (std 0.02), where q and k are smallest and the eps weighs most: 1.1e-4 measured."""
+    torch.manual_seed(0)
+    model = fired_llama(rms_norm_eps=1e-5)
+    guard = qkguard.attach(model, threshold=1e-30)       # fired at the first check
+    x = batch()[0]
+    for _ in range(2):
+        model(input_ids=x, labels=x).loss.backward()
+        guard.step()
+    assert guard.triggered
+    qwen3 = serve.to_qwen3(model.eval(), guard)
+    guarded, exported = logits(model, x), logits(qwen3, x)
+    difference = (guarded - exported).abs().max().item()
+    print(f"eps 1e-5: max |logit difference| {difference:.2e}")
+    assert 0 < difference < 5e-4

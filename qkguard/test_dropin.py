@@ -22,7 +22,7 @@ ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 # Imports and installation
 
 # A fresh interpreter where triton and the reference's training modules cannot be imported, as on a
-# machine where triton does not install (macOS, Windows) with only qkguard and guard.py.
+# machine where triton does not install (macOS, Windows) with only qkguard.
 BLOCKED = ("triton", "attention_kernel", "model", "train", "run", "sample", "prepare_data")
 BLOCK = f"""
 import sys
@@ -52,24 +52,33 @@ print("ok")
     assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr[-2000:]
 
 
-def test_pip_install_of_the_clone_gives_an_importable_qkguard(tmp_path):
+def test_pip_install_of_the_clone_installs_only_qkguard_beside_a_users_own_guard_py(tmp_path):
     """pyproject.toml's distribution `qkguard`, built from a copy of its files (a build writes into its
-    source folder) and installed into a folder of its own, offline: importable from elsewhere (about 2 s)."""
+    source folder) and installed into a folder of its own, offline: it installs the package qkguard and
+    no other top-level name, so a script beside the user's own guard.py imports both (about 2 s)."""
     pytest.importorskip("setuptools")
     src = tmp_path / "src"
     shutil.copytree(os.path.join(ROOT, "qkguard"), src / "qkguard", ignore=shutil.ignore_patterns("__pycache__"))
-    for name in ("pyproject.toml", "guard.py"):
-        shutil.copy(os.path.join(ROOT, name), src)
+    shutil.copy(os.path.join(ROOT, "pyproject.toml"), src)
     install = [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation", "--no-index",
                "--target", str(tmp_path / "site"), str(src)]
     result = subprocess.run(install, env=ENV, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-2000:]
-    code = BLOCK + "import qkguard, guard; print(qkguard.__file__, guard.__file__)"
+    installed = sorted(p.name for p in (tmp_path / "site").iterdir() if not p.name.endswith((".dist-info", "__pycache__")))
+    assert installed == ["qkguard"], installed
+    user = tmp_path / "user"                     # the user's project: a guard.py of their own beside their script
+    user.mkdir()
+    (user / "guard.py").write_text("MINE = True\n")
+    code = BLOCK + """
+import guard, qkguard, qkguard.guard
+assert guard.MINE and not hasattr(guard, "QKGuard")        # the user's own module, untouched
+print(qkguard.__file__, qkguard.guard.QKGuard.__module__)
+"""
     env = {**ENV, "PYTHONPATH": str(tmp_path / "site")}
-    result = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True,
+    result = subprocess.run([sys.executable, "-c", code], cwd=user, env=env, capture_output=True, text=True,
                             timeout=120)
     assert result.returncode == 0, result.stderr[-2000:]
-    assert result.stdout.split() == [str(tmp_path / "site" / "qkguard" / "__init__.py"), str(tmp_path / "site" / "guard.py")]
+    assert result.stdout.split() == [str(tmp_path / "site" / "qkguard" / "__init__.py"), "qkguard.guard"]
 
 
 def test_the_qk_norm_is_the_kernels_bit_for_bit():
@@ -85,9 +94,14 @@ def test_the_qk_norm_is_the_kernels_bit_for_bit():
 # Bad input: refused at attach or load in one line, or made to work
 
 @pytest.mark.parametrize("kwargs, message", [
-    ({"threshold": math.nan}, "threshold must be a finite number in the signal's units, not nan"),
-    ({"threshold": math.inf}, "threshold must be a finite number in the signal's units, not inf"),
-    ({"threshold": "200"}, "threshold must be a finite number in the signal's units, not '200'"),
+    ({"threshold": math.nan}, "threshold must be a finite number > 0 in the signal's units, not nan"),
+    ({"threshold": math.inf}, "threshold must be a finite number > 0 in the signal's units, not inf"),
+    ({"threshold": "200"}, "threshold must be a finite number > 0 in the signal's units, not '200'"),
+    ({"threshold": 0.0}, r"threshold must be a finite number > 0 .*not 0.0: .*always=True"),   # fires at once
+    ({"threshold": -1}, r"threshold must be a finite number > 0 .*not -1: "),
+    ({"always": True}, r"always=True is QK-Clip at every update .*not 'qknorm': pass action='qkclip'"),
+    ({"action": "qkclip", "always": True, "alpha": 1.0}, r"alpha, W_q's share .* in \(0, 1\), not 1.0"),
+    ({"action": "qkclip", "alpha": 0}, r"alpha, W_q's share .* in \(0, 1\), not 0"),
     ({"action": "qkclip", "tau": 0.0}, r"tau must be a finite number > 0 .*not 0.0"),
     ({"action": "qkclip", "tau": -5.0}, r"tau must be a finite number > 0 .*not -5.0"),
     ({"log_every": 0}, r"log_every \(0\) must be integers >= 1"),
@@ -191,6 +205,37 @@ def test_qkclip_scales_w_q_and_w_k_each_by_the_square_root_of_the_heads_factor(n
                                        msg=f"{name} W_{role}")
 
 
+TAU_ON = 9.0        # between the heads' max logits of the models below (W_q, W_k times 10: 7 to 11)
+
+
+@pytest.mark.parametrize("name, alpha", [("nanogpt", 0.5), ("nanogpt", 0.25), ("hf-gpt2", 0.75)])
+def test_always_on_qkclip_clips_every_update_from_the_first_with_megatrons_alpha_split(name, alpha):
+    """always=True, Megatron-LM's --qk-clip: no trigger, no event; after the first update (no optimizer
+    step, so only the clip moves the weights) each head over tau has W_q's rows times f^alpha and W_k's
+    times f^(1 - alpha), f = tau / S (its max over the batch); a head under tau is untouched."""
+    model, loss_of = build(name)
+    inflate_qk(model, 10.0)
+    default = qkguard.attach(model, action="qkclip", always=True)
+    assert default.qkguard.tau == 100.0 and default.alpha == 0.5 and default.record()["guard"] == "on"   # Megatron's
+    default.detach()
+    guard = qkguard.attach(model, action="qkclip", always=True, alpha=alpha, tau=TAU_ON)
+    before = [qk_rows(layer) for layer in guard.layers]
+    loss_of(model, *batch()).backward()
+    assert guard.step() is None and guard.events == [] and not guard.triggered
+    S = guard.max_logit                                                           # every row: (layer, head)
+    assert (S > TAU_ON).any() and (S < TAU_ON).any(), "the check needs heads on each side of tau"
+    f = torch.where(S > TAU_ON, TAU_ON / S, torch.ones_like(S))
+    for i, layer in enumerate(guard.layers):
+        for role, share in (("q", alpha), ("k", 1 - alpha)):
+            for after, prior in zip(qk_rows(layer)[role], before[i][role]):
+                factor = f[i] ** share
+                torch.testing.assert_close(after, prior * factor.view(-1, *[1] * (after.dim() - 1)))
+    loss_of(model, *batch()).backward()
+    guard.step()
+    # layer 0, whose input the clip leaves as it was (layer 1's moved with layer 0's output): at most tau
+    torch.testing.assert_close(guard.max_logit[0].clamp_max(TAU_ON), guard.max_logit[0], rtol=1e-5, atol=1e-5)
+
+
 # --------------------------------------------------------------------------------------------------
 # torch.compile
 
@@ -211,3 +256,34 @@ def test_the_guard_adds_no_graph_break_under_torch_compile():
         dynamo.reset()
         counts[case] = dynamo.explain(lambda x: loss_of(model, x, y))(x).graph_count
     assert counts == {"bare": 1, "dormant": 1, "fired": 1}
+
+
+def test_a_compiled_model_compiles_at_most_three_graphs_over_dormant_steps_and_a_fire():
+    """torch.compile of the model, trained 12 dormant steps, then its W_q and W_k inflated so the guard
+    fires, then 4 steps fired: the guard's per-step sample seed is a tensor the graph reads, not a
+    constant it is specialised on, so a dormant step compiles nothing new (before, each step recompiled
+    until dynamo's limit of 8, and the model then ran eager without a word). The fire switches QK-norm
+    on in the hooks: one more graph."""
+    import torch._dynamo as dynamo
+    graphs = []
+
+    def backend(gm, example_inputs):              # counts each graph dynamo compiles, runs it as it is
+        graphs.append(gm)
+        return gm.forward
+    dynamo.reset()
+    model, _ = build("nanogpt")
+    guard = qkguard.attach(model, "nanogpt", threshold=100.0)
+    compiled = torch.compile(model, backend=backend)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    for step in range(16):
+        if step == 12:
+            inflate_qk(model)                     # the logits pass 100: the check at step 12 acts at step 13
+        compiled(*batch(seed=step))[1].backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        guard.step()
+        if step == 11:
+            dormant = len(graphs)
+    assert dormant == 1 and guard.triggered and guard.events[0]["active_from"] == 14
+    assert len(graphs) <= 3, f"{len(graphs)} graphs compiled"
+    dynamo.reset()

@@ -70,6 +70,15 @@ FAMILIES = {
     "starcoder2": (lambda: _config("Starcoder2", **LLAMA_LIKE, sliding_window=WINDOW), "hf-llama"),
     "cohere": (lambda: _config("Cohere", **LLAMA_LIKE), "hf-llama"),
     "olmo-clip": (lambda: _config("Olmo", **LLAMA_LIKE, clip_qkv=2.0), "hf-llama"),    # the clamp bites: |q| to 4.5
+    # layers without rotary: SmolLM3's no_rope_layers (1: rotary), Cohere2's full-attention layers
+    "smollm3": (lambda: _config("SmolLM3", **LLAMA_LIKE, no_rope_layers=[1, 0]), "hf-llama"),
+    "cohere2": (lambda: _config("Cohere2", **LLAMA_LIKE, sliding_window=WINDOW,
+                                layer_types=["sliding_attention", "full_attention"]), "hf-llama"),
+    # attention sinks (a learned logit per head, joined to each row before the softmax: not q.k, so not
+    # read, as ALiBi's bias is not), whole-head rotary from a half-width table, a windowed layer
+    "gpt-oss": (lambda: _config("GptOss", **LLAMA_LIKE, head_dim=16, num_local_experts=2, num_experts_per_tok=1,
+                                sliding_window=WINDOW, layer_types=["sliding_attention", "full_attention"]),
+                "hf-llama"),
 }
 
 
@@ -96,6 +105,31 @@ def spied_softmax(monkeypatch):
     monkeypatch.setattr(torch.nn.functional, "softmax", spy)
     yield calls
     monkeypatch.setattr(torch.nn.functional, "softmax", real)
+
+
+@contextmanager
+def spied_logits(model, monkeypatch):
+    """What the model feeds its softmax (spied_softmax); for a model with attention sinks (gpt-oss), its
+    logits before the sinks join them as one more column (the softmax then sees them shifted by their
+    max): scale * q.k plus the mask, of the rotated q and k its eager attention is handed."""
+    sinks = next((m for m in model.modules() if isinstance(getattr(m, "sinks", None), torch.nn.Parameter)), None)
+    if sinks is None:
+        with spied_softmax(monkeypatch) as calls:
+            yield calls
+        return
+    modeling, calls = _module(sinks), []
+    real = modeling.eager_attention_forward
+
+    def spy(m, query, key, value, attention_mask, scaling, *args, **kwargs):
+        k = modeling.repeat_kv(key, m.num_key_value_groups).double()
+        logits = torch.matmul(query.double(), k.transpose(2, 3)) * scaling
+        if attention_mask is not None:
+            logits = logits + attention_mask[..., : k.shape[-2]].double()
+        calls.append(logits.detach())
+        return real(m, query, key, value, attention_mask, scaling, *args, **kwargs)
+    monkeypatch.setattr(modeling, "eager_attention_forward", spy)
+    yield calls
+    monkeypatch.setattr(modeling, "eager_attention_forward", real)
 
 
 def alibi(model):
@@ -167,7 +201,7 @@ def test_the_max_logit_is_the_models_own_at_every_step(name, seqs, monkeypatch):
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     for step in range(STEPS):
         x = tokens(step)
-        with spied_softmax(monkeypatch) as calls:
+        with spied_logits(model, monkeypatch) as calls:
             model(input_ids=x, labels=x).loss.backward()
         sampled = guard._sample[0]
         optimizer.step()
@@ -201,7 +235,7 @@ def test_the_window_and_the_clamp_are_part_of_the_reading(name, drop, monkeypatc
     for layer in guard.layers:
         drop(layer)
     x = tokens(0)
-    with spied_softmax(monkeypatch) as calls:
+    with spied_logits(model, monkeypatch) as calls:
         model(input_ids=x, labels=x).loss.backward()
     sampled = guard._sample[0]
     guard.step()
@@ -211,19 +245,21 @@ def test_the_window_and_the_clamp_are_part_of_the_reading(name, drop, monkeypatc
 @pytest.mark.parametrize("name", FAMILIES)
 def test_qknorm_bounds_every_logit_once_the_guard_fires(name, monkeypatch):
     """The action where each family forms q and k (fused, interleaved columns included): after the
-    trigger every logit the model computes is within scale * head_dim (ALiBi's bias aside)."""
+    trigger every logit the model computes is within scale * head_dim (ALiBi's bias aside), times the
+    square of the rotary's attention_scaling where its table carries one (gpt-oss's YaRN: 1.35)."""
     model = build(name)
     guard = qkguard.attach(model, threshold=1.0)
     inflate(guard, 30.0)
     layer = guard.layers[0]
-    bound = layer.scale * layer.head_dim
+    yarn = next((m.attention_scaling for m in model.modules() if hasattr(m, "attention_scaling")), 1.0)
+    bound = layer.scale * layer.head_dim * yarn ** 2
     for step in range(2):                           # step 0's crossing acts at step 1
         x = tokens(step)
-        with spied_softmax(monkeypatch) as calls:
+        with spied_logits(model, monkeypatch) as calls:
             model(input_ids=x, labels=x).loss.backward()
         guard.step()
     assert guard.triggered and reference(model, calls, None).max() > 2 * bound, "the test needs logits past the bound"
-    with spied_softmax(monkeypatch) as calls:
+    with spied_logits(model, monkeypatch) as calls:
         model(input_ids=x, labels=x).loss.backward()
     assert reference(model, calls, None).max() <= bound * (1 + 1e-5)
 
@@ -237,14 +273,14 @@ def test_qkclip_brings_every_heads_max_to_tau(name, monkeypatch):
     guard = qkguard.attach(model, threshold=1.0, action="qkclip", seqs=None)
     inflate(guard)
     x = tokens(0)
-    with spied_softmax(monkeypatch) as calls:
+    with spied_logits(model, monkeypatch) as calls:
         model(input_ids=x, labels=x).loss.backward()
     guard.step()
     tau = float(guard.max_logit.min()) / 2
     guard.qkguard.tau = tau
     model(input_ids=x, labels=x).loss.backward()
     assert guard.step()["event"] == "guard_trigger"                # the trigger, and the first clip
-    with torch.no_grad(), spied_softmax(monkeypatch) as calls:
+    with torch.no_grad(), spied_logits(model, monkeypatch) as calls:
         model(input_ids=x)
     after = reference(model, calls, None)[0]
     torch.testing.assert_close(after, as_the_model_reports(model, torch.full_like(after, tau)), rtol=1e-4, atol=1e-5)
@@ -264,3 +300,91 @@ def test_a_model_that_normalizes_q_and_k_itself_is_refused_in_one_line(name, con
         with pytest.raises(ValueError, match=rf"^attach: {name}(Text)?Attention .*normalizes q and k itself.*already "
                                              rf"has QK-norm"):
             qkguard.attach(model, adapter)
+
+
+# --------------------------------------------------------------------------------------------------
+# LoRA (peft) on q_proj, k_proj, v_proj: the guard reads q and k as the adapted model forms them
+
+def lora_llama():
+    """A tiny Llama under peft's LoRA on q, k and v, its B matrices random (peft's default B = 0 would
+    make the adapted logits the base's, and a reading that missed the adapter would pass)."""
+    peft = pytest.importorskip("peft")
+    model = build("mistral-window")       # Llama's layout, with a sliding window
+    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "k_proj", "v_proj"],
+                             init_lora_weights=False)
+    return peft.get_peft_model(model, config)
+
+
+@pytest.mark.parametrize("merged", [False, True], ids=["adapters", "merged"])
+def test_lora_on_q_and_k_is_read_as_the_adapted_model_forms_them(merged, monkeypatch):
+    model = lora_llama()
+    with torch.no_grad():            # logits of a visible size: the base weights, not the adapters, inflated
+        for name, p in model.named_parameters():
+            if name.endswith(("q_proj.base_layer.weight", "k_proj.base_layer.weight")):
+                p.mul_(8.0)
+    if merged:
+        model.merge_adapter()         # the deltas inside the base weights, the wrappers kept; then trained whole
+        for p in model.parameters():
+            p.requires_grad_(True)
+    guard = qkguard.attach(model)
+    assert len(guard.layers) == 2 and guard.layers[0].n_kv_head == 2
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+    for step in range(STEPS):
+        x = tokens(step)
+        with spied_logits(model, monkeypatch) as calls:
+            model(input_ids=x, labels=x).loss.backward()
+        sampled = guard._sample[0]
+        optimizer.step()
+        optimizer.zero_grad()
+        guard.step()
+        want = reference(model, calls, sampled)
+        torch.testing.assert_close(guard.max_logit.double(), want, rtol=1e-5, atol=1e-4,
+                                   msg=lambda m: f"step {step}: {m}")
+    # the sigmas are of the weight that forms q: the base plus the unmerged deltas
+    attn = model.base_model.model.model.layers[0].self_attn
+    w_q = guard.layers[0].weight("q").clone()
+    if not merged:
+        assert not torch.allclose(w_q, attn.q_proj.base_layer.weight)
+        model.merge_adapter()
+    torch.testing.assert_close(w_q, attn.q_proj.base_layer.weight)
+    with torch.no_grad(), model.disable_adapter(), spied_logits(model, monkeypatch) as calls:   # (unmerges them)
+        model(input_ids=x)              # the base alone: other logits, so a reading that missed LoRA would fail
+    assert not torch.allclose(reference(model, calls, sampled), want, rtol=1e-3)
+
+
+def test_qkclip_on_lora_is_refused_in_one_line_and_qknorm_acts(monkeypatch):
+    model = lora_llama()
+    with pytest.raises(ValueError, match=r"^attach: QK-Clip scales W_q and W_k, and under LoRA .*merge_and_unload"):
+        qkguard.attach(model, action="qkclip")
+    guard = qkguard.attach(model, threshold=1.0)
+    inflate(guard, 30.0)                 # the base weights (a LoRA wrapper's weight is its base layer's)
+    for step in range(2):
+        model(input_ids=tokens(step), labels=tokens(step)).loss.backward()
+        guard.step()
+    layer = guard.layers[0]
+    bound = layer.scale * layer.head_dim
+    with torch.no_grad(), spied_logits(model, monkeypatch) as calls:
+        model(input_ids=tokens(0))
+    assert guard.triggered and reference(model, calls, None).max() <= bound * (1 + 1e-5)
+    merged = model.merge_and_unload()    # plain Linears again: QK-Clip's weights are the model's own
+    guard.detach()
+    assert qkguard.attach(merged, action="qkclip").qkguard.action == "qkclip"
+
+
+@pytest.mark.parametrize("name, config", [
+    ("DeepseekV3", lambda: _config("DeepseekV3", hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+                                   num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
+                                   n_routed_experts=4, num_experts_per_tok=2, first_k_dense_replace=2,
+                                   q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8,
+                                   v_head_dim=8)),
+    ("DeepseekV2", lambda: _config("DeepseekV2", hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+                                   num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
+                                   q_lora_rank=None, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8,
+                                   v_head_dim=8, first_k_dense_replace=2)),
+])
+def test_multi_head_latent_attention_is_refused_in_one_line(name, config):
+    """MLA's k is two parts from two projections (one shared by every head): not read by a built-in adapter,
+    refused naming why (DeepSeek-V2 without q_lora_rank has a q_proj, and is not taken for Llama's layout)."""
+    model = transformers.AutoModelForCausalLM.from_config(config())
+    with pytest.raises(ValueError, match=rf"^attach: {name}Attention is multi-head latent attention .*kv_a_proj_with_mqa"):
+        qkguard.attach(model)

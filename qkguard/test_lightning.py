@@ -122,8 +122,10 @@ def test_a_resumed_lightning_run_is_the_uninterrupted_one_bit_for_bit(tmp_path, 
     assert guard.triggered and callback.events[0]["active_from"] <= SAVE_AT + 1
     path = saved(tmp_path / "whole")
     assert torch.load(path, weights_only=True)[STATE_KEY]["guard"]["trigger"] is not None
-    later, resumed, _, trainer = fit(tmp_path / "later", accumulate=accumulate, logger=False, resume=str(path))
+    later, resumed, resumed_callback, trainer = fit(tmp_path / "later", accumulate=accumulate, logger=False,
+                                                    resume=str(path))
     assert trainer.global_step == resumed.steps == guard.steps == STEPS and resumed.triggered
+    assert resumed.events == guard.events and resumed_callback.events == callback.events     # kept across it
     assert later.losses == [(s, loss) for s, loss in whole.losses if s >= SAVE_AT]
     a, b = guard.state_dict(), resumed.state_dict()
     assert a["guard"] == b["guard"] and torch.equal(a["generator"], b["generator"])
