@@ -2217,10 +2217,67 @@ def test_the_sweep_refuses_a_finished_run_made_with_other_flags(tmp_path, capsys
                             f"--out-root (or delete it to run it again)")
     write_run(root, "bf16", 1, end=None, args={"accum": "bf16", "max_steps": 600, "lr": 1e-3})   # unfinished
     common[common.index("fp32")] = "bf16"
-    assert sweep.main(["--resume", *common, "--max-steps", "900"]) == 0   # a resume may train on
-    assert "--max-steps 900 --seed 1 --out-dir" in capsys.readouterr().out
+    assert sweep.main(["--resume", *common, "--max-steps", "900", "--lr", "1e-3"]) == 0   # a resume may train on
+    assert "--max-steps 900 --lr 1e-3 --seed 1 --out-dir" in capsys.readouterr().out
     with pytest.raises(SystemExit, match=r"seed1 was run with other flags than planned: --lr 0.003 \(the run's: "):
         sweep.main(["--resume", *common, "--lr", "3e-3"])
+
+
+def test_the_sweep_compares_every_flag_a_finished_run_recorded_not_only_those_typed_now(tmp_path, capsys):
+    """A completed run made with extra flags (--lr 1e-2, or --guard on in the fp32 arm) was skipped as done and
+    read as the planned arm: only the flags typed now were compared. Now its config.json is compared in full."""
+    root = str(tmp_path)
+    lab = {"preset": "lab", "accum": "fp32", "lr": 3e-3, "min_lr": 3e-3, "max_steps": 300, "guard": "off",
+           "block_size": 128, "n_layer": 4, "guard_threshold": 200.0}
+    write_run(root, "fp32", 1, args=lab)
+    common = ["--dry-run", "--claims", "1", "--only", "fp32", "--seeds", "1", "--out-root", root, "--", "--preset",
+              "lab"]
+    assert sweep.main(common) == 0 and f"skip {root}/fp32/seed1: completed" in capsys.readouterr().out
+    for changed, words in [({"lr": 1e-2}, "--lr 0.003 (the run's: 0.01)"), ({"guard": "on"}, "--guard off (the "
+                           "run's: on)"), ({"n_layer": 2, "block_size": 64}, "--n-layer 4 (the run's: 2); "
+                           "--block-size 128 (the run's: 64)")]:
+        os.remove(os.path.join(root, "fp32", "seed1", "config.json"))
+        with open(os.path.join(root, "fp32", "seed1", "config.json"), "w") as f:
+            json.dump({"args": {**lab, "seed": 1, **changed}, "versions": {"device": "cpu"}}, f)
+        with pytest.raises(SystemExit) as e:
+            sweep.main(common)
+        assert str(e.value).startswith(f"error: {root}/fp32/seed1 was run with other flags than planned: {words}. "), \
+            str(e.value)
+
+
+def test_the_sweeps_stop_signals_its_children_before_printing_to_a_terminal_that_is_gone(tmp_path, monkeypatch):
+    """On a real hangup the sweep's first print in stop() raised OSError [Errno 5] before any child was signalled:
+    a traceback, and the children ran on, orphaned."""
+    import errno
+    import io
+    child = subprocess.Popen([sys.executable, "-c", "import signal, sys, time\nsignal.signal(signal.SIGINT, "
+                              "lambda *a: sys.exit(7))\nprint('ready', flush=True)\ntime.sleep(60)"],
+                             stdout=subprocess.PIPE, text=True)
+    assert child.stdout.readline() == "ready\n"   # its handler is set
+
+    class Gone(io.TextIOBase):
+        def write(self, text):
+            raise OSError(errno.EIO, "Input/output error")
+    monkeypatch.setattr(sys, "stdout", Gone())
+    try:
+        sweep.stop({child: (str(tmp_path), 0.0)})
+    finally:
+        child.kill() if child.poll() is None else None
+    assert child.wait(timeout=30) == 7
+
+
+def test_an_out_root_on_a_read_only_disk_ends_in_one_line(tmp_path, monkeypatch, capsys):
+    import errno
+
+    def read_only(path, *args, **kwargs):
+        raise OSError(errno.EROFS, "Read-only file system", path)
+    monkeypatch.setattr(os, "makedirs", read_only)
+    root = tmp_path / "ro"
+    with pytest.raises(SystemExit):
+        sweep.main(["--claims", "1", "--only", "fp32", "--seeds", "1", "--out-root", str(root), "--", "--data-dir",
+                    str(tmp_path)])
+    assert capsys.readouterr().err.splitlines()[-1].endswith(f"error: --out-root {root}: cannot write there "
+                                                             f"(Read-only file system): give a folder on a writable disk")
 
 
 FAKE_TRAIN = """import os, signal, sys, time
