@@ -1078,6 +1078,11 @@ def test_rule_1p_on_too_few_seeds_is_inconclusive(tmp_path):
           id="a steady gap of 0.02, inside the margin"),
     param({("bf16-guard", TOP): arm(8, {**TRIG, "val": 2.9 - TOL + 0.01})}, "reproduced",
           id="val LOSS_TOL-0.01 below it in every seed"),
+    # the lower one-sided test: a guard that ends well below QK-norm is not "within" it either
+    param({("bf16-guard", TOP): arm(8, {**TRIG, "val": 2.9 - TOL - 0.01})}, "not reproduced",
+          id="val LOSS_TOL+0.01 below it in every seed: the interval wholly past the lower margin"),
+    param({("bf16-guard", TOP): arm(8, TRIG, {s: {**TRIG, "val": 2.9 - TOL + (-1) ** s * 0.05} for s in range(1, 9)})},
+          "inconclusive", id="seeds +-0.05 about a mean gap of -LOSS_TOL: the interval straddles the lower margin"),
     param({("bf16-guard", TOP): arm(8, TRIG, {2: {"trigger": 10, "logit": AWAY["logit"]}})}, "not reproduced",
           id="triggers at the runaway step, reading a runaway's logit"),
     param({("bf16-guard", TOP): arm(8, TRIG, {2: {"trigger": 11}})}, "not reproduced",
@@ -1192,6 +1197,13 @@ def test_student_t_quantiles_and_the_equivalence_test():
     mean, lo, hi = report.mean_interval([1.0, 2.0, 3.0, 4.0], 0.95)   # sd 1.291, t(0.975, 3) 3.1824
     assert (mean, lo, hi) == pytest.approx((2.5, 2.5 - 3.1824 * 1.291 / 2, 2.5 + 3.1824 * 1.291 / 2), abs=1e-3)
     assert report.equivalence([0.0]) [0] == "inconclusive"        # one seed: no interval
+    # both one-sided tests, each on its side of the margin: wholly past it above or below is "beyond", an
+    # interval straddling -0.03 or +0.03 "inconclusive" (a test dropped on either side reads these otherwise)
+    spread = (-0.005, 0.005, -0.003, 0.003)
+    for side in (1, -1):
+        assert report.equivalence([side * 0.1 + d for d in spread])[0] == "beyond"
+        assert report.equivalence([side * 0.03 + 2 * d for d in spread])[0] == "inconclusive"
+        assert report.equivalence([side * 0.02 + d for d in spread])[0] == "within"
     rng = random.Random(0)
     # A/A sets (a true gap of 0) at a paired spread of this lab's order (the guard's gaps: sd 0.02 to 0.09):
     # never "beyond"; sets shifted 0.1 past 0: "beyond" nearly always; the 90% interval covers the true mean
