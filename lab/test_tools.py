@@ -7,6 +7,7 @@ pass it, and cases that each remove one of its conditions and must fail it.
 """
 import importlib.util
 import json
+import math
 import os
 import random
 import re
@@ -2382,12 +2383,69 @@ def test_a_markdown_that_judges_fewer_claims_than_the_file_it_replaces_is_refuse
     argv = [str(tmp_path / "runs"), "--markdown", str(results), "--plots", str(tmp_path / "plots")]
     with pytest.raises(SystemExit):
         report.main(argv)
-    assert capsys.readouterr().err.splitlines()[-1].endswith(
-        f"error: --markdown {results}: it judges {judged} claims, this report 1: left as it is; give the folders its "
-        f"opening line names, or pass --force to write it anyway")
+    assert re.search(f"error: --markdown {re.escape(str(results))}: it was made from runs this report lacks: "
+                     r"\S+ \(Learning-rate study\): 8 seeds, here 0; .* and \d+ more arms: left as it is, and its "
+                     r"figures; give the folders its opening line names, or pass --force to write it anyway$",
+                     capsys.readouterr().err.splitlines()[-1])
     assert results.read_text() == committed
     assert report.main([*argv, "--force"]) == 0 and report.judged_claims(str(results)) == 1
     assert report.main(argv) == 0             # as many claims as the file: written without --force
+    # the same runs, fewer claims judged (a rule that would judge less): refused too
+    fewer = results.read_text().replace("| 1 | REPRODUCED |", "| 1 | NOT RUN |")
+    assert report.lost_evidence(str(results), fewer) == "it judges 1 claims, this report 0"
+
+
+def test_one_seed_copies_of_a_reports_folders_are_refused_before_any_file_is_written(tmp_path, capsys):
+    """One-seed copies of a report's folders: its claims still judged (a one-seed INCONCLUSIVE counts), so the
+    Markdown was replaced and its figures before that, drawn ahead of the check. Now the runs per arm and seed
+    are compared, before anything is drawn, and every file is left as it was."""
+    runs, one, plots, results = tmp_path / "runs", tmp_path / "one", tmp_path / "plots", tmp_path / "R.md"
+    write_arms(runs, RULE1)
+    argv = ["--markdown", str(results), "--plots", str(plots)]
+    assert report.main([str(runs), *argv]) == 0
+    files = sorted(plots.iterdir()) + [results]
+    before = [(f.read_bytes(), f.stat().st_mtime_ns) for f in files]
+    assert len(files) > 1 or report._pyplot(quiet=True) is None
+    for name in RULE1:
+        write_run(one, name, 1, **RULE1[name][0])
+    capsys.readouterr()
+    with pytest.raises(SystemExit):
+        report.main([str(one), *argv])
+    assert capsys.readouterr().err.splitlines()[-1].endswith(
+        f"error: --markdown {results}: it was made from runs this report lacks: bf16 (Runs): 8 seeds, here 1; fp32 "
+        f"(Runs): 8 seeds, here 1; bf16-safemax (Runs): 8 seeds, here 1: left as it is, and its figures; give the "
+        f"folders its opening line names, or pass --force to write it anyway")
+    assert [(f.read_bytes(), f.stat().st_mtime_ns) for f in files] == before
+    assert sorted(plots.iterdir()) + [results] == files and not list(tmp_path.glob("**/*.tmp"))
+    assert report.main([str(one), *argv, "--force"]) == 0 and len(report.evidence(str(results))) == 3
+
+
+def test_a_failed_figure_leaves_every_file_of_the_report_as_it_was(tmp_path, monkeypatch):
+    runs, plots, results = tmp_path / "runs", tmp_path / "plots", tmp_path / "R.md"
+    write_arms(runs, RULE1)
+    results.write_text("an older report\n")
+
+    def fails(*args, **kwargs):
+        raise RuntimeError("the figure failed")
+    monkeypatch.setattr(report, "plot_lr_study", fails)
+    with pytest.raises(RuntimeError):
+        report.main([str(runs), "--markdown", str(results), "--plots", str(plots), "--lr-study", str(runs)])
+    assert results.read_text() == "an older report\n"
+    assert not plots.exists() or not list(plots.iterdir())   # the figure drawn before the failure is not kept
+
+
+def test_the_runs_figure_of_a_run_whose_sigmas_are_all_nan_is_drawn(tmp_path):
+    """Its log-scale sigma panel had no value to scale: a traceback from matplotlib."""
+    path = write_run(tmp_path, "bf16", 1)
+    log = os.path.join(path, "log.jsonl")
+    with open(log) as f:
+        records = [json.loads(line) for line in f]
+    with open(log, "w") as f:
+        f.write("".join(json.dumps({**r, "sigma_q": [math.nan, math.nan]} if "sigma_q" in r else r) + "\n"
+                        for r in records))
+    png = tmp_path / "runs.png"
+    assert report.main(["--runs", path, "--png", str(png)]) == 0
+    assert png.exists() or report._pyplot(quiet=True) is None
 
 
 def markdown_summary(text):
