@@ -233,8 +233,9 @@ def subject(study, run):
 
 def studies(root):
     """root's studies: its subfolders that hold <arm>/seed<k>/ folders, and root itself where it holds some
-    (a study; or loose runs beside study folders, all scored, with a warning: once only the loose ones were)."""
-    loose = sorted({os.path.basename(os.path.dirname(p)) for p in glob.glob(os.path.join(root, "*", "seed*"))})
+    (a study; or loose runs beside study folders: all scored, with a warning, where once only they were)."""
+    loose = sorted({os.path.basename(os.path.dirname(p))
+                    for p in glob.glob(os.path.join(root, "*", "seed*"))})
     found = sorted(d for d in glob.glob(os.path.join(root, "*")) if glob.glob(os.path.join(d, "*", "seed*")))
     if not loose and not found:
         raise SystemExit(f"error: no runs under {root}: give a folder of <arm>/seed<k>/ runs, or of such folders")
@@ -489,8 +490,8 @@ def draw(subjects, firings, path):
 
 
 def scored(markdown):
-    """{study: unguarded runs, "guarded": guarded runs} a document scored, from its **Runs.** paragraph; {} where
-    there is no such file."""
+    """{study: unguarded runs, "guarded": guarded runs} a document scored, from its **Runs.** paragraph;
+    {} where there is no such file."""
     try:
         with open(markdown, errors="replace") as f:
             runs = next((line for line in f if line.startswith("**Runs.**")), "")
@@ -502,9 +503,10 @@ def scored(markdown):
 
 
 def lost_runs(markdown, subjects, guarded):
-    """Why the document at `markdown` must not be replaced by one of these runs: the studies (and guarded runs)
-    it scored more runs of; None if none."""
-    new = {**collections.Counter(s.name.split("/")[0] for s in subjects), "guarded": sum(map(len, guarded.values()))}
+    """Why the document at `markdown` must not be replaced by one of these runs: the studies (and guarded
+    runs) it scored more runs of; None if none."""
+    new = {**collections.Counter(s.name.split("/")[0] for s in subjects),
+           "guarded": sum(map(len, guarded.values()))}
     fewer = [f"{study}{'' if study == 'guarded' else '/'}: {n} runs, here {new.get(study, 0)}"
              for study, n in scored(markdown).items() if new.get(study, 0) < n]
     return f"it scored runs this one lacks ({'; '.join(fewer)})" if fewer else None
@@ -521,8 +523,8 @@ def main(argv=None):
     ap.add_argument("root", help="a folder of <arm>/seed<k>/ runs, or of such folders (lab/results)")
     ap.add_argument("--markdown", help="write the document here (else it is printed)")
     ap.add_argument("--plot", help="write the figure (PNG) here")
-    ap.add_argument("--force", action="store_true", help="--markdown: write it even if the document it replaces "
-                    "scored more runs of some study")
+    ap.add_argument("--force", action="store_true", help="--markdown: write it even if the document it "
+                    "replaces scored more runs of some study")
     args = ap.parse_args(argv)
     for out in (args.markdown, args.plot):
         if out and os.path.isdir(out):
@@ -532,8 +534,8 @@ def main(argv=None):
         raise SystemExit(f"error: no unguarded runs under {args.root}: only those are scored")
     refused = lost_runs(args.markdown, subjects, guarded) if args.markdown and not args.force else None
     if refused:   # before anything is drawn or written: a subset of the runs (a typo in the root)
-        raise SystemExit(f"error: --markdown {args.markdown}: {refused}: left as it is, and its figure; give the "
-                         f"folder its opening line names, or pass --force to write it anyway")
+        raise SystemExit(f"error: --markdown {args.markdown}: {refused}: left as it is, and its figure; give "
+                         f"the folder its opening line names, or pass --force to write it anyway")
     firings = replay(subjects)
     command = shlex.join(["python", "-m", "lab.detectors", args.root, *(["--markdown", args.markdown] if
                           args.markdown else []), *(["--plot", args.plot] if args.plot else [])])

@@ -98,8 +98,8 @@ def keep(src, dst, whole_seeds=False):
                 plan[os.path.join(dst, name)] = f.read()
     for path, data in plan.items():   # every kept file is compared (config, log, fault size), not the log alone
         if os.path.isdir(path):
-            sys.exit(f"error: {path} is a folder where a kept run's {os.path.basename(path)} goes: move it away "
-                     f"(nothing was kept), and keep again")
+            sys.exit(f"error: {path} is a folder where a kept run's {os.path.basename(path)} goes: move it "
+                     f"away (nothing was kept), and keep again")
         if os.path.exists(path):
             with open(path, "rb") as f:
                 held = f.read()

@@ -2273,7 +2273,8 @@ def plot_runs(runs, axes, colors, panels=tuple(PANELS)):
         label, scale = PANELS[panel]
         ax.set(ylabel=label, yscale=scale if panel in drawn else "linear")
         if panel not in drawn:
-            ax.text(0.5, 0.5, "no finite positive value logged", transform=ax.transAxes, ha="center", fontsize=9)
+            ax.text(0.5, 0.5, "no finite positive value logged", transform=ax.transAxes, ha="center",
+                    fontsize=9)
         ax.grid(alpha=0.3)
     axes[-1].set_xlabel("step")
 
@@ -2676,9 +2677,9 @@ def judged_claims(markdown):
 
 
 def evidence(markdown):
-    """{(section, arm folder): {seed folders}}: the runs a report was made from, read from its run tables (the
-    claims' Runs, the lr study's, the pilots': a section is its heading less the folder in brackets); markdown:
-    its text, or the path of a file ({} if there is none)."""
+    """{(section, arm folder): {seed folders}}: the runs a report was made from, read from its run tables
+    (the claims' Runs, the lr study's, the pilots': a section is its heading less the folder in brackets);
+    markdown: its text, or the path of a file ({} if there is none)."""
     if "\n" not in markdown:
         try:
             with open(markdown, errors="replace") as f:
@@ -2688,7 +2689,7 @@ def evidence(markdown):
     runs, section, heading, header = {}, None, None, None
     for line in markdown.splitlines():
         if line.startswith("#"):
-            level, words = line.split(" ", 1)
+            level, _, words = line.partition(" ")
             section = re.sub(r" \(.*", "", words) if level == "##" else section
             heading, header = words, None
             continue
@@ -2698,18 +2699,20 @@ def evidence(markdown):
         cells = [cell.strip() for cell in line.strip().strip("|").split("|")]
         if header is None:
             header = cells
-        elif "seed" in header and len(cells) == len(header) and re.fullmatch(r"seed\d+", cells[header.index("seed")]):
+            continue
+        seed = cells[header.index("seed")] if "seed" in header and len(cells) == len(header) else ""
+        if re.fullmatch(r"seed\d+", seed):
             arm = cells[header.index("arm")] if "arm" in header else heading
             if "lr" in header:
                 arm = lr_name(arm, float(cells[header.index("lr")]))
-            runs.setdefault((section, arm), set()).add(cells[header.index("seed")])
+            runs.setdefault((section, arm), set()).add(seed)
     return runs
 
 
 def lost_evidence(path, text, most=3):
-    """Why `text` must not replace the report at `path`: the runs that file was made from which this one lacks,
-    per arm and seed (fewer seeds or arms; a one-seed verdict still counts as judged), or fewer claims judged;
-    None if neither."""
+    """Why `text` must not replace the report at `path`: the runs that file was made from which this one
+    lacks, per arm and seed (fewer seeds or arms; a one-seed verdict still counts as judged), or fewer
+    claims judged; None if neither."""
     old, new = evidence(path), evidence(text)
     lacking = [(section, arm, seeds, new.get((section, arm), set())) for (section, arm), seeds in old.items()
                if seeds - new.get((section, arm), set())]
@@ -2738,8 +2741,8 @@ def main(argv=None):
     p.add_argument("--labels", nargs="+", metavar="TEXT",
                    help="--runs: the legend's words, one per run (default: from each run's config)")
     p.add_argument("--force", action="store_true",
-                   help="--markdown: write it even if the file it replaces was made from runs (arms, seeds) this "
-                        "report lacks, or judges more claims")
+                   help="--markdown: write it even if the file it replaces was made from runs (arms, seeds) "
+                        "this report lacks, or judges more claims")
     args = p.parse_args(argv)
     if args.runs:
         missing = [d for d in args.runs if not any(os.path.exists(os.path.join(d, name))
@@ -2793,8 +2796,8 @@ def main(argv=None):
         refused = lost_evidence(args.markdown, build(groups, args.root, markdown=args.markdown, pilots=pilots,
                                                      plots_flag=args.plots, study=study))
         if refused:   # the folders given hold less than the file's (a typo in the root, one-seed copies)
-            p.error(f"--markdown {args.markdown}: {refused}: left as it is, and its figures; give the folders its "
-                    f"opening line names, or pass --force to write it anyway")
+            p.error(f"--markdown {args.markdown}: {refused}: left as it is, and its figures; give the "
+                    f"folders its opening line names, or pass --force to write it anyway")
     with written_together():   # the figures and the Markdown, each whole, all or none
         plots = plot_claims(groups, plots_dir)
         study_plots = plot_lr_study(study[1], plots_dir, quiet=True) if study else []

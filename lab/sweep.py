@@ -385,7 +385,7 @@ def refuse_other_flags(out_dir, parser, flags, finished):
 def planned_args(parser, flags, config):
     """Every flag train.py would record in config.json for `flags` (run.parse_args and run.resolve): those
     typed, then the preset's (auto: the one the run's own device picked), then the defaults. Left out: what
-    a path or the data sets (the run folder, the data folder) and --decay-steps 0 (--max-steps at the start)."""
+    a path or the data sets (the run and data folders) and --decay-steps 0 (--max-steps at the start)."""
     import run
     from guard import DEFAULT_THRESHOLD
     args = {**parser.flag_defaults, **typed_flags(parser, flags)}
@@ -393,7 +393,8 @@ def planned_args(parser, flags, config):
     preset = run.auto_preset(device) if args["preset"] == "auto" else args["preset"]
     if preset in run.PRESETS:
         sizes = run.model_lib.MODEL_SIZES[run.PRESETS[preset]["size"]]
-        args.update({k: v for k, v in {**run.PRESETS[preset], **sizes}.items() if k != "size" and args.get(k) is None})
+        args.update({k: v for k, v in {**run.PRESETS[preset], **sizes}.items()
+                     if k != "size" and args.get(k) is None})
         args["preset"] = preset
     if args.get("guard_threshold") is None:
         args["guard_threshold"] = DEFAULT_THRESHOLD[args["guard_signal"]]
@@ -569,8 +570,9 @@ def launch(todo, parallel):
         raise
     except OSError as e:   # a run's folder or logs cannot be written (a disk that filled or is read-only)
         stop(running)
-        raise SystemExit(f"error: cannot write {e.filename or 'a run folder'} ({e.strerror or e}): make room, or "
-                         f"give an --out-root on a writable disk; then launch again with --resume") from None
+        where = e.filename or "a run folder"
+        raise SystemExit(f"error: cannot write {where} ({e.strerror or e}): make room, or give an --out-root "
+                         f"on a writable disk; then launch again with --resume") from None
     return errors
 
 
@@ -651,8 +653,8 @@ def main(argv=None):
         print(f"nothing to run; read the results with: python -m lab.report {args.out_root}")
         return 0
     if unwritable(args.out_root):   # a read-only disk: one line now, not a traceback at the first run
-        p.error(f"--out-root {args.out_root}: cannot write there ({unwritable(args.out_root)}): give a folder on a "
-                f"writable disk")
+        p.error(f"--out-root {args.out_root}: cannot write there ({unwritable(args.out_root)}): give a "
+                f"folder on a writable disk")
     parallel = args.parallel or default_parallel(extra)
     prepare_data_once(extra)
     print(f"{len(todo)} runs, {parallel} at a time, into {args.out_root}", flush=True)

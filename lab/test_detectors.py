@@ -72,7 +72,7 @@ def test_olmo_core_fires_past_6_sd_of_the_last_13_records():
     assert statistics.pstdev(history) < 5.95 / 6 * sd
     assert D.olmo_core_skip_step(log(loss=loss[:30] + [mean + 6.05 * sd] + loss[31:])) == step(30)
     assert D.olmo_core_skip_step(log(loss=loss[:30] + [mean + 5.95 * sd] + loss[31:])) is None
-    assert D.olmo_core_skip_step(log(loss=loss[:30] + [mean - 6.05 * sd] + loss[31:])) == step(30)   # both ways
+    assert D.olmo_core_skip_step(log(loss=loss[:30] + [mean - 6.05 * sd] + loss[31:])) == step(30)   # 2 ways
     assert D.olmo_core_skip_step(log(loss=loss[:30] + [mean - 5.95 * sd] + loss[31:])) is None
     assert D.olmo_core_skip_step(log(loss=loss)) is None
 
@@ -161,8 +161,9 @@ def unguarded_runs(root, study, arm, seeds):
 
 
 def test_a_subset_of_the_runs_leaves_the_document_and_its_figure_as_they_were(tmp_path, capsys):
-    """`lab.detectors <subset> --markdown lab/DETECTORS.md` replaced 703 scored runs by 32, under a header that
-    still named the committed command. Now the runs per study are compared first; the header names the command."""
+    """`lab.detectors <subset> --markdown lab/DETECTORS.md` replaced 703 scored runs by 32, under a header
+    still naming the committed command. Now the runs per study are compared first; the header names the
+    command run."""
     res, md, png = tmp_path / "res", tmp_path / "DETECTORS.md", tmp_path / "plots" / "detectors.png"
     unguarded_runs(res, "a", "fp32", 3)
     unguarded_runs(res, "b", "fp32", 2)
@@ -172,17 +173,18 @@ def test_a_subset_of_the_runs_leaves_the_document_and_its_figure_as_they_were(tm
     assert f"Written by `python -m lab.detectors {res} --markdown {md} --plot {png}`" in md.read_text()
     with pytest.raises(SystemExit) as e:
         D.main([str(res / "a"), "--markdown", str(md), "--plot", str(png)])
-    assert str(e.value) == (f"error: --markdown {md}: it scored runs this one lacks (b/: 2 runs, here 0): left as it "
-                            f"is, and its figure; give the folder its opening line names, or pass --force to write it "
-                            f"anyway")
-    assert [(f.read_bytes(), f.stat().st_mtime_ns) for f in files] == before and not list(tmp_path.glob("**/*.tmp"))
+    assert str(e.value) == (f"error: --markdown {md}: it scored runs this one lacks (b/: 2 runs, here 0): "
+                            f"left as it is, and its figure; give the folder its opening line names, or pass "
+                            f"--force to write it anyway")
+    assert [(f.read_bytes(), f.stat().st_mtime_ns) for f in files] == before
+    assert not list(tmp_path.glob("**/*.tmp"))
     D.main([str(res / "a"), "--markdown", str(md), "--force"])
     assert f"Written by `python -m lab.detectors {res / 'a'} --markdown {md}`" in md.read_text()
     assert "The 3 unguarded runs" in md.read_text()
 
 
 def test_a_root_mixing_study_folders_and_loose_runs_scores_them_all_with_a_warning(tmp_path, capsys):
-    """One stray run beside the study folders made the root read as one study: only the stray run was scored."""
+    """One stray run beside the study folders made the root read as one study: only it was scored."""
     res = tmp_path / "res"
     unguarded_runs(res, "a", "fp32", 3)
     unguarded_runs(tmp_path, "res", "stray", 1)   # res/stray/seed1

@@ -1082,8 +1082,9 @@ def test_rule_1p_on_too_few_seeds_is_inconclusive(tmp_path):
     # the lower one-sided test: a guard that ends well below QK-norm is not "within" it either
     param({("bf16-guard", TOP): arm(8, {**TRIG, "val": 2.9 - TOL - 0.01})}, "not reproduced",
           id="val LOSS_TOL+0.01 below it in every seed: the interval wholly past the lower margin"),
-    param({("bf16-guard", TOP): arm(8, TRIG, {s: {**TRIG, "val": 2.9 - TOL + (-1) ** s * 0.05} for s in range(1, 9)})},
-          "inconclusive", id="seeds +-0.05 about a mean gap of -LOSS_TOL: the interval straddles the lower margin"),
+    param({("bf16-guard", TOP): arm(8, TRIG, {s: {**TRIG, "val": 2.9 - TOL + (-1) ** s * 0.05}
+                                              for s in range(1, 9)})},
+          "inconclusive", id="seeds +-0.05 about a mean gap of -LOSS_TOL: the interval straddles its margin"),
     param({("bf16-guard", TOP): arm(8, TRIG, {2: {"trigger": 10, "logit": AWAY["logit"]}})}, "not reproduced",
           id="triggers at the runaway step, reading a runaway's logit"),
     param({("bf16-guard", TOP): arm(8, TRIG, {2: {"trigger": 11}})}, "not reproduced",
@@ -2230,37 +2231,38 @@ def test_the_sweep_refuses_a_finished_run_made_with_other_flags(tmp_path, capsys
                             f"--out-root (or delete it to run it again)")
     write_run(root, "bf16", 1, end=None, args={"accum": "bf16", "max_steps": 600, "lr": 1e-3})   # unfinished
     common[common.index("fp32")] = "bf16"
-    assert sweep.main(["--resume", *common, "--max-steps", "900", "--lr", "1e-3"]) == 0   # a resume may train on
+    assert sweep.main(["--resume", *common, "--max-steps", "900", "--lr", "1e-3"]) == 0   # may train on
     assert "--max-steps 900 --lr 1e-3 --seed 1 --out-dir" in capsys.readouterr().out
     with pytest.raises(SystemExit, match=r"seed1 was run with other flags than planned: --lr 0.003 \(the run's: "):
         sweep.main(["--resume", *common, "--lr", "3e-3"])
 
 
 def test_the_sweep_compares_every_flag_a_finished_run_recorded_not_only_those_typed_now(tmp_path, capsys):
-    """A completed run made with extra flags (--lr 1e-2, or --guard on in the fp32 arm) was skipped as done and
-    read as the planned arm: only the flags typed now were compared. Now its config.json is compared in full."""
+    """A completed run made with extra flags (--lr 1e-2, or --guard on in the fp32 arm) was skipped as done
+    and read as the planned arm: only the flags typed now were compared. Now its config.json is, in full."""
     root = str(tmp_path)
     lab = {"preset": "lab", "accum": "fp32", "lr": 3e-3, "min_lr": 3e-3, "max_steps": 300, "guard": "off",
            "block_size": 128, "n_layer": 4, "guard_threshold": 200.0}
     write_run(root, "fp32", 1, args=lab)
-    common = ["--dry-run", "--claims", "1", "--only", "fp32", "--seeds", "1", "--out-root", root, "--", "--preset",
-              "lab"]
+    common = ["--dry-run", "--claims", "1", "--only", "fp32", "--seeds", "1", "--out-root", root, "--",
+              "--preset", "lab"]
     assert sweep.main(common) == 0 and f"skip {root}/fp32/seed1: completed" in capsys.readouterr().out
-    for changed, words in [({"lr": 1e-2}, "--lr 0.003 (the run's: 0.01)"), ({"guard": "on"}, "--guard off (the "
-                           "run's: on)"), ({"n_layer": 2, "block_size": 64}, "--n-layer 4 (the run's: 2); "
-                           "--block-size 128 (the run's: 64)")]:
+    for changed, words in [({"lr": 1e-2}, "--lr 0.003 (the run's: 0.01)"),
+                           ({"guard": "on"}, "--guard off (the run's: on)"),
+                           ({"n_layer": 2, "block_size": 64},
+                            "--n-layer 4 (the run's: 2); --block-size 128 (the run's: 64)")]:
         os.remove(os.path.join(root, "fp32", "seed1", "config.json"))
         with open(os.path.join(root, "fp32", "seed1", "config.json"), "w") as f:
             json.dump({"args": {**lab, "seed": 1, **changed}, "versions": {"device": "cpu"}}, f)
         with pytest.raises(SystemExit) as e:
             sweep.main(common)
-        assert str(e.value).startswith(f"error: {root}/fp32/seed1 was run with other flags than planned: {words}. "), \
-            str(e.value)
+        assert str(e.value).startswith(f"error: {root}/fp32/seed1 was run with other flags than planned: "
+                                       f"{words}. "), str(e.value)
 
 
-def test_the_sweeps_stop_signals_its_children_before_printing_to_a_terminal_that_is_gone(tmp_path, monkeypatch):
-    """On a real hangup the sweep's first print in stop() raised OSError [Errno 5] before any child was signalled:
-    a traceback, and the children ran on, orphaned."""
+def test_the_sweeps_stop_signals_its_children_before_printing_to_a_gone_terminal(tmp_path, monkeypatch):
+    """On a real hangup the sweep's first print in stop() raised OSError [Errno 5] before any child was
+    signalled: a traceback, and the children ran on, orphaned."""
     import errno
     import io
     child = subprocess.Popen([sys.executable, "-c", "import signal, sys, time\nsignal.signal(signal.SIGINT, "
@@ -2287,10 +2289,11 @@ def test_an_out_root_on_a_read_only_disk_ends_in_one_line(tmp_path, monkeypatch,
     monkeypatch.setattr(os, "makedirs", read_only)
     root = tmp_path / "ro"
     with pytest.raises(SystemExit):
-        sweep.main(["--claims", "1", "--only", "fp32", "--seeds", "1", "--out-root", str(root), "--", "--data-dir",
-                    str(tmp_path)])
-    assert capsys.readouterr().err.splitlines()[-1].endswith(f"error: --out-root {root}: cannot write there "
-                                                             f"(Read-only file system): give a folder on a writable disk")
+        sweep.main(["--claims", "1", "--only", "fp32", "--seeds", "1", "--out-root", str(root), "--",
+                    "--data-dir", str(tmp_path)])
+    assert capsys.readouterr().err.splitlines()[-1].endswith(
+        f"error: --out-root {root}: cannot write there (Read-only file system): give a folder on a writable "
+        f"disk")
 
 
 FAKE_TRAIN = """import os, signal, sys, time
@@ -2384,8 +2387,9 @@ def test_a_markdown_that_judges_fewer_claims_than_the_file_it_replaces_is_refuse
     with pytest.raises(SystemExit):
         report.main(argv)
     assert re.search(f"error: --markdown {re.escape(str(results))}: it was made from runs this report lacks: "
-                     r"\S+ \(Learning-rate study\): 8 seeds, here 0; .* and \d+ more arms: left as it is, and its "
-                     r"figures; give the folders its opening line names, or pass --force to write it anyway$",
+                     r"\S+ \(Learning-rate study\): 8 seeds, here 0; .* and \d+ more arms: left as it is, "
+                     r"and its figures; give the folders its opening line names, or pass --force to write it "
+                     r"anyway$",
                      capsys.readouterr().err.splitlines()[-1])
     assert results.read_text() == committed
     assert report.main([*argv, "--force"]) == 0 and report.judged_claims(str(results)) == 1
@@ -2412,9 +2416,9 @@ def test_one_seed_copies_of_a_reports_folders_are_refused_before_any_file_is_wri
     with pytest.raises(SystemExit):
         report.main([str(one), *argv])
     assert capsys.readouterr().err.splitlines()[-1].endswith(
-        f"error: --markdown {results}: it was made from runs this report lacks: bf16 (Runs): 8 seeds, here 1; fp32 "
-        f"(Runs): 8 seeds, here 1; bf16-safemax (Runs): 8 seeds, here 1: left as it is, and its figures; give the "
-        f"folders its opening line names, or pass --force to write it anyway")
+        f"error: --markdown {results}: it was made from runs this report lacks: bf16 (Runs): 8 seeds, here "
+        f"1; fp32 (Runs): 8 seeds, here 1; bf16-safemax (Runs): 8 seeds, here 1: left as it is, and its "
+        f"figures; give the folders its opening line names, or pass --force to write it anyway")
     assert [(f.read_bytes(), f.stat().st_mtime_ns) for f in files] == before
     assert sorted(plots.iterdir()) + [results] == files and not list(tmp_path.glob("**/*.tmp"))
     assert report.main([str(one), *argv, "--force"]) == 0 and len(report.evidence(str(results))) == 3
