@@ -360,6 +360,18 @@ class Dist:
         flag = bool(flag)
         return flag if self.world == 1 else bool(self.all_reduce(torch.tensor(float(flag), device=self.device), "max"))
 
+    def check_same(self, value, what):
+        """Refuse, before any rank writes, a `value` the ranks do not all share (the run folder: a rank
+        writing its own would split one run in two)."""
+        if self.world == 1:
+            return
+        values = [None] * self.world
+        torch.distributed.all_gather_object(values, value)
+        if len(set(values)) > 1:
+            named = ", ".join(sorted(set(values)))
+            raise SystemExit(f"error: the {self.world} processes name different {what}s ({named}): give "
+                             f"--out-dir")
+
     def close(self):
         if self.world > 1:
             torch.distributed.destroy_process_group()

@@ -577,11 +577,17 @@ def test_two_processes_match_one_with_the_same_global_batch(tmp_path, data_dir):
     common = ["--max-steps", "4", "--grad-accum", "2", "--eval-interval", "2"]
     one = train(tmp_path / "one", data_dir, *common)
     assert one.returncode == 0, one.stderr
+    # without --out-dir: every rank names the one default folder (each by its own pid, two runs would be
+    # split over two folders: refused), and only that folder is written
+    launch = tmp_path / "launch"
+    launch.mkdir()
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           os.path.join(ROOT, "train.py"), "--data-dir", data_dir, "--out-dir", str(tmp_path / "two"), *TINY, *common]
-    two = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)
+           os.path.join(ROOT, "train.py"), "--data-dir", data_dir, *TINY, *common]
+    two = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=launch)
     assert two.returncode == 0, two.stderr
-    one_log, two_log = read_log(tmp_path / "one"), read_log(tmp_path / "two")
+    folders = os.listdir(launch / "runs")
+    assert os.listdir(launch) == ["runs"] and len(folders) == 1, folders
+    one_log, two_log = read_log(tmp_path / "one"), read_log(launch / "runs" / folders[0])
     assert two_log[0]["world_size"] == 2
     losses_one, losses_two = step_losses(one_log), step_losses(two_log)
     assert losses_one.keys() == losses_two.keys() == set(range(4))

@@ -112,6 +112,7 @@ def configure(argv):
     args, typed, parser = run.parse_args(argv)
     dist = run.Dist(args.device)
     args = run.resolve(args, dist.device, parser)
+    dist.check_same(args.out_dir, "run folder")   # a default one is named by the launcher: one for every rank
     args, state, changed = run.start_run(args, typed, dist.master)   # --resume: the saved run's flags
     if args.grad_accum % dist.world:
         raise SystemExit(f"error: --grad-accum {args.grad_accum} must be a multiple of the {dist.world} processes")
