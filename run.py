@@ -360,6 +360,18 @@ class Dist:
         flag = bool(flag)
         return flag if self.world == 1 else bool(self.all_reduce(torch.tensor(float(flag), device=self.device), "max"))
 
+    def check_same(self, value, what):
+        """Refuse, before any rank writes, a `value` the ranks do not all share (the run folder: a rank
+        writing its own would split one run in two)."""
+        if self.world == 1:
+            return
+        values = [None] * self.world
+        torch.distributed.all_gather_object(values, value)
+        if len(set(values)) > 1:
+            named = ", ".join(sorted(set(values)))
+            raise SystemExit(f"error: the {self.world} processes name different {what}s ({named}): give "
+                             f"--out-dir")
+
     def close(self):
         if self.world > 1:
             torch.distributed.destroy_process_group()
@@ -526,9 +538,29 @@ def start_run(args, typed, master=True):
     changed = {k: [saved.get(k), v] for k, v in typed.items()
                if k in RESUMABLE_CHANGES - {"resume"} and saved.get(k) != v}
     merged = {**vars(args), **saved, **{k: v for k, v in typed.items() if k in RESUMABLE_CHANGES}, "resume": True}
-    if state is not None and state["step"] >= merged["max_steps"]:
+    # a run stopped in its last step or eval (an older train.py called it interrupted) is finished by --resume
+    if state is not None and (state["step"] > merged["max_steps"] or state["step"] == merged["max_steps"]
+                              and last_status(paths["log.jsonl"]) in ("completed", "collapsed")):
         raise SystemExit(f"error: the run already reached step {state['step']}: give a larger --max-steps")
     return argparse.Namespace(**merged), state, changed
+
+
+def last_status(log):
+    """The status of the log's end record where its last start, resume or end record is one; else None (it
+    is running, or stopped without one). A line cut short is skipped."""
+    status = None
+    try:
+        with open(log, "rb") as f:
+            for line in f:
+                try:
+                    record = json.loads(line)
+                except ValueError:
+                    continue
+                if isinstance(record, dict) and record.get("event") in ("start", "resume", "end"):
+                    status = record.get("status") if record["event"] == "end" else None
+    except OSError:
+        return None
+    return status
 
 
 def claim(args):
@@ -539,16 +571,101 @@ def claim(args):
         os.makedirs(args.out_dir, exist_ok=True)
         lock = HELD[os.path.realpath(args.out_dir)] = open(os.path.join(args.out_dir, ".lock"), "a+")
     try:
-        fcntl and fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        if fcntl is None:   # Windows
+            raise OSError("no fcntl")
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         raise SystemExit(f"error: {args.out_dir} is in use by process {open(lock.name).read().strip() or '?'} (a run "
                          f"writing it): wait for it to end or stop it, or give another --out-dir") from None
-    except OSError as e:   # a file system without locks (some NFS): go on, as without fcntl
-        print(f"note: cannot lock {args.out_dir} ({e.strerror}): run one train.py in it at a time", file=sys.stderr)
+    except OSError:   # a file system without locks (ENOLCK on some NFS mounts): a pid file instead
+        claim_by_pid_file(args.out_dir)
     lock.truncate(0)
     print(os.getpid(), file=lock, flush=True)
-    # a folder it made and left holding only the lock (a refusal, Ctrl-C) goes again
-    atexit.register(lambda: made and os.listdir(args.out_dir) == [".lock"] and shutil.rmtree(args.out_dir))
+    if made:   # a folder it made and left holding only its locks (a refusal, Ctrl-C) goes again
+        atexit.register(remove_if_only_locks, args.out_dir)
+
+
+def remove_if_only_locks(out_dir):
+    if os.path.isdir(out_dir) and set(os.listdir(out_dir)) <= {".lock", PID_LOCK}:
+        shutil.rmtree(out_dir)
+
+
+PID_LOCK = ".lock.pid"   # the lock where flock fails: a file only one process can create, naming its pid
+
+
+def claim_by_pid_file(out_dir):
+    """One writer without flock: <out_dir>/.lock.pid, made whole by a hard link (which fails where the name
+    exists, on NFS too), naming its pid; one whose process is gone (kill -9) is taken over, one whose process
+    lives refuses the start. Removed when this process ends."""
+    path, mine = os.path.join(out_dir, PID_LOCK), os.path.join(out_dir, f"{PID_LOCK}.{os.getpid()}")
+    with writing(out_dir, "this file system has no flock and no hard links to lock it: give an --out-dir on "
+                          "another disk"):
+        with open(mine, "w") as f:
+            f.write(f"{os.getpid()}\n")
+        try:
+            while True:
+                try:
+                    os.link(mine, path)
+                    break
+                except FileExistsError:
+                    holder = pid_in(path)
+                    if holder not in (None, os.getpid()) and pid_alive(holder):
+                        raise SystemExit(f"error: {out_dir} is in use by process {holder} ({path}; this "
+                                         f"file system has no flock): wait for it to end or stop it, or give "
+                                         f"another --out-dir; if process {holder} is no train.py, remove "
+                                         f"{path}") from None
+                    with contextlib.suppress(FileNotFoundError):
+                        os.remove(path)   # its writer is gone (a kill -9), or it was this process
+        finally:
+            os.remove(mine)
+    atexit.register(release_pid_file, path)
+
+
+def release_pid_file(path):
+    if pid_in(path) == os.getpid():
+        os.remove(path)
+
+
+def pid_in(path):
+    try:
+        with open(path) as f:
+            return int(f.read())
+    except (OSError, ValueError):
+        return None
+
+
+def pid_alive(pid):
+    if os.name == "nt":   # os.kill would end it: taken as alive, the refusal says how to go on
+        return True
+    try:
+        os.kill(pid, 0)   # signal 0: only whether it exists
+    except ProcessLookupError:
+        return False
+    except PermissionError:   # it exists, under another user
+        return True
+    return True
+
+
+def write_whole(path, write):
+    """`path` written by write(file) whole or not at all: a temp file, then a rename (a failed write
+    removes the temp file and raises)."""
+    try:
+        with open(path + ".tmp", "w") as f:
+            write(f)
+        os.replace(path + ".tmp", path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.remove(path + ".tmp")
+        raise
+
+
+def say(line, file=None):
+    """print, flushed; on a terminal that closed (SIGHUP: every write to it fails with EIO) the line is
+    dropped, so that the run still reaches its checkpoint (the log holds every record)."""
+    try:
+        print(line, file=file or sys.stdout, flush=True)
+    except OSError:
+        pass
 
 
 @contextlib.contextmanager
@@ -570,12 +687,27 @@ class RunDir:
         """log.jsonl with a start (or resume) record, returned as the log; a new run saves config.json, source.diff."""
         args, dist, log = self.args, self.dist, os.path.join(self.args.out_dir, "log.jsonl")
         run_versions, config_json = versions(dist.device), os.path.join(args.out_dir, "config.json")
-        if dist.master and not resumed and not os.path.exists(config_json):
-            with writing(config_json), open(config_json, "w") as f:
-                json.dump({"args": vars(args), "versions": run_versions, "command": sys.argv, "data": self.data,
-                           "world_size": dist.world, "params": params, "key_blocks_per_row": key_blocks_per_row(args),
-                           "started": time.strftime("%Y-%m-%d %H:%M:%S %Z")}, f, indent=2)
-                save_source(args.out_dir, run_versions)
+        new = dist.master and not resumed and not os.path.exists(config_json)
+        try:
+            if new:   # source.diff first: config.json, whole or absent, says a run began here
+                with writing(args.out_dir):
+                    save_source(args.out_dir, run_versions)
+                    write_whole(config_json, lambda f: json.dump(
+                        {"args": vars(args), "versions": run_versions, "command": sys.argv, "data": self.data,
+                         "world_size": dist.world, "params": params,
+                         "key_blocks_per_row": key_blocks_per_row(args),
+                         "started": time.strftime("%Y-%m-%d %H:%M:%S %Z")}, f, indent=2))
+            self.start_record(log, params, step, resumed, changed, run_versions)
+        except SystemExit:   # a full disk at the first write: undo it, so that nothing refuses the next start
+            if new:
+                for name in ("config.json", "log.jsonl", "source.diff"):
+                    with contextlib.suppress(OSError):
+                        os.remove(os.path.join(args.out_dir, name))
+            raise
+        return self
+
+    def start_record(self, log, params, step, resumed, changed, run_versions):
+        args, dist = self.args, self.dist
         with writing(log):
             self.file = open(log, "ab+") if dist.master else None
             if self.file and self.file.seek(0, 2) and (self.file.seek(-1, 2), self.file.read(1))[1] != b"\n":
@@ -588,7 +720,6 @@ class RunDir:
                    f"preset, {args.arch} {args.n_layer}x{args.n_embd}, {params / 1e6:.2f}M params, {args.tokenizer} "
                    f"tokens, accum {args.accum} with {key_blocks_per_row(args)} key blocks per row (block "
                    f"{args.block_n or BF16_STATE_BLOCK_N} of {args.block_size}), guard {args.guard}, on {dist.device} x{dist.world}")
-        return self
 
     def write(self, record, line=None):
         """A record in log.jsonl, for programs (one JSON object a line, flushed), and a line for people."""
@@ -598,7 +729,7 @@ class RunDir:
             self.file.write((json.dumps(record) + "\n").encode())
             self.file.flush()
         if line:
-            print(line, flush=True)
+            say(line)
 
     def save(self, step, parts):
         """ckpt.pt: all it takes to go on exactly; all ranks take part (RNG states are gathered). Temp file,
@@ -694,21 +825,25 @@ def set_rng_state(states, dist):
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
+# Ctrl-C, kill, and a terminal that closed (SIGHUP; none on Windows)
+STOP_SIGNALS = [signal.SIGINT, signal.SIGTERM] + ([signal.SIGHUP] if hasattr(signal, "SIGHUP") else [])
+
+
 class StopSignal:
-    """SIGINT / SIGTERM: the first stops the loop after this step, with a checkpoint; a second
+    """SIGINT / SIGTERM / SIGHUP: the first stops the loop after this step, with a checkpoint; a second
     ends the process at once. Saves are atomic, so `--resume` goes on from the last one."""
 
     def __init__(self):
         self.signum = None
-        for sig in (signal.SIGINT, signal.SIGTERM):
+        for sig in STOP_SIGNALS:
             signal.signal(sig, self._handle)
 
     def _handle(self, signum, frame):
         self.signum = signum
-        for sig in (signal.SIGINT, signal.SIGTERM):
+        for sig in STOP_SIGNALS:
             signal.signal(sig, signal.SIG_DFL)
-        print(f"\n{signal.Signals(signum).name}: stopping after this step with a checkpoint; send it again to stop "
-              f"at once", file=sys.stderr, flush=True)
+        say(f"\n{signal.Signals(signum).name}: stopping after this step with a checkpoint; send it again to "
+            f"stop at once", file=sys.stderr)
 
     def __bool__(self):
         return self.signum is not None

@@ -580,11 +580,17 @@ def test_two_processes_match_one_with_the_same_global_batch(tmp_path, data_dir):
     common = ["--max-steps", "4", "--grad-accum", "2", "--eval-interval", "2"]
     one = train(tmp_path / "one", data_dir, *common)
     assert one.returncode == 0, one.stderr
+    # without --out-dir: every rank names the one default folder (each by its own pid, two runs would be
+    # split over two folders: refused), and only that folder is written
+    launch = tmp_path / "launch"
+    launch.mkdir()
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           os.path.join(ROOT, "train.py"), "--data-dir", data_dir, "--out-dir", str(tmp_path / "two"), *TINY, *common]
-    two = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)
+           os.path.join(ROOT, "train.py"), "--data-dir", data_dir, *TINY, *common]
+    two = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=launch)
     assert two.returncode == 0, two.stderr
-    one_log, two_log = read_log(tmp_path / "one"), read_log(tmp_path / "two")
+    folders = os.listdir(launch / "runs")
+    assert os.listdir(launch) == ["runs"] and len(folders) == 1, folders
+    one_log, two_log = read_log(tmp_path / "one"), read_log(launch / "runs" / folders[0])
     assert two_log[0]["world_size"] == 2
     losses_one, losses_two = step_losses(one_log), step_losses(two_log)
     assert losses_one.keys() == losses_two.keys() == set(range(4))
@@ -1336,3 +1342,125 @@ def test_one_process_may_claim_its_own_run_folder_again(tmp_path):
     (tmp_path / "run" / "log.jsonl").write_text("")
     run.claim(args)                                   # not "in use by process <this one>"
     assert (tmp_path / "run" / ".lock").read_text().strip() == str(os.getpid())
+
+
+# --------------------------------------------------------------------------------------------------
+# Issue 53: every stop ends in a state that can be finished; one writer without flock; one line per failure
+
+def train_with(out_dir, data_dir, patch, *args):
+    """train.py run as __main__ in a process where Python source `patch` ran first (it may wrap methods)."""
+    argv = ["train.py", "--data-dir", data_dir, "--out-dir", str(out_dir), *TINY, *args]
+    code = (f"import os, runpy, signal, sys\n{patch}\nsys.argv = {argv!r}\n"
+            f"runpy.run_path({os.path.join(ROOT, 'train.py')!r}, run_name='__main__')")
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=ROOT)
+
+
+def signal_at_update(signum, update):
+    """A patch for train_with: send this process `signum` during update `update` (1 is the first)."""
+    return ("import guard\ncalls, original = [0], guard.QKGuard.after_optimizer_step\n"
+            "def after(self, *a, **k):\n    calls[0] += 1\n"
+            f"    if calls[0] == {update}:\n        os.kill(os.getpid(), {int(signum)})\n"
+            "    return original(self, *a, **k)\n"
+            "guard.QKGuard.after_optimizer_step = after")
+
+
+def test_a_stop_in_the_last_step_completes_the_run(tmp_path, data_dir):
+    # before: "interrupted" at step 4 with a checkpoint at 4, which --resume refused ("already reached step")
+    out = tmp_path / "run"
+    result = train_with(out, data_dir, signal_at_update(signal.SIGTERM, 4), "--max-steps", "4")
+    assert result.returncode == 0, result.stderr
+    end = read_log(out)[-1]
+    assert (end["status"], end["step"], end["val_step"]) == ("completed", 4, 4), end
+
+
+def test_a_run_an_older_train_py_stopped_in_its_last_step_completes_on_resume(tmp_path, data_dir):
+    out = tmp_path / "run"
+    assert train(out, data_dir, "--max-steps", "4").returncode == 0
+    records = read_log(out)   # as an older train.py left it: interrupted at its last step, a checkpoint there
+    val = records[-1]["val_loss"]
+    records[-1] = {**records[-1], "status": "interrupted"}
+    records[-1].pop("val_step", None)
+    (out / "log.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    state = torch.load(out / "ckpt.pt", weights_only=True)
+    state["totals"].pop("last_eval", None)   # nor did its checkpoint keep the last eval
+    torch.save(state, out / "ckpt.pt")
+    result = train(out, data_dir, "--resume")
+    assert result.returncode == 0, result.stderr
+    end = read_log(out)[-1]
+    assert (end["status"], end["step"], end["val_step"], end["val_loss"]) == ("completed", 4, 4, val), end
+    result = train(out, data_dir, "--resume")   # now it is finished: more steps are needed
+    assert result.returncode != 0 and "already reached step 4" in result.stderr
+
+
+def test_sighup_saves_a_checkpoint_and_the_end_reports_the_last_eval_with_its_step(tmp_path, data_dir):
+    # a closed terminal killed the run at once, with no checkpoint; and its end record reported the step-0
+    # eval as its val loss, with no step
+    out = tmp_path / "run"
+    result = train_with(out, data_dir, signal_at_update(signal.SIGHUP, 3), "--max-steps", "50",
+                        "--eval-interval", "100", "--ckpt-interval", "100")
+    assert result.returncode == 0, result.stderr
+    end = read_log(out)[-1]
+    assert (end["status"], end["step"], end["val_step"]) == ("interrupted", 3, 0), end
+    assert torch.load(out / "ckpt.pt", weights_only=True)["step"] == 3
+    assert result.stdout.strip().splitlines()[-1].startswith(f"run interrupted at step 3; val loss "
+                                                             f"{end['val_loss']:.4f} at step 0.")
+    result = train(out, data_dir, "--resume", "--max-steps", "6")
+    assert result.returncode == 0 and read_log(out)[-1]["status"] == "completed", result.stderr
+
+
+def test_a_full_disk_at_the_first_write_leaves_nothing_that_refuses_the_next_start(tmp_path, data_dir):
+    # before: a 0-byte config.json, which a new run refused (a run is there) and --resume could not read
+    import resource
+    out = tmp_path / "run"
+    full = lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (64, 64))   # room for the lock's pid, no more
+    cmd = [sys.executable, os.path.join(ROOT, "train.py"), "--data-dir", data_dir, "--out-dir", str(out),
+           *TINY, "--max-steps", "2"]
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT, preexec_fn=full)
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode != 0 and len(lines) == 1 and "cannot write" in lines[0], result.stderr
+    assert not out.exists() or set(os.listdir(out)) <= {".lock"}, os.listdir(out)
+    assert train(out, data_dir, "--max-steps", "2").returncode == 0
+
+
+def test_where_flock_fails_a_pid_file_refuses_a_second_writer(tmp_path, monkeypatch):
+    # before: a note ("run one train.py in it at a time"), then two writers in one folder
+    import argparse
+    import errno
+    import types
+    import run
+    def no_locks(*args):
+        raise OSError(errno.ENOLCK, "No locks available")
+    monkeypatch.setattr(run, "fcntl", types.SimpleNamespace(flock=no_locks, LOCK_EX=2, LOCK_NB=4))
+    out = tmp_path / "run"
+    second = ("import argparse, errno, sys, types, run\n"
+              "def no_locks(*a): raise OSError(errno.ENOLCK, 'No locks available')\n"
+              "run.fcntl = types.SimpleNamespace(flock=no_locks, LOCK_EX=2, LOCK_NB=4)\n"
+              f"run.claim(argparse.Namespace(out_dir={str(out)!r}))\nprint('claimed')")
+    claim_elsewhere = lambda: subprocess.run([sys.executable, "-c", second], capture_output=True, text=True,
+                                             timeout=120, cwd=ROOT)
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                          text=True)
+    run.claim(argparse.Namespace(out_dir=str(out)))
+    assert (out / run.PID_LOCK).read_text().strip() == str(os.getpid())
+    result = claim_elsewhere()
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode != 0 and len(lines) == 1, result.stderr
+    assert f"in use by process {os.getpid()}" in lines[0]
+    (out / run.PID_LOCK).write_text(gone.stdout)   # a writer's after kill -9: the file stays, the process not
+    result = claim_elsewhere()
+    assert result.returncode == 0 and result.stdout.strip() == "claimed", result.stderr
+    assert not (out / run.PID_LOCK).exists()   # released as that process ended
+
+
+def test_ctrl_c_while_torch_loads_ends_in_one_line(tmp_path):
+    # a stand-in torch, first on the path, that is interrupted while it loads (as a Ctrl-C in the seconds the
+    # real one takes)
+    (tmp_path / "torch").mkdir()
+    (tmp_path / "torch" / "__init__.py").write_text("import os, signal, time\n"
+                                                     "os.kill(os.getpid(), signal.SIGINT)\ntime.sleep(5)\n")
+    cmd = [sys.executable, os.path.join(ROOT, "train.py"), "--out-dir", str(tmp_path / "run")]
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=ROOT,
+                            env={**os.environ, "PYTHONPATH": str(tmp_path)})
+    assert result.returncode == 130 and "Traceback" not in result.stderr, result.stderr
+    assert result.stderr.strip() == "interrupted while loading torch: nothing was written; run it again"
+    assert not (tmp_path / "run").exists()

@@ -14,13 +14,17 @@ import math
 import sys
 import time
 
-import torch
+try:   # Ctrl-C while torch loads (seconds): nothing was started, so one line and no traceback
+    import torch
 
-import model as model_lib
-import prepare_data
-import run
-from guard import CollapseDetector, QKGuard, SpectralMonitor
-from model import NON_QK_KINDS, QK_KINDS
+    import model as model_lib
+    import prepare_data
+    import run
+    from guard import CollapseDetector, QKGuard, SpectralMonitor
+    from model import NON_QK_KINDS, QK_KINDS
+except KeyboardInterrupt:
+    print("interrupted while loading torch: nothing was written; run it again", file=sys.stderr)
+    sys.exit(130)
 
 
 def main(argv=None):
@@ -45,16 +49,19 @@ def main(argv=None):
         guard.apply_to_model(model)              # a latched action stays on
     saved_step, stop = step, run.StopSignal()    # nothing to save before the first update; Ctrl-C: stop there
     log = run_dir.start_log(model.num_params(), step, resumed=state is not None, changed=changed)
-    evaluate = lambda: validation_loss(eval_model, batches, step, args, dist, autocast, log)
+    evaluate = lambda: totals.note_eval(step, validation_loss(eval_model, batches, step, args, dist, autocast,
+                                                              log))
 
     # -------------------------------------------------------------------------------- the loop
     # A record's "step" counts the updates before it: a step record's loss and max logit come from
     # update `step`'s forward; an eval at `step` sees the weights after `step` updates.
-    status, val_loss = "completed", None
+    status = "completed"
     totals.start_clock()
     try:
-        if state is None:
-            val_loss = evaluate()
+        # a new run's eval at step 0; a run an older train.py stopped after its last step, before or without
+        # its last eval, gets that eval now (it resumes at max_steps: the loop below has nothing left to do)
+        if state is None or step == args.max_steps and (totals.last_eval or [None])[0] != step:
+            evaluate()
         while step < args.max_steps:
             # (1) the learning rate; the lr-drop action scales it
             lr = lr_at(step, args) * guard.lr_scale()
@@ -89,17 +96,18 @@ def main(argv=None):
             if step % args.ckpt_interval == 0 and saved_step != step:
                 run_dir.save(step, parts)
                 saved_step = step
-            if dist.any(stop):
-                status = "interrupted"    # every rank stops at the same step
+            stopping = dist.any(stop)    # every rank stops at the same step
+            if stopping and step < args.max_steps:   # in the last step or eval: nothing left, it completes
+                status = "interrupted"
                 break
         if status == "collapsed":   # the end record's val loss is the collapsed model's
-            val_loss = evaluate()
+            evaluate()
         if saved_step != step:
             run_dir.save(step, parts)
     except BaseException as e:
         log.write({"event": "end", "status": "error", "step": step, "error": f"{type(e).__name__}: {e}"})
         raise
-    write_end_record(status, step, val_loss, detector, guard, args, log)
+    write_end_record(status, step, totals.last_eval, detector, guard, args, log)
     dist.close()
 
 
@@ -112,6 +120,7 @@ def configure(argv):
     args, typed, parser = run.parse_args(argv)
     dist = run.Dist(args.device)
     args = run.resolve(args, dist.device, parser)
+    dist.check_same(args.out_dir, "run folder")   # a default one is named by the launcher: one for every rank
     args, state, changed = run.start_run(args, typed, dist.master)   # --resume: the saved run's flags
     if args.grad_accum % dist.world:
         raise SystemExit(f"error: --grad-accum {args.grad_accum} must be a multiple of the {dist.world} processes")
@@ -239,8 +248,13 @@ class Totals:
     def __init__(self, device):
         self.loss_sum, self.steps, self.max_logit = 0.0, 0, None   # since the last log record
         self.monitor_max_logit = None                               # since the last monitored step
+        self.last_eval = None    # [step, val loss] of the last eval: the end record's (checkpoints keep it)
         self.device = device
         self.start_clock()
+
+    def note_eval(self, step, val_loss):
+        self.last_eval = [step, val_loss]
+        return val_loss
 
     def start_clock(self):
         """The clock of tokens_per_s: started before the first step and after each record."""
@@ -280,10 +294,13 @@ def lr_at(step, args):
     return args.min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (args.lr - args.min_lr)
 
 
-def write_end_record(status, step, val_loss, detector, guard, args, log):
-    """The end record and the run's last line; guard_pending: a crossing the last check left no step to act on."""
+def write_end_record(status, step, last_eval, detector, guard, args, log):
+    """The end record and the run's last line; guard_pending: a crossing the last check left no step to act
+    on; val_loss, val_step: the last eval run (last_eval: [step, val loss] or None), older if it stopped."""
+    val_step, val_loss = last_eval or (None, None)
     end = {"event": "end", "status": status, "step": step, "collapse_step": detector.collapsed_at,
-           "guard_trigger": guard.trigger, "guard_pending": guard.pending_crossing(), "val_loss": val_loss}
+           "guard_trigger": guard.trigger, "guard_pending": guard.pending_crossing(), "val_loss": val_loss,
+           "val_step": val_step}
     what = [f"run {status} at step {step}"]
     if guard.trigger:
         what.append(f"QK-Guard fired at step {guard.trigger['step']} ({guard.signal} {guard.trigger['value']:.1f} > "
@@ -294,7 +311,7 @@ def write_end_record(status, step, val_loss, detector, guard, args, log):
     if detector.collapsed_at is not None:
         what.append(f"the loss collapsed from step {detector.collapsed_at}")
     if val_loss is not None:
-        what.append(f"val loss {val_loss:.4f}")
+        what.append(f"val loss {val_loss:.4f} at step {val_step}")
     log.write(end, "; ".join(what) + f". Log and checkpoint in {args.out_dir}")
 
 

@@ -282,8 +282,9 @@ def section(runs, root, plot_path=None, markdown_dir=".", study=STREAM):
     return parts
 
 
-def plot(runs, path, study=STREAM):
-    """Max logit and sigma(W_q) against step, one line per run, one color per state."""
+def plot(runs, path, study=STREAM, save=None):
+    """Max logit and sigma(W_q) against step, one line per run, one color per state; save(fig, path) writes
+    it (lab.report's, to write it with the rest of a report; default: at once)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -305,7 +306,7 @@ def plot(runs, path, study=STREAM):
     axes[0].set_title("grey: the last quarter, where M (the median max logit) is read")
     fig.suptitle(f"Claim 1 at CPU scale: {study.scale.format(n='').replace(', ,', ',')}")
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    (save or (lambda f, p, **kw: f.savefig(p, **kw)))(fig, path, dpi=110)
     plt.close(fig)
 
 

@@ -29,12 +29,14 @@ import glob
 import math
 import os
 import re
+import shlex
 import statistics
 import sys
 from typing import NamedTuple, Optional
 
 from guard import DEFAULT_THRESHOLD
-from lab.report import LOGIT_RATIO, RISE_WINDOW, RUNAWAY_LOGIT, _pyplot, load_runs, lr_ran_away
+from lab.report import (LOGIT_RATIO, RISE_WINDOW, RUNAWAY_LOGIT, _pyplot, load_runs, lr_ran_away, save_figure,
+                        save_text, written_together)
 from lab.sweep import split_lr
 
 # --------------------------------------------------------------------------------------------------
@@ -230,13 +232,18 @@ def subject(study, run):
 
 
 def studies(root):
-    """root's studies: root itself if it holds <arm>/seed<k>/ folders, else its subfolders that do."""
-    if glob.glob(os.path.join(root, "*", "seed*")):
-        return [root]
+    """root's studies: its subfolders that hold <arm>/seed<k>/ folders, and root itself where it holds some
+    (a study; or loose runs beside study folders: all scored, with a warning, where once only they were)."""
+    loose = sorted({os.path.basename(os.path.dirname(p))
+                    for p in glob.glob(os.path.join(root, "*", "seed*"))})
     found = sorted(d for d in glob.glob(os.path.join(root, "*")) if glob.glob(os.path.join(d, "*", "seed*")))
-    if not found:
+    if not loose and not found:
         raise SystemExit(f"error: no runs under {root}: give a folder of <arm>/seed<k>/ runs, or of such folders")
-    return found
+    if loose and found:
+        print(f"warning: {root} holds runs of its own ({', '.join(loose)}) beside study folders "
+              f"({', '.join(os.path.basename(d) for d in found)}): scoring them all, the loose ones as study "
+              f"{os.path.basename(os.path.normpath(root))}/; move them into a study folder", file=sys.stderr)
+    return ([root] if loose else []) + found
 
 
 def load(root):
@@ -363,15 +370,16 @@ def source_order(source):
 COMMAND = "python -m lab.detectors lab/results --markdown lab/DETECTORS.md --plot lab/plots/detectors.png"
 
 
-def render(root, subjects, guarded, firings, plot=None):
-    """The Markdown document: what is scored and how, then the tables: all runs, by architecture, by source."""
+def render(root, subjects, guarded, firings, plot=None, command=COMMAND):
+    """The Markdown document: what is scored and how, then the tables: all runs, by architecture, by source;
+    command: the one that wrote it."""
     intervals = sorted({s.log.interval for s in subjects})
     runaways, collapses = sum(s.runaway is not None for s in subjects), sum(s.collapse is not None for s in subjects)
     agree, compared, disagree = check_twins(subjects, guarded)
     by_study = collections.Counter(s.name.split("/")[0] for s in subjects)
     out = [
         "# QK-Guard as a detector: lead time and false alarms beside the field's loss-spike detectors", "",
-        f"Written by `{COMMAND}` from the committed run logs (lab/detectors.py says how each detector is "
+        f"Written by `{command}` from the committed run logs (lab/detectors.py says how each detector is "
         "replayed; lab/test_detectors.py tests each rule). The guard is a detector (the first crossing of a "
         "threshold) and an action; this scores the detector alone, on runs that none of these detectors acted on.", "",
         f"**Runs.** The {len(subjects)} unguarded runs under {root} ("
@@ -476,9 +484,32 @@ def draw(subjects, firings, path):
                  "a detector that caught none has no lead")
     fig.tight_layout()
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    fig.savefig(path, dpi=100, metadata={"Software": None})
+    save_figure(fig, path, dpi=100, metadata={"Software": None})
     plt.close(fig)
     return True
+
+
+def scored(markdown):
+    """{study: unguarded runs, "guarded": guarded runs} a document scored, from its **Runs.** paragraph;
+    {} where there is no such file."""
+    try:
+        with open(markdown, errors="replace") as f:
+            runs = next((line for line in f if line.startswith("**Runs.**")), "")
+    except OSError:
+        return {}
+    counts = {study: int(n) for n, study in re.findall(r"(\d+) in (\S+?)/", runs.split("):", 1)[0])}
+    guarded = re.search(r"The (\d+) guarded runs", runs)
+    return {**counts, **({"guarded": int(guarded.group(1))} if guarded else {})}
+
+
+def lost_runs(markdown, subjects, guarded):
+    """Why the document at `markdown` must not be replaced by one of these runs: the studies (and guarded
+    runs) it scored more runs of; None if none."""
+    new = {**collections.Counter(s.name.split("/")[0] for s in subjects),
+           "guarded": sum(map(len, guarded.values()))}
+    fewer = [f"{study}{'' if study == 'guarded' else '/'}: {n} runs, here {new.get(study, 0)}"
+             for study, n in scored(markdown).items() if new.get(study, 0) < n]
+    return f"it scored runs this one lacks ({'; '.join(fewer)})" if fewer else None
 
 
 def replay(subjects):
@@ -492,6 +523,8 @@ def main(argv=None):
     ap.add_argument("root", help="a folder of <arm>/seed<k>/ runs, or of such folders (lab/results)")
     ap.add_argument("--markdown", help="write the document here (else it is printed)")
     ap.add_argument("--plot", help="write the figure (PNG) here")
+    ap.add_argument("--force", action="store_true", help="--markdown: write it even if the document it "
+                    "replaces scored more runs of some study")
     args = ap.parse_args(argv)
     for out in (args.markdown, args.plot):
         if out and os.path.isdir(out):
@@ -499,15 +532,23 @@ def main(argv=None):
     subjects, guarded = load(args.root)
     if not subjects:
         raise SystemExit(f"error: no unguarded runs under {args.root}: only those are scored")
+    refused = lost_runs(args.markdown, subjects, guarded) if args.markdown and not args.force else None
+    if refused:   # before anything is drawn or written: a subset of the runs (a typo in the root)
+        raise SystemExit(f"error: --markdown {args.markdown}: {refused}: left as it is, and its figure; give "
+                         f"the folder its opening line names, or pass --force to write it anyway")
     firings = replay(subjects)
-    plot = None
-    if args.plot and draw(subjects, firings, args.plot):
-        plot = os.path.relpath(args.plot, os.path.dirname(os.path.abspath(args.markdown)) if args.markdown else ".")
-    text = render(args.root.rstrip("/") + "/", subjects, guarded, firings, plot)
+    command = shlex.join(["python", "-m", "lab.detectors", args.root, *(["--markdown", args.markdown] if
+                          args.markdown else []), *(["--plot", args.plot] if args.plot else [])])
+    with written_together():   # the figure and the document, each whole, both or neither
+        plot = None
+        if args.plot and draw(subjects, firings, args.plot):
+            plot = os.path.relpath(args.plot, os.path.dirname(os.path.abspath(args.markdown)) if args.markdown
+                                   else ".")
+        text = render(args.root.rstrip("/") + "/", subjects, guarded, firings, plot, command)
+        if args.markdown:
+            os.makedirs(os.path.dirname(args.markdown) or ".", exist_ok=True)
+            save_text(args.markdown, text)
     if args.markdown:
-        os.makedirs(os.path.dirname(args.markdown) or ".", exist_ok=True)
-        with open(args.markdown, "w") as f:
-            f.write(text)
         print(f"wrote {args.markdown}" + (f" and {args.plot}" if plot else ""))
     else:
         print(text)

@@ -97,6 +97,9 @@ def keep(src, dst, whole_seeds=False):
             with open(os.path.join(src, name), "rb") as f:
                 plan[os.path.join(dst, name)] = f.read()
     for path, data in plan.items():   # every kept file is compared (config, log, fault size), not the log alone
+        if os.path.isdir(path):
+            sys.exit(f"error: {path} is a folder where a kept run's {os.path.basename(path)} goes: move it "
+                     f"away (nothing was kept), and keep again")
         if os.path.exists(path):
             with open(path, "rb") as f:
                 held = f.read()

@@ -16,6 +16,7 @@ does a run whose log or config.json cannot be read (a warning names it). The run
 data and every flag but their arms' own (the preset, the learning rate, ...): a mix is refused, not judged.
 """
 import argparse
+import contextlib
 import glob
 import json
 import math
@@ -2111,6 +2112,46 @@ def build(groups, root, markdown, plots=(), markdown_dir=".", pilots=(), plots_f
 # Plots: loss, max logit, sigma(W_q) and the most-grown other weight against step (a trigger is a
 # vertical line, a collapse an x), and survival curves (the fraction of seeds not yet collapsed)
 
+# Files written whole, and together (main): each to <path>.tmp, all renamed into place only once every one was
+# written; a failure (or a refusal) before then leaves every file as it was.
+
+STAGED = None   # inside written_together(): [(temp file, its path)]
+
+
+@contextlib.contextmanager
+def written_together():
+    global STAGED
+    STAGED = []
+    try:
+        yield
+        for tmp, path in STAGED:
+            os.replace(tmp, path)
+    finally:
+        for tmp, _ in STAGED:   # those not renamed: an error came first
+            with contextlib.suppress(OSError):
+                os.remove(tmp)
+        STAGED = None
+
+
+def _place(tmp, path):
+    if STAGED is None:
+        os.replace(tmp, path)
+    else:
+        STAGED.append((tmp, path))
+
+
+def save_figure(fig, png, **kw):
+    """fig as a PNG at png, whole: a temp file renamed at once, or with the rest (written_together)."""
+    fig.savefig(png + ".tmp", format="png", **kw)
+    _place(png + ".tmp", png)
+
+
+def save_text(path, text):
+    with open(path + ".tmp", "w") as f:
+        f.write(text)
+    _place(path + ".tmp", path)
+
+
 def _pyplot(quiet=False):
     try:
         import matplotlib
@@ -2147,11 +2188,14 @@ def plot_runs(runs, axes, colors, panels=tuple(PANELS)):
         if panel == "others":
             return [finite_max([run.sigmas[k][i] for k in run.other_kinds]) or math.nan for i in range(len(run.steps))]
         return getattr(run, panel)
+    drawn = set()   # the panels with a value to draw: a log scale of nothing but NaN cannot be drawn
     for run in runs:
         color, k = colors[run.group], run.seed[4:]
         style = ["-", "--", ":", "-."][(int(k) - 1) % 4 if k.isdigit() else 0]
         for ax, panel in zip(axes, panels):
             ys = [y if y is not None and math.isfinite(y) and y > 0 else math.nan for y in series(run, panel)]
+            if any(not math.isnan(y) for y in ys):
+                drawn.add(panel)
             ax.plot(run.steps, ys, color=color, ls=style, lw=1, label=f"{run.group} {run.seed}".strip())
             if run.trigger is not None:
                 ax.axvline(run.trigger, color=color, ls=":", lw=0.8)
@@ -2161,7 +2205,10 @@ def plot_runs(runs, axes, colors, panels=tuple(PANELS)):
                         ms=10, mew=2)
     for ax, panel in zip(axes, panels):
         label, scale = PANELS[panel]
-        ax.set(ylabel=label, yscale=scale)
+        ax.set(ylabel=label, yscale=scale if panel in drawn else "linear")
+        if panel not in drawn:
+            ax.text(0.5, 0.5, "no finite positive value logged", transform=ax.transAxes, ha="center",
+                    fontsize=9)
         ax.grid(alpha=0.3)
     axes[-1].set_xlabel("step")
 
@@ -2270,7 +2317,7 @@ def plot_claim(plt, groups, label, arms, png):
     split = f"; left the first {columns[0][0]} steps, right the whole {columns[1][0]}" if len(columns) > 1 else ""
     fig.suptitle(f"claim {label}: each line the median over seeds of one arm{split}", fontsize=11, y=0.985)
     fig.subplots_adjust(top=0.95, bottom=0.08)   # room for the title, and for the legend below the axes
-    fig.savefig(png, dpi=110, bbox_inches="tight")
+    save_figure(fig, png, dpi=110, bbox_inches="tight")
     plt.close(fig)
 
 
@@ -2373,7 +2420,7 @@ def plot_dose_response(plt, groups, png):
         bottom.legend(handles=handles, fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.16))
     axes[0][0].set(ylabel="fraction of seeds that ran away\nbeyond the no-error run (same seed)", ylim=(-0.05, 1.05))
     axes[1][0].set(ylabel="max attention logit over the no-error\nrun's, same seed (median, range)")
-    fig.savefig(png, dpi=110, bbox_inches="tight")
+    save_figure(fig, png, dpi=110, bbox_inches="tight")
     plt.close(fig)
 
 
@@ -2489,7 +2536,7 @@ def plot_lr_study(groups, out_dir, quiet=False):
         gap_ax.set_title("the paired gap rule 2p judges, at each lr where bf16 state ran away in a majority of seeds"
                          + ("; grey: the A/A pair's, at the lrs it ran" if aa else ""), fontsize=9)
         saved.append(os.path.join(out_dir, f"lr-{arch}.png"))
-        fig.savefig(saved[-1], dpi=110, bbox_inches="tight")
+        save_figure(fig, saved[-1], dpi=110, bbox_inches="tight")
         plt.close(fig)
     return saved
 
@@ -2544,7 +2591,7 @@ def plot_some_runs(paths, png, labels=None):
     if thresholds:
         axes[1].legend(handles=axes[1].get_lines()[-len(thresholds):], fontsize=8, loc="center right")
     axes[0].set_title(runs_title(runs), fontsize=9)
-    fig.savefig(png, dpi=110, bbox_inches="tight")
+    save_figure(fig, png, dpi=110, bbox_inches="tight")
     plt.close(fig)
     return png
 
@@ -2561,6 +2608,56 @@ def judged_claims(markdown):
     rows = markdown.split("\n| claim | verdict |", 1)[1:]
     table = rows[0].split("\n\n", 1)[0].splitlines()[2:] if rows else []   # less the header's rest and | --- |
     return sum(line.split("|")[2].strip() != VERDICT_WORDS["not run"] for line in table if line.count("|") > 2)
+
+
+def evidence(markdown):
+    """{(section, arm folder): {seed folders}}: the runs a report was made from, read from its run tables
+    (the claims' Runs, the lr study's, the pilots': a section is its heading less the folder in brackets);
+    markdown: its text, or the path of a file ({} if there is none)."""
+    if "\n" not in markdown:
+        try:
+            with open(markdown, errors="replace") as f:
+                markdown = f.read()
+        except OSError:
+            return {}
+    runs, section, heading, header = {}, None, None, None
+    for line in markdown.splitlines():
+        if line.startswith("#"):
+            level, _, words = line.partition(" ")
+            section = re.sub(r" \(.*", "", words) if level == "##" else section
+            heading, header = words, None
+            continue
+        if not line.startswith("|"):
+            header = None
+            continue
+        cells = [cell.strip() for cell in line.strip().strip("|").split("|")]
+        if header is None:
+            header = cells
+            continue
+        seed = cells[header.index("seed")] if "seed" in header and len(cells) == len(header) else ""
+        if re.fullmatch(r"seed\d+", seed):
+            arm = cells[header.index("arm")] if "arm" in header else heading
+            if "lr" in header:
+                arm = lr_name(arm, float(cells[header.index("lr")]))
+            runs.setdefault((section, arm), set()).add(seed)
+    return runs
+
+
+def lost_evidence(path, text, most=3):
+    """Why `text` must not replace the report at `path`: the runs that file was made from which this one
+    lacks, per arm and seed (fewer seeds or arms; a one-seed verdict still counts as judged), or fewer
+    claims judged; None if neither."""
+    old, new = evidence(path), evidence(text)
+    lacking = [(section, arm, seeds, new.get((section, arm), set())) for (section, arm), seeds in old.items()
+               if seeds - new.get((section, arm), set())]
+    if lacking:
+        said = "; ".join(f"{arm} ({section}): {len(seeds)} seeds, here {len(here)}"
+                         for section, arm, seeds, here in lacking[:most])
+        more = f" and {len(lacking) - most} more arms" if len(lacking) > most else ""
+        return f"it was made from runs this report lacks: {said}{more}"
+    if judged_claims(text) < judged_claims(path):
+        return f"it judges {judged_claims(path)} claims, this report {judged_claims(text)}"
+    return None
 
 
 def main(argv=None):
@@ -2582,7 +2679,8 @@ def main(argv=None):
     p.add_argument("--labels", nargs="+", metavar="TEXT",
                    help="--runs: the legend's words, one per run (default: from each run's config)")
     p.add_argument("--force", action="store_true",
-                   help="--markdown: write it even if it judges fewer claims than the file it replaces")
+                   help="--markdown: write it even if the file it replaces was made from runs (arms, seeds) "
+                        "this report lacks, or judges more claims")
     args = p.parse_args(argv)
     if args.runs:
         missing = [d for d in args.runs if not any(os.path.exists(os.path.join(d, name))
@@ -2638,27 +2736,31 @@ def main(argv=None):
     tokens = (args.tokens, claim1.load(args.tokens, claim1.TOKENS)) if args.tokens is not None else None
     print(build(groups, args.root, markdown=False, pilots=pilots, study=study, stream=stream, tokens=tokens))
     markdown_dir = os.path.dirname(os.path.abspath(args.markdown)) if args.markdown else None
-    plots = plot_claims(groups, plots_dir)
-    study_plots = plot_lr_study(study[1], plots_dir, quiet=True) if study else []
+    if args.markdown and not args.force:   # before any file is drawn: the run tables need no figure
+        refused = lost_evidence(args.markdown, build(groups, args.root, markdown=args.markdown, pilots=pilots,
+                                                     plots_flag=args.plots, study=study, stream=stream, tokens=tokens))
+        if refused:   # the folders given hold less than the file's (a typo in the root, one-seed copies)
+            p.error(f"--markdown {args.markdown}: {refused}: left as it is, and its figures; give the "
+                    f"folders its opening line names, or pass --force to write it anyway")
     stream_plot = os.path.join(plots_dir, "claim1-stream.png") if stream else None
     tokens_plot = os.path.join(plots_dir, "claim1-tokens.png") if tokens else None
-    for runs, path, which in ((stream, stream_plot, claim1.STREAM), (tokens, tokens_plot, claim1.TOKENS)):
-        if path and _pyplot(quiet=True):
-            claim1.plot(runs[1], path, which)
-            print(f"plot: {path}")
+    with written_together():   # the figures and the Markdown, each whole, all or none
+        plots = plot_claims(groups, plots_dir)
+        study_plots = plot_lr_study(study[1], plots_dir, quiet=True) if study else []
+        for runs, path, which in ((stream, stream_plot, claim1.STREAM), (tokens, tokens_plot, claim1.TOKENS)):
+            if path and _pyplot(quiet=True):
+                os.makedirs(plots_dir, exist_ok=True)
+                claim1.plot(runs[1], path, which, save=save_figure)
+                print(f"plot: {path}")
+        if args.markdown:
+            os.makedirs(markdown_dir, exist_ok=True)
+            save_text(args.markdown, build(groups, args.root, markdown=args.markdown, plots=plots,
+                                           markdown_dir=markdown_dir, pilots=pilots, plots_flag=args.plots,
+                                           study=study, study_plots=study_plots, stream=stream,
+                                           stream_plot=stream_plot, tokens=tokens, tokens_plot=tokens_plot))
     for path in plots + study_plots:
         print(f"plot: {path}")
     if args.markdown:
-        text = build(groups, args.root, markdown=args.markdown, plots=plots, markdown_dir=markdown_dir, pilots=pilots,
-                     plots_flag=args.plots, study=study, study_plots=study_plots, stream=stream,
-                     stream_plot=stream_plot, tokens=tokens, tokens_plot=tokens_plot)
-        old = judged_claims(args.markdown)
-        if judged_claims(text) < old and not args.force:   # the folders given hold less than the file's
-            p.error(f"--markdown {args.markdown}: it judges {old} claims, this report {judged_claims(text)}: left as it "
-                    f"is; give the folders its opening line names, or pass --force to write it anyway")
-        os.makedirs(markdown_dir, exist_ok=True)
-        with open(args.markdown, "w") as f:
-            f.write(text)
         print(f"markdown: {args.markdown}")
     return 0
 

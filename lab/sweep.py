@@ -317,7 +317,7 @@ def plan(names_flags, seeds, out_root, extra, resume, train_parser=None):
             cmd = [sys.executable, train, *flags, *extra, "--seed", str(seed), "--out-dir", out_dir]
             writer = live_writer(out_dir) if state not in DONE else None
             if train_parser is not None and state != "new" and not state.startswith("unreadable"):
-                refuse_other_flags(out_dir, typed_flags(train_parser, cmd[2:]), finished=state in DONE)
+                refuse_other_flags(out_dir, train_parser, cmd[2:], finished=state in DONE)
             if writer:   # orphaned by a killed sweep, say: a second writer would log every step twice
                 skipped.append((out_dir, f"unfinished: process {writer} is still writing it; wait for it, or stop "
                                          f"it (kill -INT {writer}) and launch again"))
@@ -364,23 +364,47 @@ def unknown_flag(parser, flags):
     return None
 
 
-def refuse_other_flags(out_dir, planned, finished):
-    """SystemExit naming the flags a run in out_dir was made with that differ from the planned ones. A
-    resume may change what train.py lets it (run.RESUMABLE_CHANGES); a finished run only how it ran, not
-    its --max-steps. A config.json without the flag (an older run) is not held against it."""
+def refuse_other_flags(out_dir, parser, flags, finished):
+    """SystemExit naming the flags a run in out_dir was made with that differ from the planned ones: every
+    flag its config.json records, typed or not (planned_args), not only those typed now. A resume may change
+    what train.py lets it (run.RESUMABLE_CHANGES); a finished run only how it ran, not its --max-steps. A flag
+    config.json lacks or records as null (an older run) is not held against it."""
     import run
     try:
         with open(os.path.join(out_dir, "config.json")) as f:
-            saved = json.load(f)["args"]
+            config = json.load(f)
+        saved = config["args"]
     except (OSError, ValueError, KeyError, TypeError):
         return   # no config.json yet (killed at start-up): train.py --resume starts over and says so
+    if not isinstance(saved, dict):
+        return
     free = run.RESUMABLE_CHANGES - ({"max_steps"} if finished else set())
-    planned = json.loads(json.dumps(planned))    # tuples as config.json holds them: lists
+    planned = json.loads(json.dumps(planned_args(parser, flags, config)))   # tuples as config.json holds them
     differ = [f"--{k.replace('_', '-')} {v} (the run's: {saved[k]})" for k, v in planned.items()
-              if k not in free and isinstance(saved, dict) and k in saved and saved[k] != v and v != "auto"]
+              if k not in free and saved.get(k) is not None and saved[k] != v]
     if differ:
         raise SystemExit(f"error: {out_dir} was run with other flags than planned: {'; '.join(differ)}. Give the "
                          f"flags it was run with, or another --out-root (or delete it to run it again)")
+
+
+def planned_args(parser, flags, config):
+    """Every flag train.py would record in config.json for `flags` (run.parse_args and run.resolve): those
+    typed, then the preset's (auto: the one the run's own device picked), then the defaults. Left out: what
+    a path or the data sets (the run and data folders) and --decay-steps 0 (--max-steps at the start)."""
+    import run
+    from guard import DEFAULT_THRESHOLD
+    args = {**parser.flag_defaults, **typed_flags(parser, flags)}
+    device = str((config.get("versions") or {}).get("device", "cpu")).split(":")[0]
+    preset = run.auto_preset(device) if args["preset"] == "auto" else args["preset"]
+    if preset in run.PRESETS:
+        sizes = run.model_lib.MODEL_SIZES[run.PRESETS[preset]["size"]]
+        args.update({k: v for k, v in {**run.PRESETS[preset], **sizes}.items()
+                     if k != "size" and args.get(k) is None})
+        args["preset"] = preset
+    if args.get("guard_threshold") is None:
+        args["guard_threshold"] = DEFAULT_THRESHOLD[args["guard_signal"]]
+    derived = {"out_dir", "data_dir"} | ({"decay_steps"} if not args.get("decay_steps") else set())
+    return {k: v for k, v in args.items() if k not in derived}
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -489,11 +513,21 @@ def outcome(out_dir, returncode):
     return True, text
 
 
+def say(text):
+    """print, flushed; dropped where the terminal is gone (a hangup: every write to it fails with EIO), so
+    that stopping goes on."""
+    try:
+        print(text, flush=True)
+    except OSError:
+        pass
+
+
 def stop(running):
-    """Send every child SIGINT (train.py finishes its step and saves a checkpoint), then wait."""
-    print(f"stopping {len(running)} runs (they save a checkpoint; Ctrl-C again to kill them)", flush=True)
+    """Send every child SIGINT (train.py finishes its step and saves a checkpoint), then wait. The signals
+    go first: nothing printed (to a terminal that may be gone) can keep a child from its stop."""
     for proc in running:
         proc.send_signal(signal.SIGINT)
+    say(f"stopping {len(running)} runs (they save a checkpoint; Ctrl-C again to kill them)")
     try:
         deadline = time.time() + STOP_WAIT_S
         for proc in running:
@@ -505,7 +539,7 @@ def stop(running):
     for proc, (out_dir, _) in running.items():
         if proc.poll() is not None:
             ended_writing(out_dir)
-        print(f"  {out_dir}: {run_state(out_dir)}", flush=True)
+        say(f"  {out_dir}: {run_state(out_dir)}")
 
 
 def launch(todo, parallel):
@@ -526,20 +560,38 @@ def launch(todo, parallel):
                     f.write(f"{proc.pid}\n")
                 running[proc] = (out_dir, time.time())
                 started += 1
-                print(f"[start {started}/{n}] {out_dir}", flush=True)
+                say(f"[start {started}/{n}] {out_dir}")
             for proc in [p for p in running if p.poll() is not None]:
                 out_dir, t0 = running.pop(proc)
                 ended_writing(out_dir)
                 ok, text = outcome(out_dir, proc.returncode)
                 ended += 1
-                print(f"[end {ended}/{n}] {out_dir}: {text} ({time.time() - t0:.0f} s)", flush=True)
+                say(f"[end {ended}/{n}] {out_dir}: {text} ({time.time() - t0:.0f} s)")
                 if not ok:
                     errors.append(out_dir)
             time.sleep(0.2)
     except KeyboardInterrupt:
         stop(running)
         raise
+    except OSError as e:   # a run's folder or logs cannot be written (a disk that filled or is read-only)
+        stop(running)
+        where = e.filename or "a run folder"
+        raise SystemExit(f"error: cannot write {where} ({e.strerror or e}): make room, or give an --out-root "
+                         f"on a writable disk; then launch again with --resume") from None
     return errors
+
+
+def unwritable(folder):
+    """Why `folder` cannot be written (it is made if need be, and a file made and removed in it), or None."""
+    try:
+        os.makedirs(folder, exist_ok=True)
+        probe = os.path.join(folder, f".sweep-write-check-{os.getpid()}")
+        with open(probe, "w"):
+            pass
+        os.remove(probe)
+    except OSError as e:
+        return e.strerror or str(e)
+    return None
 
 
 def main(argv=None):
@@ -605,6 +657,9 @@ def main(argv=None):
     if not todo:
         print(f"nothing to run; read the results with: python -m lab.report {args.out_root}")
         return 0
+    if unwritable(args.out_root):   # a read-only disk: one line now, not a traceback at the first run
+        p.error(f"--out-root {args.out_root}: cannot write there ({unwritable(args.out_root)}): give a "
+                f"folder on a writable disk")
     parallel = args.parallel or default_parallel(extra)
     prepare_data_once(extra)
     print(f"{len(todo)} runs, {parallel} at a time, into {args.out_root}", flush=True)
@@ -618,7 +673,7 @@ def main(argv=None):
     try:
         errors = launch(todo, parallel)
     except KeyboardInterrupt:
-        print("sweep interrupted: launch it again with --resume to continue the unfinished runs")
+        say("sweep interrupted: launch it again with --resume to continue the unfinished runs")
         return 130
     if errors:
         print(f"{len(errors)} runs errored:" + "".join(f"\n  {d}" for d in errors))

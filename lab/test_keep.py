@@ -155,3 +155,15 @@ def test_a_file_above_the_destination_is_one_line(tmp_path):
     (tmp_path / "results" / "fp32").write_text("x")          # a file where a run's folder goes
     with pytest.raises(SystemExit, match="error: cannot write .*results/fp32"):
         keep.main([str(src), str(tmp_path / "results")])
+
+
+def test_a_folder_where_a_kept_file_goes_is_one_line_and_nothing_is_kept(tmp_path):
+    # before: IsADirectoryError's traceback
+    src, dst = tmp_path / "runs", tmp_path / "results"
+    fake_run(src, "fp32", 1), fake_run(src, "fp32", 2)
+    (dst / "fp32" / "seed2" / "config.json").mkdir(parents=True)
+    with pytest.raises(SystemExit) as e:
+        keep.keep(str(src), str(dst))
+    assert str(e.value) == (f"error: {dst / 'fp32' / 'seed2' / 'config.json'} is a folder where a kept run's "
+                            f"config.json goes: move it away (nothing was kept), and keep again")
+    assert not (dst / "fp32" / "seed1").exists()

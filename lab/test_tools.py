@@ -7,6 +7,7 @@ pass it, and cases that each remove one of its conditions and must fail it.
 """
 import importlib.util
 import json
+import math
 import os
 import random
 import re
@@ -1088,6 +1089,12 @@ def test_rule_1p_on_too_few_seeds_is_inconclusive(tmp_path):
           id="a steady gap of 0.02, inside the margin"),
     param({("bf16-guard", TOP): arm(8, {**TRIG, "val": 2.9 - TOL + 0.01})}, "reproduced",
           id="val LOSS_TOL-0.01 below it in every seed"),
+    # the lower one-sided test: a guard that ends well below QK-norm is not "within" it either
+    param({("bf16-guard", TOP): arm(8, {**TRIG, "val": 2.9 - TOL - 0.01})}, "not reproduced",
+          id="val LOSS_TOL+0.01 below it in every seed: the interval wholly past the lower margin"),
+    param({("bf16-guard", TOP): arm(8, TRIG, {s: {**TRIG, "val": 2.9 - TOL + (-1) ** s * 0.05}
+                                              for s in range(1, 9)})},
+          "inconclusive", id="seeds +-0.05 about a mean gap of -LOSS_TOL: the interval straddles its margin"),
     param({("bf16-guard", TOP): arm(8, TRIG, {2: {"trigger": 10, "logit": AWAY["logit"]}})}, "not reproduced",
           id="triggers at the runaway step, reading a runaway's logit"),
     param({("bf16-guard", TOP): arm(8, TRIG, {2: {"trigger": 11}})}, "not reproduced",
@@ -1202,6 +1209,13 @@ def test_student_t_quantiles_and_the_equivalence_test():
     mean, lo, hi = report.mean_interval([1.0, 2.0, 3.0, 4.0], 0.95)   # sd 1.291, t(0.975, 3) 3.1824
     assert (mean, lo, hi) == pytest.approx((2.5, 2.5 - 3.1824 * 1.291 / 2, 2.5 + 3.1824 * 1.291 / 2), abs=1e-3)
     assert report.equivalence([0.0]) [0] == "inconclusive"        # one seed: no interval
+    # both one-sided tests, each on its side of the margin: wholly past it above or below is "beyond", an
+    # interval straddling -0.03 or +0.03 "inconclusive" (a test dropped on either side reads these otherwise)
+    spread = (-0.005, 0.005, -0.003, 0.003)
+    for side in (1, -1):
+        assert report.equivalence([side * 0.1 + d for d in spread])[0] == "beyond"
+        assert report.equivalence([side * 0.03 + 2 * d for d in spread])[0] == "inconclusive"
+        assert report.equivalence([side * 0.02 + d for d in spread])[0] == "within"
     rng = random.Random(0)
     # A/A sets (a true gap of 0) at a paired spread of this lab's order (the guard's gaps: sd 0.02 to 0.09):
     # never "beyond"; sets shifted 0.1 past 0: "beyond" nearly always; the 90% interval covers the true mean
@@ -2245,10 +2259,69 @@ def test_the_sweep_refuses_a_finished_run_made_with_other_flags(tmp_path, capsys
                             f"--out-root (or delete it to run it again)")
     write_run(root, "bf16", 1, end=None, args={"accum": "bf16", "max_steps": 600, "lr": 1e-3})   # unfinished
     common[common.index("fp32")] = "bf16"
-    assert sweep.main(["--resume", *common, "--max-steps", "900"]) == 0   # a resume may train on
-    assert "--max-steps 900 --seed 1 --out-dir" in capsys.readouterr().out
+    assert sweep.main(["--resume", *common, "--max-steps", "900", "--lr", "1e-3"]) == 0   # may train on
+    assert "--max-steps 900 --lr 1e-3 --seed 1 --out-dir" in capsys.readouterr().out
     with pytest.raises(SystemExit, match=r"seed1 was run with other flags than planned: --lr 0.003 \(the run's: "):
         sweep.main(["--resume", *common, "--lr", "3e-3"])
+
+
+def test_the_sweep_compares_every_flag_a_finished_run_recorded_not_only_those_typed_now(tmp_path, capsys):
+    """A completed run made with extra flags (--lr 1e-2, or --guard on in the fp32 arm) was skipped as done
+    and read as the planned arm: only the flags typed now were compared. Now its config.json is, in full."""
+    root = str(tmp_path)
+    lab = {"preset": "lab", "accum": "fp32", "lr": 3e-3, "min_lr": 3e-3, "max_steps": 300, "guard": "off",
+           "block_size": 128, "n_layer": 4, "guard_threshold": 200.0}
+    write_run(root, "fp32", 1, args=lab)
+    common = ["--dry-run", "--claims", "1", "--only", "fp32", "--seeds", "1", "--out-root", root, "--",
+              "--preset", "lab"]
+    assert sweep.main(common) == 0 and f"skip {root}/fp32/seed1: completed" in capsys.readouterr().out
+    for changed, words in [({"lr": 1e-2}, "--lr 0.003 (the run's: 0.01)"),
+                           ({"guard": "on"}, "--guard off (the run's: on)"),
+                           ({"n_layer": 2, "block_size": 64},
+                            "--n-layer 4 (the run's: 2); --block-size 128 (the run's: 64)")]:
+        os.remove(os.path.join(root, "fp32", "seed1", "config.json"))
+        with open(os.path.join(root, "fp32", "seed1", "config.json"), "w") as f:
+            json.dump({"args": {**lab, "seed": 1, **changed}, "versions": {"device": "cpu"}}, f)
+        with pytest.raises(SystemExit) as e:
+            sweep.main(common)
+        assert str(e.value).startswith(f"error: {root}/fp32/seed1 was run with other flags than planned: "
+                                       f"{words}. "), str(e.value)
+
+
+def test_the_sweeps_stop_signals_its_children_before_printing_to_a_gone_terminal(tmp_path, monkeypatch):
+    """On a real hangup the sweep's first print in stop() raised OSError [Errno 5] before any child was
+    signalled: a traceback, and the children ran on, orphaned."""
+    import errno
+    import io
+    child = subprocess.Popen([sys.executable, "-c", "import signal, sys, time\nsignal.signal(signal.SIGINT, "
+                              "lambda *a: sys.exit(7))\nprint('ready', flush=True)\ntime.sleep(60)"],
+                             stdout=subprocess.PIPE, text=True)
+    assert child.stdout.readline() == "ready\n"   # its handler is set
+
+    class Gone(io.TextIOBase):
+        def write(self, text):
+            raise OSError(errno.EIO, "Input/output error")
+    monkeypatch.setattr(sys, "stdout", Gone())
+    try:
+        sweep.stop({child: (str(tmp_path), 0.0)})
+    finally:
+        child.kill() if child.poll() is None else None
+    assert child.wait(timeout=30) == 7
+
+
+def test_an_out_root_on_a_read_only_disk_ends_in_one_line(tmp_path, monkeypatch, capsys):
+    import errno
+
+    def read_only(path, *args, **kwargs):
+        raise OSError(errno.EROFS, "Read-only file system", path)
+    monkeypatch.setattr(os, "makedirs", read_only)
+    root = tmp_path / "ro"
+    with pytest.raises(SystemExit):
+        sweep.main(["--claims", "1", "--only", "fp32", "--seeds", "1", "--out-root", str(root), "--",
+                    "--data-dir", str(tmp_path)])
+    assert capsys.readouterr().err.splitlines()[-1].endswith(
+        f"error: --out-root {root}: cannot write there (Read-only file system): give a folder on a writable "
+        f"disk")
 
 
 FAKE_TRAIN = """import os, signal, sys, time
@@ -2341,12 +2414,70 @@ def test_a_markdown_that_judges_fewer_claims_than_the_file_it_replaces_is_refuse
     argv = [str(tmp_path / "runs"), "--markdown", str(results), "--plots", str(tmp_path / "plots")]
     with pytest.raises(SystemExit):
         report.main(argv)
-    assert capsys.readouterr().err.splitlines()[-1].endswith(
-        f"error: --markdown {results}: it judges {judged} claims, this report 1: left as it is; give the folders its "
-        f"opening line names, or pass --force to write it anyway")
+    assert re.search(f"error: --markdown {re.escape(str(results))}: it was made from runs this report lacks: "
+                     r"\S+ \(Learning-rate study\): 8 seeds, here 0; .* and \d+ more arms: left as it is, "
+                     r"and its figures; give the folders its opening line names, or pass --force to write it "
+                     r"anyway$",
+                     capsys.readouterr().err.splitlines()[-1])
     assert results.read_text() == committed
     assert report.main([*argv, "--force"]) == 0 and report.judged_claims(str(results)) == 1
     assert report.main(argv) == 0             # as many claims as the file: written without --force
+    # the same runs, fewer claims judged (a rule that would judge less): refused too
+    fewer = results.read_text().replace("| 1 | REPRODUCED |", "| 1 | NOT RUN |")
+    assert report.lost_evidence(str(results), fewer) == "it judges 1 claims, this report 0"
+
+
+def test_one_seed_copies_of_a_reports_folders_are_refused_before_any_file_is_written(tmp_path, capsys):
+    """One-seed copies of a report's folders: its claims still judged (a one-seed INCONCLUSIVE counts), so the
+    Markdown was replaced and its figures before that, drawn ahead of the check. Now the runs per arm and seed
+    are compared, before anything is drawn, and every file is left as it was."""
+    runs, one, plots, results = tmp_path / "runs", tmp_path / "one", tmp_path / "plots", tmp_path / "R.md"
+    write_arms(runs, RULE1)
+    argv = ["--markdown", str(results), "--plots", str(plots)]
+    assert report.main([str(runs), *argv]) == 0
+    files = sorted(plots.iterdir()) + [results]
+    before = [(f.read_bytes(), f.stat().st_mtime_ns) for f in files]
+    assert len(files) > 1 or report._pyplot(quiet=True) is None
+    for name in RULE1:
+        write_run(one, name, 1, **RULE1[name][0])
+    capsys.readouterr()
+    with pytest.raises(SystemExit):
+        report.main([str(one), *argv])
+    assert capsys.readouterr().err.splitlines()[-1].endswith(
+        f"error: --markdown {results}: it was made from runs this report lacks: bf16 (Runs): 8 seeds, here "
+        f"1; fp32 (Runs): 8 seeds, here 1; bf16-safemax (Runs): 8 seeds, here 1: left as it is, and its "
+        f"figures; give the folders its opening line names, or pass --force to write it anyway")
+    assert [(f.read_bytes(), f.stat().st_mtime_ns) for f in files] == before
+    assert sorted(plots.iterdir()) + [results] == files and not list(tmp_path.glob("**/*.tmp"))
+    assert report.main([str(one), *argv, "--force"]) == 0 and len(report.evidence(str(results))) == 3
+
+
+def test_a_failed_figure_leaves_every_file_of_the_report_as_it_was(tmp_path, monkeypatch):
+    runs, plots, results = tmp_path / "runs", tmp_path / "plots", tmp_path / "R.md"
+    write_arms(runs, RULE1)
+    results.write_text("an older report\n")
+
+    def fails(*args, **kwargs):
+        raise RuntimeError("the figure failed")
+    monkeypatch.setattr(report, "plot_lr_study", fails)
+    with pytest.raises(RuntimeError):
+        report.main([str(runs), "--markdown", str(results), "--plots", str(plots), "--lr-study", str(runs)])
+    assert results.read_text() == "an older report\n"
+    assert not plots.exists() or not list(plots.iterdir())   # the figure drawn before the failure is not kept
+
+
+def test_the_runs_figure_of_a_run_whose_sigmas_are_all_nan_is_drawn(tmp_path):
+    """Its log-scale sigma panel had no value to scale: a traceback from matplotlib."""
+    path = write_run(tmp_path, "bf16", 1)
+    log = os.path.join(path, "log.jsonl")
+    with open(log) as f:
+        records = [json.loads(line) for line in f]
+    with open(log, "w") as f:
+        f.write("".join(json.dumps({**r, "sigma_q": [math.nan, math.nan]} if "sigma_q" in r else r) + "\n"
+                        for r in records))
+    png = tmp_path / "runs.png"
+    assert report.main(["--runs", path, "--png", str(png)]) == 0
+    assert png.exists() or report._pyplot(quiet=True) is None
 
 
 def markdown_summary(text):
