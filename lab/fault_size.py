@@ -29,7 +29,7 @@ import torch
 import model as model_lib
 import run
 from lab.assay import measure_fault
-from lab.sweep import output_problem
+from lab.sweep import DONE, output_problem, run_state
 from train import Batches, vocabulary
 
 
@@ -47,6 +47,9 @@ def measure_runs(root, batches=4):
     out = []
     for ckpt in sorted(glob.glob(os.path.join(root, "*", "seed*", "ckpt.pt")), key=lambda p: (len(p), p)):
         folder = os.path.dirname(ckpt)
+        if run_state(folder) not in DONE:   # a run still going (or stopped) has no final checkpoint yet
+            print(f"{folder}: skipped, {run_state(folder)}", flush=True)
+            continue
         state = torch.load(ckpt, map_location="cpu", weights_only=False)
         args, _, _ = run.parse_args([])
         vars(args).update(state["args"])
