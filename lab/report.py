@@ -1057,14 +1057,24 @@ RULES = [
           "update shrunk to the probe's norm (if it stops the runaway too, the probe works through step size), the "
           "next k singular directions, a fixed random rank-k subspace (sign tests, p < ALPHA). The probe freezes "
           "W_q's top singular values by construction, so they are not evidence; the energy each removed and the "
-          "equal-energy and non-QK controls are reported. Decided before the runs of 2026-12-03: where the top-k "
+          "equal-energy and non-QK controls are reported. Decided on 2026-12-03 as its runs began (3 of their 32 had "
+          "started): where the top-k "
           f"probe and the shrink ran at {LONG_STEPS} steps (-long), the shrink is judged there instead: the claim's "
           "core needs the shrink to run away (max logit past RUNAWAY_LOGIT, or a collapse) where top-k does not, by "
           "a sign test at p < ALPHA over those seeds (a run unfinished or missing counted against); a shrink that "
           "did not run away held only if it never passed the guard's threshold, or ran at least the source's "
           "slowest runaway (its steps from the threshold to RUNAWAY_LOGIT) divided by the update norm the shrink "
           "left (its step factor) after it first passed it, else it is too short to judge; the probe \"works "
-          "through step size\" only if the source runs away where the shrink held, by a sign test at p < ALPHA",
+          "through step size\" only if the source runs away where the shrink held, by a sign test at p < ALPHA. "
+          "Reported beside it, by the paper's measure: each probe arm's final sigma(W_q). Its escape route, decided "
+          "on 2026-12-05 before its runs (reported, not judged): the top-k probe rerun at 2500 steps with each "
+          "layer's pre-attention norm gain g logged (-long-gain, seeds 1 up); from its first logged step to its "
+          "first logged step past RUNAWAY_LOGIT (or its collapse), the growth of the max logit of the head that "
+          "holds it then is split, in logs, into sigma(W_q,h) sigma(W_k,h), the gain's part (sigma(W_q,h diag g) "
+          "sigma(W_k,h diag g) over that product) and the rest (how the normalized inputs meet those directions: a "
+          "logit is at most scale n_embd times the gained product). The logit escapes through the gain if the "
+          "gain's part grew more than the sigma product in more seeds than not, by a sign test at p < ALPHA over "
+          "the seeds that ran away",
      lambda source: [source, f"{source}-probe-topk", *(f"{source}-probe-{n}" for n in PROBE_CONTROLS), NO_ERROR],
      probe_holds),
     ("6", "non-QK actions fail, judged only on seeds where the source ran away with as many steps after the "
@@ -1072,8 +1082,11 @@ RULES = [
           "cap between the trigger and RUNAWAY_LOGIT) at QK-Guard's trigger each fail (break down: a collapse, or "
           "logits past RUNAWAY_LOGIT after they act; or let the most-grown head's sigma(W_q,h) sigma(W_k,h) grow "
           "SIGMA_RATIO times as much after the trigger as under QK-norm) where QK-norm breaks down (sign tests, "
-          "p < ALPHA), and QK-Clip, a QK-side action, fails by that same measure in no seed; the loss gap to QK-norm "
-          "is reported, for every action in one table. "
+          "p < ALPHA), and QK-Clip, a QK-side action, fails in no seed, judged (from 2026-12-05) by breakdown and "
+          "loss: a breakdown, or a final val loss more than FIX_TOL above QK-norm's. QK-norm takes sigma out of its "
+          "logits, so its sigma growth is no healthy bar for an action that leaves sigma in them; the QK growth "
+          "against QK-norm's is reported for every action. The loss gap to QK-norm "
+          "is reported, for every action in one table, and the non-QK half's result on its own. "
           "An action that slows the step (the lr-drop, by its factor f) and did not fail needs the slowest runaway's "
           f"steps / f after its trigger, or it counts against the claim as too short (a verdict only such holds decide is "
           f"inconclusive); the lr-drop is judged at "
@@ -1117,8 +1130,10 @@ RULE_CHANGES = {
          "600 steps read as \"works through step size\", though its logit passed 200 in 4 and was still rising in "
          "7, and claim 6's horizon rule called 3 of the holds too short: now the shrink is judged at "
          f"{LONG_STEPS} steps on 16 seeds, its holds against the horizon a slowed runaway needs",
-    "6": "QK-Clip was judged by breakdowns alone (2026-12-03): now by the non-QK actions' measure, breakdown or QK "
-         "growth, and reported in the same table (Claim 6's actions). Before that, "
+    "6": "QK-Clip was judged by breakdowns alone (2026-12-03), then by the non-QK actions' measure, breakdown or QK "
+         "growth against QK-norm's (2 of 8 failed, by growth alone); a review (2026-12-05, after the runs) found "
+         "that bar unfair to a QK-side action, as QK-norm's sigma grows freely outside its logits: now breakdown "
+         "or a final val loss FIX_TOL above QK-norm's (the verdict was not reproduced under both). Before that, "
          "seeds where the source never ran away, or that ended before a runaway could show, were counted, and a "
          "capped logit passed as held; now only seeds with a runaway and room after the trigger, QK growth as a "
          "failure too, and the softcap above the trigger; and an lr-drop that held for fewer steps than a runaway "
@@ -1525,11 +1540,22 @@ LR_RULES = [
            "/ the lrs run (Bonferroni), and bf16-safemax is worse than fp32 by that test at no lr",
      ("fp32", "bf16", "bf16-safemax"), lr_fault_claim),
     ("2p", "claim 2 as a proxy: at every lr where bf16 runs away (a majority of seeds), bf16-guard runs away in no "
-           "seed, ends within LOSS_TOL of bf16-qknorm-always's final val loss in every seed, and its trigger (read "
+           "seed, its final val loss is equivalent to bf16-qknorm-always's within LOSS_TOL (two one-sided tests at "
+           "ALPHA on the mean paired gap over every seed both arms ran: the 90% t interval inside +-LOSS_TOL; one "
+           "wholly past it fails, one that reaches past it is inconclusive), and its trigger (read "
            "below RUNAWAY_LOGIT) comes no later than the logged step where the same seed's bf16 run first showed its "
            "runaway; at every lr where fp32 and bf16 stay healthy in every seed (their max logit under the "
            "guard's threshold), bf16-guard and fp32-guard fire in no seed and log the losses of bf16 and fp32 bit "
-           "for bit; the grid must hold both kinds of lr",
+           "for bit; the grid must hold both kinds of lr. Decided on 2026-12-05 before their runs: the A/A pair "
+           "(bf16-qknorm-always at 1 and 2 CPU threads, run side by side in one sweep; they differ in the order "
+           "of fp32 sums alone) must not show a gap: where it ran, a 95% t interval of its mean paired gap that "
+           "excludes 0 makes a 2p that would hold inconclusive (the test then cannot tell two arms from noise); "
+           "at lr 0.01, where the guard stays dormant for a stretch, bf16-guard and bf16-qknorm-always run 32 seeds "
+           "and the late switch's cost is reported as a finding: the mean paired gap with its 95% t interval, and "
+           "its least-squares slope on the trigger step with the slope's 95% interval; at every runaway lr the "
+           "seeds whose trigger fell inside the warmup are counted (there the guard is QK-norm nearly from the "
+           "start, so its equivalence with always-on QK-norm is nearly built in), and the equivalence test's power "
+           "at the gaps' own sd (with the seeds 80% would need) is stated",
      ("bf16", "bf16-guard", "bf16-qknorm-always", "fp32", "fp32-guard"), lr_guard_claim),
     ("7p", "claim 7 as a proxy: 1p and 2p both hold on llama (the llama- arms)",
      tuple(LLAMA + a for a in LR_STUDY_ARMS),
