@@ -25,9 +25,10 @@ import re
 import shlex
 import statistics
 import sys
+import time
 
 from guard import ACTIONS, DEFAULT_THRESHOLD
-from lab.sweep import (AA_ARMS, CLAIM3_SITE, CLAIM4_SITES, CLAIMS, COHERENCES, DONE, DOSES, LR_STUDY_ARMS, NO_ERROR,
+from lab.sweep import (AA_ARMS, TILE_ARMS, CLAIM3_SITE, CLAIM4_SITES, CLAIMS, COHERENCES, DONE, DOSES, LR_STUDY_ARMS, NO_ERROR,
                        LONG_STEPS, QKNORM_ALONE, SEEDS, SITES, SOURCES, Unreadable, action_arms, actions_of, experiments,
                        inject_arm, long_arms, lr_name, not_a_folder, probe_arms, probe_long_arms, read_log,
                        split_lr)
@@ -154,6 +155,55 @@ def mean_interval(values, level=1 - 2 * ALPHA):
     mean, sd = statistics.mean(values), statistics.stdev(values)
     half = t_quantile(1 - (1 - level) / 2, n - 1) * sd / math.sqrt(n)
     return mean, mean - half, mean + half
+
+
+def t_p(t, df):
+    """Two-sided p of Student's t statistic t with df degrees of freedom."""
+    return _betainc(df / 2, 0.5, df / (df + t * t)) if math.isfinite(t) else 0.0
+
+
+def paired_t(values):
+    """(mean, 95% lower, upper, two-sided p of mean 0) of paired differences; nans under two values, p 1 where
+    every value is 0 (nothing to test)."""
+    mean, lo, hi = mean_interval(values, 1 - ALPHA)
+    if math.isnan(mean):
+        return mean, lo, hi, math.nan
+    sd = statistics.stdev(values)
+    return mean, lo, hi, (1.0 if mean == 0 else 0.0) if sd == 0 else t_p(mean / (sd / math.sqrt(len(values))),
+                                                                           len(values) - 1)
+
+
+def slope_interval(xs, ys, level=1 - ALPHA):
+    """Least-squares slope of ys on xs, its two-sided `level` t interval (n - 2 df) and Pearson's r; nans where
+    there are under 3 points or the xs do not vary."""
+    n = len(xs)
+    if n < 3 or len(set(xs)) < 2:
+        return math.nan, math.nan, math.nan, math.nan
+    mx, my = statistics.mean(xs), statistics.mean(ys)
+    sxx, syy = sum((x - mx) ** 2 for x in xs), sum((y - my) ** 2 for y in ys)
+    sxy = sum((x - mx) * (y - my) for x, y in zip(xs, ys))
+    slope = sxy / sxx
+    resid = sum((y - my - slope * (x - mx)) ** 2 for x, y in zip(xs, ys)) / (n - 2)
+    half = t_quantile(1 - (1 - level) / 2, n - 2) * math.sqrt(resid / sxx)
+    return slope, slope - half, slope + half, sxy / math.sqrt(sxx * syy) if syy > 0 else math.nan
+
+
+def normal_cdf(z):
+    return 0.5 * (1 + math.erf(z / math.sqrt(2)))
+
+
+def equivalence_power(sd, n, margin=LOSS_TOL, alpha=ALPHA):
+    """The chance that two one-sided tests at alpha find n paired gaps of sd `sd` within +-margin when the true
+    gap is 0 (the mean's spread taken as normal with the t quantile's width: an approximation)."""
+    if n < 2 or not sd > 0:
+        return math.nan
+    se = sd / math.sqrt(n)
+    return max(0.0, 2 * normal_cdf((margin - t_quantile(1 - alpha, n - 1) * se) / se) - 1)
+
+
+def seeds_for_power(sd, power=0.8, most=10_000):
+    """The fewest seeds whose equivalence_power at sd reaches `power` (None past `most`)."""
+    return next((n for n in range(2, most) if equivalence_power(sd, n) >= power), None)
 
 
 def equivalence(gaps, margin=LOSS_TOL, alpha=ALPHA):
@@ -1302,9 +1352,12 @@ ARCHS = {"gpt2": "", "llama": LLAMA}
 LR_WORDS = {"fp32": "fp32 state", "bf16": "bf16 state", "bf16-safemax": "bf16 state, safemax fix",
             "bf16-guard": "bf16 state, QK-Guard", "bf16-qknorm-always": "bf16 state, QK-norm always",
             "fp32-guard": "fp32 state, QK-Guard",
-            "bf16-qknorm-always-aa": "bf16 state, QK-norm always, run again beside its A/A twin",
-            "bf16-qknorm-always-tile64": "bf16 state, QK-norm always, state rounded per 64 keys (A/A)"}
-AA_NAMES = tuple(a for pair in AA_ARMS.values() for a in pair)   # the A/A arms: each arm again, and its twin
+            "bf16-qknorm-always-aa": "bf16 state, QK-norm always, run again beside its 64-key twin",
+            "bf16-qknorm-always-tile64": "bf16 state, QK-norm always, state rounded per 64 keys (not an A/A)",
+            "bf16-qknorm-always-t1": "bf16 state, QK-norm always, 1 CPU thread (A/A)",
+            "bf16-qknorm-always-t2": "bf16 state, QK-norm always, 2 CPU threads (A/A)"}
+# the A/A arms (the arm at 1 and 2 threads) and the 2026-12-03 tile pair: the lr study reads both
+AA_NAMES = tuple(a for pairs in (AA_ARMS, TILE_ARMS) for pair in pairs.values() for a in pair)
 PROXY = ("A proxy, not the claims themselves: claims 1, 2 and 7 at CPU scale as a learning-rate sensitivity "
          "study, in the style of Wortsman et al. 2023 (\"Small-scale proxies for large-scale Transformer training "
          "instabilities\"). Here the runaway's source is the learning rate; the bf16 state's fault rides along.")
@@ -1397,19 +1450,87 @@ def same_losses(run, ref):
 
 
 def aa_lines(c, prefix, always, lr):
-    """The A/A pair at lr, where both ran (AA_ARMS): the twin less the arm run again beside it, one commit's
-    code (this scale's noise floor); and the arm run again less its own runs of the sweep (what a later
-    commit, or another CPU's rounding, moved: 0 where they ran the same code on the same kind of CPU)."""
-    again, twin = (prefix + a for a in AA_ARMS["bf16-qknorm-always"])
-    if not (c.runs.get(lr_name(again, lr)) and c.runs.get(lr_name(twin, lr))):
+    """(whether the A/A pair showed a gap at lr, its lines): the pair of AA_ARMS (the same arm at 1 and 2 CPU
+    threads, run side by side), the twin less the arm, by a paired t test (a 95% interval that excludes 0 is a
+    gap where none should be); the 1-thread arm less the arm's own runs of the sweep (0 where no change of the
+    code or CPU since moved a bit); and TILE_ARMS, the 2026-12-03 pair, as what it is."""
+    one, two = (prefix + a for a in AA_ARMS["bf16-qknorm-always"])
+    aa_gap, lines = False, []
+    if c.runs.get(lr_name(one, lr)) and c.runs.get(lr_name(two, lr)):
+        gaps, left = paired_gaps(c, two, one, lr, lr_seeds(c, (one, two), lr))
+        mean, lo, hi, p = paired_t(gaps)
+        aa_gap = left > 0 or not lo <= 0 <= hi
+        sd = statistics.stdev(gaps) if len(gaps) > 1 else math.nan
+        lines.append(f"A/A at lr {lr:g}, {two} - {one} (the same arm at 2 and 1 CPU threads, run side by side in one "
+                     f"sweep: fp32 sums in another order, no rounding point moved): mean {num(mean, '+.3f')} nat, 95% "
+                     f"interval [{num(lo, '+.3f')}, {num(hi, '+.3f')}], sd {num(sd, '.3f')}, n {len(gaps)}, paired t "
+                     f"p = {num(p, '.2g')} -> {'a gap where none should be' if aa_gap else 'no gap'}"
+                     + (f" ({left} seeds without both runs finished, counted as a gap)" if left else "")
+                     + f"; per seed {', '.join(f'{g:+.3f}' for g in gaps)}")
+        redo, _ = paired_gaps(c, one, always, lr, lr_seeds(c, (one,), lr))
+        lines.append(f"lr {lr:g}, {one} - {always} (the same flags at one thread, run on a later day: what the code's "
+                     f"changes since moved): identical in {sum(g == 0 for g in redo)}/{len(redo)} seeds")
+    again, tile = (prefix + a for a in TILE_ARMS["bf16-qknorm-always"])
+    if c.runs.get(lr_name(again, lr)) and c.runs.get(lr_name(tile, lr)):
+        seeds = lr_seeds(c, (again, tile), lr)
+        gaps, _ = paired_gaps(c, tile, again, lr, seeds)
+        mean, lo, hi, p = paired_t(gaps)
+        hours = [abs(started(c.runs[lr_name(again, lr)].get(s)) - started(c.runs[lr_name(tile, lr)].get(s))) / 3600
+                 for s in seeds if c.runs[lr_name(again, lr)].get(s) and c.runs[lr_name(tile, lr)].get(s)]
+        commits = sorted({commit_of(r) for a in (again, tile) for r in c.runs[lr_name(a, lr)].values()} - {None})
+        lines.append(f"lr {lr:g}, {tile} - {again} (the 2026-12-03 pair, not an A/A: the 64-key tile rounds the bf16 "
+                     f"state twice per row, the fault's own rounding; its arms started "
+                     f"{num(min(hours, default=math.nan), '.1f')} to {num(max(hours, default=math.nan), '.1f')} h apart "
+                     f"seed by seed, at commits {', '.join(commits) or 'unrecorded'}): mean {num(mean, '+.3f')} nat, "
+                     f"95% interval [{num(lo, '+.3f')}, {num(hi, '+.3f')}], paired t p = {num(p, '.2g')}, n {len(gaps)}; "
+                     f"per seed {', '.join(f'{g:+.3f}' for g in gaps)}")
+        redo, _ = paired_gaps(c, again, always, lr, lr_seeds(c, (again,), lr))
+        lines.append(f"lr {lr:g}, {again} - {always} (the same flags, run again on a later day: other code, perhaps "
+                     f"another CPU): identical in {sum(g == 0 for g in redo)}/{len(redo)} seeds; per seed "
+                     f"{', '.join(f'{g:+.3f}' for g in redo)}")
+    return aa_gap, lines
+
+
+def started(run):
+    """When a run started (config.json's "started", seconds since the epoch), or nan."""
+    try:
+        return time.mktime(time.strptime(run.config["started"].rsplit(" ", 1)[0], "%Y-%m-%d %H:%M:%S"))
+    except (AttributeError, KeyError, TypeError, ValueError):
+        return math.nan
+
+
+def commit_of(run):
+    return ((run.config.get("versions") or {}).get("git_commit") or "")[:7] or None
+
+
+def late_switch_lines(c, guard, always, lr, judged):
+    """Rule 2p's finding at a runaway lr: the guard's cost against always-on QK-norm (mean paired gap, 95% t
+    interval) and its slope on the trigger step; how many triggers fell inside the warmup; the equivalence
+    test's power at the gaps' own sd. Reported, not judged."""
+    pairs = [(c.runs[lr_name(guard, lr)].get(s), c.runs[lr_name(always, lr)].get(s)) for s in judged]
+    pairs = [(g, a) for g, a in pairs if done(g) and done(a) and g.trigger is not None
+             and math.isfinite(end_val(g) - end_val(a))]
+    if not pairs:
         return []
-    seeds = lr_seeds(c, (again, twin), lr)
-    gaps, _ = paired_gaps(c, twin, again, lr, seeds)
-    redo, _ = paired_gaps(c, again, always, lr, lr_seeds(c, (again,), lr))
-    return [f"A/A noise floor at lr {lr:g}, {twin} - {again} (run side by side, nothing that should matter differs): "
-            + equivalence_line(c, twin, again, lr, seeds)[2] + f"; per seed {', '.join(f'{g:+.3f}' for g in gaps)}",
-            f"lr {lr:g}, {again} - {always} (the same flags, run again on a later day: other code, perhaps another "
-            f"CPU): identical in {sum(g == 0 for g in redo)}/{len(redo)} seeds; per seed {', '.join(f'{g:+.3f}' for g in redo)}"]
+    steps, gaps = [g.trigger for g, _ in pairs], [end_val(g) - end_val(a) for g, a in pairs]
+    mean, lo, hi, p = paired_t(gaps)
+    slope, s_lo, s_hi, r = slope_interval(steps, gaps)
+    warmup = statistics.median(g.config.get("args", {}).get("warmup_steps", 0) for g, _ in pairs)
+    early = sum(t < warmup for t in steps)
+    sd = statistics.stdev(gaps) if len(gaps) > 1 else math.nan
+    need = seeds_for_power(sd) if sd > 0 else None
+    cost = "a cost" if lo > 0 else "a gain" if hi < 0 else "no gap shown"
+    return [f"lr {lr:g}, the late switch's cost (a finding, reported not judged): {guard} - {always} final val, mean "
+            f"{num(mean, '+.3f')} nat, 95% interval [{num(lo, '+.3f')}, {num(hi, '+.3f')}], paired t p = "
+            f"{num(p, '.2g')}, n {len(gaps)} ({cost}); against the trigger step (median {statistics.median(steps):g}, "
+            f"{min(steps)} to {max(steps)}): slope {num(100 * slope, '+.3f')} nat per 100 steps, 95% interval "
+            f"[{num(100 * s_lo, '+.3f')}, {num(100 * s_hi, '+.3f')}], r = {num(r, '+.2f')}",
+            f"lr {lr:g}: {guard}'s trigger inside the {warmup:g} warmup steps in {early}/{len(steps)} seeds"
+            + (" (there the guard is QK-norm nearly from the start: its equivalence with always-on QK-norm is "
+               "nearly built in)" if early else ""),
+            f"lr {lr:g}: the equivalence test's power at the gaps' sd {num(sd, '.3f')}, were the true gap 0: "
+            f"{num(100 * equivalence_power(sd, len(gaps)), '.0f')}% at n {len(gaps)}; 80% needs about "
+            f"{need if need is not None else 'more than 10,000'} seeds (normal approximation)"]
 
 
 def lr_seeds(c, arms, lr):
@@ -1448,11 +1569,12 @@ def lr_guard_claim(c, prefix=""):
     seed (max logit under the guard's threshold), bf16-guard and fp32-guard fire in no seed and log the
     unguarded run's losses bit for bit; lrs in between are reported, not judged. Both kinds of lr must be in
     the grid. Each lr is judged on the seeds its arms ran; a run missing or unfinished among them fails it.
-    Beside it, where it ran, the A/A pair (AA_ARMS: two QK-norm arms that should end alike) gives this
-    scale's noise floor."""
+    Beside it, where it ran, the A/A pair (AA_ARMS: one QK-norm arm at 1 and 2 CPU threads) gives this scale's
+    noise floor; a gap between its arms (a 95% t interval that excludes 0) makes a verdict that would hold
+    inconclusive. At each runaway lr the late switch's cost is reported (late_switch_lines)."""
     bf16, fp32, guard, always, fp32_guard = (prefix + a for a in ("bf16", "fp32", "bf16-guard", "bf16-qknorm-always",
                                                                   "fp32-guard"))
-    holds, unsure, lines, kinds = True, False, [], set()
+    holds, unsure, lines, kinds, aa_gaps = True, False, [], set(), []
     for lr in c.lrs_run():
         seeds = lr_seeds(c, (bf16, fp32, guard, always, fp32_guard), lr)
         at = lambda arm, among=seeds: [c.runs[lr_name(arm, lr)].get(s) for s in among]
@@ -1495,7 +1617,9 @@ def lr_guard_claim(c, prefix=""):
             if len(judged) > SEEDS:   # what the first sweep's seeds alone said
                 lines.append(f"lr {lr:g}, seeds {judged[0]} to {judged[SEEDS - 1]} alone (the first sweep): "
                              + equivalence_line(c, guard, always, lr, judged[:SEEDS])[2])
-            lines += aa_lines(c, prefix, always, lr)
+            lines += late_switch_lines(c, guard, always, lr, judged)
+            gap, more = aa_lines(c, prefix, always, lr)
+            aa_gaps, lines = aa_gaps + [f"{lr:g}"] * gap, lines + more
         if healthy:
             kinds.add("healthy")
             fired = {g: sum(not done(r) or r.trigger is not None for r in at(g)) for g in (guard, fp32_guard)}
@@ -1521,6 +1645,10 @@ def lr_guard_claim(c, prefix=""):
         if kind not in kinds:
             holds = False
             lines.append(f"at lr none: no lr of the grid where {words} -> fails")
+    if holds and aa_gaps:
+        lines.append(f"inconclusive: the A/A pair showed a gap where none should be (lr {', '.join(aa_gaps)}), so the "
+                     "test cannot tell two arms from noise")
+        return "inconclusive", lines
     if holds and unsure:
         lines.append("inconclusive: at some runaway lr the gap's interval reaches past LOSS_TOL without lying "
                      "wholly past it")
@@ -2261,8 +2389,10 @@ def plot_runs(runs, axes, colors, panels=tuple(PANELS)):
 # claims 1, 2 and 7's arms that no pattern below names
 NAMED_ARMS = {"bf16-safemax": "bf16 state with safemax (the prior work's fix)",
               "bf16-qknorm-always": "bf16 state, QK-norm from step 0",
-              "bf16-qknorm-always-aa": "bf16 state, QK-norm from step 0, run again (A/A)",
-              "bf16-qknorm-always-tile64": "bf16 state, QK-norm from step 0, key tiles of 64 (A/A)",
+              "bf16-qknorm-always-aa": "bf16 state, QK-norm from step 0, run again beside key tiles of 64",
+              "bf16-qknorm-always-tile64": "bf16 state, QK-norm from step 0, key tiles of 64 (not an A/A)",
+              "bf16-qknorm-always-t1": "bf16 state, QK-norm from step 0, 1 CPU thread (A/A)",
+              "bf16-qknorm-always-t2": "bf16 state, QK-norm from step 0, 2 CPU threads (A/A)",
               "bf16-guard": "bf16 state, QK-Guard",
               "fp32-guard": "fp32 state, QK-Guard", "fp32-qknorm-always": "fp32 state, QK-norm from step 0",
               "state-only": "bf16 state, no other rounding", "logits-only": "fp32 state, logits rounded to bf16",
@@ -2279,6 +2409,8 @@ def action_words(rest):
 def arm_words(name):
     """An arm's name in words, for legends: 'inject-mlp-out-0.1-c1-qkfix' -> 'mlp-out error 0.1,
     coherent, with the QK-only fix'."""
+    if name.endswith("-long-gain"):
+        return f"{arm_words(name[:-len('-gain')])}, run again with its norm gain logged"
     if name.endswith("-long"):
         return f"{arm_words(name[:-len('-long')])}, {LONG_STEPS} steps"
     if name == NO_ERROR:
@@ -2470,7 +2602,7 @@ def plot_dose_response(plt, groups, png):
 
 
 AA_AGAIN, AA_TWIN = AA_ARMS["bf16-qknorm-always"]   # the lr study's A/A pair, where run: bf16-qknorm-always
-                    # again, and with the bf16 state rounded per 64 keys, not 128: their gap is the noise floor
+                    # at 1 and 2 CPU threads, side by side: their gap is the noise floor
 GAP_LEVEL = 0.90                       # the lr figures' interval around the mean paired gap
 
 
@@ -2563,7 +2695,7 @@ def plot_lr_study(groups, out_dir, quiet=False):
         color = f"C{arms.index('bf16-guard')}" if "bf16-guard" in arms else "C3"
         plot_gaps(gap_ax, guard, color, "QK-Guard less QK-norm always", shift=0.0,
                   mean_label=f"the mean, its {GAP_LEVEL:.0%} interval (Student t)")
-        plot_gaps(gap_ax, aa, "grey", "A/A: two QK-norm runs that should end alike", shift=0.12)
+        plot_gaps(gap_ax, aa, "grey", "A/A: QK-norm always at 2 less 1 CPU threads", shift=0.12)
         if not guard:
             gap_ax.text(0.5, 0.5, "no learning rate where bf16 state ran away in a majority of seeds",
                         transform=gap_ax.transAxes, ha="center", fontsize=8)

@@ -7,6 +7,7 @@ pass it, and cases that each remove one of its conditions and must fail it.
 """
 import importlib.util
 import json
+import math
 import os
 import random
 import re
@@ -1165,24 +1166,87 @@ def test_rule_2p_judges_each_lr_on_the_seeds_its_arms_ran_and_reports_the_aa_flo
     first 8 gave is said, the lead on the seeds bf16 ran; the A/A pair's spread is reported beside it."""
     more = {("bf16-guard", TOP): arm(16, TRIG), ("bf16-qknorm-always", TOP): arm(16, OK)}
     arms = lr_study(more)
-    again, twin = sweep.AA_ARMS["bf16-qknorm-always"]
-    arms[sweep.lr_name(twin, TOP)] = [
-        {"val": 2.9 + (0.01 if s % 2 else -0.01), "args": {"lr": TOP, "min_lr": TOP, "block_n": 64}}
-        for s in range(1, 17)]
-    arms[sweep.lr_name(again, TOP)] = [{"val": 2.9 if s > 1 else 2.95, "args": {"lr": TOP, "min_lr": TOP}}
-                                       for s in range(1, 17)]
+    one, two = sweep.AA_ARMS["bf16-qknorm-always"]
+    arms[sweep.lr_name(two, TOP)] = [{"val": 2.9 + (0.01 if s % 2 else -0.01), "args": {"lr": TOP, "min_lr": TOP,
+                                                                                      "threads": 2}}
+                                     for s in range(1, 17)]
+    arms[sweep.lr_name(one, TOP)] = [{"val": 2.9 if s > 1 else 2.95, "args": {"lr": TOP, "min_lr": TOP, "threads": 1}}
+                                     for s in range(1, 17)]
     row = lr_rows(tmp_path, arms)["2p"]
     assert row[1] == "reproduced", row[2]
     assert "bf16 ran away in 7/8 seeds, so the guard must prevent it: bf16-guard ran away in 0/16" in row[2]
     assert "lr 0.1, seeds seed1 to seed8 alone (the first sweep): mean +0.000 nat" in row[2]
-    assert ("A/A noise floor at lr 0.1, bf16-qknorm-always-tile64 - bf16-qknorm-always-aa (run side by side, "
-            "nothing that should matter differs): mean -0.003 nat") in row[2] and "per seed -0.040, -0.010, +0.010" in row[2]
-    assert ("lr 0.1, bf16-qknorm-always-aa - bf16-qknorm-always (the same flags, run again on a later day: other code, "
-            "perhaps another CPU): identical in 15/16 seeds; per seed +0.050, +0.000") in row[2]
-    del arms[sweep.lr_name(again, TOP)]   # the twin alone: no pair run side by side, no floor said
+    assert ("A/A at lr 0.1, bf16-qknorm-always-t2 - bf16-qknorm-always-t1 (the same arm at 2 and 1 CPU threads, run "
+            "side by side in one sweep: fp32 sums in another order, no rounding point moved): mean -0.003 nat") in row[2]
+    assert "-> no gap; per seed -0.040, -0.010, +0.010" in row[2]
+    assert ("lr 0.1, bf16-qknorm-always-t1 - bf16-qknorm-always (the same flags at one thread, run on a later day: "
+            "what the code's changes since moved): identical in 15/16 seeds") in row[2]
+    del arms[sweep.lr_name(one, TOP)]   # the twin alone: no pair run side by side, no floor said
     assert "A/A" not in lr_rows(tmp_path / "c", arms)["2p"][2]
     arms[sweep.lr_name("bf16-qknorm-always", TOP)] = arm(15, OK)   # seed 16 of the reference missing: against it
     assert lr_rows(tmp_path / "b", arms)["2p"][1] == "not reproduced"
+
+
+def aa_pair(shift, spread=0.01, n=8):
+    """The A/A arms at TOP: the 2-thread arm's val loss `shift` above the 1-thread arm's, +-spread by seed."""
+    one, two = sweep.AA_ARMS["bf16-qknorm-always"]
+    val = lambda s: 2.9 + shift + (spread if s % 2 else -spread) * (1 + s / 10)
+    return {sweep.lr_name(one, TOP): [{"args": {"lr": TOP, "min_lr": TOP, "threads": 1}} for _ in range(n)],
+            sweep.lr_name(two, TOP): [{"val": val(s), "args": {"lr": TOP, "min_lr": TOP, "threads": 2}}
+                                      for s in range(1, n + 1)]}
+
+
+@pytest.mark.parametrize("shift, expected", [
+    param(0.0, "reproduced", id="A/A: no gap, spread about 0: the guard's verdict stands"),
+    param(0.02, "inconclusive", id="A/A: a steady 0.02 between the thread counts: the test cannot tell noise"),
+])
+def test_rule_2p_needs_an_aa_pair_without_a_gap(tmp_path, shift, expected):
+    row = lr_rows(tmp_path, {**lr_study(), **aa_pair(shift)})["2p"]
+    assert row[1] == expected, row[2]
+    said = "a gap where none should be" in row[2]
+    assert said == (expected == "inconclusive")
+    if said:
+        assert "the A/A pair showed a gap where none should be (lr 0.1)" in row[2]
+
+
+def test_rule_2p_reports_the_old_tile_pair_as_what_it_is(tmp_path):
+    arms = lr_study()
+    again, tile = sweep.TILE_ARMS["bf16-qknorm-always"]
+    arms[sweep.lr_name(tile, TOP)] = [{"val": 2.88, "args": {"lr": TOP, "min_lr": TOP, "block_n": 64}}] * N
+    arms[sweep.lr_name(again, TOP)] = [{"args": {"lr": TOP, "min_lr": TOP}}] * N
+    row = lr_rows(tmp_path, arms)["2p"]
+    assert row[1] == "reproduced"   # not an A/A: its gap judges nothing
+    assert ("bf16-qknorm-always-tile64 - bf16-qknorm-always-aa (the 2026-12-03 pair, not an A/A: the 64-key tile "
+            "rounds the bf16 state twice per row") in row[2]
+
+
+def test_rule_2p_reports_the_late_switchs_cost_against_the_trigger_step(tmp_path):
+    # the guard's gap grows with its trigger step: 0.001 nat a step, exactly, from triggers at 2..9
+    cells = {("bf16-guard", TOP): [{"trigger": t, "val": 2.9 + 0.001 * t} for t in range(2, 10)]}
+    row = lr_rows(tmp_path, lr_study(cells))["2p"]
+    assert ("lr 0.1, the late switch's cost (a finding, reported not judged): bf16-guard - bf16-qknorm-always final "
+            "val, mean +0.005 nat, 95% interval [+0.003, +0.008], paired t p = 0.00038, n 8 (a cost)") in row[2]
+    assert "against the trigger step (median 5.5, 2 to 9): slope +0.100 nat per 100 steps" in row[2]
+    assert "r = +1.00" in row[2] and "lr 0.1: bf16-guard's trigger inside the 0 warmup steps in 0/8 seeds\n" in row[2]
+    cells = {("bf16-guard", TOP): [{"trigger": t, "args": {"warmup_steps": 6}} for t in range(2, 10)]}
+    text = lr_rows(tmp_path / "w", lr_study(cells))["2p"][2]
+    assert "lr 0.1: bf16-guard's trigger inside the 6 warmup steps in 4/8 seeds (there the guard is QK-norm" in text
+    assert "(no gap shown)" in text
+
+
+def test_paired_t_slope_and_power_by_hand():
+    mean, lo, hi, p = report.paired_t([1.0, 2.0, 3.0, 4.0])   # t = 2.5 / (1.291 / 2) = 3.873, df 3
+    assert p == pytest.approx(0.0305, abs=2e-4) and lo > 0
+    assert report.paired_t([0.1, -0.1, 0.1, -0.1])[3] == pytest.approx(1.0)
+    slope, lo, hi, r = report.slope_interval([1, 2, 3, 4, 5], [2.0, 4.1, 5.9, 8.2, 9.8])
+    assert slope == pytest.approx(1.97) and r == pytest.approx(0.9988, abs=1e-4) and lo < 1.97 < hi
+    assert math.isnan(report.slope_interval([1, 1, 1], [1.0, 2.0, 3.0])[0])
+    # power of two one-sided tests: sd 0.03 at n 16 (se 0.0075, t 1.753): 2 Phi(4 - 1.753) - 1 = 0.975
+    assert report.equivalence_power(0.03, 16) == pytest.approx(0.9754, abs=1e-3)
+    assert report.equivalence_power(0.09, 8) == 0.0 and report.seeds_for_power(0.03) == 10
+    rng = random.Random(1)   # the approximation against simulation at sd 0.06, n 24
+    sims = [report.equivalence([rng.gauss(0, 0.06) for _ in range(24)])[0] == "within" for _ in range(2000)]
+    assert abs(sum(sims) / len(sims) - report.equivalence_power(0.06, 24)) < 0.05
 
 
 def test_student_t_quantiles_and_the_equivalence_test():
