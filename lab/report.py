@@ -852,6 +852,18 @@ def action_failed(run, qknorm):
     return broke_down(run) or qk_growth_failed(run, qknorm)
 
 
+def qk_side_failed(run, qknorm):
+    """A QK-side action failed: it broke down, or ended more than FIX_TOL above QK-norm's final val loss, the
+    same seed (a collapsed or unfinished QK-norm run leaves it judged by its breakdown alone). Not QK growth:
+    QK-norm takes sigma out of its logits, so its sigma grows freely; an action that leaves sigma in them is
+    held to whether training goes on as well as under QK-norm."""
+    worse = done(qknorm) and not broke_down(qknorm) and end_val(run) > end_val(qknorm) + FIX_TOL
+    return broke_down(run) or worse
+
+
+QK_SIDE_FAILED = "failed (broke down, or ended FIX_TOL above QK-norm's val loss)"
+
+
 def action_pace(run):
     """How much an action slows the optimizer's step: the lr-drop's factor (Adam's step is proportional
     to the lr, so a runaway it only slows takes 1 / factor times the steps), else 1."""
@@ -930,7 +942,7 @@ def non_qk_actions_fail(c, source):
     they failed, it would hold."""
     qknorm, (long_qknorm, long_lr_drop) = f"{source}-guard", long_arms(source)
     c.seeds, need, lines = judgeable(c, source, qknorm)
-    holds, shown = bool(c.seeds), set()
+    holds, shown, halves = bool(c.seeds), set(), []
     holds_if_short_failed = holds
     for arm, ref in judged_actions(c, source):
         # a seed whose source is unfinished stays judged and counts against: its action did not fail
@@ -955,16 +967,25 @@ def non_qk_actions_fail(c, source):
                             else ""))
         lines.append(f"sign test, {arm} over {ref}: {k} seeds one way, {j} the other, p = {p:.3g} -> "
                      f"{'holds' if p < ALPHA else 'fails'}")
-    qk_broke = False
-    for action in actions_of("qk"):   # judged by the non-QK actions' own measure, which the claim wants it to pass
-        line, out = c.count(f"{source}-guard-{action}", "failed (broke down, or QK grew SIGMA_RATIO x QK-norm's)",
-                            action_failed, False, ref=qknorm)
-        qk_broke, lines = qk_broke or any(out), lines + [line + " (a QK-side action: the claim wants none)"]
-    holds = holds and not qk_broke
-    if not holds and holds_if_short_failed and not qk_broke:
+    if not holds and holds_if_short_failed:
         holds = "inconclusive"
+        lines.append("it fails only by actions that held over too few steps to tell (had they failed, it would "
+                     "hold)")
+    halves.append(part("the non-QK actions fail", (holds, lines)))
+    qk_broke, lines = False, []
+    for action in actions_of("qk"):   # judged by breakdown and loss: see qk_side_failed
+        line, out = c.count(f"{source}-guard-{action}", QK_SIDE_FAILED, qk_side_failed, False, ref=qknorm)
+        grown = c.count(f"{source}-guard-{action}", "QK grew SIGMA_RATIO x QK-norm's (reported, not judged)",
+                        qk_growth_failed, False, ref=qknorm)[0]
+        qk_broke, lines = qk_broke or any(out), lines + [line + " (a QK-side action: the claim wants none)", grown]
+    halves.append(part("the QK-side actions hold", (not qk_broke, lines)))
+    holds, lines = joined(*halves)
+    if holds == "inconclusive":
         lines.append("inconclusive: it fails only by actions that held over too few steps to tell (had they "
                      "failed, it would hold)")
+    if holds is False and halves[0][0] is True:
+        lines.append("not reproduced at this scale: the non-QK actions fail as claimed, but a QK-side action failed "
+                     "too")
     for arm in (f"{source}-guard-{a}" for a in actions_of("source") if c.runs.get(f"{source}-guard-{a}")):
         lines.append(c.count(arm, "broke down", broke_down, False)[0]
                      + " (the source's own fix, for comparison, not judged)")
@@ -1010,9 +1031,10 @@ def non_qk_actions_fail(c, source):
 
 
 def action_rows(groups, source):
-    """Claim 6's actions on one table, each by the same measures on the seeds rule 6 judges: failed (broke down,
-    or QK grew SIGMA_RATIO x QK-norm's), each part apart, the QK growth after the trigger and the val loss
-    against QK-norm (the long arms against QK-norm at their horizon)."""
+    """Claim 6's actions on one table, by the measures rule 6 judges them on the seeds it judges: failed (a non-QK
+    action: broke down, or QK grew SIGMA_RATIO x QK-norm's; a QK-side one: broke down, or ended FIX_TOL above
+    QK-norm's val loss), each part apart, the QK growth after the trigger and the val loss against QK-norm (the
+    long arms against QK-norm at their horizon)."""
     qknorm, (long_qknorm, long_lr_drop) = f"{source}-guard", long_arms(source)
     arms = [(f"{source}-guard-{a}", qknorm, kind) for kind in ("non-qk", "qk", "source") for a in actions_of(kind)]
     arms += [(long_lr_drop, long_qknorm, "non-qk"), (long_qknorm, long_qknorm, "qk"), (qknorm, qknorm, "qk")]
@@ -1026,8 +1048,9 @@ def action_rows(groups, source):
         grown = [r.qk_growth_after(r.trigger) for r, _ in both if r.trigger is not None]
         grown = [g for g in grown if not math.isnan(g)]
         gaps = c.val_gaps(arm, ref)
+        failed = qk_side_failed if kind == "qk" else action_failed
         rows.append([arm, {"non-qk": "non-QK", "qk": "QK-side", "source": "the source's fix"}[kind],
-                     f"{sum(action_failed(r, q) for r, q in both) + len(pairs) - len(both)}/{len(pairs)}",
+                     f"{sum(failed(r, q) for r, q in both) + len(pairs) - len(both)}/{len(pairs)}",
                      f"{sum(broke_down(r) for r, _ in both)}/{len(both)}",
                      f"{sum(qk_growth_failed(r, q) for r, q in both)}/{len(both)}",
                      num(median(grown), ".3g") if grown else "-",
@@ -2099,6 +2122,8 @@ COUNT_LINE = re.compile(r"(?:^|: )(\S+): ([^\d(]+?) (\d+)/(\d+) \[95% CI")
 DOSE_LINE = re.compile(r"^(\S+) (\S+): max logit .*?coherent 2x higher or earlier collapsed in (\d+) seeds, random sign "
                        r"in (\d+) .*?"
                        r"p = (\S+) \(raises\), (\S+) \(reverses\) -> (.+?);")
+QK_SIDE_LINE = re.compile(r"^(\S+): " + re.escape(QK_SIDE_FAILED) + r" (\d+)/(\d+) \[95% CI [^\]]*\].*"
+                          r"\(a QK-side action: the claim wants none\)$")
 LR_LINE = re.compile(r"^at lr (\S+): .*?(?:(\S+) ran away in (\d+)/(\d+), acted .*?final val - (\S+)'s: mean (\S+) "
                      r"nat, 90% interval \[(\S+), (\S+)\].*?)?-> (holds|fails|inconclusive)$")
 
@@ -2122,6 +2147,11 @@ def checks(lines, n):
             site, dose, up, down, p_up, _, effect = m.groups()
             out.append((effect == "raises", float(p_up), f"{site} dose {dose}: coherent {LOGIT_GAP:g}x higher (or earlier collapsed) in {up} "
                         f"of {n} seeds, random sign in {down}: sign test p = {float(p_up):.2g}", "", site))
+        elif m := QK_SIDE_LINE.search(line):
+            arm, k, of = m.groups()
+            out.append((k == "0", None, f"`{arm}` (QK-side) failed in {k} of {of} seeds: broke down, or ended more "
+                        f"than FIX_TOL ({FIX_TOL:g} nat) above QK-norm's val loss (the claim wants 0)",
+                        f"{arm} failed {k}/{of}", None))
         elif m := LR_LINE.search(line):
             lr, guard, away, n, ref, mean, lo, hi, result = m.groups()
             out.append((result == "holds", None, f"lr {lr}: " + (
@@ -2293,11 +2323,13 @@ def build(groups, root, markdown, plots=(), markdown_dir=".", pilots=(), plots_f
         table = action_rows(groups, source)
         if table:
             parts += [title(2, f"Claim 6's actions on one table ({SOURCE_WORDS[source]})"),
-                      "Each action on the seeds rule 6 judges, by the same measures: failed (broke down: a collapse "
-                      "or logits past RUNAWAY_LOGIT after it acts; or the most-grown head's sigma(W_q,h) sigma(W_k,h) "
-                      "grew SIGMA_RATIO times as much after the trigger as under QK-norm; a run unfinished or missing "
-                      "counted as failed), each part apart, that growth's median, and the final val loss less "
-                      "QK-norm's (the long arms against QK-norm at the same horizon).",
+                      "Each action on the seeds rule 6 judges, by the measures it judges them: failed (broke down: a "
+                      "collapse or logits past RUNAWAY_LOGIT after it acts; then, for a non-QK action, the most-grown "
+                      "head's sigma(W_q,h) sigma(W_k,h) grew SIGMA_RATIO times as much after the trigger as under "
+                      "QK-norm, and for a QK-side one, its final val loss ended more than FIX_TOL above QK-norm's; "
+                      "a run unfinished or missing counted as failed), each part apart, that growth's median (for "
+                      "every action), and the final val loss less QK-norm's (the long arms against QK-norm at the "
+                      "same horizon).",
                       render(["arm", "kind", "failed", "broke down", "QK grew SIGMA_RATIO x QK-norm's",
                               "QK growth after the trigger, median", "val loss - QK-norm's, median"], table, markdown)]
     if any(g.startswith("inject-") for g in groups):

@@ -705,9 +705,13 @@ LATE = {"trigger": 18}            # 2 steps after the trigger (of 20), fewer tha
     param({"bf16-guard-qkclip": arm(1, COLLAPSED_AFTER, rest=TRIG)}, "not reproduced",
           id="QK-Clip breaks down in a seed"),
     param({"bf16-guard-qkclip": arm(0, TRIG, {3: UNFINISHED})}, "not reproduced", id="QK-Clip unfinished in a seed"),
-    param({"bf16-guard": arm(8, QK_HELD), "bf16-guard-qkclip": arm(1, QK_GROWN, rest=QK_HELD)}, "not reproduced",
-          id="QK-Clip lets QK grow 2x QK-norm's in one seed: the non-QK actions' measure (the last rule saw only "
-             "breakdowns)"),
+    param({"bf16-guard": arm(8, QK_HELD), "bf16-guard-qkclip": arm(8, QK_GROWN)}, "reproduced",
+          id="QK-Clip lets QK grow 2x QK-norm's in every seed: reported, not judged (QK-norm's sigma grows freely "
+             "outside its logits; the 2026-12-03 rule failed it)"),
+    param({"bf16-guard-qkclip": arm(1, {**TRIG, "val": 2.9 + report.FIX_TOL + 0.01}, rest=TRIG)}, "not reproduced",
+          id="QK-Clip ends FIX_TOL+0.01 above QK-norm's val loss in one seed"),
+    param({"bf16-guard-qkclip": arm(8, {**TRIG, "val": 2.9 + report.FIX_TOL - 0.01})}, "reproduced",
+          id="QK-Clip ends FIX_TOL-0.01 above QK-norm's in every seed: within its bar"),
     param({"bf16-guard": arm(8, QK_HELD), "bf16-guard-qkclip": arm(8, QK_HELD)}, "reproduced",
           id="QK-Clip's QK growth as QK-norm's"),
     param({"bf16-guard-qkclip": []}, "not run", id="QK-Clip not run"),
@@ -726,6 +730,33 @@ def test_claim_6s_actions_share_one_table_and_its_measures(tmp_path):
     assert table["bf16-guard-qkclip"] == ["bf16-guard-qkclip", "QK-side", "2/8", "0/8", "2/8", "1.5", "+0.000"]
     assert table["bf16-guard-clip"][1:4] == ["non-QK", "7/8", "7/8"]
     assert table["bf16-guard"][2] == "0/8" and table["bf16-guard"][-1] == "-"
+    arms["bf16-guard-qkclip"] = arm(2, QK_GROWN, rest=QK_HELD)   # grown, not worse: failed by no measure it is judged on
+    table = {row[0]: row for row in report.action_rows(write_arms(tmp_path / "b", arms), "bf16")}
+    assert table["bf16-guard-qkclip"][2:5] == ["0/8", "0/8", "2/8"]
+
+
+def test_a_qk_side_action_is_held_to_qk_norms_loss_only_where_qk_norm_held(tmp_path):
+    groups = write_arms(tmp_path, {"qkclip": [{**TRIG, "val": 4.0}, {**TRIG, "val": 4.0}, COLLAPSED_AFTER],
+                                   "qknorm": [TRIG, COLLAPSED_AFTER, TRIG]})
+    (worse, level, broke), (held, fell, _) = groups["qkclip"], groups["qknorm"]
+    assert report.qk_side_failed(worse, held)          # 1.1 nat above QK-norm's
+    assert not report.qk_side_failed(level, fell)      # QK-norm collapsed: no loss bar, no breakdown
+    assert report.qk_side_failed(broke, held)          # its own collapse
+
+
+def test_rule_6s_row_shows_each_half_and_the_part_that_decided_it(tmp_path):
+    arms = {**RULE6, "bf16-guard-qkclip": arm(8, {**TRIG, "val": 3.5})}
+    row = rows(tmp_path, arms)["6"]
+    assert row[1] == "not reproduced"
+    assert "part the non-QK actions fail: holds" in row[2] and "part the QK-side actions hold: fails" in row[2]
+    label, verdict, scale, key, why = report.summary_row(*row, "scale", N)
+    assert verdict == "NOT REPRODUCED" and why == "the non-QK actions fail as claimed, but a QK-side action failed too"
+    assert key.splitlines()[0].startswith("the non-QK actions fail: `bf16-guard-")
+    assert key.splitlines()[1] == ("the QK-side actions hold: `bf16-guard-qkclip` (QK-side) failed in 8 of 8 seeds: "
+                                   "broke down, or ended more than FIX_TOL (0.1 nat) above QK-norm's val loss (the "
+                                   "claim wants 0)")
+    row = rows(tmp_path / "b", RULE6)["6"]   # both halves hold: reproduced, each half's weakest test shown
+    assert row[1] == "reproduced" and "QK-side) failed in 0 of 8" in report.summary_row(*row, "scale", N)[3]
 
 
 def test_rule_6_reports_logits_still_rising_after_the_trigger(tmp_path):
