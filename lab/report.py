@@ -28,10 +28,10 @@ import sys
 import time
 
 from guard import ACTIONS, DEFAULT_THRESHOLD
-from lab.sweep import (AA_ARMS, TILE_ARMS, CLAIM3_SITE, CLAIM4_SITES, CLAIMS, COHERENCES, DONE, DOSES, LR_STUDY_ARMS, NO_ERROR,
-                       LONG_STEPS, QKNORM_ALONE, SEEDS, SITES, SOURCES, Unreadable, action_arms, actions_of, experiments,
-                       inject_arm, long_arms, lr_name, not_a_folder, probe_arms, probe_long_arms, read_log,
-                       split_lr)
+from lab.sweep import (AA_ARMS, CLAIM3_SITE, CLAIM4_SITES, CLAIMS, COHERENCES, DONE, DOSES, LR_STUDY_ARMS, NO_ERROR,
+                       LONG_STEPS, QKNORM_ALONE, SEEDS, SITES, SOURCES, TILE_ARMS, Unreadable, action_arms, actions_of,
+                       experiments, inject_arm, long_arms, lr_name, not_a_folder, probe_arms, probe_gain_arm,
+                       probe_long_arms, read_log, split_lr)
 
 # --------------------------------------------------------------------------------------------------
 # The verdict rules' constants.
@@ -770,6 +770,94 @@ def long_probe_lines(c, source, need):
         f"{len(source_pairs)} seeds both ran, p = {p_step:.3g}"]
 
 
+def paper_measure_line(c, source, arms):
+    """Claim 5's probe by the paper's measure, beside the lab's: each arm's final sigma(W_q) (max over layers,
+    at its last logged step) and its max logit, medians with their ranges."""
+    cells = []
+    for arm in arms:
+        runs = [r for r in c.runs.get(arm, {}).values() if done(r) and r.sigma]
+        if runs:
+            final = [r.sigma[-1] for r in runs]
+            cells.append(f"{arm} sigma(W_q) {num(median(final), '.3g')} ({num(min(final), '.3g')}-"
+                         f"{num(max(final), '.3g')}), max logit {num(median([r.max_logit for r in runs]), '.3g')}")
+    return [("by the paper's measure, the final sigma(W_q) (max over layers), median (range), beside the lab's, the "
+             "max logit over the run, median: " + "; ".join(cells))] if cells else []
+
+
+def head_series(run):
+    """A run's logged steps as (step, max logit per (layer, head), sigma(W_q,h) sigma(W_k,h), the same with the
+    pre-attention gain, attn_gain_rms per layer); [] where the log holds no gain (train.py before 2026-12-05)."""
+    out = []
+    for r in read_log(run.path):
+        if "event" not in r and "sigma_q_gain_head" in r and "max_logit" in r:
+            prod = lambda q, k: [[a * b for a, b in zip(rq, rk)] for rq, rk in zip(r[q], r[k])]
+            out.append((r["step"], r["max_logit"], prod("sigma_q_head", "sigma_k_head"),
+                        prod("sigma_q_gain_head", "sigma_k_gain_head"), r["attn_gain_rms"]))
+    return out
+
+
+def escape_split(series, start, end):
+    """The max logit's growth from record `start` to record `end`, in logs, for the (layer, head) holding the max
+    logit at `end`: (logit, the sigma product's part, the gain's part, the rest, (layer, gain rms at start and
+    end)); the three parts add up to the logit's."""
+    _, logits, prods, gained, rms = series[end]
+    layer, head = max(((i, j) for i, row in enumerate(logits) for j in range(len(row))), key=lambda ij: logits[ij[0]][ij[1]])
+    at = lambda k, i: series[k][i][layer][head]
+    logit = math.log(at(end, 1) / at(start, 1))
+    sigma = math.log(at(end, 2) / at(start, 2))
+    gain = math.log(at(end, 3) / at(end, 2)) - math.log(at(start, 3) / at(start, 2))
+    return logit, sigma, gain, logit - sigma - gain, (layer, series[start][4][layer], rms[layer])
+
+
+def escape_lines(c, source):
+    """Claim 5's escape route (rule 5's words, decided before its runs): on the top-k probe rerun with its gain
+    logged (-long-gain), the max logit's growth from its first logged step to its first past RUNAWAY_LOGIT (or
+    its collapse) split into the sigma product, the gain's part and the rest (escape_split); the logit escapes
+    through the gain if the gain's part grew more than the sigma product, by a sign test over the seeds that ran
+    away. Also: whether each rerun logged its -long run's losses bit for bit, and the split over the climb from
+    the guard's threshold alone. Reported, not judged."""
+    gain_arm, long_arm = probe_gain_arm(source), probe_long_arms(source)[f"{source}-probe-topk-long"]
+    gain_arm = next(iter(gain_arm))
+    runs = {s: r for s, r in c.runs.get(gain_arm, {}).items() if done(r)}
+    if not runs:
+        return []
+    same = sum(same_losses(r, c.runs.get(f"{source}-probe-topk-long", {}).get(s))
+               for s, r in runs.items() if c.runs.get(f"{source}-probe-topk-long", {}).get(s))
+    splits, climbs, cells, held = [], [], [], []
+    for seed, run in sorted(runs.items(), key=lambda kv: (len(kv[0]), kv[0])):
+        series = head_series(run)
+        if not series:
+            continue
+        stop = run.runaway_from() if ran_away(run) else None
+        end = next((i for i, rec in enumerate(series) if stop is not None and rec[0] >= stop), None)
+        if end is None:
+            held.append(seed)
+            continue
+        split = escape_split(series, 0, end)
+        splits.append(split)
+        past = next((i for i, rec in enumerate(series[:end]) if max(map(max, rec[1])) > run.guard_threshold()), None)
+        if past is not None and past < end:
+            climbs.append(escape_split(series, past, end))
+        x = lambda v: f"x{math.exp(v):.3g}"
+        layer, g0, g1 = split[4]
+        cells.append(f"{seed} logit {x(split[0])} = sigma product {x(split[1])}, gain {x(split[2])}, rest {x(split[3])} "
+                     f"(layer {layer}, gain rms {g0:.2f} -> {g1:.2f}, to step {series[end][0]})")
+    more, less, p = sign_test([(g > sg, g < sg) for _, sg, g, _, _ in splits])
+    share = lambda rows, i: num(median([r[i] / r[0] for r in rows if r[0] > 0]), ".2f") if rows else "n/a"
+    lines = [f"{gain_arm} (the top-k probe again, the pre-attention gain logged): {len(runs)} seeds finished, their "
+             f"logged losses bit for bit {f'{source}-probe-topk-long'}'s in {same}/{len(runs)}; ran away in "
+             f"{len(splits)}" + (f", held in {len(held)} ({', '.join(held)})" if held else ""),
+             f"{gain_arm}: the max logit's growth to its runaway split, in logs, by seed: " + ("; ".join(cells) or "none"),
+             f"{gain_arm}: the gain's part grew more than the sigma product's in {more} of {len(splits)} seeds that ran "
+             f"away, less in {less}: sign test p = {p:.3g} -> " + ("the logit escapes through the gain" if p < ALPHA
+                                                                  else "no escape through the gain shown")
+             + f"; median share of the logit's log growth: sigma product {share(splits, 1)}, gain {share(splits, 2)}, "
+               f"rest {share(splits, 3)}; over the climb from the guard's threshold alone ({len(climbs)} seeds): "
+               f"sigma product {share(climbs, 1)}, gain {share(climbs, 2)}, rest {share(climbs, 3)} (reported, not "
+               f"judged)"]
+    return lines
+
+
 def probe_holds(c, source):
     """Claim 5 on the runaway of `source`: the source runs away where the probe (W_q, W_k's update off
     their top-k singular directions) does not, and so does each of three controls that can be carried out
@@ -814,7 +902,10 @@ def probe_holds(c, source):
                          f"{num(median(left), '.3f') if left else 'not logged'}")
     costs = [f"{arm} {num(median(c.val_gaps(arm, NO_ERROR)), '+.3f') if c.val_gaps(arm, NO_ERROR) else 'n/a'}"
              for arm in (topk, *(f"{source}-probe-{n}" for n in PROBE_CONTROLS)) if c.runs.get(arm)]
-    return holds, lines + [f"loss cost, median final val loss - {NO_ERROR}'s: " + ", ".join(costs)]
+    lines += paper_measure_line(c, source, (source, topk, *(f"{source}-probe-{n}" for n in PROBE_CONTROLS),
+                                            *(probe_long_arms(source) if long_ran else ())))
+    return holds, lines + [f"loss cost, median final val loss - {NO_ERROR}'s: " + ", ".join(costs)] + \
+        escape_lines(c, source)
 
 
 def broke_down(run):
@@ -1180,9 +1271,13 @@ OPTIONAL_ARMS = {"5": probe_long_arms,   # claim 5 judges the shrink at LONG_STE
                  "6": long_arms}         # claim 6 the lr-drop
 
 
+REPORTED_ARMS = {"5": probe_gain_arm}   # read where they ran (each alone), reported, never judged
+
+
 def optional_arms():
-    """Every source's optional arms: their seeds are not a rule's seeds (more of them count against nothing)."""
-    return [a for arms in OPTIONAL_ARMS.values() for s in SOURCES for a in arms(s)]
+    """Every source's optional and reported arms: their seeds are not a rule's seeds (more of them count against
+    nothing)."""
+    return [a for arms in (*OPTIONAL_ARMS.values(), *REPORTED_ARMS.values()) for s in SOURCES for a in arms(s)]
 # How claims 3-6's rules changed from their first version, and why (a review found the first versions
 # could fail by the lab's own construction); RESULTS.md prints it under the rules.
 RULE_CHANGES = {
@@ -1263,7 +1358,8 @@ def expanded_rules(groups):
         # (all of them if any ran: a missing one then counts against the claim as a missing run does)
         optional = lambda s: [*OPTIONAL_ARMS[claim](s)] if claim in OPTIONAL_ARMS and any(
             groups.get(a) for a in OPTIONAL_ARMS[claim](s)) else []
-        out += [(claim if s == "bf16" else f"{claim} ({s})", claim, arms(s) + optional(s),
+        reported = lambda s: [a for a in REPORTED_ARMS.get(claim, lambda _: [])(s) if groups.get(a)]
+        out += [(claim if s == "bf16" else f"{claim} ({s})", claim, arms(s) + optional(s) + reported(s),
                  lambda c, s=s, rule=rule: rule(c, s)) for s in ran]
     return out
 

@@ -630,6 +630,44 @@ def test_rule_5_calls_a_late_shrink_hold_too_short(tmp_path):
     assert "threshold): seed1 held" in text and "the shrink alone stopped the runaway (7 seeds" in text
 
 
+def with_gain(path, gain, sigma):
+    """Rewrite a write_run log as train.py logs the pre-attention gain: every head's sigma(W_q,h) = sigma(step),
+    sigma(W_k,h) = 1, and W_q,h diag(g), W_k,h diag(g) each `gain(step)` times those (attn_gain_rms = gain)."""
+    log = os.path.join(path, "log.jsonl")
+    records = [json.loads(line) for line in open(log)]
+    for r in records:
+        if "event" not in r:
+            q, g = sigma(r["step"]), gain(r["step"])
+            r.update(sigma_q_head=[[q, q], [q, q]], sigma_k_head=[[1.0, 1.0], [1.0, 1.0]],
+                     sigma_q_gain_head=[[q * g, q * g], [q * g, q * g]], sigma_k_gain_head=[[g, g], [g, g]],
+                     attn_gain_rms=[g, g])
+    with open(log, "w") as f:
+        f.write("".join(json.dumps(r) + "\n" for r in records))
+
+
+@pytest.mark.parametrize("gain, sigma, escapes", [
+    param(lambda s: 1.0 + s / 5, lambda s: 1.0, True, id="the gain grows 3x, sigma flat: escapes through the gain"),
+    param(lambda s: 1.0, lambda s: 1.0 + s, False, id="sigma grows, the gain flat: no escape through it"),
+])
+def test_claim_5s_escape_route_splits_the_logit_into_sigma_gain_and_rest(tmp_path, gain, sigma, escapes):
+    climb = {"logit": lambda step: 10.0 * 1.7 ** step}   # past 1000 at step 9
+    arm_ = "bf16-probe-topk-long-gain"
+    for seed in range(1, N + 1):
+        with_gain(write_run(tmp_path, arm_, seed, **climb), gain, sigma)
+        write_run(tmp_path, "bf16-probe-topk-long", seed, **climb)
+    groups = report.load_runs(str(tmp_path))
+    text = "\n".join(report.escape_lines(report.Claim(groups, [arm_, "bf16-probe-topk-long"]), "bf16"))
+    assert "their logged losses bit for bit bf16-probe-topk-long's in 8/8; ran away in 8" in text
+    if escapes:   # 1.7^9 = 119x: the gain's part (1 + 9/5)^2 = 7.84x, the rest 15.1x
+        assert "seed1 logit x119 = sigma product x1, gain x7.84, rest x15.1 (layer 1, gain rms 1.00 -> 2.80, to step 9)" \
+            in text
+        assert "in 8 of 8 seeds that ran away, less in 0: sign test p = 0.00391 -> the logit escapes through the gain" \
+            in text
+    else:
+        assert "in 0 of 8 seeds that ran away, less in 8: sign test p = 1 -> no escape through the gain shown" in text
+    assert report.escape_lines(report.Claim(groups, ["bf16-probe-topk-long"]), "bf16") == []   # none rerun
+
+
 def test_rule_5_says_step_size_and_reports_energy_and_cost(tmp_path):
     norms = {"q_update": [1.0, 2.0], "q_removed": [0.8, 1.6], "q_kept": [0.6, 1.2],
              "k_update": [1.0, 1.0], "k_removed": [0.8, 0.8], "k_kept": [0.6, 0.6]}
