@@ -665,6 +665,7 @@ def test_claim_5s_escape_route_splits_the_logit_into_sigma_gain_and_rest(tmp_pat
             in text
     else:
         assert "in 0 of 8 seeds that ran away, less in 8: sign test p = 1 -> no escape through the gain shown" in text
+    del groups[arm_]
     assert report.escape_lines(report.Claim(groups, ["bf16-probe-topk-long"]), "bf16") == []   # none rerun
 
 
