@@ -2209,6 +2209,23 @@ def test_the_readme_claims_table_says_what_results_md_says():
     assert readme == results
 
 
+def test_the_readme_gives_each_injected_errors_dose_in_the_faults_units():
+    # an injected error's row says its dose as a multiple of the bf16 state's own error (lab.fault_size's
+    # measurement, three figures): the delta source and 3+ at dose 3, the grids at their ends
+    with open(os.path.join(ROOT, "lab", "results", "lab", "fault_size.json")) as f:
+        error = json.load(f)["median"]["error_ratio_median"]
+    times = lambda dose: f"{float(f'{dose / error:.3g}'):,.0f}x"
+    with open(os.path.join(ROOT, "README.md")) as f:
+        table = f.read().split("## The claims this code tests")[1].split("\n\n| claim |")[1].split("\n\n")[0]
+    scale = {cells[0]: cells[3] for line in table.splitlines()[2:] for cells in [line.strip("| ").split(" | ")]}
+    assert f"about {times(3)} the fault's own error" in scale["3+"] and times(3) == "1,040x"
+    assert f"about {times(3)}-{times(30)} the fault's own error" in scale["3"]
+    assert f"about {times(0.3)}-{times(30)} the fault's own error" in scale["4"]
+    for claim in ("5 (assay)", "6 (assay)"):
+        assert f"a delta error about {times(3)} the fault's" in scale[claim]
+    assert all(cells == "-" for label, cells in scale.items() if label in ("1", "2", "2v", "7"))
+
+
 @pytest.mark.parametrize("arms, verdict, key, why", [
     param({**RULE1, "bf16-safemax": arm(1, COLLAPSE)}, "REPRODUCED",   # over fp32: 6 vs 0, p = 0.016
           "`bf16` over `bf16-safemax` in 5 of 8 seeds, the reverse in 0: sign test p = 0.031 (< 0.05)",
