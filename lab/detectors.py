@@ -215,7 +215,8 @@ def llm_foundry_score(log, window=100, patience=4, max_loss_cap=10.0):
     ratio = [math.nan] * len(log.steps)
     for i in range(n, len(log.steps)):
         mean = statistics.fmean(log.loss[i - n:i])
-        ratio[i] = log.loss[i] / mean if mean > 0 else math.inf if mean == 0 else math.nan   # nan: never an outlier
+        # a mean of 0 makes every loss an outlier; a nan mean, none
+        ratio[i] = log.loss[i] / mean if mean > 0 else math.inf if mean == 0 else math.nan
     out = [math.nan] * len(log.steps)
     for i in range(n, len(log.steps)):
         high = i >= 2 * n and sum(loss > loss_cap for loss in log.loss[i - n:i]) >= n / 2
@@ -225,11 +226,13 @@ def llm_foundry_score(log, window=100, patience=4, max_loss_cap=10.0):
 
 
 def megatron_score(log, samples=100):
-    """|loss| over the largest |loss| of the first `samples` steps (inf: not finite, from the first record)."""
+    """|loss| over the largest |loss| of the first `samples` steps (inf: not finite, from the first
+    record)."""
     n, out = records(samples, log.interval), []
     ref = max((abs(v) for v in log.loss[:n]), default=math.nan)
     for i, loss in enumerate(log.loss):
-        out.append(math.inf if not math.isfinite(loss) else abs(loss) / ref if i >= n and ref > 0 else math.nan)
+        ratio = abs(loss) / ref if i >= n and ref > 0 else math.nan
+        out.append(math.inf if not math.isfinite(loss) else ratio)
     return out
 
 
@@ -265,7 +268,8 @@ DETECTORS = [
              "over 10x the largest of the first 100 steps (10 records); Megatron-LM's rule on the logit",
              "this module, fixed before scoring", self_calibrating_max_logit,
              "the max-logit switch with no threshold to set: each run's own first steps set it",
-             self_calibrating_score, CALIBRATION_FACTOR, True, "the factor over the first 100 steps' largest"),
+             self_calibrating_score, CALIBRATION_FACTOR, True,
+             "the factor over the first 100 steps' largest"),
     Detector("OLMo-core SkipStepOptimizer", "loss, grad norm",
              "either more than 6 sd from the mean of the last 128 steps (13 records), from 64 steps (7 records)",
              "olmo_core.optim.SkipStepOptimizer", olmo_core_skip_step,
@@ -274,12 +278,14 @@ DETECTORS = [
     Detector("Lightning SpikeDetection", "loss",
              "rising and >= 3x the mean of the last 10 steps (1 record): relative tolerance 2; or not finite",
              "lightning.fabric.utilities.spike.SpikeDetection", lightning_spike_detection,
-             "stop training (raise) at a loss spike, to resume from a checkpoint", lightning_score, 2.0, False,
+             "stop training (raise) at a loss spike, to resume from a checkpoint", lightning_score, 2.0,
+             False,
              "the relative tolerance"),
     Detector("llm-foundry KillLossSpike", "loss",
              ">= 2x the mean of the last 100 steps (10 records), 5 steps in a row (1 record); or, from 200 steps, "
              "half of them over the first 100 steps' largest (at most 10)", "llmfoundry.callbacks.KillLossSpike",
-             llm_foundry_kill_loss_spike, "stop a run whose loss spikes persist, or stays high, to save compute",
+             llm_foundry_kill_loss_spike, "stop a run whose loss spikes persist, or stays high, to save "
+                                          "compute",
              llm_foundry_score, 2.0, False, "the outlier multiplier"),
     Detector("Megatron-LM spiky loss", "loss",
              ">= 10x the largest of the first 100 steps (10 records); or not finite",
@@ -424,13 +430,14 @@ def score(subjects, fired):
 # --------------------------------------------------------------------------------------------------
 # The collapse, the label no detector here watches, at matched false-alarm rates
 
-HORIZON = 100             # steps: a firing counts for a collapse that follows it within this many (RISE_WINDOW)
+HORIZON = 100   # steps: a firing counts for a collapse that follows it within this many (RISE_WINDOW)
 FA_RATES = (0.01, 0.05, 0.10)
 
 
 def negatives(subjects, kind):
-    """The runs a firing on is a false alarm for the collapse label: "healthy" (neither collapsed nor ran away;
-    a runaway that did not collapse is then neither a catch nor a false alarm), or "not collapsed" (all others)."""
+    """The runs a firing on is a false alarm for the collapse label: "healthy" (neither collapsed nor ran
+    away; a runaway that did not collapse is then neither a catch nor a false alarm), or "not collapsed" (all
+    others)."""
     return [s for s in subjects if s.collapse is None and (kind == "not collapsed" or s.healthy)]
 
 
@@ -439,8 +446,8 @@ def peak(values):
 
 
 def threshold_at(scores, negs, rate):
-    """The threshold on a detector's score (fires at score > it) that fires on at most `rate` of the negatives:
-    the (floor(rate n) + 1)-th largest of their peaks."""
+    """The threshold on a detector's score (fires at score > it) that fires on at most `rate` of the
+    negatives: the (floor(rate n) + 1)-th largest of their peaks."""
     peaks = sorted((peak(scores[s.name]) for s in negs), reverse=True)
     return peaks[min(len(peaks) - 1, math.floor(rate * len(peaks)))] if peaks else math.inf
 
@@ -457,8 +464,8 @@ class Matched(NamedTuple):
 
 
 def matched(subjects, scores, negs, threshold, strict=True):
-    """The collapse label at one threshold: the detector's first firing per run, as a one-shot trigger (QK-Guard
-    latches; a first alarm that comes too early is not credited by a later one)."""
+    """The collapse label at one threshold: the detector's first firing per run, as a one-shot trigger
+    (QK-Guard latches; a first alarm that comes too early is not credited by a later one)."""
     pos = [s for s in subjects if s.collapse is not None]
     first = {s.name: first_at(s.log, scores[s.name], threshold, strict) for s in pos + negs}
     lead = lambda s: None if first[s.name] is None or s.collapse is None else s.collapse - first[s.name]
@@ -490,7 +497,8 @@ def default_rows(subjects, scores, kind):
     out = []
     for d in DETECTORS:
         m = matched(subjects, scores[d.name], negs, d.threshold, d.strict)
-        out.append([d.name, f"{d.threshold:g}", rate_words(m.false_alarms, m.negatives), f"{m.within} / {m.collapses}",
+        out.append([d.name, f"{d.threshold:g}", rate_words(m.false_alarms, m.negatives), f"{m.within} / "
+                                                                                         f"{m.collapses}",
                     f"{m.before} / {m.collapses}", rate_words(m.precise, m.fired)])
     return out
 
@@ -499,18 +507,19 @@ def rate_words(k, n):
     return f"{k} / {n} ({100 * k / n:.0f}%)" if n else "-"
 
 
-MATCHED_HEADER = ["detector", "false alarms allowed", "its threshold there", "false alarms", "collapses caught "
-                  f"within {HORIZON} steps before", "caught at any step before", f"precision: first firings a "
-                  f"collapse followed within {HORIZON} steps"]
+MATCHED_HEADER = ["detector", "false alarms allowed", "its threshold there", "false alarms",
+                  f"collapses caught within {HORIZON} steps before", "caught at any step before",
+                  f"precision: first firings a collapse followed within {HORIZON} steps"]
 
 
 def leads_words(subjects, scores, kind="healthy"):
-    """Where QK-Guard's trigger leads and where it does not, in numbers: the runaway label (by construction), the
-    collapse at each matched false-alarm rate (its rank among the detectors) and at the defaults."""
+    """Where QK-Guard's trigger leads and where it does not, in numbers: the runaway label (by construction),
+    the collapse at each matched false-alarm rate (its rank among the detectors) and at the defaults."""
     negs, trigger = negatives(subjects, kind), DETECTORS[0].name
     runaway = score(subjects, {s.name: qk_guard_max_logit(s.log) for s in subjects})
     parts = [f"Where QK-Guard's max-logit trigger leads: on the runaway, by construction (it caught "
-             f"{len(runaway.runaway_leads)} of {runaway.runaways}, a median {lead_words(runaway.runaway_leads)} steps "
+             f"{len(runaway.runaway_leads)} of {runaway.runaways}, a median "
+             f"{lead_words(runaway.runaway_leads)} steps "
              f"ahead; that lead is the time from {DEFAULT_THRESHOLD['max-logit']:g} to {RUNAWAY_LOGIT:g})."]
     for rate in FA_RATES:
         got = {d.name: matched(subjects, scores[d.name], negs, threshold_at(scores[d.name], negs, rate))
@@ -520,16 +529,19 @@ def leads_words(subjects, scores, kind="healthy"):
         def most(key):   # how many detectors caught more than the trigger; the most caught, and by whom
             top = max(getattr(m, key) for m in got.values())
             ahead = sum(getattr(m, key) > getattr(mine, key) for m in got.values())
-            return f"{ahead} caught more; the most, {top}, by {' / '.join(n for n in got if getattr(got[n], key) == top)}"
-        parts.append(f"On the collapse at {rate:.0%} false alarms (of the {len(negs)} {kind} runs): it caught "
-                     f"{mine.within} of {mine.collapses} within {HORIZON} steps before ({most('within')}) and "
-                     f"{mine.before} at any step before ({most('before')}).")
+            who = " / ".join(n for n in got if getattr(got[n], key) == top)
+            return f"{ahead} caught more; the most, {top}, by {who}"
+        parts.append(f"On the collapse at {rate:.0%} false alarms (of the {len(negs)} {kind} runs): it "
+                     f"caught {mine.within} of {mine.collapses} within {HORIZON} steps before "
+                     f"({most('within')}) and {mine.before} at any step before ({most('before')}).")
     d0 = {d.name: matched(subjects, scores[d.name], negs, d.threshold, d.strict) for d in DETECTORS}
-    early = sum(s.collapse is not None and (f := qk_guard_max_logit(s.log)) is not None and s.collapse - f > HORIZON
+    fired_at = lambda rule, s: rule(s.log) if s.collapse is not None else None
+    early = sum((f := fired_at(qk_guard_max_logit, s)) is not None and s.collapse - f > HORIZON
                 for s in subjects)
+    olmo_early = sum((f := fired_at(olmo_core_skip_step, s)) is not None and f <= 99 for s in subjects)
     parts.append(f"At the defaults its trigger fired before {d0[trigger].before} of {d0[trigger].collapses} "
-                 f"collapses, {early} of them more than {HORIZON} steps before; OLMo-core's rule fired before "
-                 f"{d0[DETECTORS[3].name].before}, {sum(s.collapse is not None and (f := olmo_core_skip_step(s.log)) is not None and f <= 99 for s in subjects)} "
+                 f"collapses, {early} of them more than {HORIZON} steps before; OLMo-core's rule fired "
+                 f"before {d0[DETECTORS[3].name].before}, {olmo_early} "
                  f"of them by step 99 (an early firing that \"fired at or before\" credits).")
     return " ".join(parts)
 
@@ -603,30 +615,38 @@ def render(root, subjects, guarded, firings, plot=None, scores=None):
         "fires on the twin, or neither fires"
         + (f"; not in {', '.join(disagree)}." if disagree else "."), "",
         "**Labels.** Two events are scored. The runaway (a max logit >= "
-        f"{RUNAWAY_LOGIT:g}) is the max-logit trigger's own signal further up, so that trigger catches every runaway "
-        "by construction and its lead is the time from its threshold to the runaway's: that table is kept, apart "
-        "and labelled so. The collapse (lab.report's collapse step: the smoothed loss held above its best by a "
+        f"{RUNAWAY_LOGIT:g}) is the max-logit trigger's own signal further up, so that trigger catches every "
+        f"runaway "
+        "by construction and its lead is the time from its threshold to the runaway's: that table is kept, "
+        "apart "
+        "and labelled so. The collapse (lab.report's collapse step: the smoothed loss held above its best by "
+        "a "
         "margin) is read by none of these detectors; there each detector is swept over its own threshold and "
         "compared at matched false-alarm rates, first firing only (a one-shot trigger, as QK-Guard latches), "
-        f"caught if it first fired within {HORIZON} steps before the collapse (or, the looser reading, at any step "
-        "before), with the precision of those first firings. No paired outcome is used: the one these runs "
-        "allow, a run's loss against its guarded twin's, differs only where the guard's own trigger fired.", "",
+        f"caught if it first fired within {HORIZON} steps before the collapse (or, the looser reading, at "
+        "any step before), with the precision of those first firings. No paired outcome is used: the one "
+        "these runs allow, a run's loss against its guarded twin's, differs only where the guard's own "
+        "trigger fired.", "",
         "## The detectors", "",
-        table(["detector", "what it is for", "watches", "fires when (records at interval 10)", "documented in"],
-              [[d.name, d.purpose, d.signal, d.rule, d.cite] for d in DETECTORS]), "",
+        table(["detector", "what it is for", "watches", "fires when (records at interval 10)",
+               "documented in"], [[d.name, d.purpose, d.signal, d.rule, d.cite] for d in DETECTORS]), "",
         "## The collapse, at matched false-alarm rates", "",
         leads_words(subjects, scores), "",
-        f"A false alarm: a first firing on a healthy run (neither collapsed nor ran away; a runaway that did not "
-        f"collapse is neither a catch nor a false alarm here). Each detector's threshold is set, on its own score, "
-        f"to fire on at most that share of the {len(negatives(subjects, 'healthy'))} healthy runs; its first firing "
-        f"in a run counts. Precision: of the runs it first fired on, the share whose collapse followed within "
-        f"{HORIZON} steps.", "",
+        f"A false alarm: a first firing on a healthy run (neither collapsed nor ran away; a runaway that did "
+        f"not "
+        f"collapse is neither a catch nor a false alarm here). Each detector's threshold is set, on its own "
+        f"score, "
+        f"to fire on at most that share of the {len(negatives(subjects, 'healthy'))} healthy runs; its first "
+        f"firing "
+        f"in a run counts. Precision: of the runs it first fired on, the share whose collapse followed "
+        f"within {HORIZON} steps.", "",
         table(MATCHED_HEADER, matched_rows(subjects, scores, "healthy")), "",
         "At each detector's own default threshold, on the same label:", "",
         table(["detector", "default threshold", "false alarms (healthy runs)", f"collapses caught within "
                f"{HORIZON} steps before", "caught at any step before", f"precision within {HORIZON} steps"],
               default_rows(subjects, scores, "healthy")), "",
-        f"The same with every run that did not collapse as a negative ({len(negatives(subjects, 'not collapsed'))} "
+        f"The same with every run that did not collapse as a negative "
+        f"({len(negatives(subjects, 'not collapsed'))} "
         "runs: a runaway without a collapse is then a false alarm):", "",
         table(MATCHED_HEADER, matched_rows(subjects, scores, "not collapsed")), "",
         "## The runaway (by construction for the max-logit trigger), and both events at the defaults", "",
@@ -635,7 +655,8 @@ def render(root, subjects, guarded, firings, plot=None, scores=None):
         "on a healthy run. Late: a missed event it fired after. Leads in steps (updates), median over the events "
         "it caught, [shortest, longest]. The max-logit trigger watches the signal a runaway is defined on: a max "
         f"logit that reached {RUNAWAY_LOGIT:g} passed {DEFAULT_THRESHOLD['max-logit']:g} at or before, so it "
-        "catches every runaway by construction; its lead and its false alarms are the measure. \"At or before\" "
+        "catches every runaway by construction; its lead and its false alarms are the measure. \"At or "
+        "before\" "
         "also credits an early firing however far ahead of the event: the section above does not.", "",
         "### All scored runs", "",
         table(HEADER, [row(d.name, score(subjects, firings[d.name])) for d in DETECTORS]), "",
@@ -655,8 +676,10 @@ def render(root, subjects, guarded, firings, plot=None, scores=None):
         out += [f"{source} ({len(runs)} runs):", "",
                 table(HEADER, [row(d.name, score(runs, firings[d.name])) for d in DETECTORS]), ""]
     if plot:
-        out += ["## The figure", "", f"![left: collapses caught within {HORIZON} steps against the false-alarm rate, "
-                f"each detector swept over its threshold; right: runaways caught (by construction for the max-logit "
+        out += ["## The figure", "", f"![left: collapses caught within {HORIZON} steps against the "
+                                     f"false-alarm rate, "
+                f"each detector swept over its threshold; right: runaways caught (by construction for the "
+                f"max-logit "
                 f"trigger) at the defaults]({plot})", ""]
     return "\n".join(out) + "\n"
 
@@ -691,15 +714,16 @@ def collapse_curve(subjects, scores, negs):
     points = []
     for threshold in peaks:
         m = matched(subjects, scores, negs, threshold)
-        points.append((100 * m.false_alarms / m.negatives, 100 * m.within / m.collapses if m.collapses else math.nan))
+        caught = 100 * m.within / m.collapses if m.collapses else math.nan
+        points.append((100 * m.false_alarms / m.negatives, caught))
     return points
 
 
 def draw(subjects, firings, path, scores=None):
-    """Left: the collapse (no detector watches it), each detector swept over its own threshold: the share of the
-    collapses its first firing caught within HORIZON steps before, against its false-alarm rate on healthy runs,
-    its default marked. Right: the runaway at the defaults (by construction for the max-logit trigger): the
-    share caught against the false-alarm rate. False if matplotlib is missing."""
+    """Left: the collapse (no detector watches it), each detector swept over its own threshold: the share of
+    the collapses its first firing caught within HORIZON steps before, against its false-alarm rate on healthy
+    runs, its default marked. Right: the runaway at the defaults (by construction for the max-logit
+    trigger): the share caught against the false-alarm rate. False if matplotlib is missing."""
     plt = _pyplot()
     if plt is None:
         return False
@@ -711,8 +735,8 @@ def draw(subjects, firings, path, scores=None):
         xs, ys = zip(*collapse_curve(subjects, scores[d.name], negs))
         (h,) = curve.plot(xs, ys, "-", lw=1.3, label=d.name, drawstyle="steps-post")
         m = matched(subjects, scores[d.name], negs, d.threshold, d.strict)
-        curve.plot([100 * m.false_alarms / m.negatives], [100 * m.within / m.collapses], marker, color=h.get_color(),
-                   markersize=8, mec="k")
+        curve.plot([100 * m.false_alarms / m.negatives], [100 * m.within / m.collapses], marker,
+                   color=h.get_color(), markersize=8, mec="k")
         handles.append(h)
         sc = score(subjects, firings[d.name])
         x = 100 * sc.false_alarms / sc.healthy if sc.healthy else math.nan
@@ -721,21 +745,28 @@ def draw(subjects, firings, path, scores=None):
                     color=h.get_color(), markersize=9, mec="k", label=d.name)
     for rate in FA_RATES:
         curve.axvline(100 * rate, color="grey", ls=":", lw=0.8)
-    curve.set(xlabel=f"false alarms: first firings on healthy runs (% of {len(negs)})", xlim=(-1, 40), ylim=(-3, 103),
-              ylabel=f"collapses caught (% of {sum(s.collapse is not None for s in subjects)}): first firing\n"
+    curve.set(xlabel=f"false alarms: first firings on healthy runs (% of {len(negs)})", xlim=(-1, 40),
+              ylim=(-3, 103),
+              ylabel=f"collapses caught (% of {sum(s.collapse is not None for s in subjects)}): first "
+                     f"firing\n"
                      f"within {HORIZON} steps before the collapse")
     curve.set_title("label: the collapse (lab.report's collapse step), read by no detector;\n"
-                    "each line one detector's threshold swept, the marker its default; dotted: 1, 5, 10%", fontsize=9)
+                    "each line one detector's threshold swept, the marker its default; dotted: 1, 5, 10%",
+                    fontsize=9)
     caught.set(xlabel="false alarms: healthy runs it fired on (% of the healthy runs)",
                xlim=(-2, max([40] + [r + 5 for r in rates if not math.isnan(r)])), ylim=(-3, 103),
-               ylabel=f"runaways caught (% of the runaways):\nfired at or before max logit >= {RUNAWAY_LOGIT:g}")
+               ylabel=f"runaways caught (% of the runaways):\nfired at or before max logit >= "
+                      f"{RUNAWAY_LOGIT:g}")
     caught.set_title(f"label: the runaway, max logit >= {RUNAWAY_LOGIT:g}, each detector at its default;\nby "
                      f"construction the max-logit trigger (200) catches all", fontsize=9)
     for ax in (curve, caught):
         ax.grid(alpha=0.3)
-    curve.legend(handles=handles, fontsize=8, loc="upper right", title="a line per detector", title_fontsize=8)
-    caught.legend(fontsize=8, loc="lower right", title="a marker per detector, at its default", title_fontsize=8)
-    fig.suptitle(f"{len(subjects)} unguarded runs replayed, one log record per {subjects[0].log.interval} steps")
+    curve.legend(handles=handles, fontsize=8, loc="upper right", title="a line per detector",
+                 title_fontsize=8)
+    caught.legend(fontsize=8, loc="lower right", title="a marker per detector, at its default",
+                  title_fontsize=8)
+    fig.suptitle(f"{len(subjects)} unguarded runs replayed, one log record per {subjects[0].log.interval} "
+                 f"steps")
     fig.tight_layout()
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     fig.savefig(path, dpi=100, metadata={"Software": None})

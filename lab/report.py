@@ -29,9 +29,9 @@ import time
 
 from guard import ACTIONS, DEFAULT_THRESHOLD
 from lab.sweep import (AA_ARMS, CLAIM3_SITE, CLAIM4_SITES, CLAIMS, COHERENCES, DONE, DOSES, LR_STUDY_ARMS, NO_ERROR,
-                       LONG_STEPS, QKNORM_ALONE, SEEDS, SITES, SOURCES, TILE_ARMS, Unreadable, action_arms, actions_of,
-                       experiments, inject_arm, long_arms, lr_name, not_a_folder, probe_arms, probe_gain_arm,
-                       probe_long_arms, read_log, split_lr)
+                       LONG_STEPS, QKNORM_ALONE, SEEDS, SITES, SOURCES, TILE_ARMS, Unreadable, action_arms,
+                       actions_of, experiments, inject_arm, long_arms, lr_name, not_a_folder, probe_arms,
+                       probe_gain_arm, probe_long_arms, read_log, split_lr)
 
 # --------------------------------------------------------------------------------------------------
 # The verdict rules' constants.
@@ -174,8 +174,8 @@ def paired_t(values):
 
 
 def slope_interval(xs, ys, level=1 - ALPHA):
-    """Least-squares slope of ys on xs, its two-sided `level` t interval (n - 2 df) and Pearson's r; nans where
-    there are under 3 points or the xs do not vary."""
+    """Least-squares slope of ys on xs, its two-sided `level` t interval (n - 2 df) and Pearson's r; nans
+    where there are under 3 points or the xs do not vary."""
     n = len(xs)
     if n < 3 or len(set(xs)) < 2:
         return math.nan, math.nan, math.nan, math.nan
@@ -193,8 +193,8 @@ def normal_cdf(z):
 
 
 def equivalence_power(sd, n, margin=LOSS_TOL, alpha=ALPHA):
-    """The chance that two one-sided tests at alpha find n paired gaps of sd `sd` within +-margin when the true
-    gap is 0 (the mean's spread taken as normal with the t quantile's width: an approximation)."""
+    """The chance that two one-sided tests at alpha find n paired gaps of sd `sd` within +-margin when the
+    true gap is 0 (the mean's spread taken as normal with the t quantile's width: an approximation)."""
     if n < 2 or not sd > 0:
         return math.nan
     se = sd / math.sqrt(n)
@@ -779,14 +779,17 @@ def paper_measure_line(c, source, arms):
         if runs:
             final = [r.sigma[-1] for r in runs]
             cells.append(f"{arm} sigma(W_q) {num(median(final), '.3g')} ({num(min(final), '.3g')}-"
-                         f"{num(max(final), '.3g')}), max logit {num(median([r.max_logit for r in runs]), '.3g')}")
-    return [("by the paper's measure, the final sigma(W_q) (max over layers), median (range), beside the lab's, the "
+                         f"{num(max(final), '.3g')}), max logit "
+                         f"{num(median([r.max_logit for r in runs]), '.3g')}")
+    return [("by the paper's measure, the final sigma(W_q) (max over layers), median (range), beside the "
+             "lab's, the "
              "max logit over the run, median: " + "; ".join(cells))] if cells else []
 
 
 def head_series(run):
-    """A run's logged steps as (step, max logit per (layer, head), sigma(W_q,h) sigma(W_k,h), the same with the
-    pre-attention gain, attn_gain_rms per layer); [] where the log holds no gain (train.py before 2026-12-05)."""
+    """A run's logged steps as (step, max logit per (layer, head), sigma(W_q,h) sigma(W_k,h), the same with
+    the pre-attention gain, attn_gain_rms per layer); [] where the log holds no gain (train.py before
+    2026-12-05)."""
     out = []
     for r in read_log(run.path):
         if "event" not in r and "sigma_q_gain_head" in r and "max_logit" in r:
@@ -797,11 +800,12 @@ def head_series(run):
 
 
 def escape_split(series, start, end):
-    """The max logit's growth from record `start` to record `end`, in logs, for the (layer, head) holding the max
-    logit at `end`: (logit, the sigma product's part, the gain's part, the rest, (layer, gain rms at start and
-    end)); the three parts add up to the logit's."""
+    """The max logit's growth from record `start` to record `end`, in logs, for the (layer, head) holding the
+    max logit at `end`: (logit, the sigma product's part, the gain's part, the rest, (layer, gain rms at start
+    and end)); the three parts add up to the logit's."""
     _, logits, prods, gained, rms = series[end]
-    layer, head = max(((i, j) for i, row in enumerate(logits) for j in range(len(row))), key=lambda ij: logits[ij[0]][ij[1]])
+    cells = [(i, j) for i, row in enumerate(logits) for j in range(len(row))]
+    layer, head = max(cells, key=lambda ij: logits[ij[0]][ij[1]])
     at = lambda k, i: series[k][i][layer][head]
     logit = math.log(at(end, 1) / at(start, 1))
     sigma = math.log(at(end, 2) / at(start, 2))
@@ -810,12 +814,12 @@ def escape_split(series, start, end):
 
 
 def escape_lines(c, source):
-    """Claim 5's escape route (rule 5's words, decided before its runs): on the top-k probe rerun with its gain
-    logged (-long-gain), the max logit's growth from its first logged step to its first past RUNAWAY_LOGIT (or
-    its collapse) split into the sigma product, the gain's part and the rest (escape_split); the logit escapes
-    through the gain if the gain's part grew more than the sigma product, by a sign test over the seeds that ran
-    away. Also: whether each rerun logged its -long run's losses bit for bit, and the split over the climb from
-    the guard's threshold alone. Reported, not judged."""
+    """Claim 5's escape route (rule 5's words, decided before its runs): on the top-k probe rerun with its
+    gain logged (-long-gain), the max logit's growth from its first logged step to its first past
+    RUNAWAY_LOGIT (or its collapse) split into the sigma product, the gain's part and the rest (escape_split);
+    the logit escapes through the gain if the gain's part grew more than the sigma product, by a sign test
+    over the seeds that ran away. Also: whether each rerun logged its -long run's losses bit for bit, and the
+    split over the climb from the guard's threshold alone. Reported, not judged."""
     gain_arm, long_arm = probe_gain_arm(source), probe_long_arms(source)[f"{source}-probe-topk-long"]
     gain_arm = next(iter(gain_arm))
     runs = {s: r for s, r in c.runs.get(gain_arm, {}).items() if done(r)}
@@ -835,26 +839,30 @@ def escape_lines(c, source):
             continue
         split = escape_split(series, 0, end)
         splits.append(split)
-        past = next((i for i, rec in enumerate(series[:end]) if max(map(max, rec[1])) > run.guard_threshold()), None)
+        over = lambda rec: max(map(max, rec[1])) > run.guard_threshold()
+        past = next((i for i, rec in enumerate(series[:end]) if over(rec)), None)
         if past is not None and past < end:
             climbs.append(escape_split(series, past, end))
         x = lambda v: f"x{math.exp(v):.3g}"
         layer, g0, g1 = split[4]
-        cells.append(f"{seed} logit {x(split[0])} = sigma product {x(split[1])}, gain {x(split[2])}, rest {x(split[3])} "
-                     f"(layer {layer}, gain rms {g0:.2f} -> {g1:.2f}, to step {series[end][0]})")
+        cells.append(f"{seed} logit {x(split[0])} = sigma product {x(split[1])}, gain {x(split[2])}, "
+                     f"rest {x(split[3])} (layer {layer}, gain rms {g0:.2f} -> {g1:.2f}, to step "
+                     f"{series[end][0]})")
     more, less, p = sign_test([(g > sg, g < sg) for _, sg, g, _, _ in splits])
     share = lambda rows, i: num(median([r[i] / r[0] for r in rows if r[0] > 0]), ".2f") if rows else "n/a"
-    lines = [f"{gain_arm} (the top-k probe again, the pre-attention gain logged): {len(runs)} seeds finished, their "
-             f"logged losses bit for bit {f'{source}-probe-topk-long'}'s in {same}/{len(runs)}; ran away in "
-             f"{len(splits)}" + (f", held in {len(held)} ({', '.join(held)})" if held else ""),
-             f"{gain_arm}: the max logit's growth to its runaway split, in logs, by seed: " + ("; ".join(cells) or "none"),
-             f"{gain_arm}: the gain's part grew more than the sigma product's in {more} of {len(splits)} seeds that ran "
-             f"away, less in {less}: sign test p = {p:.3g} -> " + ("the logit escapes through the gain" if p < ALPHA
-                                                                  else "no escape through the gain shown")
-             + f"; median share of the logit's log growth: sigma product {share(splits, 1)}, gain {share(splits, 2)}, "
-               f"rest {share(splits, 3)}; over the climb from the guard's threshold alone ({len(climbs)} seeds): "
-               f"sigma product {share(climbs, 1)}, gain {share(climbs, 2)}, rest {share(climbs, 3)} (reported, not "
-               f"judged)"]
+    shares = lambda rows: f"sigma product {share(rows, 1)}, gain {share(rows, 2)}, rest {share(rows, 3)}"
+    verdict = "the logit escapes through the gain" if p < ALPHA else "no escape through the gain shown"
+    long_arm = f"{source}-probe-topk-long"
+    lines = [f"{gain_arm} (the top-k probe again, the pre-attention gain logged): {len(runs)} seeds "
+             f"finished, their logged losses bit for bit {long_arm}'s in {same}/{len(runs)}; ran away in "
+             f"{len(splits)}"
+             + (f", held in {len(held)} ({', '.join(held)})" if held else ""),
+             f"{gain_arm}: the max logit's growth to its runaway split, in logs, by seed: "
+             + ("; ".join(cells) or "none"),
+             f"{gain_arm}: the gain's part grew more than the sigma product's in {more} of {len(splits)} "
+             f"seeds that ran away, less in {less}: sign test p = {p:.3g} -> {verdict}; median share of the "
+             f"logit's log growth: {shares(splits)}; over the climb from the guard's threshold alone "
+             f"({len(climbs)} seeds): {shares(climbs)} (reported, not judged)"]
     return lines
 
 
@@ -1060,7 +1068,8 @@ def non_qk_actions_fail(c, source):
                      f"{'holds' if p < ALPHA else 'fails'}")
     if not holds and holds_if_short_failed:
         holds = "inconclusive"
-        lines.append("it fails only by actions that held over too few steps to tell (had they failed, it would "
+        lines.append("it fails only by actions that held over too few steps to tell (had they failed, it "
+                     "would "
                      "hold)")
     halves.append(part("the non-QK actions fail", (holds, lines)))
     qk_broke, lines = False, []
@@ -1068,14 +1077,16 @@ def non_qk_actions_fail(c, source):
         line, out = c.count(f"{source}-guard-{action}", QK_SIDE_FAILED, qk_side_failed, False, ref=qknorm)
         grown = c.count(f"{source}-guard-{action}", "QK grew SIGMA_RATIO x QK-norm's (reported, not judged)",
                         qk_growth_failed, False, ref=qknorm)[0]
-        qk_broke, lines = qk_broke or any(out), lines + [line + " (a QK-side action: the claim wants none)", grown]
+        qk_broke = qk_broke or any(out)
+        lines += [line + " (a QK-side action: the claim wants none)", grown]
     halves.append(part("the QK-side actions hold", (not qk_broke, lines)))
     holds, lines = joined(*halves)
     if holds == "inconclusive":
         lines.append("inconclusive: it fails only by actions that held over too few steps to tell (had they "
                      "failed, it would hold)")
     if holds is False and halves[0][0] is True:
-        lines.append("not reproduced at this scale: the non-QK actions fail as claimed, but a QK-side action failed "
+        lines.append("not reproduced at this scale: the non-QK actions fail as claimed, but a QK-side action "
+                     "failed "
                      "too")
     for arm in (f"{source}-guard-{a}" for a in actions_of("source") if c.runs.get(f"{source}-guard-{a}")):
         lines.append(c.count(arm, "broke down", broke_down, False)[0]
@@ -1122,10 +1133,10 @@ def non_qk_actions_fail(c, source):
 
 
 def action_rows(groups, source):
-    """Claim 6's actions on one table, by the measures rule 6 judges them on the seeds it judges: failed (a non-QK
-    action: broke down, or QK grew SIGMA_RATIO x QK-norm's; a QK-side one: broke down, or ended FIX_TOL above
-    QK-norm's val loss), each part apart, the QK growth after the trigger and the val loss against QK-norm (the
-    long arms against QK-norm at their horizon)."""
+    """Claim 6's actions on one table, by the measures rule 6 judges them on the seeds it judges: failed (a
+    non-QK action: broke down, or QK grew SIGMA_RATIO x QK-norm's; a QK-side one: broke down, or ended FIX_TOL
+    above QK-norm's val loss), each part apart, the QK growth after the trigger and the val loss against
+    QK-norm (the long arms against QK-norm at their horizon)."""
     qknorm, (long_qknorm, long_lr_drop) = f"{source}-guard", long_arms(source)
     arms = [(f"{source}-guard-{a}", qknorm, kind) for kind in ("non-qk", "qk", "source") for a in actions_of(kind)]
     arms += [(long_lr_drop, long_qknorm, "non-qk"), (long_qknorm, long_qknorm, "qk"), (qknorm, qknorm, "qk")]
@@ -1221,23 +1232,30 @@ RULES = [
           "update shrunk to the probe's norm (if it stops the runaway too, the probe works through step size), the "
           "next k singular directions, a fixed random rank-k subspace (sign tests, p < ALPHA). The probe freezes "
           "W_q's top singular values by construction, so they are not evidence; the energy each removed and the "
-          "equal-energy and non-QK controls are reported. Decided on 2026-12-03 as its runs began (3 of their 32 had "
-          "started): where the top-k "
+          "equal-energy and non-QK controls are reported. Decided on 2026-12-03 as its runs began (3 of "
+          "their 32 had started): where the top-k "
           f"probe and the shrink ran at {LONG_STEPS} steps (-long), the shrink is judged there instead: the claim's "
           "core needs the shrink to run away (max logit past RUNAWAY_LOGIT, or a collapse) where top-k does not, by "
           "a sign test at p < ALPHA over those seeds (a run unfinished or missing counted against); a shrink that "
           "did not run away held only if it never passed the guard's threshold, or ran at least the source's "
           "slowest runaway (its steps from the threshold to RUNAWAY_LOGIT) divided by the update norm the shrink "
           "left (its step factor) after it first passed it, else it is too short to judge; the probe \"works "
-          "through step size\" only if the source runs away where the shrink held, by a sign test at p < ALPHA. "
-          "Reported beside it, by the paper's measure: each probe arm's final sigma(W_q). Its escape route, decided "
-          "on 2026-12-05 before its runs (reported, not judged): the top-k probe rerun at 2500 steps with each "
-          "layer's pre-attention norm gain g logged (-long-gain, seeds 1 up); from its first logged step to its "
-          "first logged step past RUNAWAY_LOGIT (or its collapse), the growth of the max logit of the head that "
-          "holds it then is split, in logs, into sigma(W_q,h) sigma(W_k,h), the gain's part (sigma(W_q,h diag g) "
-          "sigma(W_k,h diag g) over that product) and the rest (how the normalized inputs meet those directions: a "
-          "logit is at most scale n_embd times the gained product). The logit escapes through the gain if the "
-          "gain's part grew more than the sigma product in more seeds than not, by a sign test at p < ALPHA over "
+          "through step size\" only if the source runs away where the shrink held, by a sign test at p < "
+          "ALPHA. "
+          "Reported beside it, by the paper's measure: each probe arm's final sigma(W_q). Its escape route, "
+          "decided "
+          "on 2026-12-05 before its runs (reported, not judged): the top-k probe rerun at 2500 steps with "
+          "each "
+          "layer's pre-attention norm gain g logged (-long-gain, seeds 1 up); from its first logged step to "
+          "its "
+          "first logged step past RUNAWAY_LOGIT (or its collapse), the growth of the max logit of the head "
+          "that "
+          "holds it then is split, in logs, into sigma(W_q,h) sigma(W_k,h), the gain's part (sigma(W_q,h "
+          "diag g) sigma(W_k,h diag g) over that product) and the rest (how the normalized inputs meet those "
+          "directions: a "
+          "logit is at most scale n_embd times the gained product). The logit escapes through the gain if "
+          "the gain's part grew more than the sigma product in more seeds than not, by a sign test at p < "
+          "ALPHA over "
           "the seeds that ran away",
      lambda source: [source, f"{source}-probe-topk", *(f"{source}-probe-{n}" for n in PROBE_CONTROLS), NO_ERROR],
      probe_holds),
@@ -1246,9 +1264,11 @@ RULES = [
           "cap between the trigger and RUNAWAY_LOGIT) at QK-Guard's trigger each fail (break down: a collapse, or "
           "logits past RUNAWAY_LOGIT after they act; or let the most-grown head's sigma(W_q,h) sigma(W_k,h) grow "
           "SIGMA_RATIO times as much after the trigger as under QK-norm) where QK-norm breaks down (sign tests, "
-          "p < ALPHA), and QK-Clip, a QK-side action, fails in no seed, judged (from 2026-12-05) by breakdown and "
-          "loss: a breakdown, or a final val loss more than FIX_TOL above QK-norm's. QK-norm takes sigma out of its "
-          "logits, so its sigma growth is no healthy bar for an action that leaves sigma in them; the QK growth "
+          "p < ALPHA), and QK-Clip, a QK-side action, fails in no seed, judged (from 2026-12-05) by "
+          "breakdown and loss: a breakdown, or a final val loss more than FIX_TOL above QK-norm's. QK-norm "
+          "takes sigma out of its "
+          "logits, so its sigma growth is no healthy bar for an action that leaves sigma in them; the QK "
+          "growth "
           "against QK-norm's is reported for every action. The loss gap to QK-norm "
           "is reported, for every action in one table, and the non-QK half's result on its own. "
           "An action that slows the step (the lr-drop, by its factor f) and did not fail needs the slowest runaway's "
@@ -1275,9 +1295,10 @@ REPORTED_ARMS = {"5": probe_gain_arm}   # read where they ran (each alone), repo
 
 
 def optional_arms():
-    """Every source's optional and reported arms: their seeds are not a rule's seeds (more of them count against
-    nothing)."""
-    return [a for arms in (*OPTIONAL_ARMS.values(), *REPORTED_ARMS.values()) for s in SOURCES for a in arms(s)]
+    """Every source's optional and reported arms: their seeds are not a rule's seeds (more of them count
+    against nothing)."""
+    kinds = (*OPTIONAL_ARMS.values(), *REPORTED_ARMS.values())
+    return [a for arms in kinds for s in SOURCES for a in arms(s)]
 # How claims 3-6's rules changed from their first version, and why (a review found the first versions
 # could fail by the lab's own construction); RESULTS.md prints it under the rules.
 RULE_CHANGES = {
@@ -1298,10 +1319,13 @@ RULE_CHANGES = {
          "600 steps read as \"works through step size\", though its logit passed 200 in 4 and was still rising in "
          "7, and claim 6's horizon rule called 3 of the holds too short: now the shrink is judged at "
          f"{LONG_STEPS} steps on 16 seeds, its holds against the horizon a slowed runaway needs",
-    "6": "QK-Clip was judged by breakdowns alone (2026-12-03), then by the non-QK actions' measure, breakdown or QK "
-         "growth against QK-norm's (2 of 8 failed, by growth alone); a review (2026-12-05, after the runs) found "
-         "that bar unfair to a QK-side action, as QK-norm's sigma grows freely outside its logits: now breakdown "
-         "or a final val loss FIX_TOL above QK-norm's (the verdict was not reproduced under both). Before that, "
+    "6": "QK-Clip was judged by breakdowns alone (2026-12-03), then by the non-QK actions' measure, "
+         "breakdown or QK growth against QK-norm's (2 of 8 failed, by growth alone); a review (2026-12-05, "
+         "after the runs) found "
+         "that bar unfair to a QK-side action, as QK-norm's sigma grows freely outside its logits: now "
+         "breakdown "
+         "or a final val loss FIX_TOL above QK-norm's (the verdict was not reproduced under both). Before "
+         "that, "
          "seeds where the source never ran away, or that ended before a runaway could show, were counted, and a "
          "capped logit passed as held; now only seeds with a runaway and room after the trigger, QK growth as a "
          "failure too, and the softcap above the trigger; and an lr-drop that held for fewer steps than a runaway "
@@ -1328,6 +1352,24 @@ V2_VERDICTS = {"2p": "not reproduced (8 seeds, every one within 0.03 asked)", "7
                "4": "not reproduced (both-collapsed seeds tied: 4/0 at delta 30, p = 0.0625)",
                "5 (assay)": "not reproduced, \"the probe works through step size\" (the shrink's 600-step holds)",
                "6 (assay)": "reproduced (QK-Clip judged by breakdowns alone)"}
+
+# The changes of 2026-12-05 (issue 55) and what the rules before them (commit b823d3f) said on their logs
+V4_CHANGES = {
+    "2p": "its A/A pair was the same arm at a 64-key tile, which moves the bf16 state's rounding (the fault "
+          "itself) and "
+          "whose arms ran three hours and two commits apart: now the same arm at 1 and 2 CPU threads, side "
+          "by side, and a gap between them makes a holding verdict inconclusive; lr 0.01, where the guard "
+          "stays dormant "
+          "for a stretch, runs 32 seeds, and the late switch's cost is reported; the words \"in every seed\" "
+          "(the TOST judges the mean) are gone; the same for 7p",
+    "5": "the paper's measure (the final sigma(W_q)) and the probe's escape route through the pre-attention "
+         "gain "
+         "are reported (not judged)",
+    "6": "see 6 above: QK-Clip by breakdown and loss; the row says each half",
+}
+V3_VERDICTS = {"2p": "inconclusive (16 seeds at the runaway lrs; the 64-key pair as its noise floor)",
+               "7p": "not reproduced (1p fails on llama)",
+               "6 (assay)": "not reproduced (QK-Clip failed 2 of 8 by QK growth against QK-norm's)"}
 
 RISE_WINDOW = 100   # claim 6 reports whether an action's logits were still rising over its last steps
 
@@ -1580,31 +1622,39 @@ def aa_lines(c, prefix, always, lr):
         mean, lo, hi, p = paired_t(gaps)
         aa_gap = left > 0 or not lo <= 0 <= hi
         sd = statistics.stdev(gaps) if len(gaps) > 1 else math.nan
-        lines.append(f"A/A at lr {lr:g}, {two} - {one} (the same arm at 2 and 1 CPU threads, run side by side in one "
-                     f"sweep: fp32 sums in another order, no rounding point moved): mean {num(mean, '+.3f')} nat, 95% "
-                     f"interval [{num(lo, '+.3f')}, {num(hi, '+.3f')}], sd {num(sd, '.3f')}, n {len(gaps)}, paired t "
-                     f"p = {num(p, '.2g')} -> {'a gap where none should be' if aa_gap else 'no gap'}"
+        lines.append(f"A/A at lr {lr:g}, {two} - {one} (the same arm at 2 and 1 CPU threads, run side by "
+                     f"side in one sweep: fp32 sums in another order, no rounding point moved): mean "
+                     f"{num(mean, '+.3f')} nat, 95% interval [{num(lo, '+.3f')}, {num(hi, '+.3f')}], sd "
+                     f"{num(sd, '.3f')}, n {len(gaps)}, paired t p = {num(p, '.2g')} -> "
+                     f"{'a gap where none should be' if aa_gap else 'no gap'}"
                      + (f" ({left} seeds without both runs finished, counted as a gap)" if left else "")
                      + f"; per seed {', '.join(f'{g:+.3f}' for g in gaps)}")
         redo, _ = paired_gaps(c, one, always, lr, lr_seeds(c, (one,), lr))
-        lines.append(f"lr {lr:g}, {one} - {always} (the same flags at one thread, run on a later day: what the code's "
+        lines.append(f"lr {lr:g}, {one} - {always} (the same flags at one thread, run on a later day: what "
+                     f"the code's "
                      f"changes since moved): identical in {sum(g == 0 for g in redo)}/{len(redo)} seeds")
     again, tile = (prefix + a for a in TILE_ARMS["bf16-qknorm-always"])
     if c.runs.get(lr_name(again, lr)) and c.runs.get(lr_name(tile, lr)):
         seeds = lr_seeds(c, (again, tile), lr)
         gaps, _ = paired_gaps(c, tile, again, lr, seeds)
         mean, lo, hi, p = paired_t(gaps)
-        hours = [abs(started(c.runs[lr_name(again, lr)].get(s)) - started(c.runs[lr_name(tile, lr)].get(s))) / 3600
-                 for s in seeds if c.runs[lr_name(again, lr)].get(s) and c.runs[lr_name(tile, lr)].get(s)]
-        commits = sorted({commit_of(r) for a in (again, tile) for r in c.runs[lr_name(a, lr)].values()} - {None})
-        lines.append(f"lr {lr:g}, {tile} - {again} (the 2026-12-03 pair, not an A/A: the 64-key tile rounds the bf16 "
+        both = [(c.runs[lr_name(again, lr)].get(s), c.runs[lr_name(tile, lr)].get(s)) for s in seeds]
+        hours = [abs(started(a) - started(b)) / 3600 for a, b in both if a and b]
+        commits = sorted({commit_of(r) for a in (again, tile) for r in c.runs[lr_name(a, lr)].values()}
+                         - {None})
+        lines.append(f"lr {lr:g}, {tile} - {again} (the 2026-12-03 pair, not an A/A: the 64-key tile rounds "
+                     f"the bf16 "
                      f"state twice per row, the fault's own rounding; its arms started "
-                     f"{num(min(hours, default=math.nan), '.1f')} to {num(max(hours, default=math.nan), '.1f')} h apart "
-                     f"seed by seed, at commits {', '.join(commits) or 'unrecorded'}): mean {num(mean, '+.3f')} nat, "
-                     f"95% interval [{num(lo, '+.3f')}, {num(hi, '+.3f')}], paired t p = {num(p, '.2g')}, n {len(gaps)}; "
+                     f"{num(min(hours, default=math.nan), '.1f')} to "
+                     f"{num(max(hours, default=math.nan), '.1f')} h apart "
+                     f"seed by seed, at commits {', '.join(commits) or 'unrecorded'}): mean "
+                     f"{num(mean, '+.3f')} nat, "
+                     f"95% interval [{num(lo, '+.3f')}, {num(hi, '+.3f')}], paired t p = {num(p, '.2g')}, n "
+                     f"{len(gaps)}; "
                      f"per seed {', '.join(f'{g:+.3f}' for g in gaps)}")
         redo, _ = paired_gaps(c, again, always, lr, lr_seeds(c, (again,), lr))
-        lines.append(f"lr {lr:g}, {again} - {always} (the same flags, run again on a later day: other code, perhaps "
+        lines.append(f"lr {lr:g}, {again} - {always} (the same flags, run again on a later day: other code, "
+                     f"perhaps "
                      f"another CPU): identical in {sum(g == 0 for g in redo)}/{len(redo)} seeds; per seed "
                      f"{', '.join(f'{g:+.3f}' for g in redo)}")
     return aa_gap, lines
@@ -1639,14 +1689,16 @@ def late_switch_lines(c, guard, always, lr, judged):
     sd = statistics.stdev(gaps) if len(gaps) > 1 else math.nan
     need = seeds_for_power(sd) if sd > 0 else None
     cost = "a cost" if lo > 0 else "a gain" if hi < 0 else "no gap shown"
-    return [f"lr {lr:g}, the late switch's cost (a finding, reported not judged): {guard} - {always} final val, mean "
+    return [f"lr {lr:g}, the late switch's cost (a finding, reported not judged): {guard} - {always} final "
+            f"val, mean "
             f"{num(mean, '+.3f')} nat, 95% interval [{num(lo, '+.3f')}, {num(hi, '+.3f')}], paired t p = "
-            f"{num(p, '.2g')}, n {len(gaps)} ({cost}); against the trigger step (median {statistics.median(steps):g}, "
-            f"{min(steps)} to {max(steps)}): slope {num(100 * slope, '+.3f')} nat per 100 steps, 95% interval "
-            f"[{num(100 * s_lo, '+.3f')}, {num(100 * s_hi, '+.3f')}], r = {num(r, '+.2f')}",
+            f"{num(p, '.2g')}, n {len(gaps)} ({cost}); against the trigger step (median "
+            f"{statistics.median(steps):g}, "
+            f"{min(steps)} to {max(steps)}): slope {num(100 * slope, '+.3f')} nat per 100 steps, 95% "
+            f"interval [{num(100 * s_lo, '+.3f')}, {num(100 * s_hi, '+.3f')}], r = {num(r, '+.2f')}",
             f"lr {lr:g}: {guard}'s trigger inside the {warmup:g} warmup steps in {early}/{len(steps)} seeds"
-            + (" (there the guard is QK-norm nearly from the start: its equivalence with always-on QK-norm is "
-               "nearly built in)" if early else ""),
+            + (" (there the guard is QK-norm nearly from the start: its equivalence with always-on QK-norm "
+               "is nearly built in)" if early else ""),
             f"lr {lr:g}: the equivalence test's power at the gaps' sd {num(sd, '.3f')}, were the true gap 0: "
             f"{num(100 * equivalence_power(sd, len(gaps)), '.0f')}% at n {len(gaps)}; 80% needs about "
             f"{need if need is not None else 'more than 10,000'} seeds (normal approximation)"]
@@ -1765,7 +1817,8 @@ def lr_guard_claim(c, prefix=""):
             holds = False
             lines.append(f"at lr none: no lr of the grid where {words} -> fails")
     if holds and aa_gaps:
-        lines.append(f"inconclusive: the A/A pair showed a gap where none should be (lr {', '.join(aa_gaps)}), so the "
+        lines.append(f"inconclusive: the A/A pair showed a gap where none should be (lr "
+                     f"{', '.join(aa_gaps)}), so the "
                      "test cannot tell two arms from noise")
         return "inconclusive", lines
     if holds and unsure:
@@ -1787,21 +1840,29 @@ LR_RULES = [
            "/ the lrs run (Bonferroni), and bf16-safemax is worse than fp32 by that test at no lr",
      ("fp32", "bf16", "bf16-safemax"), lr_fault_claim),
     ("2p", "claim 2 as a proxy: at every lr where bf16 runs away (a majority of seeds), bf16-guard runs away in no "
-           "seed, its final val loss is equivalent to bf16-qknorm-always's within LOSS_TOL (two one-sided tests at "
-           "ALPHA on the mean paired gap over every seed both arms ran: the 90% t interval inside +-LOSS_TOL; one "
-           "wholly past it fails, one that reaches past it is inconclusive), and its trigger (read "
-           "below RUNAWAY_LOGIT) comes no later than the logged step where the same seed's bf16 run first showed its "
-           "runaway; at every lr where fp32 and bf16 stay healthy in every seed (their max logit under the "
-           "guard's threshold), bf16-guard and fp32-guard fire in no seed and log the losses of bf16 and fp32 bit "
-           "for bit; the grid must hold both kinds of lr. Decided on 2026-12-05 before their runs: the A/A pair "
-           "(bf16-qknorm-always at 1 and 2 CPU threads, run side by side in one sweep; they differ in the order "
-           "of fp32 sums alone) must not show a gap: where it ran, a 95% t interval of its mean paired gap that "
-           "excludes 0 makes a 2p that would hold inconclusive (the test then cannot tell two arms from noise); "
-           "at lr 0.01, where the guard stays dormant for a stretch, bf16-guard and bf16-qknorm-always run 32 seeds "
-           "and the late switch's cost is reported as a finding: the mean paired gap with its 95% t interval, and "
-           "its least-squares slope on the trigger step with the slope's 95% interval; at every runaway lr the "
-           "seeds whose trigger fell inside the warmup are counted (there the guard is QK-norm nearly from the "
-           "start, so its equivalence with always-on QK-norm is nearly built in), and the equivalence test's power "
+           "seed, its final val loss is equivalent to bf16-qknorm-always's within LOSS_TOL (two one-sided "
+           "tests at "
+           "ALPHA on the mean paired gap over every seed both arms ran: the 90% t interval inside "
+           "+-LOSS_TOL; one wholly past it fails, one that reaches past it is inconclusive), and its trigger "
+           "(read below RUNAWAY_LOGIT) comes no later than the logged step where the same seed's bf16 run "
+           "first showed its runaway; at every lr where fp32 and bf16 stay healthy in every seed (their max "
+           "logit under the guard's threshold), bf16-guard and fp32-guard fire in no seed and log the losses "
+           "of bf16 and fp32 bit for bit; the grid must hold both kinds of lr. Decided on 2026-12-05 before "
+           "their runs: the A/A pair "
+           "(bf16-qknorm-always at 1 and 2 CPU threads, run side by side in one sweep; they differ in the "
+           "order "
+           "of fp32 sums alone) must not show a gap: where it ran, a 95% t interval of its mean paired gap "
+           "that "
+           "excludes 0 makes a 2p that would hold inconclusive (the test then cannot tell two arms from "
+           "noise); "
+           "at lr 0.01, where the guard stays dormant for a stretch, bf16-guard and bf16-qknorm-always run "
+           "32 seeds and the late switch's cost is reported as a finding: the mean paired gap with its 95% t "
+           "interval, and its least-squares slope on the trigger step with the slope's 95% interval; at "
+           "every runaway lr the "
+           "seeds whose trigger fell inside the warmup are counted (there the guard is QK-norm nearly from "
+           "the "
+           "start, so its equivalence with always-on QK-norm is nearly built in), and the equivalence test's "
+           "power "
            "at the gaps' own sd (with the seeds 80% would need) is stated",
      ("bf16", "bf16-guard", "bf16-qknorm-always", "fp32", "fp32-guard"), lr_guard_claim),
     ("7p", "claim 7 as a proxy: 1p and 2p both hold on llama (the llama- arms)",
@@ -2245,8 +2306,9 @@ def checks(lines, n):
                         f"of {n} seeds, random sign in {down}: sign test p = {float(p_up):.2g}", "", site))
         elif m := QK_SIDE_LINE.search(line):
             arm, k, of = m.groups()
-            out.append((k == "0", None, f"`{arm}` (QK-side) failed in {k} of {of} seeds: broke down, or ended more "
-                        f"than FIX_TOL ({FIX_TOL:g} nat) above QK-norm's val loss (the claim wants 0)",
+            out.append((k == "0", None, f"`{arm}` (QK-side) failed in {k} of {of} seeds: broke down, or "
+                        f"ended more than FIX_TOL ({FIX_TOL:g} nat) above QK-norm's val loss (the claim "
+                        f"wants 0)",
                         f"{arm} failed {k}/{of}", None))
         elif m := LR_LINE.search(line):
             lr, guard, away, n, ref, mean, lo, hi, result = m.groups()
@@ -2367,8 +2429,10 @@ def build(groups, root, markdown, plots=(), markdown_dir=".", pilots=(), plots_f
     parts.append(paper_scale(groups, *([study[1]] if study else [])))
     if markdown:
         parts.append(f"QK-Guard's trigger as a detector, scored beside OLMo-core's, Lightning's, llm-foundry's and "
-                     f"Megatron-LM's loss-spike rules on the unguarded committed runs (lead time, misses, false "
-                     f"alarms, by architecture and source): [lab/DETECTORS.md](lab/DETECTORS.md) (a link from the "
+                     f"Megatron-LM's loss-spike rules on the unguarded committed runs (on the collapse, "
+                     f"which none of them reads, each swept over its threshold to matched false-alarm rates; "
+                     f"the runaway, the "
+                     f"trigger's own signal, apart): [lab/DETECTORS.md](lab/DETECTORS.md) (a link from the "
                      f"repository's root), written by "
                      f"`python -m lab.detectors lab/results --markdown lab/DETECTORS.md --plot lab/plots/detectors.png`.")
     shown = lambda table: [[label, VERDICT_WORDS.get(verdict, verdict.upper()), text] for label, verdict, text in table]
@@ -2392,7 +2456,11 @@ def build(groups, root, markdown, plots=(), markdown_dir=".", pilots=(), plots_f
               "What changed in the rules on 2026-12-03, and why (3, 5 and 6 above): "
               + "; ".join(f"{claim}: {why}" for claim, why in V3_CHANGES.items()) + ". What the rules before "
               "(commit 8f7ffca) said on the logs they had: "
-              + "; ".join(f"{claim}: {said}" for claim, said in V2_VERDICTS.items()) + "."]
+              + "; ".join(f"{claim}: {said}" for claim, said in V2_VERDICTS.items()) + ".",
+              "What changed on 2026-12-05, and why: "
+              + "; ".join(f"{claim}: {why}" for claim, why in V4_CHANGES.items()) + ". What the rules before "
+              "(commit b823d3f) said on the logs they had: "
+              + "; ".join(f"{claim}: {said}" for claim, said in V3_VERDICTS.items()) + "."]
     if markdown:
         parts += [title(2, "Scale, and what was not run"), scale(groups)]
         cut = cut_arms(groups)
@@ -2419,13 +2487,18 @@ def build(groups, root, markdown, plots=(), markdown_dir=".", pilots=(), plots_f
         table = action_rows(groups, source)
         if table:
             parts += [title(2, f"Claim 6's actions on one table ({SOURCE_WORDS[source]})"),
-                      "Each action on the seeds rule 6 judges, by the measures it judges them: failed (broke down: a "
-                      "collapse or logits past RUNAWAY_LOGIT after it acts; then, for a non-QK action, the most-grown "
-                      "head's sigma(W_q,h) sigma(W_k,h) grew SIGMA_RATIO times as much after the trigger as under "
-                      "QK-norm, and for a QK-side one, its final val loss ended more than FIX_TOL above QK-norm's; "
-                      "a run unfinished or missing counted as failed), each part apart, that growth's median (for "
-                      "every action), and the final val loss less QK-norm's (the long arms against QK-norm at the "
-                      "same horizon).",
+                      "Each action on the seeds rule 6 judges, by the measures it judges them: failed (broke "
+                      "down: a "
+                      "collapse or logits past RUNAWAY_LOGIT after it acts; then, for a non-QK action, the "
+                      "most-grown "
+                      "head's sigma(W_q,h) sigma(W_k,h) grew SIGMA_RATIO times as much after the trigger as "
+                      "under "
+                      "QK-norm, and for a QK-side one, its final val loss ended more than FIX_TOL above "
+                      "QK-norm's; "
+                      "a run unfinished or missing counted as failed), each part apart, that growth's median "
+                      "(for "
+                      "every action), and the final val loss less QK-norm's (the long arms against QK-norm "
+                      "at the same horizon).",
                       render(["arm", "kind", "failed", "broke down", "QK grew SIGMA_RATIO x QK-norm's",
                               "QK growth after the trigger, median", "val loss - QK-norm's, median"], table, markdown)]
     if any(g.startswith("inject-") for g in groups):

@@ -93,8 +93,9 @@ def probe_long_arms(source):
 
 
 def probe_gain_arm(source):
-    """Claim 5's escape route: the top-k probe at LONG_STEPS again, the same flags as <source>-probe-topk-long, its
-    log now holding each layer's pre-attention norm gain (train.py's gain_record, 2026-12-05)."""
+    """Claim 5's escape route: the top-k probe at LONG_STEPS again, the same flags as
+    <source>-probe-topk-long, its log now holding each layer's pre-attention norm gain (train.py's
+    gain_record, 2026-12-05)."""
     return {f"{source}-probe-topk-long-gain": probe_long_arms(source)[f"{source}-probe-topk-long"]}
 
 
@@ -151,13 +152,13 @@ CLAIMS = {
         "bf16": "--accum bf16",
         "bf16-guard": "--accum bf16 --guard on",
         "bf16-qknorm-always": "--accum bf16 --qknorm always",
-        # the 2026-12-03 pair: the arm above again, and its twin with the bf16 state rounded after each 64 keys
-        # instead of once per 128-key row. Not an A/A: the tile moves the bf16 state's rounding, the fault
-        # itself (attention_kernel.py); and its two arms ran three hours and two commits apart
+        # the 2026-12-03 pair: the arm above again, and its twin with the bf16 state rounded after each 64
+        # keys instead of once per 128-key row. Not an A/A: the tile moves the bf16 state's rounding, the
+        # fault itself (attention_kernel.py); and its two arms ran three hours and two commits apart
         "bf16-qknorm-always-aa": "--accum bf16 --qknorm always",
         "bf16-qknorm-always-tile64": "--accum bf16 --qknorm always --block-n 64",
-        # the A/A pair (2p's noise floor, 2026-12-05): the same arm at 1 and 2 CPU threads, run side by side in
-        # one sweep. A CPU's sums follow its thread count, so the two differ only in the order of fp32 sums
+        # the A/A pair (2p's noise floor, 2026-12-05): the same arm at 1 and 2 CPU threads, run side by side
+        # in one sweep. A CPU's sums follow its thread count, so the two differ only in the order of fp32 sums
         # (from the first update: lab/MEASUREMENTS.md); no rounding point, tile or flag of the numerics moves
         "bf16-qknorm-always-t1": "--accum bf16 --qknorm always --threads 1",
         "bf16-qknorm-always-t2": "--accum bf16 --qknorm always --threads 2",

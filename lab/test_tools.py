@@ -631,8 +631,9 @@ def test_rule_5_calls_a_late_shrink_hold_too_short(tmp_path):
 
 
 def with_gain(path, gain, sigma):
-    """Rewrite a write_run log as train.py logs the pre-attention gain: every head's sigma(W_q,h) = sigma(step),
-    sigma(W_k,h) = 1, and W_q,h diag(g), W_k,h diag(g) each `gain(step)` times those (attn_gain_rms = gain)."""
+    """Rewrite a write_run log as train.py logs the pre-attention gain: every head's sigma(W_q,h) =
+    sigma(step), sigma(W_k,h) = 1, and W_q,h diag(g), W_k,h diag(g) each `gain(step)` times those
+    (attn_gain_rms = gain)."""
     log = os.path.join(path, "log.jsonl")
     records = [json.loads(line) for line in open(log)]
     for r in records:
@@ -646,7 +647,8 @@ def with_gain(path, gain, sigma):
 
 
 @pytest.mark.parametrize("gain, sigma, escapes", [
-    param(lambda s: 1.0 + s / 5, lambda s: 1.0, True, id="the gain grows 3x, sigma flat: escapes through the gain"),
+    param(lambda s: 1.0 + s / 5, lambda s: 1.0, True, id="the gain grows 3x, sigma flat: escapes through the "
+                                                         "gain"),
     param(lambda s: 1.0, lambda s: 1.0 + s, False, id="sigma grows, the gain flat: no escape through it"),
 ])
 def test_claim_5s_escape_route_splits_the_logit_into_sigma_gain_and_rest(tmp_path, gain, sigma, escapes):
@@ -659,12 +661,13 @@ def test_claim_5s_escape_route_splits_the_logit_into_sigma_gain_and_rest(tmp_pat
     text = "\n".join(report.escape_lines(report.Claim(groups, [arm_, "bf16-probe-topk-long"]), "bf16"))
     assert "their logged losses bit for bit bf16-probe-topk-long's in 8/8; ran away in 8" in text
     if escapes:   # 1.7^9 = 119x: the gain's part (1 + 9/5)^2 = 7.84x, the rest 15.1x
-        assert "seed1 logit x119 = sigma product x1, gain x7.84, rest x15.1 (layer 1, gain rms 1.00 -> 2.80, to step 9)" \
-            in text
-        assert "in 8 of 8 seeds that ran away, less in 0: sign test p = 0.00391 -> the logit escapes through the gain" \
-            in text
+        assert ("seed1 logit x119 = sigma product x1, gain x7.84, rest x15.1 (layer 1, gain rms 1.00 -> "
+                "2.80, to step 9)") in text
+        assert ("in 8 of 8 seeds that ran away, less in 0: sign test p = 0.00391 -> the logit escapes "
+                "through the gain") in text
     else:
-        assert "in 0 of 8 seeds that ran away, less in 8: sign test p = 1 -> no escape through the gain shown" in text
+        assert ("in 0 of 8 seeds that ran away, less in 8: sign test p = 1 -> no escape through the gain "
+                "shown") in text
     del groups[arm_]
     assert report.escape_lines(report.Claim(groups, ["bf16-probe-topk-long"]), "bf16") == []   # none rerun
 
@@ -745,9 +748,11 @@ LATE = {"trigger": 18}            # 2 steps after the trigger (of 20), fewer tha
           id="QK-Clip breaks down in a seed"),
     param({"bf16-guard-qkclip": arm(0, TRIG, {3: UNFINISHED})}, "not reproduced", id="QK-Clip unfinished in a seed"),
     param({"bf16-guard": arm(8, QK_HELD), "bf16-guard-qkclip": arm(8, QK_GROWN)}, "reproduced",
-          id="QK-Clip lets QK grow 2x QK-norm's in every seed: reported, not judged (QK-norm's sigma grows freely "
+          id="QK-Clip lets QK grow 2x QK-norm's in every seed: reported, not judged (QK-norm's sigma grows "
+             "freely "
              "outside its logits; the 2026-12-03 rule failed it)"),
-    param({"bf16-guard-qkclip": arm(1, {**TRIG, "val": 2.9 + report.FIX_TOL + 0.01}, rest=TRIG)}, "not reproduced",
+    param({"bf16-guard-qkclip": arm(1, {**TRIG, "val": 2.9 + report.FIX_TOL + 0.01}, rest=TRIG)},
+          "not reproduced",
           id="QK-Clip ends FIX_TOL+0.01 above QK-norm's val loss in one seed"),
     param({"bf16-guard-qkclip": arm(8, {**TRIG, "val": 2.9 + report.FIX_TOL - 0.01})}, "reproduced",
           id="QK-Clip ends FIX_TOL-0.01 above QK-norm's in every seed: within its bar"),
@@ -769,7 +774,7 @@ def test_claim_6s_actions_share_one_table_and_its_measures(tmp_path):
     assert table["bf16-guard-qkclip"] == ["bf16-guard-qkclip", "QK-side", "2/8", "0/8", "2/8", "1.5", "+0.000"]
     assert table["bf16-guard-clip"][1:4] == ["non-QK", "7/8", "7/8"]
     assert table["bf16-guard"][2] == "0/8" and table["bf16-guard"][-1] == "-"
-    arms["bf16-guard-qkclip"] = arm(2, QK_GROWN, rest=QK_HELD)   # grown, not worse: failed by no measure it is judged on
+    arms["bf16-guard-qkclip"] = arm(2, QK_GROWN, rest=QK_HELD)   # grown, not worse: judged on neither
     table = {row[0]: row for row in report.action_rows(write_arms(tmp_path / "b", arms), "bf16")}
     assert table["bf16-guard-qkclip"][2:5] == ["0/8", "0/8", "2/8"]
 
@@ -787,13 +792,16 @@ def test_rule_6s_row_shows_each_half_and_the_part_that_decided_it(tmp_path):
     arms = {**RULE6, "bf16-guard-qkclip": arm(8, {**TRIG, "val": 3.5})}
     row = rows(tmp_path, arms)["6"]
     assert row[1] == "not reproduced"
-    assert "part the non-QK actions fail: holds" in row[2] and "part the QK-side actions hold: fails" in row[2]
+    assert "part the non-QK actions fail: holds" in row[2]
+    assert "part the QK-side actions hold: fails" in row[2]
     label, verdict, scale, key, why = report.summary_row(*row, "scale", N)
-    assert verdict == "NOT REPRODUCED" and why == "the non-QK actions fail as claimed, but a QK-side action failed too"
+    assert verdict == "NOT REPRODUCED"
+    assert why == "the non-QK actions fail as claimed, but a QK-side action failed too"
     assert key.splitlines()[0].startswith("the non-QK actions fail: `bf16-guard-")
-    assert key.splitlines()[1] == ("the QK-side actions hold: `bf16-guard-qkclip` (QK-side) failed in 8 of 8 seeds: "
-                                   "broke down, or ended more than FIX_TOL (0.1 nat) above QK-norm's val loss (the "
-                                   "claim wants 0)")
+    assert key.splitlines()[1] == ("the QK-side actions hold: `bf16-guard-qkclip` (QK-side) failed in 8 of 8 "
+                                   "seeds: "
+                                   "broke down, or ended more than FIX_TOL (0.1 nat) above QK-norm's val "
+                                   "loss (the claim wants 0)")
     row = rows(tmp_path / "b", RULE6)["6"]   # both halves hold: reproduced, each half's weakest test shown
     assert row[1] == "reproduced" and "QK-side) failed in 0 of 8" in report.summary_row(*row, "scale", N)[3]
 
@@ -1237,20 +1245,21 @@ def test_rule_2p_judges_each_lr_on_the_seeds_its_arms_ran_and_reports_the_aa_flo
     more = {("bf16-guard", TOP): arm(16, TRIG), ("bf16-qknorm-always", TOP): arm(16, OK)}
     arms = lr_study(more)
     one, two = sweep.AA_ARMS["bf16-qknorm-always"]
-    arms[sweep.lr_name(two, TOP)] = [{"val": 2.9 + (0.01 if s % 2 else -0.01), "args": {"lr": TOP, "min_lr": TOP,
-                                                                                      "threads": 2}}
+    args = lambda threads: {"lr": TOP, "min_lr": TOP, "threads": threads}
+    arms[sweep.lr_name(two, TOP)] = [{"val": 2.9 + (0.01 if s % 2 else -0.01), "args": args(2)}
                                      for s in range(1, 17)]
-    arms[sweep.lr_name(one, TOP)] = [{"val": 2.9 if s > 1 else 2.95, "args": {"lr": TOP, "min_lr": TOP, "threads": 1}}
-                                     for s in range(1, 17)]
+    arms[sweep.lr_name(one, TOP)] = [{"val": 2.9 if s > 1 else 2.95, "args": args(1)} for s in range(1, 17)]
     row = lr_rows(tmp_path, arms)["2p"]
     assert row[1] == "reproduced", row[2]
     assert "bf16 ran away in 7/8 seeds, so the guard must prevent it: bf16-guard ran away in 0/16" in row[2]
     assert "lr 0.1, seeds seed1 to seed8 alone (the first sweep): mean +0.000 nat" in row[2]
-    assert ("A/A at lr 0.1, bf16-qknorm-always-t2 - bf16-qknorm-always-t1 (the same arm at 2 and 1 CPU threads, run "
-            "side by side in one sweep: fp32 sums in another order, no rounding point moved): mean -0.003 nat") in row[2]
+    assert ("A/A at lr 0.1, bf16-qknorm-always-t2 - bf16-qknorm-always-t1 (the same arm at 2 and 1 CPU "
+            "threads, run "
+            "side by side in one sweep: fp32 sums in another order, no rounding point moved): mean -0.003 "
+            "nat") in row[2]
     assert "-> no gap; per seed -0.040, -0.010, +0.010" in row[2]
-    assert ("lr 0.1, bf16-qknorm-always-t1 - bf16-qknorm-always (the same flags at one thread, run on a later day: "
-            "what the code's changes since moved): identical in 15/16 seeds") in row[2]
+    assert ("lr 0.1, bf16-qknorm-always-t1 - bf16-qknorm-always (the same flags at one thread, run on a "
+            "later day: what the code's changes since moved): identical in 15/16 seeds") in row[2]
     del arms[sweep.lr_name(one, TOP)]   # the twin alone: no pair run side by side, no floor said
     assert "A/A" not in lr_rows(tmp_path / "c", arms)["2p"][2]
     arms[sweep.lr_name("bf16-qknorm-always", TOP)] = arm(15, OK)   # seed 16 of the reference missing: against it
@@ -1268,7 +1277,7 @@ def aa_pair(shift, spread=0.01, n=8):
 
 @pytest.mark.parametrize("shift, expected", [
     param(0.0, "reproduced", id="A/A: no gap, spread about 0: the guard's verdict stands"),
-    param(0.02, "inconclusive", id="A/A: a steady 0.02 between the thread counts: the test cannot tell noise"),
+    param(0.02, "inconclusive", id="A/A: a steady 0.02 between the thread counts: no telling noise"),
 ])
 def test_rule_2p_needs_an_aa_pair_without_a_gap(tmp_path, shift, expected):
     row = lr_rows(tmp_path, {**lr_study(), **aa_pair(shift)})["2p"]
@@ -1286,7 +1295,8 @@ def test_rule_2p_reports_the_old_tile_pair_as_what_it_is(tmp_path):
     arms[sweep.lr_name(again, TOP)] = [{"args": {"lr": TOP, "min_lr": TOP}}] * N
     row = lr_rows(tmp_path, arms)["2p"]
     assert row[1] == "reproduced"   # not an A/A: its gap judges nothing
-    assert ("bf16-qknorm-always-tile64 - bf16-qknorm-always-aa (the 2026-12-03 pair, not an A/A: the 64-key tile "
+    assert ("bf16-qknorm-always-tile64 - bf16-qknorm-always-aa (the 2026-12-03 pair, not an A/A: the 64-key "
+            "tile "
             "rounds the bf16 state twice per row") in row[2]
 
 
@@ -1294,13 +1304,16 @@ def test_rule_2p_reports_the_late_switchs_cost_against_the_trigger_step(tmp_path
     # the guard's gap grows with its trigger step: 0.001 nat a step, exactly, from triggers at 2..9
     cells = {("bf16-guard", TOP): [{"trigger": t, "val": 2.9 + 0.001 * t} for t in range(2, 10)]}
     row = lr_rows(tmp_path, lr_study(cells))["2p"]
-    assert ("lr 0.1, the late switch's cost (a finding, reported not judged): bf16-guard - bf16-qknorm-always final "
-            "val, mean +0.005 nat, 95% interval [+0.003, +0.008], paired t p = 0.00038, n 8 (a cost)") in row[2]
+    assert ("lr 0.1, the late switch's cost (a finding, reported not judged): bf16-guard - "
+            "bf16-qknorm-always final val, mean +0.005 nat, 95% interval [+0.003, +0.008], paired t p = "
+            "0.00038, n 8 (a cost)") in row[2]
     assert "against the trigger step (median 5.5, 2 to 9): slope +0.100 nat per 100 steps" in row[2]
-    assert "r = +1.00" in row[2] and "lr 0.1: bf16-guard's trigger inside the 0 warmup steps in 0/8 seeds\n" in row[2]
+    assert "r = +1.00" in row[2]
+    assert "lr 0.1: bf16-guard's trigger inside the 0 warmup steps in 0/8 seeds\n" in row[2]
     cells = {("bf16-guard", TOP): [{"trigger": t, "args": {"warmup_steps": 6}} for t in range(2, 10)]}
     text = lr_rows(tmp_path / "w", lr_study(cells))["2p"][2]
-    assert "lr 0.1: bf16-guard's trigger inside the 6 warmup steps in 4/8 seeds (there the guard is QK-norm" in text
+    assert "lr 0.1: bf16-guard's trigger inside the 6 warmup steps in 4/8 seeds (there the guard is QK-norm" \
+        in text
     assert "(no gap shown)" in text
 
 
@@ -1917,7 +1930,8 @@ def test_sweep_launches_every_arm_the_lr_rules_read():
         assert set(arms) <= set(launched) and label in report.LR_TITLES, label
     assert {a for _, _, arms, _ in report.LR_RULES for a in arms} == {
         prefix + a for prefix in report.ARCHS.values() for a in sweep.LR_STUDY_ARMS}
-    assert set(report.LR_WORDS) == set(sweep.LR_STUDY_ARMS) | {a for pair in sweep.AA_ARMS.values() for a in pair}
+    pairs = (*sweep.AA_ARMS.values(), *sweep.TILE_ARMS.values())
+    assert set(report.LR_WORDS) == set(sweep.LR_STUDY_ARMS) | {a for pair in pairs for a in pair}
 
 
 def test_experiment_table_is_valid_train_flags():
@@ -2217,7 +2231,8 @@ def test_the_readme_gives_each_injected_errors_dose_in_the_faults_units():
     times = lambda dose: f"{float(f'{dose / error:.3g}'):,.0f}x"
     with open(os.path.join(ROOT, "README.md")) as f:
         table = f.read().split("## The claims this code tests")[1].split("\n\n| claim |")[1].split("\n\n")[0]
-    scale = {cells[0]: cells[3] for line in table.splitlines()[2:] for cells in [line.strip("| ").split(" | ")]}
+    rows_ = [line.strip("| ").split(" | ") for line in table.splitlines()[2:]]
+    scale = {cells[0]: cells[3] for cells in rows_}
     assert f"about {times(3)} the fault's own error" in scale["3+"] and times(3) == "1,040x"
     assert f"about {times(3)}-{times(30)} the fault's own error" in scale["3"]
     assert f"about {times(0.3)}-{times(30)} the fault's own error" in scale["4"]
