@@ -786,17 +786,43 @@ def paper_measure_line(c, source, arms):
              "max logit over the run, median: " + "; ".join(cells))] if cells else []
 
 
-def head_series(run):
+def head_series(run, gain=True):
     """A run's logged steps as (step, max logit per (layer, head), sigma(W_q,h) sigma(W_k,h), the same with
     the pre-attention gain, attn_gain_rms per layer); [] where the log holds no gain (train.py before
-    2026-12-05)."""
-    out = []
+    2026-12-05). gain=False: any log with per-head sigmas, the gained product taken as the plain one (so the
+    gain's part is 0 and the rest holds the gain and the inputs' alignment together)."""
+    out, key = [], "sigma_q_gain_head" if gain else "sigma_q_head"
     for r in read_log(run.path):
-        if "event" not in r and "sigma_q_gain_head" in r and "max_logit" in r:
+        if "event" not in r and key in r and "max_logit" in r:
             prod = lambda q, k: [[a * b for a, b in zip(rq, rk)] for rq, rk in zip(r[q], r[k])]
-            out.append((r["step"], r["max_logit"], prod("sigma_q_head", "sigma_k_head"),
-                        prod("sigma_q_gain_head", "sigma_k_gain_head"), r["attn_gain_rms"]))
+            plain = prod("sigma_q_head", "sigma_k_head")
+            out.append((r["step"], r["max_logit"], plain,
+                        prod("sigma_q_gain_head", "sigma_k_gain_head") if gain else plain,
+                        r.get("attn_gain_rms")))
     return out
+
+
+def sigma_share_line(c, arms):
+    """From logs without the gain: each arm's runaways (first logged step to the first past RUNAWAY_LOGIT, or
+    the collapse), the share of the max logit's log growth that the sigma product of the head holding it
+    explains; the rest is the gain and the inputs' alignment together (reported, not judged)."""
+    cells = []
+    for arm in arms:
+        shares = []
+        for run in c.runs.get(arm, {}).values():
+            stop = run.runaway_from() if done(run) and ran_away(run) else None
+            series = head_series(run, gain=False) if stop is not None else []
+            end = next((i for i, rec in enumerate(series) if rec[0] >= stop), None)
+            if end:
+                logit, sigma, _, _, _ = escape_split(series, 0, end)
+                if logit > 0:
+                    shares.append(sigma / logit)
+        if shares:
+            cells.append(f"{arm} {num(median(shares), '.2f')} ({num(min(shares), '.2f')} to "
+                         f"{num(max(shares), '.2f')}, {len(shares)} runaways)")
+    return [("the share of the max logit's log growth, to its runaway, that the sigma product of its head "
+             "explains, median (range), from logs without the gain (the rest is the gain and the inputs' "
+             "alignment together; reported, looked at after the runs): " + "; ".join(cells))] if cells else []
 
 
 def escape_split(series, start, end):
@@ -810,7 +836,8 @@ def escape_split(series, start, end):
     logit = math.log(at(end, 1) / at(start, 1))
     sigma = math.log(at(end, 2) / at(start, 2))
     gain = math.log(at(end, 3) / at(end, 2)) - math.log(at(start, 3) / at(start, 2))
-    return logit, sigma, gain, logit - sigma - gain, (layer, series[start][4][layer], rms[layer])
+    rms_at = lambda k: series[k][4][layer] if series[k][4] else math.nan
+    return logit, sigma, gain, logit - sigma - gain, (layer, rms_at(start), rms_at(end))
 
 
 def escape_lines(c, source):
@@ -912,6 +939,7 @@ def probe_holds(c, source):
              for arm in (topk, *(f"{source}-probe-{n}" for n in PROBE_CONTROLS)) if c.runs.get(arm)]
     lines += paper_measure_line(c, source, (source, topk, *(f"{source}-probe-{n}" for n in PROBE_CONTROLS),
                                             *(probe_long_arms(source) if long_ran else ())))
+    lines += sigma_share_line(c, (source, *(probe_long_arms(source) if long_ran else ())))
     return holds, lines + [f"loss cost, median final val loss - {NO_ERROR}'s: " + ", ".join(costs)] + \
         escape_lines(c, source)
 

@@ -672,6 +672,17 @@ def test_claim_5s_escape_route_splits_the_logit_into_sigma_gain_and_rest(tmp_pat
     assert report.escape_lines(report.Claim(groups, ["bf16-probe-topk-long"]), "bf16") == []   # none rerun
 
 
+def test_claim_5s_sigma_share_from_logs_without_the_gain(tmp_path):
+    # the max logit x1.7 a step (x119 by step 9, past RUNAWAY_LOGIT); every head's sigma product x10 over the
+    # run's 19 steps (x10^(9/19) = 2.97 by step 9): the sigma product explains ln 2.97 / ln 119 = 0.23
+    for seed in range(1, 4):
+        write_run(tmp_path, "bf16-probe-topk-long", seed, logit=lambda step: 10.0 * 1.7 ** step, qk=(0, 10.0))
+    write_run(tmp_path, "bf16-probe-topk-long", 4)   # no runaway: not counted
+    c = report.Claim(report.load_runs(str(tmp_path)), ["bf16-probe-topk-long"])
+    line, = report.sigma_share_line(c, ["bf16-probe-topk-long", "bf16"])
+    assert line.endswith("bf16-probe-topk-long 0.23 (0.23 to 0.23, 3 runaways)")
+
+
 def test_rule_5_says_step_size_and_reports_energy_and_cost(tmp_path):
     norms = {"q_update": [1.0, 2.0], "q_removed": [0.8, 1.6], "q_kept": [0.6, 1.2],
              "k_update": [1.0, 1.0], "k_removed": [0.8, 0.8], "k_kept": [0.6, 0.6]}
