@@ -193,6 +193,9 @@ def build_parser():
     add(g, "--device", "auto", "auto, cpu, cuda, cuda:N")
     add(g, "--dtype", "auto", "autocast (auto: bf16 on CUDA)", choices=["auto", "bf16", "fp32"])
     add(g, "--compile", False, "torch.compile the model", action="store_true")
+    add(g, "--threads", 0, "CPU threads of torch's sums (0: torch's own, OMP_NUM_THREADS); the sums' order "
+        "follows the count, so runs at 1 and 2 differ in fp32 rounding order alone (the lab's A/A)",
+        type=SIZE)
     add(g, "--log-interval", None, "steps between log records", type=COUNT)
     add(g, "--eval-interval", None, "steps between validation losses", type=COUNT)
     add(g, "--eval-iters", None, "batches per validation loss", type=COUNT)

@@ -160,35 +160,140 @@ def megatron_spiky_loss(log, samples=100, threshold=10.0):
     return None
 
 
+# --------------------------------------------------------------------------------------------------
+# Each detector as a score per record and its own threshold, so that each can be swept over that threshold
+# (matched false-alarm rates): at its default threshold it fires where its rule above does (a test checks)
+
+def logit_score(log):
+    return list(log.logit)
+
+
+def qk_score(log):
+    return list(log.qk)
+
+
+def self_calibrating_score(log, warmup=CALIBRATION_STEPS):
+    """The max logit over the largest of the first `warmup` steps (nan before: it cannot fire there)."""
+    n = records(warmup, log.interval)
+    if len(log.logit) <= n:
+        return [math.nan] * len(log.logit)
+    ref = max(log.logit[:n])
+    return [math.nan] * n + [v / ref if ref > 0 else math.inf for v in log.logit[n:]]
+
+
+def olmo_core_score(log, window=128, min_history=64, signals=("loss", "grad_norm")):
+    """The larger |x - mean| / sd of the loss and grad norm over the previous records (inf: not finite, or a
+    change over a zero sd; nan before it starts)."""
+    n, start = records(window, log.interval), records(max(20, min_history), log.interval)
+    out = [math.nan] * len(log.steps)
+    for i in range(start - 1, len(log.steps)):
+        zs = []
+        for values in (getattr(log, name) for name in signals):
+            history = values[max(0, i - n):i]
+            mean = sum(history) / len(history)
+            sd = math.sqrt(sum((v - mean) ** 2 for v in history) / (len(history) - 1))
+            deviation = abs(values[i] - mean)
+            zs.append(math.inf if not math.isfinite(values[i]) else deviation / sd if sd > 0 else
+                      math.inf if deviation > 0 else 0.0)
+        out[i] = max(zs)
+    return out
+
+
+def lightning_score(log, window=10, warmup=1):
+    """|loss - running mean| / |running mean| where the loss rose (-inf where it did not; inf: not finite)."""
+    n, out = records(window, log.interval), [math.nan] * len(log.steps)
+    for i in range(records(warmup, log.interval), len(log.steps)):
+        loss, mean = log.loss[i], statistics.fmean(log.loss[max(0, i - n):i])
+        out[i] = math.inf if not math.isfinite(loss) else -math.inf if not loss > log.loss[i - 1] else \
+            abs(loss - mean) / abs(mean) if mean else math.inf
+    return out
+
+
+def llm_foundry_score(log, window=100, patience=4, max_loss_cap=10.0):
+    """The smallest loss / window mean over the last patience + 1 steps' records (its streak), inf where the
+    high-loss rule fires; nan before the window is full."""
+    n, in_a_row = records(window, log.interval), records(patience + 1, log.interval)
+    loss_cap = min(max_loss_cap, max(log.loss[:n], default=max_loss_cap))
+    ratio = [math.nan] * len(log.steps)
+    for i in range(n, len(log.steps)):
+        mean = statistics.fmean(log.loss[i - n:i])
+        # a mean of 0 makes every loss an outlier; a nan mean, none
+        ratio[i] = log.loss[i] / mean if mean > 0 else math.inf if mean == 0 else math.nan
+    out = [math.nan] * len(log.steps)
+    for i in range(n, len(log.steps)):
+        high = i >= 2 * n and sum(loss > loss_cap for loss in log.loss[i - n:i]) >= n / 2
+        streak = ratio[i - in_a_row + 1:i + 1] if i - in_a_row + 1 >= n else []
+        out[i] = math.inf if high else min(streak) if streak else math.nan
+    return out
+
+
+def megatron_score(log, samples=100):
+    """|loss| over the largest |loss| of the first `samples` steps (inf: not finite, from the first
+    record)."""
+    n, out = records(samples, log.interval), []
+    ref = max((abs(v) for v in log.loss[:n]), default=math.nan)
+    for i, loss in enumerate(log.loss):
+        ratio = abs(loss) / ref if i >= n and ref > 0 else math.nan
+        out.append(math.inf if not math.isfinite(loss) else ratio)
+    return out
+
+
+def first_at(log, scores, threshold, strict):
+    """The step of the first record whose score passes threshold (> if strict, else >=), or None."""
+    passes = (lambda v: v > threshold) if strict else (lambda v: v >= threshold)
+    return next((s for s, v in zip(log.steps, scores) if passes(v)), None)
+
+
 class Detector(NamedTuple):
     name: str       # in the tables and the figure
     signal: str     # what it watches
     rule: str       # when it fires, as replayed on the records (interval 10)
     cite: str       # where its rule is documented
     first: object   # Log -> the step it first fires, or None
+    purpose: str = ""          # what it is for, in one line
+    score: object = None       # Log -> a score per record: it fires where the score passes its threshold
+    threshold: float = 0.0     # its default threshold on that score
+    strict: bool = True        # fires at score > threshold (else >=)
+    knob: str = ""             # what its threshold is, in words
 
 
 DETECTORS = [
     Detector("QK-Guard, max logit", "max attention logit", "over 200 (guard.DEFAULT_THRESHOLD)",
-             "this repository, guard.py", qk_guard_max_logit),
+             "this repository, guard.py", qk_guard_max_logit,
+             "switch QK-norm on, once, before the attention logits run away", logit_score,
+             DEFAULT_THRESHOLD["max-logit"], True, "the max logit"),
     Detector("QK-Guard, sigma product", "sigma(W_q,h) sigma(W_k,h), max over heads",
-             "over 50 (guard.DEFAULT_THRESHOLD)", "this repository, guard.py", qk_guard_sigma_product),
+             "over 50 (guard.DEFAULT_THRESHOLD)", "this repository, guard.py", qk_guard_sigma_product,
+             "the same switch, read from the weights instead of the logits", qk_score,
+             DEFAULT_THRESHOLD["sigma-product"], True, "the sigma product"),
     Detector("self-calibrating max logit", "max attention logit",
              "over 10x the largest of the first 100 steps (10 records); Megatron-LM's rule on the logit",
-             "this module, fixed before scoring", self_calibrating_max_logit),
+             "this module, fixed before scoring", self_calibrating_max_logit,
+             "the max-logit switch with no threshold to set: each run's own first steps set it",
+             self_calibrating_score, CALIBRATION_FACTOR, True,
+             "the factor over the first 100 steps' largest"),
     Detector("OLMo-core SkipStepOptimizer", "loss, grad norm",
              "either more than 6 sd from the mean of the last 128 steps (13 records), from 64 steps (7 records)",
-             "olmo_core.optim.SkipStepOptimizer", olmo_core_skip_step),
+             "olmo_core.optim.SkipStepOptimizer", olmo_core_skip_step,
+             "skip one optimizer step whose loss or grad norm is an outlier, then go on (not an alarm)",
+             olmo_core_score, 6.0, True, "the sd factor"),
     Detector("Lightning SpikeDetection", "loss",
              "rising and >= 3x the mean of the last 10 steps (1 record): relative tolerance 2; or not finite",
-             "lightning.fabric.utilities.spike.SpikeDetection", lightning_spike_detection),
+             "lightning.fabric.utilities.spike.SpikeDetection", lightning_spike_detection,
+             "stop training (raise) at a loss spike, to resume from a checkpoint", lightning_score, 2.0,
+             False,
+             "the relative tolerance"),
     Detector("llm-foundry KillLossSpike", "loss",
              ">= 2x the mean of the last 100 steps (10 records), 5 steps in a row (1 record); or, from 200 steps, "
              "half of them over the first 100 steps' largest (at most 10)", "llmfoundry.callbacks.KillLossSpike",
-             llm_foundry_kill_loss_spike),
+             llm_foundry_kill_loss_spike, "stop a run whose loss spikes persist, or stays high, to save "
+                                          "compute",
+             llm_foundry_score, 2.0, False, "the outlier multiplier"),
     Detector("Megatron-LM spiky loss", "loss",
              ">= 10x the largest of the first 100 steps (10 records); or not finite",
-             "megatron.core.rerun_state_machine (is_unexpectedly_large)", megatron_spiky_loss),
+             "megatron.core.rerun_state_machine (is_unexpectedly_large)", megatron_spiky_loss,
+             "flag a loss that may be silent data corruption, for a rerun on another machine", megatron_score,
+             10.0, False, "the factor over the first 100 steps' largest"),
 ]
 
 
@@ -329,6 +434,125 @@ def score(subjects, fired):
                  sum(s.healthy for s in subjects), sum(s.healthy and fired[s.name] is not None for s in subjects))
 
 
+# --------------------------------------------------------------------------------------------------
+# The collapse, the label no detector here watches, at matched false-alarm rates
+
+HORIZON = 100   # steps: a firing counts for a collapse that follows it within this many (RISE_WINDOW)
+FA_RATES = (0.01, 0.05, 0.10)
+
+
+def negatives(subjects, kind):
+    """The runs a firing on is a false alarm for the collapse label: "healthy" (neither collapsed nor ran
+    away; a runaway that did not collapse is then neither a catch nor a false alarm), or "not collapsed" (all
+    others)."""
+    return [s for s in subjects if s.collapse is None and (kind == "not collapsed" or s.healthy)]
+
+
+def peak(values):
+    return max((v for v in values if not math.isnan(v)), default=-math.inf)
+
+
+def threshold_at(scores, negs, rate):
+    """The threshold on a detector's score (fires at score > it) that fires on at most `rate` of the
+    negatives: the (floor(rate n) + 1)-th largest of their peaks."""
+    peaks = sorted((peak(scores[s.name]) for s in negs), reverse=True)
+    return peaks[min(len(peaks) - 1, math.floor(rate * len(peaks)))] if peaks else math.inf
+
+
+class Matched(NamedTuple):
+    threshold: float
+    false_alarms: int     # negatives it fired on
+    negatives: int
+    within: int           # collapses whose run it first fired on within HORIZON steps before the collapse
+    before: int           # ... at any step before (or in the collapse's record)
+    collapses: int
+    fired: int            # runs (collapsed or negative) it fired on
+    precise: int          # of those, runs whose first firing a collapse followed within HORIZON steps
+
+
+def matched(subjects, scores, negs, threshold, strict=True):
+    """The collapse label at one threshold: the detector's first firing per run, as a one-shot trigger
+    (QK-Guard latches; a first alarm that comes too early is not credited by a later one)."""
+    pos = [s for s in subjects if s.collapse is not None]
+    first = {s.name: first_at(s.log, scores[s.name], threshold, strict) for s in pos + negs}
+    lead = lambda s: None if first[s.name] is None or s.collapse is None else s.collapse - first[s.name]
+    fired = [s for s in pos + negs if first[s.name] is not None]
+    return Matched(threshold, sum(first[s.name] is not None for s in negs), len(negs),
+                   sum(lead(s) is not None and 0 <= lead(s) <= HORIZON for s in pos),
+                   sum(lead(s) is not None and lead(s) >= 0 for s in pos), len(pos), len(fired),
+                   sum(lead(s) is not None and 0 <= lead(s) <= HORIZON for s in fired))
+
+
+def all_scores(subjects):
+    return {d.name: {s.name: d.score(s.log) for s in subjects} for d in DETECTORS}
+
+
+def matched_rows(subjects, scores, kind):
+    """Per detector and false-alarm rate: its threshold there and the collapse label's counts."""
+    negs, rows = negatives(subjects, kind), []
+    for d in DETECTORS:
+        for rate in FA_RATES:
+            m = matched(subjects, scores[d.name], negs, threshold_at(scores[d.name], negs, rate))
+            rows.append([d.name, f"{rate:.0%}", f"{m.threshold:.3g}", rate_words(m.false_alarms, m.negatives),
+                         f"{m.within} / {m.collapses}", f"{m.before} / {m.collapses}",
+                         rate_words(m.precise, m.fired)])
+    return rows
+
+
+def default_rows(subjects, scores, kind):
+    negs = negatives(subjects, kind)
+    out = []
+    for d in DETECTORS:
+        m = matched(subjects, scores[d.name], negs, d.threshold, d.strict)
+        out.append([d.name, f"{d.threshold:g}", rate_words(m.false_alarms, m.negatives), f"{m.within} / "
+                                                                                         f"{m.collapses}",
+                    f"{m.before} / {m.collapses}", rate_words(m.precise, m.fired)])
+    return out
+
+
+def rate_words(k, n):
+    return f"{k} / {n} ({100 * k / n:.0f}%)" if n else "-"
+
+
+MATCHED_HEADER = ["detector", "false alarms allowed", "its threshold there", "false alarms",
+                  f"collapses caught within {HORIZON} steps before", "caught at any step before",
+                  f"precision: first firings a collapse followed within {HORIZON} steps"]
+
+
+def leads_words(subjects, scores, kind="healthy"):
+    """Where QK-Guard's trigger leads and where it does not, in numbers: the runaway label (by construction),
+    the collapse at each matched false-alarm rate (its rank among the detectors) and at the defaults."""
+    negs, trigger = negatives(subjects, kind), DETECTORS[0].name
+    runaway = score(subjects, {s.name: qk_guard_max_logit(s.log) for s in subjects})
+    parts = [f"Where QK-Guard's max-logit trigger leads: on the runaway, by construction (it caught "
+             f"{len(runaway.runaway_leads)} of {runaway.runaways}, a median "
+             f"{lead_words(runaway.runaway_leads)} steps "
+             f"ahead; that lead is the time from {DEFAULT_THRESHOLD['max-logit']:g} to {RUNAWAY_LOGIT:g})."]
+    for rate in FA_RATES:
+        got = {d.name: matched(subjects, scores[d.name], negs, threshold_at(scores[d.name], negs, rate))
+               for d in DETECTORS}
+        mine = got[trigger]
+
+        def most(key):   # how many detectors caught more than the trigger; the most caught, and by whom
+            top = max(getattr(m, key) for m in got.values())
+            ahead = sum(getattr(m, key) > getattr(mine, key) for m in got.values())
+            who = " / ".join(n for n in got if getattr(got[n], key) == top)
+            return f"{ahead} caught more; the most, {top}, by {who}"
+        parts.append(f"On the collapse at {rate:.0%} false alarms (of the {len(negs)} {kind} runs): it "
+                     f"caught {mine.within} of {mine.collapses} within {HORIZON} steps before "
+                     f"({most('within')}) and {mine.before} at any step before ({most('before')}).")
+    d0 = {d.name: matched(subjects, scores[d.name], negs, d.threshold, d.strict) for d in DETECTORS}
+    fired_at = lambda rule, s: rule(s.log) if s.collapse is not None else None
+    early = sum((f := fired_at(qk_guard_max_logit, s)) is not None and s.collapse - f > HORIZON
+                for s in subjects)
+    olmo_early = sum((f := fired_at(olmo_core_skip_step, s)) is not None and f <= 99 for s in subjects)
+    parts.append(f"At the defaults its trigger fired before {d0[trigger].before} of {d0[trigger].collapses} "
+                 f"collapses, {early} of them more than {HORIZON} steps before; OLMo-core's rule fired "
+                 f"before {d0[DETECTORS[3].name].before}, {olmo_early} "
+                 f"of them by step 99 (an early firing that \"fired at or before\" credits).")
+    return " ".join(parts)
+
+
 def lead_words(leads):
     return f"{statistics.median(leads):g} [{min(leads)}, {max(leads)}]" if leads else "-"
 
@@ -370,13 +594,14 @@ def source_order(source):
 COMMAND = "python -m lab.detectors lab/results --markdown lab/DETECTORS.md --plot lab/plots/detectors.png"
 
 
-def render(root, subjects, guarded, firings, plot=None, command=COMMAND):
+def render(root, subjects, guarded, firings, plot=None, scores=None, command=COMMAND):
     """The Markdown document: what is scored and how, then the tables: all runs, by architecture, by source;
     command: the one that wrote it."""
     intervals = sorted({s.log.interval for s in subjects})
     runaways, collapses = sum(s.runaway is not None for s in subjects), sum(s.collapse is not None for s in subjects)
     agree, compared, disagree = check_twins(subjects, guarded)
     by_study = collections.Counter(s.name.split("/")[0] for s in subjects)
+    scores = scores or all_scores(subjects)
     out = [
         "# QK-Guard as a detector: lead time and false alarms beside the field's loss-spike detectors", "",
         f"Written by `{command}` from the committed run logs (lab/detectors.py says how each detector is "
@@ -397,25 +622,60 @@ def render(root, subjects, guarded, firings, plot=None, command=COMMAND):
         "trigger (logged at step resolution) falls in the interval where the replayed max-logit trigger first "
         "fires on the twin, or neither fires"
         + (f"; not in {', '.join(disagree)}." if disagree else "."), "",
+        "**Labels.** Two events are scored. The runaway (a max logit >= "
+        f"{RUNAWAY_LOGIT:g}) is the max-logit trigger's own signal further up, so that trigger catches every "
+        f"runaway "
+        "by construction and its lead is the time from its threshold to the runaway's: that table is kept, "
+        "apart "
+        "and labelled so. The collapse (lab.report's collapse step: the smoothed loss held above its best by "
+        "a "
+        "margin) is read by none of these detectors; there each detector is swept over its own threshold and "
+        "compared at matched false-alarm rates, first firing only (a one-shot trigger, as QK-Guard latches), "
+        f"caught if it first fired within {HORIZON} steps before the collapse (or, the looser reading, at "
+        "any step before), with the precision of those first firings. No paired outcome is used: the one "
+        "these runs allow, a run's loss against its guarded twin's, differs only where the guard's own "
+        "trigger fired.", "",
         "## The detectors", "",
-        table(["detector", "watches", "fires when (records at interval 10)", "documented in"],
-              [[d.name, d.signal, d.rule, d.cite] for d in DETECTORS]), "",
+        table(["detector", "what it is for", "watches", "fires when (records at interval 10)",
+               "documented in"], [[d.name, d.purpose, d.signal, d.rule, d.cite] for d in DETECTORS]), "",
+        "## The collapse, at matched false-alarm rates", "",
+        leads_words(subjects, scores), "",
+        f"A false alarm: a first firing on a healthy run (neither collapsed nor ran away; a runaway that did "
+        f"not "
+        f"collapse is neither a catch nor a false alarm here). Each detector's threshold is set, on its own "
+        f"score, "
+        f"to fire on at most that share of the {len(negatives(subjects, 'healthy'))} healthy runs; its first "
+        f"firing "
+        f"in a run counts. Precision: of the runs it first fired on, the share whose collapse followed "
+        f"within {HORIZON} steps.", "",
+        table(MATCHED_HEADER, matched_rows(subjects, scores, "healthy")), "",
+        "At each detector's own default threshold, on the same label:", "",
+        table(["detector", "default threshold", "false alarms (healthy runs)", f"collapses caught within "
+               f"{HORIZON} steps before", "caught at any step before", f"precision within {HORIZON} steps"],
+              default_rows(subjects, scores, "healthy")), "",
+        f"The same with every run that did not collapse as a negative "
+        f"({len(negatives(subjects, 'not collapsed'))} "
+        "runs: a runaway without a collapse is then a false alarm):", "",
+        table(MATCHED_HEADER, matched_rows(subjects, scores, "not collapsed")), "",
+        "## The runaway (by construction for the max-logit trigger), and both events at the defaults", "",
         "Caught: fired at or before the event (a runaway: the first record with a max logit >= "
         f"{RUNAWAY_LOGIT:g}; a collapse: its first bad step); missed: not fired by then. A false alarm: it fired "
         "on a healthy run. Late: a missed event it fired after. Leads in steps (updates), median over the events "
         "it caught, [shortest, longest]. The max-logit trigger watches the signal a runaway is defined on: a max "
         f"logit that reached {RUNAWAY_LOGIT:g} passed {DEFAULT_THRESHOLD['max-logit']:g} at or before, so it "
-        "catches every runaway by construction; its lead and its false alarms are the measure.", "",
-        "## All scored runs", "",
+        "catches every runaway by construction; its lead and its false alarms are the measure. \"At or "
+        "before\" "
+        "also credits an early firing however far ahead of the event: the section above does not.", "",
+        "### All scored runs", "",
         table(HEADER, [row(d.name, score(subjects, firings[d.name])) for d in DETECTORS]), "",
         false_alarm_words(subjects, firings[DETECTORS[0].name]), "", olmo_words(subjects), "",
-        "## By architecture", "",
+        "### By architecture", "",
     ]
     for arch in sorted({s.arch for s in subjects}):
         runs = [s for s in subjects if s.arch == arch]
         out += [f"{arch} ({len(runs)} runs):", "",
                 table(HEADER, [row(d.name, score(runs, firings[d.name])) for d in DETECTORS]), ""]
-    out += ["## By source", "",
+    out += ["### By source", "",
             "What drives the run: the lr study's learning rate (both architectures, every state and fix), an "
             "injected error by its site (every dose and coherence, with and without its QK fix), the assay source "
             "(claims 5 and 6's runaway, with its probes), or nothing (the no-error arms).", ""]
@@ -424,8 +684,11 @@ def render(root, subjects, guarded, firings, plot=None, command=COMMAND):
         out += [f"{source} ({len(runs)} runs):", "",
                 table(HEADER, [row(d.name, score(runs, firings[d.name])) for d in DETECTORS]), ""]
     if plot:
-        out += ["## Lead time against false alarms", "", f"![lead time to the runaway against the false-alarm rate, "
-                f"per detector]({plot})", ""]
+        out += ["## The figure", "", f"![left: collapses caught within {HORIZON} steps against the "
+                                     f"false-alarm rate, "
+                f"each detector swept over its threshold; right: runaways caught (by construction for the "
+                f"max-logit "
+                f"trigger) at the defaults]({plot})", ""]
     return "\n".join(out) + "\n"
 
 
@@ -453,35 +716,65 @@ def olmo_words(subjects):
             f"in {by['loss']} (both in the same record: counted in both).")
 
 
-def draw(subjects, firings, path):
-    """Two panels, one marker per detector, against its false-alarm rate: the share of the runaways it caught,
-    and its median lead to them (bars: shortest to longest). False if matplotlib is missing."""
+def collapse_curve(subjects, scores, negs):
+    """(false-alarm %, collapses caught within HORIZON %) at every threshold between the negatives' peaks."""
+    peaks = sorted({peak(scores[s.name]) for s in negs} | {math.inf}, reverse=True)
+    points = []
+    for threshold in peaks:
+        m = matched(subjects, scores, negs, threshold)
+        caught = 100 * m.within / m.collapses if m.collapses else math.nan
+        points.append((100 * m.false_alarms / m.negatives, caught))
+    return points
+
+
+def draw(subjects, firings, path, scores=None):
+    """Left: the collapse (no detector watches it), each detector swept over its own threshold: the share of
+    the collapses its first firing caught within HORIZON steps before, against its false-alarm rate on healthy
+    runs, its default marked. Right: the runaway at the defaults (by construction for the max-logit
+    trigger): the share caught against the false-alarm rate. False if matplotlib is missing."""
     plt = _pyplot()
     if plt is None:
         return False
-    fig, (caught, lead) = plt.subplots(1, 2, figsize=(12, 5))
+    scores = scores or all_scores(subjects)
+    negs = negatives(subjects, "healthy")
+    fig, (curve, caught) = plt.subplots(1, 2, figsize=(13, 5.5))
     handles, rates = [], []
     for d, marker in zip(DETECTORS, "osD^v<>"):
+        xs, ys = zip(*collapse_curve(subjects, scores[d.name], negs))
+        (h,) = curve.plot(xs, ys, "-", lw=1.3, label=d.name, drawstyle="steps-post")
+        m = matched(subjects, scores[d.name], negs, d.threshold, d.strict)
+        curve.plot([100 * m.false_alarms / m.negatives], [100 * m.within / m.collapses], marker,
+                   color=h.get_color(), markersize=8, mec="k")
+        handles.append(h)
         sc = score(subjects, firings[d.name])
         x = 100 * sc.false_alarms / sc.healthy if sc.healthy else math.nan
         rates.append(x)
-        (h,) = caught.plot([x], [100 * len(sc.runaway_leads) / sc.runaways if sc.runaways else math.nan], marker,
-                           markersize=9, label=d.name)
-        handles.append(h)
-        if sc.runaway_leads:
-            y = statistics.median(sc.runaway_leads)
-            lead.errorbar([x], [y], yerr=[[y - min(sc.runaway_leads)], [max(sc.runaway_leads) - y]], fmt=marker,
-                          color=h.get_color(), capsize=4, markersize=9)
-    for ax in (caught, lead):
-        ax.set_xlabel("false alarms: healthy runs it fired on (% of the healthy runs)")
-        ax.set_xlim(-2, max([40] + [r + 5 for r in rates if not math.isnan(r)]))
+        caught.plot([x], [100 * len(sc.runaway_leads) / sc.runaways if sc.runaways else math.nan], marker,
+                    color=h.get_color(), markersize=9, mec="k", label=d.name)
+    for rate in FA_RATES:
+        curve.axvline(100 * rate, color="grey", ls=":", lw=0.8)
+    curve.set(xlabel=f"false alarms: first firings on healthy runs (% of {len(negs)})", xlim=(-1, 40),
+              ylim=(-3, 103),
+              ylabel=f"collapses caught (% of {sum(s.collapse is not None for s in subjects)}): first "
+                     f"firing\n"
+                     f"within {HORIZON} steps before the collapse")
+    curve.set_title("label: the collapse (lab.report's collapse step), read by no detector;\n"
+                    "each line one detector's threshold swept, the marker its default; dotted: 1, 5, 10%",
+                    fontsize=9)
+    caught.set(xlabel="false alarms: healthy runs it fired on (% of the healthy runs)",
+               xlim=(-2, max([40] + [r + 5 for r in rates if not math.isnan(r)])), ylim=(-3, 103),
+               ylabel=f"runaways caught (% of the runaways):\nfired at or before max logit >= "
+                      f"{RUNAWAY_LOGIT:g}")
+    caught.set_title(f"label: the runaway, max logit >= {RUNAWAY_LOGIT:g}, each detector at its default;\nby "
+                     f"construction the max-logit trigger (200) catches all", fontsize=9)
+    for ax in (curve, caught):
         ax.grid(alpha=0.3)
-    caught.set_ylabel("runaways caught (% of the runaways):\nfired at or before max logit >= 1000")
-    caught.set_ylim(-3, 103)
-    lead.set_ylabel("lead to the runaway (steps; median of those caught,\nbars: shortest to longest)")
-    caught.legend(handles=handles, fontsize=8, loc="upper left")
-    fig.suptitle(f"{len(subjects)} unguarded runs replayed, one log record per {subjects[0].log.interval} steps; "
-                 "a detector that caught none has no lead")
+    curve.legend(handles=handles, fontsize=8, loc="upper right", title="a line per detector",
+                 title_fontsize=8)
+    caught.legend(fontsize=8, loc="lower right", title="a marker per detector, at its default",
+                  title_fontsize=8)
+    fig.suptitle(f"{len(subjects)} unguarded runs replayed, one log record per {subjects[0].log.interval} "
+                 f"steps")
     fig.tight_layout()
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     save_figure(fig, path, dpi=100, metadata={"Software": None})
@@ -536,15 +829,15 @@ def main(argv=None):
     if refused:   # before anything is drawn or written: a subset of the runs (a typo in the root)
         raise SystemExit(f"error: --markdown {args.markdown}: {refused}: left as it is, and its figure; give "
                          f"the folder its opening line names, or pass --force to write it anyway")
-    firings = replay(subjects)
+    firings, scores = replay(subjects), all_scores(subjects)
     command = shlex.join(["python", "-m", "lab.detectors", args.root, *(["--markdown", args.markdown] if
                           args.markdown else []), *(["--plot", args.plot] if args.plot else [])])
     with written_together():   # the figure and the document, each whole, both or neither
         plot = None
-        if args.plot and draw(subjects, firings, args.plot):
+        if args.plot and draw(subjects, firings, args.plot, scores):
             plot = os.path.relpath(args.plot, os.path.dirname(os.path.abspath(args.markdown)) if args.markdown
                                    else ".")
-        text = render(args.root.rstrip("/") + "/", subjects, guarded, firings, plot, command)
+        text = render(args.root.rstrip("/") + "/", subjects, guarded, firings, plot, scores, command)
         if args.markdown:
             os.makedirs(os.path.dirname(args.markdown) or ".", exist_ok=True)
             save_text(args.markdown, text)

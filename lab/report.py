@@ -25,15 +25,17 @@ import re
 import shlex
 import statistics
 import sys
+import time
 
 from guard import ACTIONS, DEFAULT_THRESHOLD
 from lab import claim1
-from lab.stats import (ALPHA, LOSS_TOL, binom_tail, clopper_pearson, equivalence, mean_interval,  # noqa: F401
-                       sign_test, t_quantile)
+from lab.stats import (ALPHA, LOSS_TOL, binom_tail, clopper_pearson, equivalence, equivalence_power,  # noqa: F401
+                       mean_interval, normal_cdf, paired_t, seeds_for_power, sign_test, slope_interval, t_p,
+                       t_quantile)
 from lab.sweep import (AA_ARMS, CLAIM3_SITE, CLAIM4_SITES, CLAIMS, COHERENCES, DONE, DOSES, LR_STUDY_ARMS, NO_ERROR,
-                       LONG_STEPS, QKNORM_ALONE, SEEDS, SITES, SOURCES, Unreadable, action_arms, actions_of, experiments,
-                       inject_arm, long_arms, lr_name, not_a_folder, probe_arms, probe_long_arms, read_log,
-                       split_lr)
+                       LONG_STEPS, QKNORM_ALONE, SEEDS, SITES, SOURCES, TILE_ARMS, Unreadable, action_arms,
+                       actions_of, experiments, inject_arm, long_arms, lr_name, not_a_folder, probe_arms,
+                       probe_gain_arm, probe_long_arms, read_log, split_lr)
 
 # --------------------------------------------------------------------------------------------------
 # The verdict rules' constants.
@@ -77,9 +79,6 @@ def arm_flags(name):
         return OWN_FLAGS.get(name, set())
     return OWN_FLAGS[base] | {"lr", "min_lr"}
 
-
-# --------------------------------------------------------------------------------------------------
-# Exact statistics, no dependencies: the one-sided sign test and Clopper-Pearson intervals.
 
 # --------------------------------------------------------------------------------------------------
 # Reading runs
@@ -633,6 +632,129 @@ def long_probe_lines(c, source, need):
         f"{len(source_pairs)} seeds both ran, p = {p_step:.3g}"]
 
 
+def paper_measure_line(c, source, arms):
+    """Claim 5's probe by the paper's measure, beside the lab's: each arm's final sigma(W_q) (max over layers,
+    at its last logged step) and its max logit, medians with their ranges."""
+    cells = []
+    for arm in arms:
+        runs = [r for r in c.runs.get(arm, {}).values() if done(r) and r.sigma]
+        if runs:
+            final = [r.sigma[-1] for r in runs]
+            cells.append(f"{arm} sigma(W_q) {num(median(final), '.3g')} ({num(min(final), '.3g')}-"
+                         f"{num(max(final), '.3g')}), max logit "
+                         f"{num(median([r.max_logit for r in runs]), '.3g')}")
+    return [("by the paper's measure, the final sigma(W_q) (max over layers), median (range), beside the "
+             "lab's, the "
+             "max logit over the run, median: " + "; ".join(cells))] if cells else []
+
+
+def head_series(run, gain=True):
+    """A run's logged steps as (step, max logit per (layer, head), sigma(W_q,h) sigma(W_k,h), the same with
+    the pre-attention gain, attn_gain_rms per layer); [] where the log holds no gain (train.py before
+    2026-12-05). gain=False: any log with per-head sigmas, the gained product taken as the plain one (so the
+    gain's part is 0 and the rest holds the gain and the inputs' alignment together)."""
+    out, key = [], "sigma_q_gain_head" if gain else "sigma_q_head"
+    for r in read_log(run.path):
+        if "event" not in r and key in r and "max_logit" in r:
+            prod = lambda q, k: [[a * b for a, b in zip(rq, rk)] for rq, rk in zip(r[q], r[k])]
+            plain = prod("sigma_q_head", "sigma_k_head")
+            out.append((r["step"], r["max_logit"], plain,
+                        prod("sigma_q_gain_head", "sigma_k_gain_head") if gain else plain,
+                        r.get("attn_gain_rms")))
+    return out
+
+
+def sigma_share_line(c, arms):
+    """From logs without the gain: each arm's runaways (first logged step to the first past RUNAWAY_LOGIT, or
+    the collapse), the share of the max logit's log growth that the sigma product of the head holding it
+    explains; the rest is the gain and the inputs' alignment together (reported, not judged)."""
+    cells = []
+    for arm in arms:
+        shares = []
+        for run in c.runs.get(arm, {}).values():
+            stop = run.runaway_from() if done(run) and ran_away(run) else None
+            series = head_series(run, gain=False) if stop is not None else []
+            end = next((i for i, rec in enumerate(series) if rec[0] >= stop), None)
+            if end:
+                logit, sigma, _, _, _ = escape_split(series, 0, end)
+                if logit > 0:
+                    shares.append(sigma / logit)
+        if shares:
+            cells.append(f"{arm} {num(median(shares), '.2f')} ({num(min(shares), '.2f')} to "
+                         f"{num(max(shares), '.2f')}, {len(shares)} runaways)")
+    return [("the share of the max logit's log growth, to its runaway, that the sigma product of its head "
+             "explains, median (range), from logs without the gain (the rest is the gain and the inputs' "
+             "alignment together; reported, looked at after the runs): " + "; ".join(cells))] if cells else []
+
+
+def escape_split(series, start, end):
+    """The max logit's growth from record `start` to record `end`, in logs, for the (layer, head) holding the
+    max logit at `end`: (logit, the sigma product's part, the gain's part, the rest, (layer, gain rms at start
+    and end)); the three parts add up to the logit's."""
+    _, logits, prods, gained, rms = series[end]
+    cells = [(i, j) for i, row in enumerate(logits) for j in range(len(row))]
+    layer, head = max(cells, key=lambda ij: logits[ij[0]][ij[1]])
+    at = lambda k, i: series[k][i][layer][head]
+    logit = math.log(at(end, 1) / at(start, 1))
+    sigma = math.log(at(end, 2) / at(start, 2))
+    gain = math.log(at(end, 3) / at(end, 2)) - math.log(at(start, 3) / at(start, 2))
+    rms_at = lambda k: series[k][4][layer] if series[k][4] else math.nan
+    return logit, sigma, gain, logit - sigma - gain, (layer, rms_at(start), rms_at(end))
+
+
+def escape_lines(c, source):
+    """Claim 5's escape route (rule 5's words, decided before its runs): on the top-k probe rerun with its
+    gain logged (-long-gain), the max logit's growth from its first logged step to its first past
+    RUNAWAY_LOGIT (or its collapse) split into the sigma product, the gain's part and the rest (escape_split);
+    the logit escapes through the gain if the gain's part grew more than the sigma product, by a sign test
+    over the seeds that ran away. Also: whether each rerun logged its -long run's losses bit for bit, and the
+    split over the climb from the guard's threshold alone. Reported, not judged."""
+    gain_arm, long_arm = probe_gain_arm(source), probe_long_arms(source)[f"{source}-probe-topk-long"]
+    gain_arm = next(iter(gain_arm))
+    runs = {s: r for s, r in c.runs.get(gain_arm, {}).items() if done(r)}
+    if not runs:
+        return []
+    same = sum(same_losses(r, c.runs.get(f"{source}-probe-topk-long", {}).get(s))
+               for s, r in runs.items() if c.runs.get(f"{source}-probe-topk-long", {}).get(s))
+    splits, climbs, cells, held = [], [], [], []
+    for seed, run in sorted(runs.items(), key=lambda kv: (len(kv[0]), kv[0])):
+        series = head_series(run)
+        if not series:
+            continue
+        stop = run.runaway_from() if ran_away(run) else None
+        end = next((i for i, rec in enumerate(series) if stop is not None and rec[0] >= stop), None)
+        if end is None:
+            held.append(seed)
+            continue
+        split = escape_split(series, 0, end)
+        splits.append(split)
+        over = lambda rec: max(map(max, rec[1])) > run.guard_threshold()
+        past = next((i for i, rec in enumerate(series[:end]) if over(rec)), None)
+        if past is not None and past < end:
+            climbs.append(escape_split(series, past, end))
+        x = lambda v: f"x{math.exp(v):.3g}"
+        layer, g0, g1 = split[4]
+        cells.append(f"{seed} logit {x(split[0])} = sigma product {x(split[1])}, gain {x(split[2])}, "
+                     f"rest {x(split[3])} (layer {layer}, gain rms {g0:.2f} -> {g1:.2f}, to step "
+                     f"{series[end][0]})")
+    more, less, p = sign_test([(g > sg, g < sg) for _, sg, g, _, _ in splits])
+    share = lambda rows, i: num(median([r[i] / r[0] for r in rows if r[0] > 0]), ".2f") if rows else "n/a"
+    shares = lambda rows: f"sigma product {share(rows, 1)}, gain {share(rows, 2)}, rest {share(rows, 3)}"
+    verdict = "the logit escapes through the gain" if p < ALPHA else "no escape through the gain shown"
+    long_arm = f"{source}-probe-topk-long"
+    lines = [f"{gain_arm} (the top-k probe again, the pre-attention gain logged): {len(runs)} seeds "
+             f"finished, their logged losses bit for bit {long_arm}'s in {same}/{len(runs)}; ran away in "
+             f"{len(splits)}"
+             + (f", held in {len(held)} ({', '.join(held)})" if held else ""),
+             f"{gain_arm}: the max logit's growth to its runaway split, in logs, by seed: "
+             + ("; ".join(cells) or "none"),
+             f"{gain_arm}: the gain's part grew more than the sigma product's in {more} of {len(splits)} "
+             f"seeds that ran away, less in {less}: sign test p = {p:.3g} -> {verdict}; median share of the "
+             f"logit's log growth: {shares(splits)}; over the climb from the guard's threshold alone "
+             f"({len(climbs)} seeds): {shares(climbs)} (reported, not judged)"]
+    return lines
+
+
 def probe_holds(c, source):
     """Claim 5 on the runaway of `source`: the source runs away where the probe (W_q, W_k's update off
     their top-k singular directions) does not, and so does each of three controls that can be carried out
@@ -677,7 +799,11 @@ def probe_holds(c, source):
                          f"{num(median(left), '.3f') if left else 'not logged'}")
     costs = [f"{arm} {num(median(c.val_gaps(arm, NO_ERROR)), '+.3f') if c.val_gaps(arm, NO_ERROR) else 'n/a'}"
              for arm in (topk, *(f"{source}-probe-{n}" for n in PROBE_CONTROLS)) if c.runs.get(arm)]
-    return holds, lines + [f"loss cost, median final val loss - {NO_ERROR}'s: " + ", ".join(costs)]
+    lines += paper_measure_line(c, source, (source, topk, *(f"{source}-probe-{n}" for n in PROBE_CONTROLS),
+                                            *(probe_long_arms(source) if long_ran else ())))
+    lines += sigma_share_line(c, (source, *(probe_long_arms(source) if long_ran else ())))
+    return holds, lines + [f"loss cost, median final val loss - {NO_ERROR}'s: " + ", ".join(costs)] + \
+        escape_lines(c, source)
 
 
 def broke_down(run):
@@ -713,6 +839,18 @@ def action_failed(run, qknorm):
     """A non-QK action failed: it broke down, or let the QK channel grow SIGMA_RATIO times as much as
     QK-norm did after the same trigger (a capped or slowed logit with W_q, W_k still running away)."""
     return broke_down(run) or qk_growth_failed(run, qknorm)
+
+
+def qk_side_failed(run, qknorm):
+    """A QK-side action failed: it broke down, or ended more than FIX_TOL above QK-norm's final val loss, the
+    same seed (a collapsed or unfinished QK-norm run leaves it judged by its breakdown alone). Not QK growth:
+    QK-norm takes sigma out of its logits, so its sigma grows freely; an action that leaves sigma in them is
+    held to whether training goes on as well as under QK-norm."""
+    worse = done(qknorm) and not broke_down(qknorm) and end_val(run) > end_val(qknorm) + FIX_TOL
+    return broke_down(run) or worse
+
+
+QK_SIDE_FAILED = "failed (broke down, or ended FIX_TOL above QK-norm's val loss)"
 
 
 def action_pace(run):
@@ -793,7 +931,7 @@ def non_qk_actions_fail(c, source):
     they failed, it would hold."""
     qknorm, (long_qknorm, long_lr_drop) = f"{source}-guard", long_arms(source)
     c.seeds, need, lines = judgeable(c, source, qknorm)
-    holds, shown = bool(c.seeds), set()
+    holds, shown, halves = bool(c.seeds), set(), []
     holds_if_short_failed = holds
     for arm, ref in judged_actions(c, source):
         # a seed whose source is unfinished stays judged and counts against: its action did not fail
@@ -818,16 +956,28 @@ def non_qk_actions_fail(c, source):
                             else ""))
         lines.append(f"sign test, {arm} over {ref}: {k} seeds one way, {j} the other, p = {p:.3g} -> "
                      f"{'holds' if p < ALPHA else 'fails'}")
-    qk_broke = False
-    for action in actions_of("qk"):   # judged by the non-QK actions' own measure, which the claim wants it to pass
-        line, out = c.count(f"{source}-guard-{action}", "failed (broke down, or QK grew SIGMA_RATIO x QK-norm's)",
-                            action_failed, False, ref=qknorm)
-        qk_broke, lines = qk_broke or any(out), lines + [line + " (a QK-side action: the claim wants none)"]
-    holds = holds and not qk_broke
-    if not holds and holds_if_short_failed and not qk_broke:
+    if not holds and holds_if_short_failed:
         holds = "inconclusive"
+        lines.append("it fails only by actions that held over too few steps to tell (had they failed, it "
+                     "would "
+                     "hold)")
+    halves.append(part("the non-QK actions fail", (holds, lines)))
+    qk_broke, lines = False, []
+    for action in actions_of("qk"):   # judged by breakdown and loss: see qk_side_failed
+        line, out = c.count(f"{source}-guard-{action}", QK_SIDE_FAILED, qk_side_failed, False, ref=qknorm)
+        grown = c.count(f"{source}-guard-{action}", "QK grew SIGMA_RATIO x QK-norm's (reported, not judged)",
+                        qk_growth_failed, False, ref=qknorm)[0]
+        qk_broke = qk_broke or any(out)
+        lines += [line + " (a QK-side action: the claim wants none)", grown]
+    halves.append(part("the QK-side actions hold", (not qk_broke, lines)))
+    holds, lines = joined(*halves)
+    if holds == "inconclusive":
         lines.append("inconclusive: it fails only by actions that held over too few steps to tell (had they "
                      "failed, it would hold)")
+    if holds is False and halves[0][0] is True:
+        lines.append("not reproduced at this scale: the non-QK actions fail as claimed, but a QK-side action "
+                     "failed "
+                     "too")
     for arm in (f"{source}-guard-{a}" for a in actions_of("source") if c.runs.get(f"{source}-guard-{a}")):
         lines.append(c.count(arm, "broke down", broke_down, False)[0]
                      + " (the source's own fix, for comparison, not judged)")
@@ -873,9 +1023,10 @@ def non_qk_actions_fail(c, source):
 
 
 def action_rows(groups, source):
-    """Claim 6's actions on one table, each by the same measures on the seeds rule 6 judges: failed (broke down,
-    or QK grew SIGMA_RATIO x QK-norm's), each part apart, the QK growth after the trigger and the val loss
-    against QK-norm (the long arms against QK-norm at their horizon)."""
+    """Claim 6's actions on one table, by the measures rule 6 judges them on the seeds it judges: failed (a
+    non-QK action: broke down, or QK grew SIGMA_RATIO x QK-norm's; a QK-side one: broke down, or ended FIX_TOL
+    above QK-norm's val loss), each part apart, the QK growth after the trigger and the val loss against
+    QK-norm (the long arms against QK-norm at their horizon)."""
     qknorm, (long_qknorm, long_lr_drop) = f"{source}-guard", long_arms(source)
     arms = [(f"{source}-guard-{a}", qknorm, kind) for kind in ("non-qk", "qk", "source") for a in actions_of(kind)]
     arms += [(long_lr_drop, long_qknorm, "non-qk"), (long_qknorm, long_qknorm, "qk"), (qknorm, qknorm, "qk")]
@@ -889,8 +1040,9 @@ def action_rows(groups, source):
         grown = [r.qk_growth_after(r.trigger) for r, _ in both if r.trigger is not None]
         grown = [g for g in grown if not math.isnan(g)]
         gaps = c.val_gaps(arm, ref)
+        failed = qk_side_failed if kind == "qk" else action_failed
         rows.append([arm, {"non-qk": "non-QK", "qk": "QK-side", "source": "the source's fix"}[kind],
-                     f"{sum(action_failed(r, q) for r, q in both) + len(pairs) - len(both)}/{len(pairs)}",
+                     f"{sum(failed(r, q) for r, q in both) + len(pairs) - len(both)}/{len(pairs)}",
                      f"{sum(broke_down(r) for r, _ in both)}/{len(both)}",
                      f"{sum(qk_growth_failed(r, q) for r, q in both)}/{len(both)}",
                      num(median(grown), ".3g") if grown else "-",
@@ -970,14 +1122,31 @@ RULES = [
           "update shrunk to the probe's norm (if it stops the runaway too, the probe works through step size), the "
           "next k singular directions, a fixed random rank-k subspace (sign tests, p < ALPHA). The probe freezes "
           "W_q's top singular values by construction, so they are not evidence; the energy each removed and the "
-          "equal-energy and non-QK controls are reported. Decided before the runs of 2026-12-03: where the top-k "
+          "equal-energy and non-QK controls are reported. Decided on 2026-12-03 as its runs began (3 of "
+          "their 32 had started): where the top-k "
           f"probe and the shrink ran at {LONG_STEPS} steps (-long), the shrink is judged there instead: the claim's "
           "core needs the shrink to run away (max logit past RUNAWAY_LOGIT, or a collapse) where top-k does not, by "
           "a sign test at p < ALPHA over those seeds (a run unfinished or missing counted against); a shrink that "
           "did not run away held only if it never passed the guard's threshold, or ran at least the source's "
           "slowest runaway (its steps from the threshold to RUNAWAY_LOGIT) divided by the update norm the shrink "
           "left (its step factor) after it first passed it, else it is too short to judge; the probe \"works "
-          "through step size\" only if the source runs away where the shrink held, by a sign test at p < ALPHA",
+          "through step size\" only if the source runs away where the shrink held, by a sign test at p < "
+          "ALPHA. "
+          "Reported beside it, by the paper's measure: each probe arm's final sigma(W_q). Its escape route, "
+          "decided "
+          "on 2026-12-05 before its runs (reported, not judged): the top-k probe rerun at 2500 steps with "
+          "each "
+          "layer's pre-attention norm gain g logged (-long-gain, seeds 1 up); from its first logged step to "
+          "its "
+          "first logged step past RUNAWAY_LOGIT (or its collapse), the growth of the max logit of the head "
+          "that "
+          "holds it then is split, in logs, into sigma(W_q,h) sigma(W_k,h), the gain's part (sigma(W_q,h "
+          "diag g) sigma(W_k,h diag g) over that product) and the rest (how the normalized inputs meet those "
+          "directions: a "
+          "logit is at most scale n_embd times the gained product). The logit escapes through the gain if "
+          "the gain's part grew more than the sigma product in more seeds than not, by a sign test at p < "
+          "ALPHA over "
+          "the seeds that ran away",
      lambda source: [source, f"{source}-probe-topk", *(f"{source}-probe-{n}" for n in PROBE_CONTROLS), NO_ERROR],
      probe_holds),
     ("6", "non-QK actions fail, judged only on seeds where the source ran away with as many steps after the "
@@ -985,8 +1154,13 @@ RULES = [
           "cap between the trigger and RUNAWAY_LOGIT) at QK-Guard's trigger each fail (break down: a collapse, or "
           "logits past RUNAWAY_LOGIT after they act; or let the most-grown head's sigma(W_q,h) sigma(W_k,h) grow "
           "SIGMA_RATIO times as much after the trigger as under QK-norm) where QK-norm breaks down (sign tests, "
-          "p < ALPHA), and QK-Clip, a QK-side action, fails by that same measure in no seed; the loss gap to QK-norm "
-          "is reported, for every action in one table. "
+          "p < ALPHA), and QK-Clip, a QK-side action, fails in no seed, judged (from 2026-12-05) by "
+          "breakdown and loss: a breakdown, or a final val loss more than FIX_TOL above QK-norm's. QK-norm "
+          "takes sigma out of its "
+          "logits, so its sigma growth is no healthy bar for an action that leaves sigma in them; the QK "
+          "growth "
+          "against QK-norm's is reported for every action. The loss gap to QK-norm "
+          "is reported, for every action in one table, and the non-QK half's result on its own. "
           "An action that slows the step (the lr-drop, by its factor f) and did not fail needs the slowest runaway's "
           f"steps / f after its trigger, or it counts against the claim as too short (a verdict only such holds decide is "
           f"inconclusive); the lr-drop is judged at "
@@ -1007,9 +1181,14 @@ OPTIONAL_ARMS = {"5": probe_long_arms,   # claim 5 judges the shrink at LONG_STE
                  "6": long_arms}         # claim 6 the lr-drop
 
 
+REPORTED_ARMS = {"5": probe_gain_arm}   # read where they ran (each alone), reported, never judged
+
+
 def optional_arms():
-    """Every source's optional arms: their seeds are not a rule's seeds (more of them count against nothing)."""
-    return [a for arms in OPTIONAL_ARMS.values() for s in SOURCES for a in arms(s)]
+    """Every source's optional and reported arms: their seeds are not a rule's seeds (more of them count
+    against nothing)."""
+    kinds = (*OPTIONAL_ARMS.values(), *REPORTED_ARMS.values())
+    return [a for arms in kinds for s in SOURCES for a in arms(s)]
 # How claims 3-6's rules changed from their first version, and why (a review found the first versions
 # could fail by the lab's own construction); RESULTS.md prints it under the rules.
 RULE_CHANGES = {
@@ -1030,8 +1209,13 @@ RULE_CHANGES = {
          "600 steps read as \"works through step size\", though its logit passed 200 in 4 and was still rising in "
          "7, and claim 6's horizon rule called 3 of the holds too short: now the shrink is judged at "
          f"{LONG_STEPS} steps on 16 seeds, its holds against the horizon a slowed runaway needs",
-    "6": "QK-Clip was judged by breakdowns alone (2026-12-03): now by the non-QK actions' measure, breakdown or QK "
-         "growth, and reported in the same table (Claim 6's actions). Before that, "
+    "6": "QK-Clip was judged by breakdowns alone (2026-12-03), then by the non-QK actions' measure, "
+         "breakdown or QK growth against QK-norm's (2 of 8 failed, by growth alone); a review (2026-12-05, "
+         "after the runs) found "
+         "that bar unfair to a QK-side action, as QK-norm's sigma grows freely outside its logits: now "
+         "breakdown "
+         "or a final val loss FIX_TOL above QK-norm's (the verdict was not reproduced under both). Before "
+         "that, "
          "seeds where the source never ran away, or that ended before a runaway could show, were counted, and a "
          "capped logit passed as held; now only seeds with a runaway and room after the trigger, QK growth as a "
          "failure too, and the softcap above the trigger; and an lr-drop that held for fewer steps than a runaway "
@@ -1058,6 +1242,24 @@ V2_VERDICTS = {"2p": "not reproduced (8 seeds, every one within 0.03 asked)", "7
                "4": "not reproduced (both-collapsed seeds tied: 4/0 at delta 30, p = 0.0625)",
                "5 (assay)": "not reproduced, \"the probe works through step size\" (the shrink's 600-step holds)",
                "6 (assay)": "reproduced (QK-Clip judged by breakdowns alone)"}
+
+# The changes of 2026-12-05 (issue 55) and what the rules before them (commit b823d3f) said on their logs
+V4_CHANGES = {
+    "2p": "its A/A pair was the same arm at a 64-key tile, which moves the bf16 state's rounding (the fault "
+          "itself) and "
+          "whose arms ran three hours and two commits apart: now the same arm at 1 and 2 CPU threads, side "
+          "by side, and a gap between them makes a holding verdict inconclusive; lr 0.01, where the guard "
+          "stays dormant "
+          "for a stretch, runs 32 seeds, and the late switch's cost is reported; the words \"in every seed\" "
+          "(the TOST judges the mean) are gone; the same for 7p",
+    "5": "the paper's measure (the final sigma(W_q)) and the probe's escape route through the pre-attention "
+         "gain "
+         "are reported (not judged)",
+    "6": "see 6 above: QK-Clip by breakdown and loss; the row says each half",
+}
+V3_VERDICTS = {"2p": "inconclusive (16 seeds at the runaway lrs; the 64-key pair as its noise floor)",
+               "7p": "not reproduced (1p fails on llama)",
+               "6 (assay)": "not reproduced (QK-Clip failed 2 of 8 by QK growth against QK-norm's)"}
 
 RISE_WINDOW = 100   # claim 6 reports whether an action's logits were still rising over its last steps
 
@@ -1088,7 +1290,8 @@ def expanded_rules(groups):
         # (all of them if any ran: a missing one then counts against the claim as a missing run does)
         optional = lambda s: [*OPTIONAL_ARMS[claim](s)] if claim in OPTIONAL_ARMS and any(
             groups.get(a) for a in OPTIONAL_ARMS[claim](s)) else []
-        out += [(claim if s == "bf16" else f"{claim} ({s})", claim, arms(s) + optional(s),
+        reported = lambda s: [a for a in REPORTED_ARMS.get(claim, lambda _: [])(s) if groups.get(a)]
+        out += [(claim if s == "bf16" else f"{claim} ({s})", claim, arms(s) + optional(s) + reported(s),
                  lambda c, s=s, rule=rule: rule(c, s)) for s in ran]
     return out
 
@@ -1200,9 +1403,12 @@ ARCHS = {"gpt2": "", "llama": LLAMA}
 LR_WORDS = {"fp32": "fp32 state", "bf16": "bf16 state", "bf16-safemax": "bf16 state, safemax fix",
             "bf16-guard": "bf16 state, QK-Guard", "bf16-qknorm-always": "bf16 state, QK-norm always",
             "fp32-guard": "fp32 state, QK-Guard",
-            "bf16-qknorm-always-aa": "bf16 state, QK-norm always, run again beside its A/A twin",
-            "bf16-qknorm-always-tile64": "bf16 state, QK-norm always, state rounded per 64 keys (A/A)"}
-AA_NAMES = tuple(a for pair in AA_ARMS.values() for a in pair)   # the A/A arms: each arm again, and its twin
+            "bf16-qknorm-always-aa": "bf16 state, QK-norm always, run again beside its 64-key twin",
+            "bf16-qknorm-always-tile64": "bf16 state, QK-norm always, state rounded per 64 keys (not an A/A)",
+            "bf16-qknorm-always-t1": "bf16 state, QK-norm always, 1 CPU thread (A/A)",
+            "bf16-qknorm-always-t2": "bf16 state, QK-norm always, 2 CPU threads (A/A)"}
+# the A/A arms (the arm at 1 and 2 threads) and the 2026-12-03 tile pair: the lr study reads both
+AA_NAMES = tuple(a for pairs in (AA_ARMS, TILE_ARMS) for pair in pairs.values() for a in pair)
 PROXY = ("A proxy, not the claims themselves: claims 1, 2 and 7 at CPU scale as a learning-rate sensitivity "
          "study, in the style of Wortsman et al. 2023 (\"Small-scale proxies for large-scale Transformer training "
          "instabilities\"). Here the runaway's source is the learning rate; the bf16 state's fault rides along.")
@@ -1295,19 +1501,97 @@ def same_losses(run, ref):
 
 
 def aa_lines(c, prefix, always, lr):
-    """The A/A pair at lr, where both ran (AA_ARMS): the twin less the arm run again beside it, one commit's
-    code (this scale's noise floor); and the arm run again less its own runs of the sweep (what a later
-    commit, or another CPU's rounding, moved: 0 where they ran the same code on the same kind of CPU)."""
-    again, twin = (prefix + a for a in AA_ARMS["bf16-qknorm-always"])
-    if not (c.runs.get(lr_name(again, lr)) and c.runs.get(lr_name(twin, lr))):
+    """(whether the A/A pair showed a gap at lr, its lines): the pair of AA_ARMS (the same arm at 1 and 2 CPU
+    threads, run side by side), the twin less the arm, by a paired t test (a 95% interval that excludes 0 is a
+    gap where none should be); the 1-thread arm less the arm's own runs of the sweep (0 where no change of the
+    code or CPU since moved a bit); and TILE_ARMS, the 2026-12-03 pair, as what it is."""
+    one, two = (prefix + a for a in AA_ARMS["bf16-qknorm-always"])
+    aa_gap, lines = False, []
+    if c.runs.get(lr_name(one, lr)) and c.runs.get(lr_name(two, lr)):
+        gaps, left = paired_gaps(c, two, one, lr, lr_seeds(c, (one, two), lr))
+        mean, lo, hi, p = paired_t(gaps)
+        aa_gap = left > 0 or not lo <= 0 <= hi
+        sd = statistics.stdev(gaps) if len(gaps) > 1 else math.nan
+        lines.append(f"A/A at lr {lr:g}, {two} - {one} (the same arm at 2 and 1 CPU threads, run side by "
+                     f"side in one sweep: fp32 sums in another order, no rounding point moved): mean "
+                     f"{num(mean, '+.3f')} nat, 95% interval [{num(lo, '+.3f')}, {num(hi, '+.3f')}], sd "
+                     f"{num(sd, '.3f')}, n {len(gaps)}, paired t p = {num(p, '.2g')} -> "
+                     f"{'a gap where none should be' if aa_gap else 'no gap'}"
+                     + (f" ({left} seeds without both runs finished, counted as a gap)" if left else "")
+                     + f"; per seed {', '.join(f'{g:+.3f}' for g in gaps)}")
+        redo, _ = paired_gaps(c, one, always, lr, lr_seeds(c, (one,), lr))
+        lines.append(f"lr {lr:g}, {one} - {always} (the same flags at one thread, run on a later day: what "
+                     f"the code's "
+                     f"changes since moved): identical in {sum(g == 0 for g in redo)}/{len(redo)} seeds")
+    again, tile = (prefix + a for a in TILE_ARMS["bf16-qknorm-always"])
+    if c.runs.get(lr_name(again, lr)) and c.runs.get(lr_name(tile, lr)):
+        seeds = lr_seeds(c, (again, tile), lr)
+        gaps, _ = paired_gaps(c, tile, again, lr, seeds)
+        mean, lo, hi, p = paired_t(gaps)
+        both = [(c.runs[lr_name(again, lr)].get(s), c.runs[lr_name(tile, lr)].get(s)) for s in seeds]
+        hours = [abs(started(a) - started(b)) / 3600 for a, b in both if a and b]
+        commits = sorted({commit_of(r) for a in (again, tile) for r in c.runs[lr_name(a, lr)].values()}
+                         - {None})
+        lines.append(f"lr {lr:g}, {tile} - {again} (the 2026-12-03 pair, not an A/A: the 64-key tile rounds "
+                     f"the bf16 "
+                     f"state twice per row, the fault's own rounding; its arms started "
+                     f"{num(min(hours, default=math.nan), '.1f')} to "
+                     f"{num(max(hours, default=math.nan), '.1f')} h apart "
+                     f"seed by seed, at commits {', '.join(commits) or 'unrecorded'}): mean "
+                     f"{num(mean, '+.3f')} nat, "
+                     f"95% interval [{num(lo, '+.3f')}, {num(hi, '+.3f')}], paired t p = {num(p, '.2g')}, n "
+                     f"{len(gaps)}; "
+                     f"per seed {', '.join(f'{g:+.3f}' for g in gaps)}")
+        redo, _ = paired_gaps(c, again, always, lr, lr_seeds(c, (again,), lr))
+        lines.append(f"lr {lr:g}, {again} - {always} (the same flags, run again on a later day: other code, "
+                     f"perhaps "
+                     f"another CPU): identical in {sum(g == 0 for g in redo)}/{len(redo)} seeds; per seed "
+                     f"{', '.join(f'{g:+.3f}' for g in redo)}")
+    return aa_gap, lines
+
+
+def started(run):
+    """When a run started (config.json's "started", seconds since the epoch), or nan."""
+    try:
+        return time.mktime(time.strptime(run.config["started"].rsplit(" ", 1)[0], "%Y-%m-%d %H:%M:%S"))
+    except (AttributeError, KeyError, TypeError, ValueError):
+        return math.nan
+
+
+def commit_of(run):
+    return ((run.config.get("versions") or {}).get("git_commit") or "")[:7] or None
+
+
+def late_switch_lines(c, guard, always, lr, judged):
+    """Rule 2p's finding at a runaway lr: the guard's cost against always-on QK-norm (mean paired gap, 95% t
+    interval) and its slope on the trigger step; how many triggers fell inside the warmup; the equivalence
+    test's power at the gaps' own sd. Reported, not judged."""
+    pairs = [(c.runs[lr_name(guard, lr)].get(s), c.runs[lr_name(always, lr)].get(s)) for s in judged]
+    pairs = [(g, a) for g, a in pairs if done(g) and done(a) and g.trigger is not None
+             and math.isfinite(end_val(g) - end_val(a))]
+    if not pairs:
         return []
-    seeds = lr_seeds(c, (again, twin), lr)
-    gaps, _ = paired_gaps(c, twin, again, lr, seeds)
-    redo, _ = paired_gaps(c, again, always, lr, lr_seeds(c, (again,), lr))
-    return [f"A/A noise floor at lr {lr:g}, {twin} - {again} (run side by side, nothing that should matter differs): "
-            + equivalence_line(c, twin, again, lr, seeds)[2] + f"; per seed {', '.join(f'{g:+.3f}' for g in gaps)}",
-            f"lr {lr:g}, {again} - {always} (the same flags, run again on a later day: other code, perhaps another "
-            f"CPU): identical in {sum(g == 0 for g in redo)}/{len(redo)} seeds; per seed {', '.join(f'{g:+.3f}' for g in redo)}"]
+    steps, gaps = [g.trigger for g, _ in pairs], [end_val(g) - end_val(a) for g, a in pairs]
+    mean, lo, hi, p = paired_t(gaps)
+    slope, s_lo, s_hi, r = slope_interval(steps, gaps)
+    warmup = statistics.median(g.config.get("args", {}).get("warmup_steps", 0) for g, _ in pairs)
+    early = sum(t < warmup for t in steps)
+    sd = statistics.stdev(gaps) if len(gaps) > 1 else math.nan
+    need = seeds_for_power(sd) if sd > 0 else None
+    cost = "a cost" if lo > 0 else "a gain" if hi < 0 else "no gap shown"
+    return [f"lr {lr:g}, the late switch's cost (a finding, reported not judged): {guard} - {always} final "
+            f"val, mean "
+            f"{num(mean, '+.3f')} nat, 95% interval [{num(lo, '+.3f')}, {num(hi, '+.3f')}], paired t p = "
+            f"{num(p, '.2g')}, n {len(gaps)} ({cost}); against the trigger step (median "
+            f"{statistics.median(steps):g}, "
+            f"{min(steps)} to {max(steps)}): slope {num(100 * slope, '+.3f')} nat per 100 steps, 95% "
+            f"interval [{num(100 * s_lo, '+.3f')}, {num(100 * s_hi, '+.3f')}], r = {num(r, '+.2f')}",
+            f"lr {lr:g}: {guard}'s trigger inside the {warmup:g} warmup steps in {early}/{len(steps)} seeds"
+            + (" (there the guard is QK-norm nearly from the start: its equivalence with always-on QK-norm "
+               "is nearly built in)" if early else ""),
+            f"lr {lr:g}: the equivalence test's power at the gaps' sd {num(sd, '.3f')}, were the true gap 0: "
+            f"{num(100 * equivalence_power(sd, len(gaps)), '.0f')}% at n {len(gaps)}; 80% needs about "
+            f"{need if need is not None else 'more than 10,000'} seeds (normal approximation)"]
 
 
 def lr_seeds(c, arms, lr):
@@ -1346,11 +1630,12 @@ def lr_guard_claim(c, prefix=""):
     seed (max logit under the guard's threshold), bf16-guard and fp32-guard fire in no seed and log the
     unguarded run's losses bit for bit; lrs in between are reported, not judged. Both kinds of lr must be in
     the grid. Each lr is judged on the seeds its arms ran; a run missing or unfinished among them fails it.
-    Beside it, where it ran, the A/A pair (AA_ARMS: two QK-norm arms that should end alike) gives this
-    scale's noise floor."""
+    Beside it, where it ran, the A/A pair (AA_ARMS: one QK-norm arm at 1 and 2 CPU threads) gives this scale's
+    noise floor; a gap between its arms (a 95% t interval that excludes 0) makes a verdict that would hold
+    inconclusive. At each runaway lr the late switch's cost is reported (late_switch_lines)."""
     bf16, fp32, guard, always, fp32_guard = (prefix + a for a in ("bf16", "fp32", "bf16-guard", "bf16-qknorm-always",
                                                                   "fp32-guard"))
-    holds, unsure, lines, kinds = True, False, [], set()
+    holds, unsure, lines, kinds, aa_gaps = True, False, [], set(), []
     for lr in c.lrs_run():
         seeds = lr_seeds(c, (bf16, fp32, guard, always, fp32_guard), lr)
         at = lambda arm, among=seeds: [c.runs[lr_name(arm, lr)].get(s) for s in among]
@@ -1393,7 +1678,9 @@ def lr_guard_claim(c, prefix=""):
             if len(judged) > SEEDS:   # what the first sweep's seeds alone said
                 lines.append(f"lr {lr:g}, seeds {judged[0]} to {judged[SEEDS - 1]} alone (the first sweep): "
                              + equivalence_line(c, guard, always, lr, judged[:SEEDS])[2])
-            lines += aa_lines(c, prefix, always, lr)
+            lines += late_switch_lines(c, guard, always, lr, judged)
+            gap, more = aa_lines(c, prefix, always, lr)
+            aa_gaps, lines = aa_gaps + [f"{lr:g}"] * gap, lines + more
         if healthy:
             kinds.add("healthy")
             fired = {g: sum(not done(r) or r.trigger is not None for r in at(g)) for g in (guard, fp32_guard)}
@@ -1419,6 +1706,11 @@ def lr_guard_claim(c, prefix=""):
         if kind not in kinds:
             holds = False
             lines.append(f"at lr none: no lr of the grid where {words} -> fails")
+    if holds and aa_gaps:
+        lines.append(f"inconclusive: the A/A pair showed a gap where none should be (lr "
+                     f"{', '.join(aa_gaps)}), so the "
+                     "test cannot tell two arms from noise")
+        return "inconclusive", lines
     if holds and unsure:
         lines.append("inconclusive: at some runaway lr the gap's interval reaches past LOSS_TOL without lying "
                      "wholly past it")
@@ -1438,11 +1730,30 @@ LR_RULES = [
            "/ the lrs run (Bonferroni), and bf16-safemax is worse than fp32 by that test at no lr",
      ("fp32", "bf16", "bf16-safemax"), lr_fault_claim),
     ("2p", "claim 2 as a proxy: at every lr where bf16 runs away (a majority of seeds), bf16-guard runs away in no "
-           "seed, ends within LOSS_TOL of bf16-qknorm-always's final val loss in every seed, and its trigger (read "
-           "below RUNAWAY_LOGIT) comes no later than the logged step where the same seed's bf16 run first showed its "
-           "runaway; at every lr where fp32 and bf16 stay healthy in every seed (their max logit under the "
-           "guard's threshold), bf16-guard and fp32-guard fire in no seed and log the losses of bf16 and fp32 bit "
-           "for bit; the grid must hold both kinds of lr",
+           "seed, its final val loss is equivalent to bf16-qknorm-always's within LOSS_TOL (two one-sided "
+           "tests at "
+           "ALPHA on the mean paired gap over every seed both arms ran: the 90% t interval inside "
+           "+-LOSS_TOL; one wholly past it fails, one that reaches past it is inconclusive), and its trigger "
+           "(read below RUNAWAY_LOGIT) comes no later than the logged step where the same seed's bf16 run "
+           "first showed its runaway; at every lr where fp32 and bf16 stay healthy in every seed (their max "
+           "logit under the guard's threshold), bf16-guard and fp32-guard fire in no seed and log the losses "
+           "of bf16 and fp32 bit for bit; the grid must hold both kinds of lr. Decided on 2026-12-05 before "
+           "their runs: the A/A pair "
+           "(bf16-qknorm-always at 1 and 2 CPU threads, run side by side in one sweep; they differ in the "
+           "order "
+           "of fp32 sums alone) must not show a gap: where it ran, a 95% t interval of its mean paired gap "
+           "that "
+           "excludes 0 makes a 2p that would hold inconclusive (the test then cannot tell two arms from "
+           "noise); "
+           "at lr 0.01, where the guard stays dormant for a stretch, bf16-guard and bf16-qknorm-always run "
+           "32 seeds and the late switch's cost is reported as a finding: the mean paired gap with its 95% t "
+           "interval, and its least-squares slope on the trigger step with the slope's 95% interval; at "
+           "every runaway lr the "
+           "seeds whose trigger fell inside the warmup are counted (there the guard is QK-norm nearly from "
+           "the "
+           "start, so its equivalence with always-on QK-norm is nearly built in), and the equivalence test's "
+           "power "
+           "at the gaps' own sd (with the seeds 80% would need) is stated",
      ("bf16", "bf16-guard", "bf16-qknorm-always", "fp32", "fp32-guard"), lr_guard_claim),
     ("7p", "claim 7 as a proxy: 1p and 2p both hold on llama (the llama- arms)",
      tuple(LLAMA + a for a in LR_STUDY_ARMS),
@@ -1863,6 +2174,8 @@ COUNT_LINE = re.compile(r"(?:^|: )(\S+): ([^\d(]+?) (\d+)/(\d+) \[95% CI")
 DOSE_LINE = re.compile(r"^(\S+) (\S+): max logit .*?coherent 2x higher or earlier collapsed in (\d+) seeds, random sign "
                        r"in (\d+) .*?"
                        r"p = (\S+) \(raises\), (\S+) \(reverses\) -> (.+?);")
+QK_SIDE_LINE = re.compile(r"^(\S+): " + re.escape(QK_SIDE_FAILED) + r" (\d+)/(\d+) \[95% CI [^\]]*\].*"
+                          r"\(a QK-side action: the claim wants none\)$")
 LR_LINE = re.compile(r"^at lr (\S+): .*?(?:(\S+) ran away in (\d+)/(\d+), acted .*?final val - (\S+)'s: mean (\S+) "
                      r"nat, 90% interval \[(\S+), (\S+)\].*?)?-> (holds|fails|inconclusive)$")
 
@@ -1886,6 +2199,12 @@ def checks(lines, n):
             site, dose, up, down, p_up, _, effect = m.groups()
             out.append((effect == "raises", float(p_up), f"{site} dose {dose}: coherent {LOGIT_GAP:g}x higher (or earlier collapsed) in {up} "
                         f"of {n} seeds, random sign in {down}: sign test p = {float(p_up):.2g}", "", site))
+        elif m := QK_SIDE_LINE.search(line):
+            arm, k, of = m.groups()
+            out.append((k == "0", None, f"`{arm}` (QK-side) failed in {k} of {of} seeds: broke down, or "
+                        f"ended more than FIX_TOL ({FIX_TOL:g} nat) above QK-norm's val loss (the claim "
+                        f"wants 0)",
+                        f"{arm} failed {k}/{of}", None))
         elif m := LR_LINE.search(line):
             lr, guard, away, n, ref, mean, lo, hi, result = m.groups()
             out.append((result == "holds", None, f"lr {lr}: " + (
@@ -2014,8 +2333,10 @@ def build(groups, root, markdown, plots=(), markdown_dir=".", pilots=(), plots_f
     parts.append(paper_scale(groups, *([study[1]] if study else [])))
     if markdown:
         parts.append(f"QK-Guard's trigger as a detector, scored beside OLMo-core's, Lightning's, llm-foundry's and "
-                     f"Megatron-LM's loss-spike rules on the unguarded committed runs (lead time, misses, false "
-                     f"alarms, by architecture and source): [lab/DETECTORS.md](lab/DETECTORS.md) (a link from the "
+                     f"Megatron-LM's loss-spike rules on the unguarded committed runs (on the collapse, "
+                     f"which none of them reads, each swept over its threshold to matched false-alarm rates; "
+                     f"the runaway, the "
+                     f"trigger's own signal, apart): [lab/DETECTORS.md](lab/DETECTORS.md) (a link from the "
                      f"repository's root), written by "
                      f"`python -m lab.detectors lab/results --markdown lab/DETECTORS.md --plot lab/plots/detectors.png`.")
     shown = lambda table: [[label, VERDICT_WORDS.get(verdict, verdict.upper()), text] for label, verdict, text in table]
@@ -2039,7 +2360,11 @@ def build(groups, root, markdown, plots=(), markdown_dir=".", pilots=(), plots_f
               "What changed in the rules on 2026-12-03, and why (3, 5 and 6 above): "
               + "; ".join(f"{claim}: {why}" for claim, why in V3_CHANGES.items()) + ". What the rules before "
               "(commit 8f7ffca) said on the logs they had: "
-              + "; ".join(f"{claim}: {said}" for claim, said in V2_VERDICTS.items()) + "."]
+              + "; ".join(f"{claim}: {said}" for claim, said in V2_VERDICTS.items()) + ".",
+              "What changed on 2026-12-05, and why: "
+              + "; ".join(f"{claim}: {why}" for claim, why in V4_CHANGES.items()) + ". What the rules before "
+              "(commit b823d3f) said on the logs they had: "
+              + "; ".join(f"{claim}: {said}" for claim, said in V3_VERDICTS.items()) + "."]
     if markdown:
         parts += [title(2, "Scale, and what was not run"), scale(groups)]
         cut = cut_arms(groups)
@@ -2066,11 +2391,18 @@ def build(groups, root, markdown, plots=(), markdown_dir=".", pilots=(), plots_f
         table = action_rows(groups, source)
         if table:
             parts += [title(2, f"Claim 6's actions on one table ({SOURCE_WORDS[source]})"),
-                      "Each action on the seeds rule 6 judges, by the same measures: failed (broke down: a collapse "
-                      "or logits past RUNAWAY_LOGIT after it acts; or the most-grown head's sigma(W_q,h) sigma(W_k,h) "
-                      "grew SIGMA_RATIO times as much after the trigger as under QK-norm; a run unfinished or missing "
-                      "counted as failed), each part apart, that growth's median, and the final val loss less "
-                      "QK-norm's (the long arms against QK-norm at the same horizon).",
+                      "Each action on the seeds rule 6 judges, by the measures it judges them: failed (broke "
+                      "down: a "
+                      "collapse or logits past RUNAWAY_LOGIT after it acts; then, for a non-QK action, the "
+                      "most-grown "
+                      "head's sigma(W_q,h) sigma(W_k,h) grew SIGMA_RATIO times as much after the trigger as "
+                      "under "
+                      "QK-norm, and for a QK-side one, its final val loss ended more than FIX_TOL above "
+                      "QK-norm's; "
+                      "a run unfinished or missing counted as failed), each part apart, that growth's median "
+                      "(for "
+                      "every action), and the final val loss less QK-norm's (the long arms against QK-norm "
+                      "at the same horizon).",
                       render(["arm", "kind", "failed", "broke down", "QK grew SIGMA_RATIO x QK-norm's",
                               "QK growth after the trigger, median", "val loss - QK-norm's, median"], table, markdown)]
     if any(g.startswith("inject-") for g in groups):
@@ -2216,8 +2548,10 @@ def plot_runs(runs, axes, colors, panels=tuple(PANELS)):
 # claims 1, 2 and 7's arms that no pattern below names
 NAMED_ARMS = {"bf16-safemax": "bf16 state with safemax (the prior work's fix)",
               "bf16-qknorm-always": "bf16 state, QK-norm from step 0",
-              "bf16-qknorm-always-aa": "bf16 state, QK-norm from step 0, run again (A/A)",
-              "bf16-qknorm-always-tile64": "bf16 state, QK-norm from step 0, key tiles of 64 (A/A)",
+              "bf16-qknorm-always-aa": "bf16 state, QK-norm from step 0, run again beside key tiles of 64",
+              "bf16-qknorm-always-tile64": "bf16 state, QK-norm from step 0, key tiles of 64 (not an A/A)",
+              "bf16-qknorm-always-t1": "bf16 state, QK-norm from step 0, 1 CPU thread (A/A)",
+              "bf16-qknorm-always-t2": "bf16 state, QK-norm from step 0, 2 CPU threads (A/A)",
               "bf16-guard": "bf16 state, QK-Guard",
               "fp32-guard": "fp32 state, QK-Guard", "fp32-qknorm-always": "fp32 state, QK-norm from step 0",
               "state-only": "bf16 state, no other rounding", "logits-only": "fp32 state, logits rounded to bf16",
@@ -2234,6 +2568,8 @@ def action_words(rest):
 def arm_words(name):
     """An arm's name in words, for legends: 'inject-mlp-out-0.1-c1-qkfix' -> 'mlp-out error 0.1,
     coherent, with the QK-only fix'."""
+    if name.endswith("-long-gain"):
+        return f"{arm_words(name[:-len('-gain')])}, run again with its norm gain logged"
     if name.endswith("-long"):
         return f"{arm_words(name[:-len('-long')])}, {LONG_STEPS} steps"
     if name == NO_ERROR:
@@ -2425,7 +2761,7 @@ def plot_dose_response(plt, groups, png):
 
 
 AA_AGAIN, AA_TWIN = AA_ARMS["bf16-qknorm-always"]   # the lr study's A/A pair, where run: bf16-qknorm-always
-                    # again, and with the bf16 state rounded per 64 keys, not 128: their gap is the noise floor
+                    # at 1 and 2 CPU threads, side by side: their gap is the noise floor
 GAP_LEVEL = 0.90                       # the lr figures' interval around the mean paired gap
 
 
@@ -2518,7 +2854,7 @@ def plot_lr_study(groups, out_dir, quiet=False):
         color = f"C{arms.index('bf16-guard')}" if "bf16-guard" in arms else "C3"
         plot_gaps(gap_ax, guard, color, "QK-Guard less QK-norm always", shift=0.0,
                   mean_label=f"the mean, its {GAP_LEVEL:.0%} interval (Student t)")
-        plot_gaps(gap_ax, aa, "grey", "A/A: two QK-norm runs that should end alike", shift=0.12)
+        plot_gaps(gap_ax, aa, "grey", "A/A: QK-norm always at 2 less 1 CPU threads", shift=0.12)
         if not guard:
             gap_ax.text(0.5, 0.5, "no learning rate where bf16 state ran away in a majority of seeds",
                         transform=gap_ax.transAxes, ha="center", fontsize=8)

@@ -96,3 +96,52 @@ def equivalence(gaps, margin=LOSS_TOL, alpha=ALPHA):
     within = -margin < lo and hi < margin
     beyond = lo > margin or hi < -margin
     return ("within" if within else "beyond" if beyond else "inconclusive"), mean, lo, hi
+
+
+def t_p(t, df):
+    """Two-sided p of Student's t statistic t with df degrees of freedom."""
+    return _betainc(df / 2, 0.5, df / (df + t * t)) if math.isfinite(t) else 0.0
+
+
+def paired_t(values):
+    """(mean, 95% lower, upper, two-sided p of mean 0) of paired differences; nans under two values, p 1 where
+    every value is 0 (nothing to test)."""
+    mean, lo, hi = mean_interval(values, 1 - ALPHA)
+    if math.isnan(mean):
+        return mean, lo, hi, math.nan
+    sd = statistics.stdev(values)
+    return mean, lo, hi, (1.0 if mean == 0 else 0.0) if sd == 0 else t_p(mean / (sd / math.sqrt(len(values))),
+                                                                           len(values) - 1)
+
+
+def slope_interval(xs, ys, level=1 - ALPHA):
+    """Least-squares slope of ys on xs, its two-sided `level` t interval (n - 2 df) and Pearson's r; nans
+    where there are under 3 points or the xs do not vary."""
+    n = len(xs)
+    if n < 3 or len(set(xs)) < 2:
+        return math.nan, math.nan, math.nan, math.nan
+    mx, my = statistics.mean(xs), statistics.mean(ys)
+    sxx, syy = sum((x - mx) ** 2 for x in xs), sum((y - my) ** 2 for y in ys)
+    sxy = sum((x - mx) * (y - my) for x, y in zip(xs, ys))
+    slope = sxy / sxx
+    resid = sum((y - my - slope * (x - mx)) ** 2 for x, y in zip(xs, ys)) / (n - 2)
+    half = t_quantile(1 - (1 - level) / 2, n - 2) * math.sqrt(resid / sxx)
+    return slope, slope - half, slope + half, sxy / math.sqrt(sxx * syy) if syy > 0 else math.nan
+
+
+def normal_cdf(z):
+    return 0.5 * (1 + math.erf(z / math.sqrt(2)))
+
+
+def equivalence_power(sd, n, margin=LOSS_TOL, alpha=ALPHA):
+    """The chance that two one-sided tests at alpha find n paired gaps of sd `sd` within +-margin when the
+    true gap is 0 (the mean's spread taken as normal with the t quantile's width: an approximation)."""
+    if n < 2 or not sd > 0:
+        return math.nan
+    se = sd / math.sqrt(n)
+    return max(0.0, 2 * normal_cdf((margin - t_quantile(1 - alpha, n - 1) * se) / se) - 1)
+
+
+def seeds_for_power(sd, power=0.8, most=10_000):
+    """The fewest seeds whose equivalence_power at sd reaches `power` (None past `most`)."""
+    return next((n for n in range(2, most) if equivalence_power(sd, n) >= power), None)

@@ -81,7 +81,7 @@ def probe_arms(source):
     modes = {"topk": "qk-topk", "shrink": "qk-shrink", "nextk": "qk-nextk", "fixed": "qk-fixed",
              "equal": "equal-energy", "v-topk": "v-topk", "mlp-topk": "mlp-topk"}
     return {source: base, **{f"{source}-probe-{name}": f"{base} --probe {mode}" for name, mode in modes.items()},
-            **probe_long_arms(source), NO_ERROR: "--accum fp32"}
+            **probe_long_arms(source), **probe_gain_arm(source), NO_ERROR: "--accum fp32"}
 
 
 def probe_long_arms(source):
@@ -89,6 +89,13 @@ def probe_long_arms(source):
     runaway it only delays needs the horizon of a slowed runaway to show (report.py's rule 5)."""
     long = f"{SOURCES[source]} --max-steps {LONG_STEPS}"
     return {f"{source}-probe-topk-long": f"{long} --probe qk-topk", f"{source}-probe-shrink-long": f"{long} --probe qk-shrink"}
+
+
+def probe_gain_arm(source):
+    """Claim 5's escape route: the top-k probe at LONG_STEPS again, the same flags as
+    <source>-probe-topk-long, its log now holding each layer's pre-attention norm gain (train.py's
+    gain_record, 2026-12-05)."""
+    return {f"{source}-probe-topk-long-gain": probe_long_arms(source)[f"{source}-probe-topk-long"]}
 
 
 # Claim 6's softcap, between the guard's trigger (200) and a runaway's max logit (report.RUNAWAY_LOGIT,
@@ -150,11 +157,16 @@ CLAIMS = {
         "bf16": "--accum bf16",
         "bf16-guard": "--accum bf16 --guard on",
         "bf16-qknorm-always": "--accum bf16 --qknorm always",
-        # the A/A pair (2p's noise floor), run side by side with one commit's code: the arm above again, and
-        # its twin with the bf16 state rounded after each 64 keys instead of once per 128-key row: the same
-        # function, data and seed; nothing that should move the end loss
+        # the 2026-12-03 pair: the arm above again, and its twin with the bf16 state rounded after each 64
+        # keys instead of once per 128-key row. Not an A/A: the tile moves the bf16 state's rounding, the
+        # fault itself (attention_kernel.py); and its two arms ran three hours and two commits apart
         "bf16-qknorm-always-aa": "--accum bf16 --qknorm always",
         "bf16-qknorm-always-tile64": "--accum bf16 --qknorm always --block-n 64",
+        # the A/A pair (2p's noise floor, 2026-12-05): the same arm at 1 and 2 CPU threads, run side by side
+        # in one sweep. A CPU's sums follow its thread count, so the two differ only in the order of fp32 sums
+        # (from the first update: lab/MEASUREMENTS.md); no rounding point, tile or flag of the numerics moves
+        "bf16-qknorm-always-t1": "--accum bf16 --qknorm always --threads 1",
+        "bf16-qknorm-always-t2": "--accum bf16 --qknorm always --threads 2",
         "fp32": "--accum fp32",
         "fp32-guard": "--accum fp32 --guard on",
     }),
@@ -173,6 +185,8 @@ CLAIMS = {
         "llama-bf16-qknorm-always": "--arch llama --accum bf16 --qknorm always",
         "llama-bf16-qknorm-always-aa": "--arch llama --accum bf16 --qknorm always",
         "llama-bf16-qknorm-always-tile64": "--arch llama --accum bf16 --qknorm always --block-n 64",
+        "llama-bf16-qknorm-always-t1": "--arch llama --accum bf16 --qknorm always --threads 1",
+        "llama-bf16-qknorm-always-t2": "--arch llama --accum bf16 --qknorm always --threads 2",
         "llama-fp32-guard": "--arch llama --accum fp32 --guard on",
         "llama-bf16-safemax": "--arch llama --accum bf16-safemax",
     }),
@@ -183,11 +197,13 @@ CLAIMS = {
 # the unguarded runs run away, half-decades.
 LRS = (1e-3, 3e-3, 1e-2, 3e-2, 1e-1)
 LR_STUDY_ARMS = ("fp32", "bf16", "bf16-safemax", "bf16-guard", "bf16-qknorm-always", "fp32-guard")
-# A/A arms: an arm -> (the arm again, its twin that differs in nothing that should move the end loss), the
-# two run side by side with one commit's code (the noise floor of a tolerance at this scale: report.py's
-# rule 2p); run at the learning rates that need it. The arm again also shows what the code's changes since
-# the arm's own runs moved.
-AA_ARMS = {"bf16-qknorm-always": ("bf16-qknorm-always-aa", "bf16-qknorm-always-tile64")}
+# A/A arms: an arm -> (the arm at 1 thread, its twin at 2): they differ in the order of fp32 sums alone, and
+# run side by side in one sweep (the noise floor of a tolerance at this scale: report.py's rule 2p); run at
+# the learning rates that need it. The arm at 1 thread also shows what the code's changes since the arm's own
+# runs moved (0 where none moved a bit).
+AA_ARMS = {"bf16-qknorm-always": ("bf16-qknorm-always-t1", "bf16-qknorm-always-t2")}
+# The 2026-12-03 pair, reported as what it is: the arm again, and a 64-key tile (a bf16 rounding change)
+TILE_ARMS = {"bf16-qknorm-always": ("bf16-qknorm-always-aa", "bf16-qknorm-always-tile64")}
 DONE = ("completed", "collapsed")    # end statuses that mean "nothing left to run"
 STOP_WAIT_S = 300                    # after Ctrl-C, how long children get to save their checkpoint
 

@@ -125,5 +125,5 @@ def test_the_lr_figure_says_its_horizon_and_draws_the_gaps(tmp_path, drawn):
     assert report.plot_lr_study(groups, str(tmp_path / "p")) == [str(tmp_path / "p" / "lr-gpt2.png")]
     loss, logit, gap = drawn[-1].axes
     assert "20 steps per run" in loss.get_title()
-    assert "A/A: two QK-norm runs that should end alike: one seed" in [t.get_text() for t in gap.get_legend().texts]
+    assert "A/A: QK-norm always at 2 less 1 CPU threads: one seed" in [t.get_text() for t in gap.get_legend().texts]
     assert "rule 2p" in gap.get_title() and gap.get_xscale() == "log"

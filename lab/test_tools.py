@@ -630,6 +630,59 @@ def test_rule_5_calls_a_late_shrink_hold_too_short(tmp_path):
     assert "threshold): seed1 held" in text and "the shrink alone stopped the runaway (7 seeds" in text
 
 
+def with_gain(path, gain, sigma):
+    """Rewrite a write_run log as train.py logs the pre-attention gain: every head's sigma(W_q,h) =
+    sigma(step), sigma(W_k,h) = 1, and W_q,h diag(g), W_k,h diag(g) each `gain(step)` times those
+    (attn_gain_rms = gain)."""
+    log = os.path.join(path, "log.jsonl")
+    records = [json.loads(line) for line in open(log)]
+    for r in records:
+        if "event" not in r:
+            q, g = sigma(r["step"]), gain(r["step"])
+            r.update(sigma_q_head=[[q, q], [q, q]], sigma_k_head=[[1.0, 1.0], [1.0, 1.0]],
+                     sigma_q_gain_head=[[q * g, q * g], [q * g, q * g]], sigma_k_gain_head=[[g, g], [g, g]],
+                     attn_gain_rms=[g, g])
+    with open(log, "w") as f:
+        f.write("".join(json.dumps(r) + "\n" for r in records))
+
+
+@pytest.mark.parametrize("gain, sigma, escapes", [
+    param(lambda s: 1.0 + s / 5, lambda s: 1.0, True, id="the gain grows 3x, sigma flat: escapes through the "
+                                                         "gain"),
+    param(lambda s: 1.0, lambda s: 1.0 + s, False, id="sigma grows, the gain flat: no escape through it"),
+])
+def test_claim_5s_escape_route_splits_the_logit_into_sigma_gain_and_rest(tmp_path, gain, sigma, escapes):
+    climb = {"logit": lambda step: 10.0 * 1.7 ** step}   # past 1000 at step 9
+    arm_ = "bf16-probe-topk-long-gain"
+    for seed in range(1, N + 1):
+        with_gain(write_run(tmp_path, arm_, seed, **climb), gain, sigma)
+        write_run(tmp_path, "bf16-probe-topk-long", seed, **climb)
+    groups = report.load_runs(str(tmp_path))
+    text = "\n".join(report.escape_lines(report.Claim(groups, [arm_, "bf16-probe-topk-long"]), "bf16"))
+    assert "their logged losses bit for bit bf16-probe-topk-long's in 8/8; ran away in 8" in text
+    if escapes:   # 1.7^9 = 119x: the gain's part (1 + 9/5)^2 = 7.84x, the rest 15.1x
+        assert ("seed1 logit x119 = sigma product x1, gain x7.84, rest x15.1 (layer 1, gain rms 1.00 -> "
+                "2.80, to step 9)") in text
+        assert ("in 8 of 8 seeds that ran away, less in 0: sign test p = 0.00391 -> the logit escapes "
+                "through the gain") in text
+    else:
+        assert ("in 0 of 8 seeds that ran away, less in 8: sign test p = 1 -> no escape through the gain "
+                "shown") in text
+    del groups[arm_]
+    assert report.escape_lines(report.Claim(groups, ["bf16-probe-topk-long"]), "bf16") == []   # none rerun
+
+
+def test_claim_5s_sigma_share_from_logs_without_the_gain(tmp_path):
+    # the max logit x1.7 a step (x119 by step 9, past RUNAWAY_LOGIT); every head's sigma product x10 over the
+    # run's 19 steps (x10^(9/19) = 2.97 by step 9): the sigma product explains ln 2.97 / ln 119 = 0.23
+    for seed in range(1, 4):
+        write_run(tmp_path, "bf16-probe-topk-long", seed, logit=lambda step: 10.0 * 1.7 ** step, qk=(0, 10.0))
+    write_run(tmp_path, "bf16-probe-topk-long", 4)   # no runaway: not counted
+    c = report.Claim(report.load_runs(str(tmp_path)), ["bf16-probe-topk-long"])
+    line, = report.sigma_share_line(c, ["bf16-probe-topk-long", "bf16"])
+    assert line.endswith("bf16-probe-topk-long 0.23 (0.23 to 0.23, 3 runaways)")
+
+
 def test_rule_5_says_step_size_and_reports_energy_and_cost(tmp_path):
     norms = {"q_update": [1.0, 2.0], "q_removed": [0.8, 1.6], "q_kept": [0.6, 1.2],
              "k_update": [1.0, 1.0], "k_removed": [0.8, 0.8], "k_kept": [0.6, 0.6]}
@@ -705,9 +758,15 @@ LATE = {"trigger": 18}            # 2 steps after the trigger (of 20), fewer tha
     param({"bf16-guard-qkclip": arm(1, COLLAPSED_AFTER, rest=TRIG)}, "not reproduced",
           id="QK-Clip breaks down in a seed"),
     param({"bf16-guard-qkclip": arm(0, TRIG, {3: UNFINISHED})}, "not reproduced", id="QK-Clip unfinished in a seed"),
-    param({"bf16-guard": arm(8, QK_HELD), "bf16-guard-qkclip": arm(1, QK_GROWN, rest=QK_HELD)}, "not reproduced",
-          id="QK-Clip lets QK grow 2x QK-norm's in one seed: the non-QK actions' measure (the last rule saw only "
-             "breakdowns)"),
+    param({"bf16-guard": arm(8, QK_HELD), "bf16-guard-qkclip": arm(8, QK_GROWN)}, "reproduced",
+          id="QK-Clip lets QK grow 2x QK-norm's in every seed: reported, not judged (QK-norm's sigma grows "
+             "freely "
+             "outside its logits; the 2026-12-03 rule failed it)"),
+    param({"bf16-guard-qkclip": arm(1, {**TRIG, "val": 2.9 + report.FIX_TOL + 0.01}, rest=TRIG)},
+          "not reproduced",
+          id="QK-Clip ends FIX_TOL+0.01 above QK-norm's val loss in one seed"),
+    param({"bf16-guard-qkclip": arm(8, {**TRIG, "val": 2.9 + report.FIX_TOL - 0.01})}, "reproduced",
+          id="QK-Clip ends FIX_TOL-0.01 above QK-norm's in every seed: within its bar"),
     param({"bf16-guard": arm(8, QK_HELD), "bf16-guard-qkclip": arm(8, QK_HELD)}, "reproduced",
           id="QK-Clip's QK growth as QK-norm's"),
     param({"bf16-guard-qkclip": []}, "not run", id="QK-Clip not run"),
@@ -726,6 +785,36 @@ def test_claim_6s_actions_share_one_table_and_its_measures(tmp_path):
     assert table["bf16-guard-qkclip"] == ["bf16-guard-qkclip", "QK-side", "2/8", "0/8", "2/8", "1.5", "+0.000"]
     assert table["bf16-guard-clip"][1:4] == ["non-QK", "7/8", "7/8"]
     assert table["bf16-guard"][2] == "0/8" and table["bf16-guard"][-1] == "-"
+    arms["bf16-guard-qkclip"] = arm(2, QK_GROWN, rest=QK_HELD)   # grown, not worse: judged on neither
+    table = {row[0]: row for row in report.action_rows(write_arms(tmp_path / "b", arms), "bf16")}
+    assert table["bf16-guard-qkclip"][2:5] == ["0/8", "0/8", "2/8"]
+
+
+def test_a_qk_side_action_is_held_to_qk_norms_loss_only_where_qk_norm_held(tmp_path):
+    groups = write_arms(tmp_path, {"qkclip": [{**TRIG, "val": 4.0}, {**TRIG, "val": 4.0}, COLLAPSED_AFTER],
+                                   "qknorm": [TRIG, COLLAPSED_AFTER, TRIG]})
+    (worse, level, broke), (held, fell, _) = groups["qkclip"], groups["qknorm"]
+    assert report.qk_side_failed(worse, held)          # 1.1 nat above QK-norm's
+    assert not report.qk_side_failed(level, fell)      # QK-norm collapsed: no loss bar, no breakdown
+    assert report.qk_side_failed(broke, held)          # its own collapse
+
+
+def test_rule_6s_row_shows_each_half_and_the_part_that_decided_it(tmp_path):
+    arms = {**RULE6, "bf16-guard-qkclip": arm(8, {**TRIG, "val": 3.5})}
+    row = rows(tmp_path, arms)["6"]
+    assert row[1] == "not reproduced"
+    assert "part the non-QK actions fail: holds" in row[2]
+    assert "part the QK-side actions hold: fails" in row[2]
+    label, verdict, scale, key, why = report.summary_row(*row, "scale", N)
+    assert verdict == "NOT REPRODUCED"
+    assert why == "the non-QK actions fail as claimed, but a QK-side action failed too"
+    assert key.splitlines()[0].startswith("the non-QK actions fail: `bf16-guard-")
+    assert key.splitlines()[1] == ("the QK-side actions hold: `bf16-guard-qkclip` (QK-side) failed in 8 of 8 "
+                                   "seeds: "
+                                   "broke down, or ended more than FIX_TOL (0.1 nat) above QK-norm's val "
+                                   "loss (the claim wants 0)")
+    row = rows(tmp_path / "b", RULE6)["6"]   # both halves hold: reproduced, each half's weakest test shown
+    assert row[1] == "reproduced" and "QK-side) failed in 0 of 8" in report.summary_row(*row, "scale", N)[3]
 
 
 def test_rule_6_reports_logits_still_rising_after_the_trigger(tmp_path):
@@ -1182,24 +1271,92 @@ def test_rule_2p_judges_each_lr_on_the_seeds_its_arms_ran_and_reports_the_aa_flo
     first 8 gave is said, the lead on the seeds bf16 ran; the A/A pair's spread is reported beside it."""
     more = {("bf16-guard", TOP): arm(16, TRIG), ("bf16-qknorm-always", TOP): arm(16, OK)}
     arms = lr_study(more)
-    again, twin = sweep.AA_ARMS["bf16-qknorm-always"]
-    arms[sweep.lr_name(twin, TOP)] = [
-        {"val": 2.9 + (0.01 if s % 2 else -0.01), "args": {"lr": TOP, "min_lr": TOP, "block_n": 64}}
-        for s in range(1, 17)]
-    arms[sweep.lr_name(again, TOP)] = [{"val": 2.9 if s > 1 else 2.95, "args": {"lr": TOP, "min_lr": TOP}}
-                                       for s in range(1, 17)]
+    one, two = sweep.AA_ARMS["bf16-qknorm-always"]
+    args = lambda threads: {"lr": TOP, "min_lr": TOP, "threads": threads}
+    arms[sweep.lr_name(two, TOP)] = [{"val": 2.9 + (0.01 if s % 2 else -0.01), "args": args(2)}
+                                     for s in range(1, 17)]
+    arms[sweep.lr_name(one, TOP)] = [{"val": 2.9 if s > 1 else 2.95, "args": args(1)} for s in range(1, 17)]
     row = lr_rows(tmp_path, arms)["2p"]
     assert row[1] == "reproduced", row[2]
     assert "bf16 ran away in 7/8 seeds, so the guard must prevent it: bf16-guard ran away in 0/16" in row[2]
     assert "lr 0.1, seeds seed1 to seed8 alone (the first sweep): mean +0.000 nat" in row[2]
-    assert ("A/A noise floor at lr 0.1, bf16-qknorm-always-tile64 - bf16-qknorm-always-aa (run side by side, "
-            "nothing that should matter differs): mean -0.003 nat") in row[2] and "per seed -0.040, -0.010, +0.010" in row[2]
-    assert ("lr 0.1, bf16-qknorm-always-aa - bf16-qknorm-always (the same flags, run again on a later day: other code, "
-            "perhaps another CPU): identical in 15/16 seeds; per seed +0.050, +0.000") in row[2]
-    del arms[sweep.lr_name(again, TOP)]   # the twin alone: no pair run side by side, no floor said
+    assert ("A/A at lr 0.1, bf16-qknorm-always-t2 - bf16-qknorm-always-t1 (the same arm at 2 and 1 CPU "
+            "threads, run "
+            "side by side in one sweep: fp32 sums in another order, no rounding point moved): mean -0.003 "
+            "nat") in row[2]
+    assert "-> no gap; per seed -0.040, -0.010, +0.010" in row[2]
+    assert ("lr 0.1, bf16-qknorm-always-t1 - bf16-qknorm-always (the same flags at one thread, run on a "
+            "later day: what the code's changes since moved): identical in 15/16 seeds") in row[2]
+    del arms[sweep.lr_name(one, TOP)]   # the twin alone: no pair run side by side, no floor said
     assert "A/A" not in lr_rows(tmp_path / "c", arms)["2p"][2]
     arms[sweep.lr_name("bf16-qknorm-always", TOP)] = arm(15, OK)   # seed 16 of the reference missing: against it
     assert lr_rows(tmp_path / "b", arms)["2p"][1] == "not reproduced"
+
+
+def aa_pair(shift, spread=0.01, n=8):
+    """The A/A arms at TOP: the 2-thread arm's val loss `shift` above the 1-thread arm's, +-spread by seed."""
+    one, two = sweep.AA_ARMS["bf16-qknorm-always"]
+    val = lambda s: 2.9 + shift + (spread if s % 2 else -spread) * (1 + s / 10)
+    return {sweep.lr_name(one, TOP): [{"args": {"lr": TOP, "min_lr": TOP, "threads": 1}} for _ in range(n)],
+            sweep.lr_name(two, TOP): [{"val": val(s), "args": {"lr": TOP, "min_lr": TOP, "threads": 2}}
+                                      for s in range(1, n + 1)]}
+
+
+@pytest.mark.parametrize("shift, expected", [
+    param(0.0, "reproduced", id="A/A: no gap, spread about 0: the guard's verdict stands"),
+    param(0.02, "inconclusive", id="A/A: a steady 0.02 between the thread counts: no telling noise"),
+])
+def test_rule_2p_needs_an_aa_pair_without_a_gap(tmp_path, shift, expected):
+    row = lr_rows(tmp_path, {**lr_study(), **aa_pair(shift)})["2p"]
+    assert row[1] == expected, row[2]
+    said = "a gap where none should be" in row[2]
+    assert said == (expected == "inconclusive")
+    if said:
+        assert "the A/A pair showed a gap where none should be (lr 0.1)" in row[2]
+
+
+def test_rule_2p_reports_the_old_tile_pair_as_what_it_is(tmp_path):
+    arms = lr_study()
+    again, tile = sweep.TILE_ARMS["bf16-qknorm-always"]
+    arms[sweep.lr_name(tile, TOP)] = [{"val": 2.88, "args": {"lr": TOP, "min_lr": TOP, "block_n": 64}}] * N
+    arms[sweep.lr_name(again, TOP)] = [{"args": {"lr": TOP, "min_lr": TOP}}] * N
+    row = lr_rows(tmp_path, arms)["2p"]
+    assert row[1] == "reproduced"   # not an A/A: its gap judges nothing
+    assert ("bf16-qknorm-always-tile64 - bf16-qknorm-always-aa (the 2026-12-03 pair, not an A/A: the 64-key "
+            "tile "
+            "rounds the bf16 state twice per row") in row[2]
+
+
+def test_rule_2p_reports_the_late_switchs_cost_against_the_trigger_step(tmp_path):
+    # the guard's gap grows with its trigger step: 0.001 nat a step, exactly, from triggers at 2..9
+    cells = {("bf16-guard", TOP): [{"trigger": t, "val": 2.9 + 0.001 * t} for t in range(2, 10)]}
+    row = lr_rows(tmp_path, lr_study(cells))["2p"]
+    assert ("lr 0.1, the late switch's cost (a finding, reported not judged): bf16-guard - "
+            "bf16-qknorm-always final val, mean +0.005 nat, 95% interval [+0.003, +0.008], paired t p = "
+            "0.00038, n 8 (a cost)") in row[2]
+    assert "against the trigger step (median 5.5, 2 to 9): slope +0.100 nat per 100 steps" in row[2]
+    assert "r = +1.00" in row[2]
+    assert "lr 0.1: bf16-guard's trigger inside the 0 warmup steps in 0/8 seeds\n" in row[2]
+    cells = {("bf16-guard", TOP): [{"trigger": t, "args": {"warmup_steps": 6}} for t in range(2, 10)]}
+    text = lr_rows(tmp_path / "w", lr_study(cells))["2p"][2]
+    assert "lr 0.1: bf16-guard's trigger inside the 6 warmup steps in 4/8 seeds (there the guard is QK-norm" \
+        in text
+    assert "(no gap shown)" in text
+
+
+def test_paired_t_slope_and_power_by_hand():
+    mean, lo, hi, p = report.paired_t([1.0, 2.0, 3.0, 4.0])   # t = 2.5 / (1.291 / 2) = 3.873, df 3
+    assert p == pytest.approx(0.0305, abs=2e-4) and lo > 0
+    assert report.paired_t([0.1, -0.1, 0.1, -0.1])[3] == pytest.approx(1.0)
+    slope, lo, hi, r = report.slope_interval([1, 2, 3, 4, 5], [2.0, 4.1, 5.9, 8.2, 9.8])
+    assert slope == pytest.approx(1.97) and r == pytest.approx(0.9988, abs=1e-4) and lo < 1.97 < hi
+    assert math.isnan(report.slope_interval([1, 1, 1], [1.0, 2.0, 3.0])[0])
+    # power of two one-sided tests: sd 0.03 at n 16 (se 0.0075, t 1.753): 2 Phi(4 - 1.753) - 1 = 0.975
+    assert report.equivalence_power(0.03, 16) == pytest.approx(0.9754, abs=1e-3)
+    assert report.equivalence_power(0.09, 8) == 0.0 and report.seeds_for_power(0.03) == 10
+    rng = random.Random(1)   # the approximation against simulation at sd 0.06, n 24
+    sims = [report.equivalence([rng.gauss(0, 0.06) for _ in range(24)])[0] == "within" for _ in range(2000)]
+    assert abs(sum(sims) / len(sims) - report.equivalence_power(0.06, 24)) < 0.05
 
 
 def test_student_t_quantiles_and_the_equivalence_test():
@@ -1825,7 +1982,8 @@ def test_sweep_launches_every_arm_the_lr_rules_read():
         assert set(arms) <= set(launched) and label in report.LR_TITLES, label
     assert {a for _, _, arms, _ in report.LR_RULES for a in arms} == {
         prefix + a for prefix in report.ARCHS.values() for a in sweep.LR_STUDY_ARMS}
-    assert set(report.LR_WORDS) == set(sweep.LR_STUDY_ARMS) | {a for pair in sweep.AA_ARMS.values() for a in pair}
+    pairs = (*sweep.AA_ARMS.values(), *sweep.TILE_ARMS.values())
+    assert set(report.LR_WORDS) == set(sweep.LR_STUDY_ARMS) | {a for pair in pairs for a in pair}
 
 
 def test_experiment_table_is_valid_train_flags():
@@ -2115,6 +2273,24 @@ def test_the_readme_claims_table_says_what_results_md_says():
     readme = {label: cells[2] for line in table.splitlines()[2:] for cells in [line.strip("| ").split(" | ")]
               for label in cells[0].split(", ")}
     assert readme == results
+
+
+def test_the_readme_gives_each_injected_errors_dose_in_the_faults_units():
+    # an injected error's row says its dose as a multiple of the bf16 state's own error (lab.fault_size's
+    # measurement, three figures): the delta source and 3+ at dose 3, the grids at their ends
+    with open(os.path.join(ROOT, "lab", "results", "lab", "fault_size.json")) as f:
+        error = json.load(f)["median"]["error_ratio_median"]
+    times = lambda dose: f"{float(f'{dose / error:.3g}'):,.0f}x"
+    with open(os.path.join(ROOT, "README.md")) as f:
+        table = f.read().split("## The claims this code tests")[1].split("\n\n| claim |")[1].split("\n\n")[0]
+    rows_ = [line.strip("| ").split(" | ") for line in table.splitlines()[2:]]
+    scale = {cells[0]: cells[3] for cells in rows_}
+    assert f"about {times(3)} the fault's own error" in scale["3+"] and times(3) == "1,040x"
+    assert f"about {times(3)}-{times(30)} the fault's own error" in scale["3"]
+    assert f"about {times(0.3)}-{times(30)} the fault's own error" in scale["4"]
+    for claim in ("5 (assay)", "6 (assay)"):
+        assert f"a delta error about {times(3)} the fault's" in scale[claim]
+    assert all(cells == "-" for label, cells in scale.items() if label in ("1", "2", "2v", "7"))
 
 
 @pytest.mark.parametrize("arms, verdict, key, why", [
