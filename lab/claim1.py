@@ -19,7 +19,7 @@ import statistics
 import sys
 
 from lab.stats import ALPHA, binom_tail, mean_interval
-from lab.sweep import DONE, ROOT, Unreadable, read_log
+from lab.sweep import DONE, Unreadable, read_log
 
 RATIO = 2.0                        # a seed counts for the claim where M_bf16 >= RATIO * M_fp32
 LAST_QUARTER = 0.75                # M: the median max logit of the logged steps after 3/4 of the horizon
@@ -272,8 +272,8 @@ def section(runs, root, plot_path=None, markdown_dir=".", study=STREAM):
     verdict, lines = judge(runs, study)
     table = "\n".join("| " + " | ".join(row) + " |" for row in
                       [TABLE_HEADER, ["---"] * len(TABLE_HEADER), *seed_table(runs, study)])
-    link = os.path.relpath(os.path.join(ROOT, study.rule), markdown_dir)
-    parts = [f"Pre-registered at commit {study.commit} ([{study.rule}]({link})), before the first of its runs; "
+    parts = [f"Pre-registered at commit {study.commit} ([{study.rule}]({study.rule}), a link from the repository's "
+             f"root), before the first of its runs; "
              f"judged by `python -m lab.claim1 {root}{'' if study is STREAM else ' --study ' + study.name}`. M is a "
              f"run's median max attention logit over the last quarter of its steps. Verdict: **{verdict.upper()}**.",
              "\n".join(f"- {line}" for line in lines + reported(runs, study) + fault_lines(root)), table]
