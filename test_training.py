@@ -743,7 +743,8 @@ def _numeric_flags(parser):
 # Flags that accept 0, with the meaning their help gives (or plain: a seed, a rate of 0, no warmup).
 ZERO_MEANS = {"--block-n", "--softcap", "--attn-scale", "--decay-steps", "--grad-clip",
               "--seed", "--warmup-steps", "--weight-decay", "--dropout", "--min-lr", "--beta1", "--beta2",
-              "--collapse-smoothing", "--collapse-grace", "--inject-coherence", "--workers", "--warmup"}
+              "--collapse-smoothing", "--collapse-grace", "--inject-coherence", "--workers", "--warmup",
+              "--threads"}
 
 
 def test_every_numeric_flag_refuses_nonsense_in_one_line():
@@ -801,6 +802,7 @@ def test_without_lab_a_run_that_used_the_assay_is_refused_on_resume_in_one_line(
     for name in os.listdir(ROOT):
         if name.endswith(".py"):
             shutil.copy(os.path.join(ROOT, name), reference / name)
+    shutil.copytree(os.path.join(ROOT, "qkguard"), reference / "qkguard")   # guard.py's decisions live there
     for name, argv in (("plain", []), ("probed", ["--probe", "qk-topk"])):
         assert train(tmp_path / name, data_dir, "--max-steps", "1", *argv).returncode == 0
     resume = lambda name: subprocess.run(
