@@ -999,6 +999,7 @@ def test_the_readme_fork_example_adds_a_working_option(tmp_path, data_dir):
     for name in os.listdir(ROOT):
         if name.endswith(".py"):
             shutil.copy(os.path.join(ROOT, name), tmp_path / name)
+    shutil.copytree(os.path.join(ROOT, "qkguard"), tmp_path / "qkguard")   # guard.py's decisions live there
     for name, anchor, line, where in fork_example():
         text = (tmp_path / name).read_text()
         at = next(l for l in text.splitlines() if l.lstrip().startswith(anchor.strip()))
