@@ -241,7 +241,6 @@ class ErrorInjector:
 
 
 @torch.no_grad()
-@torch.no_grad()
 def tie_fraction(q, k, scale, block_n):
     """The share of (query row, key block) pairs, over the blocks each row sees, where the bf16 state's P
     holds two or more exact 1s: the prior work's precondition for a biased P V (a row max that repeats;
@@ -264,6 +263,7 @@ def tie_fraction(q, k, scale, block_n):
     return (tied / seen).mean(0)
 
 
+@torch.no_grad()
 def measure_fault(model, idx, accum="bf16", dtype=torch.bfloat16):
     """The real fault's error, per layer and head, on a batch idx (B, T).
 
