@@ -1323,6 +1323,7 @@ def test_a_resume_in_another_checkout_uses_that_checkouts_data_folder(tmp_path, 
         for name in os.listdir(ROOT):
             if name.endswith(".py"):
                 shutil.copy(os.path.join(ROOT, name), checkout / name)
+        shutil.copytree(os.path.join(ROOT, "qkguard"), checkout / "qkguard")   # guard.py's decisions live there
         shutil.copytree(data_dir, checkout / "data" / "text-byte")
 
     def train_in(checkout, *args):

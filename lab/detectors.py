@@ -743,7 +743,7 @@ def draw(subjects, firings, path, scores=None):
         xs, ys = zip(*collapse_curve(subjects, scores[d.name], negs))
         (h,) = curve.plot(xs, ys, "-", lw=1.3, label=d.name, drawstyle="steps-post")
         m = matched(subjects, scores[d.name], negs, d.threshold, d.strict)
-        curve.plot([100 * m.false_alarms / m.negatives], [100 * m.within / m.collapses], marker,
+        curve.plot([100 * m.false_alarms / max(1, m.negatives)], [100 * m.within / max(1, m.collapses)], marker,
                    color=h.get_color(), markersize=8, mec="k")
         handles.append(h)
         sc = score(subjects, firings[d.name])
