@@ -1,7 +1,7 @@
 """The lab: what reproduces and measures the paper's claims, beside the reference at the root.
 
     python -m lab.sweep ...     # the claims' runs (train.py subprocesses)
-    python -m lab.report ...    # their verdicts, RESULTS.md and the plots
+    python -m lab.report ...    # their verdicts: RESULTS.md, each claim's record (lab/claims/), the plots
     python -m lab.bench ...     # speed and kernel tuning
     python -m lab.fault_size    # the bf16 state's own error, in the units of the assay's doses
     python -m lab.attach_demo   # QK-Guard attached to other models (qkguard/), unguarded and guarded

@@ -12,7 +12,7 @@ prepare_data.py (data/pycode-byte). Per model, two runs from the same init on th
   guard on    attach(..., threshold=--threshold, by default the guard's own: max logit 200): dormant,
               then QK-norm from one step after the first crossing
 Each writes <out-dir>/<model>/<run>/log.jsonl (train.py's records and events where they apply) and
-config.json; the figure is lab/plots/attach-<model>.png, in the demo's style (lab.report's plot).
+config.json; the figure is lab/plots/attach-<model>.png, in the demo's style (lab.figures' plot_some_runs).
 
 The unguarded run also carries a second watcher that reads every row of the batch, to show how the
 guard's sampled signal (every row of one sequence of the batch) compares with the whole batch's.
@@ -209,7 +209,7 @@ def measure_cost(name, args, data):
 
 def plot(name, runs, png):
     try:
-        from lab.report import plot_some_runs
+        from lab.figures import plot_some_runs
     except ImportError as e:
         print(f"plot skipped: {e}")
         return None

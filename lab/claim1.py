@@ -7,7 +7,8 @@ make the attention logits grow past fp32 state's, and is it the prior work's tie
 
 The rule was committed before its runs: lab/preregistered/claim1-stream.md (RESULTS.md names the
 commit). Here it is as code, and nothing else: the statistic, the two sign tests, the A/A check, and
-what is reported beside them. lab.report puts the verdict in RESULTS.md's claim-1 row.
+what is reported beside them. lab.report puts the verdict in RESULTS.md's claim-1 row, and this
+section in claim 1's record (lab/claims/1/README.md).
 """
 import argparse
 import dataclasses
@@ -23,7 +24,7 @@ from lab.sweep import DONE, Unreadable, read_log
 
 RATIO = 2.0                        # a seed counts for the claim where M_bf16 >= RATIO * M_fp32
 LAST_QUARTER = 0.75                # M: the median max logit of the logged steps after 3/4 of the horizon
-RUNAWAY_LOGIT = 1000.0             # a runaway's max logit (lab/report.py's)
+RUNAWAY_LOGIT = 1000.0             # a runaway's max logit (lab/thresholds.py's)
 ARMS = {"bf16": "bf16 state", "fp32": "fp32 state", "bf16-safemax": "bf16 state with safe-max (no exact 1s)"}
 
 
@@ -266,14 +267,15 @@ def summary_row(runs, study=STREAM):
     return ["1", verdict, scale_words(runs, study), key, why(verdict, runs, study)]
 
 
-def section(runs, root, plot_path=None, markdown_dir=".", study=STREAM):
-    """RESULTS.md's section on one study of claim 1: the rule's link and commit, its tests, what is
-    reported, the seed table and the figure."""
+def section(runs, root, plot_path=None, markdown_dir=".", study=STREAM, rule_link=None):
+    """A record's section on one study of claim 1: the rule's link (rule_link: its path from the record; the
+    path from the repository's root by default) and commit, its tests, what is reported, the seed table and
+    the figure."""
     verdict, lines = judge(runs, study)
     table = "\n".join("| " + " | ".join(row) + " |" for row in
                       [TABLE_HEADER, ["---"] * len(TABLE_HEADER), *seed_table(runs, study)])
-    parts = [f"Pre-registered at commit {study.commit} ([{study.rule}]({study.rule}), a link from the repository's "
-             f"root), before the first of its runs; "
+    parts = [f"Pre-registered at commit {study.commit} ([{study.rule}]({rule_link or study.rule})), before the "
+             f"first of its runs; "
              f"judged by `python -m lab.claim1 {root}{'' if study is STREAM else ' --study ' + study.name}`. M is a "
              f"run's median max attention logit over the last quarter of its steps. Verdict: **{verdict.upper()}**.",
              "\n".join(f"- {line}" for line in lines + reported(runs, study) + fault_lines(root)), table]
@@ -284,7 +286,7 @@ def section(runs, root, plot_path=None, markdown_dir=".", study=STREAM):
 
 def plot(runs, path, study=STREAM, save=None):
     """Max logit and sigma(W_q) against step, one line per run, one color per state; save(fig, path) writes
-    it (lab.report's, to write it with the rest of a report; default: at once)."""
+    it (lab.files', to write it with the rest of a report; default: at once)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

@@ -35,8 +35,10 @@ import sys
 from typing import NamedTuple, Optional
 
 from guard import DEFAULT_THRESHOLD
-from lab.report import (LOGIT_RATIO, RISE_WINDOW, RUNAWAY_LOGIT, _pyplot, load_runs, lr_ran_away, save_figure,
-                        save_text, written_together)
+from lab.figures import _pyplot
+from lab.files import save_figure, save_text, written_together
+from lab.loading import load_runs, lr_ran_away
+from lab.thresholds import LOGIT_RATIO, RISE_WINDOW, RUNAWAY_LOGIT
 from lab.sweep import split_lr
 
 # --------------------------------------------------------------------------------------------------

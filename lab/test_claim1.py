@@ -169,6 +169,22 @@ def test_lab_report_gives_each_study_its_section_and_claim_1_its_row(tmp_path):
     report.main([str(tmp_path / "lab"), "--stream", str(tmp_path / "stream"), "--tokens", str(tmp_path / "tokens"),
                  "--markdown", str(md), "--plots", str(tmp_path / "plots")])
     text = md.read_text()
-    assert "| 1 | REPRODUCED | gpt2 4x128, 4000 steps, 8 seeds" in text
-    assert "## Claim 1 at CPU scale" in text and "## Claim 1 at 16x the tokens a step" in text
-    assert "Verdict: **DOES NOT SEPARATE**" in text and (tmp_path / "plots" / "claim1-tokens.png").exists()
+    record = (tmp_path / "claims" / "1" / "README.md").read_text()
+    runs = (tmp_path / "claims" / "1" / "runs.md").read_text()
+    assert "| 1 | REPRODUCED | gpt2 4x128, 4000 steps, 8 seeds" in text + record
+    assert "--stream" in text and "--tokens" in text   # the command on its first lines
+    assert "## Rule 1: claim 1 at CPU scale, pre-registered at b823d3f" in record
+    assert "## Claim 1 at 16x the tokens a step" in record and "Verdict: **DOES NOT SEPARATE**" in record
+    rule = record.split("[lab/preregistered/claim1-tokens.md](")[1].split(")")[0]   # from the record's folder
+    here = os.path.dirname(claim1.__file__)
+    assert os.path.samefile(tmp_path / "claims" / "1" / rule, os.path.join(here, "preregistered", "claim1-tokens.md"))
+    assert (tmp_path / "plots" / "claim1-tokens.png").exists() and "](../../plots/claim1-tokens.png)" in record
+    assert "## Runs of the tokens study" in runs and "| fp32-lr0.01 | seed35 | yes |" in runs
+    assert "python -m lab.claim1 runs/tokens --study tokens" not in record   # its runs hold no command: none made
+    # the tokens study's runs are the record's too: a report of fewer of them is refused, the record kept
+    import shutil
+    shutil.rmtree(tmp_path / "tokens" / "bf16-lr0.01" / "seed35")
+    with pytest.raises(SystemExit):
+        report.main([str(tmp_path / "lab"), "--stream", str(tmp_path / "stream"), "--tokens", str(tmp_path / "tokens"),
+                     "--markdown", str(md), "--plots", str(tmp_path / "plots")])
+    assert (tmp_path / "claims" / "1" / "runs.md").read_text() == runs

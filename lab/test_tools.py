@@ -2,9 +2,10 @@
 
 Run: python -m pytest -q lab/test_tools.py   (CPU; the rules take seconds, end-to-end and bench longer)
 
-Every rule of report.RULES is tested on synthetic runs over sweep.SEEDS seeds: a case that must
+Every rule of verdicts.RULES is tested on synthetic runs over sweep.SEEDS seeds: a case that must
 pass it, and cases that each remove one of its conditions and must fail it.
 """
+import glob
 import importlib.util
 import json
 import math
@@ -18,13 +19,15 @@ import sys
 import pytest
 from pytest import param
 
-from lab import report, sweep
+from lab import figures, loading, report, stats, summary, sweep, tables, thresholds, verdicts
+from lab import records as docs
+from lab.rules import actions as claim6, common, injection as claim34, lr_study as lr_rules, probe as claim5
 from model import NON_QK_KINDS, WEIGHT_KINDS
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))   # the repository root
 N = sweep.SEEDS                    # 8: every arm runs seeds 1..N
-R = report.RUNAWAY_LOGIT
-TOL = report.LOSS_TOL
+R = thresholds.RUNAWAY_LOGIT
+TOL = thresholds.LOSS_TOL
 KINDS = WEIGHT_KINDS
 
 
@@ -115,12 +118,17 @@ def write_arms(root, arms):
         for seed, kw in enumerate(runs, 1):
             if kw is not None:
                 write_run(root, name, seed, **kw)
-    return report.load_runs(str(root))
+    return loading.load_runs(str(root))
 
 
 def rows(root, arms):
     """rule -> [rule, verdict, text], judged on the arms written under root."""
-    return {row[0]: row for row in report.verdicts(write_arms(root, arms))}
+    return {row[0]: row for row in verdicts.verdicts(write_arms(root, arms))}
+
+
+def text_report(groups, root, **inputs):
+    """The report lab.report prints on the console (lab/records.py's console), of these runs."""
+    return docs.console(docs.Judged(groups, root, **inputs))
 
 
 def judge(root, rule, arms):
@@ -131,22 +139,22 @@ def judge(root, rule, arms):
 # Statistics, against exact values
 
 def test_binom_tail_and_sign_test():
-    assert report.binom_tail(5, 5) == 1 / 32 and report.binom_tail(4, 4) == 1 / 16
-    assert report.binom_tail(5, 6) == pytest.approx(7 / 64) and report.binom_tail(7, 8) == pytest.approx(9 / 256)
-    assert report.binom_tail(0, 3) == 1.0 and report.binom_tail(0, 0) == 1.0
+    assert stats.binom_tail(5, 5) == 1 / 32 and stats.binom_tail(4, 4) == 1 / 16
+    assert stats.binom_tail(5, 6) == pytest.approx(7 / 64) and stats.binom_tail(7, 8) == pytest.approx(9 / 256)
+    assert stats.binom_tail(0, 3) == 1.0 and stats.binom_tail(0, 0) == 1.0
     T, F = True, False
-    assert report.sign_test([(T, F)] * 5) == (5, 0, 0.03125)
-    assert report.sign_test([(T, F)] * 4 + [(F, F)] * 4) == (4, 0, 0.0625)
-    assert report.sign_test([(T, F)] * 5 + [(T, T)] * 2 + [(F, F)]) == (5, 0, 0.03125)    # ties ignored
-    assert report.sign_test([(T, F)] * 5 + [(F, T)]) == (5, 1, pytest.approx(7 / 64))
-    assert report.sign_test([(F, T)] * 5) == (0, 5, 1.0)                                 # one-sided
-    assert report.sign_test([]) == (0, 0, 1.0)
+    assert stats.sign_test([(T, F)] * 5) == (5, 0, 0.03125)
+    assert stats.sign_test([(T, F)] * 4 + [(F, F)] * 4) == (4, 0, 0.0625)
+    assert stats.sign_test([(T, F)] * 5 + [(T, T)] * 2 + [(F, F)]) == (5, 0, 0.03125)    # ties ignored
+    assert stats.sign_test([(T, F)] * 5 + [(F, T)]) == (5, 1, pytest.approx(7 / 64))
+    assert stats.sign_test([(F, T)] * 5) == (0, 5, 1.0)                                 # one-sided
+    assert stats.sign_test([]) == (0, 0, 1.0)
 
 
 @pytest.mark.parametrize("k, n, lower, upper", [(0, 8, 0.0, 0.3694), (8, 8, 0.6306, 1.0), (3, 10, 0.0667, 0.6525),
                                                 (6, 8, 0.3491, 0.9681), (0, 0, 0.0, 1.0)])
 def test_clopper_pearson(k, n, lower, upper):
-    assert report.clopper_pearson(k, n) == pytest.approx((lower, upper), abs=1e-4)
+    assert stats.clopper_pearson(k, n) == pytest.approx((lower, upper), abs=1e-4)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -178,7 +186,7 @@ def test_trigger_and_val_from_the_end_record_and_half_written_lines(tmp_path):
             r["loss"] = next(losses)
     with open(os.path.join(path, "log.jsonl"), "w") as f:
         f.write("".join(json.dumps(r) + "\n" for r in records) + '{"step": 9, "lo')   # a half-written line
-    run = report.load_runs(str(tmp_path))["fp32-guard"][0]
+    run = loading.load_runs(str(tmp_path))["fp32-guard"][0]
     assert run.loss == [5.0, 4.0, 3.0] and run.final_train == pytest.approx(4.0)
     assert run.trigger == 1 and run.final_val == 2.9 and run.finished  # from the end record
 
@@ -193,14 +201,14 @@ def test_trigger_and_val_from_the_end_record_and_half_written_lines(tmp_path):
 ])
 def test_qk_specific(tmp_path, growth, specific):
     run = write_arms(tmp_path, {"bf16": [{"growth": growth}]})["bf16"][0]
-    assert report.SIGMA_RATIO == 2.0 and report.qk_specific(run) is specific
+    assert thresholds.SIGMA_RATIO == 2.0 and claim34.qk_specific(run) is specific
 
 
 def test_the_other_kinds_are_read_from_the_log():
     # a real run's log: its other kinds are the model's, and its per-head sigma_q_head is not one
     path = os.path.join(ROOT, "lab", "results", "lab", "assay", "seed1")
     assert any("sigma_q_head" in r for r in sweep.read_log(path))
-    assert report.Run(path).other_kinds == sorted(NON_QK_KINDS)
+    assert loading.Run(path).other_kinds == sorted(NON_QK_KINDS)
 
 
 
@@ -376,9 +384,9 @@ def rule3(site, dose=3.0, k=7, **changes):
     param(lambda s: rule3(s, k=6), "not reproduced", id="6 of 8: p=1/64 > ALPHA/5"),
     param(lambda s: rule3(s, **{inject(s, 3.0, fix=True): arm(2, RUNAWAY)}), "not reproduced",
           id="the fix runs away in two of those seeds: 5 vs 0"),
-    param(lambda s: rule3(s, **{inject(s, 3.0, fix=True): arm(2, {"val": 2.9 + report.FIX_TOL + 0.01})}),
+    param(lambda s: rule3(s, **{inject(s, 3.0, fix=True): arm(2, {"val": 2.9 + thresholds.FIX_TOL + 0.01})}),
           "not reproduced", id="the fix ends FIX_TOL above the error run in two"),
-    param(lambda s: rule3(s, **{inject(s, 3.0, fix=True): arm(8, {"val": 2.9 + report.FIX_TOL - 0.01})}),
+    param(lambda s: rule3(s, **{inject(s, 3.0, fix=True): arm(8, {"val": 2.9 + thresholds.FIX_TOL - 0.01})}),
           "reproduced", id="the fix within FIX_TOL"),
     param(lambda s: rule3(s, **{inject(s, 3.0): arm(7, {**QK_RUNAWAY, "val": 3.5}),
                                 inject(s, 3.0, fix=True): arm(7, {"val": 3.45})}), "reproduced",
@@ -391,7 +399,8 @@ def rule3(site, dose=3.0, k=7, **changes):
           id="the fix unfinished in two of those seeds"),
     param(lambda s: rule3(s, **{sweep.NO_ERROR: arm(0, OK, {1: UNFINISHED})}), "not reproduced",
           id="the no-error run unfinished in one of those seeds"),
-    param(lambda s: rule3(s, **{sweep.NO_ERROR: []}), "not reproduced", id="no no-error runs"),
+    param(lambda s: rule3(s, **{sweep.NO_ERROR: []}), "not run",
+          id="no no-error runs: an arm the rule reads never ran, so it is not run (it said not reproduced)"),
     param(lambda s: rule3(s, k=7, **{sweep.NO_ERROR: arm(0, OK) + [OK] * 4}), "reproduced",
           id="the no-error arm's extra seeds (runs of claims 1, 2v) are not the rule's"),
     param(lambda s: rule3(s, **{inject(s, 30.0, fix=True): arm(8, RUNAWAY)}), "reproduced",
@@ -423,12 +432,12 @@ def test_a_rules_doses_are_those_its_own_arms_ran(tmp_path):
     arms = {inject("mlp-out", d, 1.0, f): arm(6 if d == 3.0 and not f else 0, QK_RUNAWAY if not f else OK)
             for d in (3.0, 30.0) for f in (False, True)}
     groups = write_arms(tmp_path, {**arms, **NOERR, inject("mlp-out", 0.3, 0.5): arm(0, OK)})
-    assert "mlp-out: doses run 3, 30\n" in report.build(groups, str(tmp_path), markdown=False)
+    assert "mlp-out: doses run 3, 30; " in text_report(groups, str(tmp_path))
 
 
 
 def test_rule_3_uses_the_bonferroni_threshold_and_lists_the_fix_gaps(tmp_path):
-    assert report.ALPHA / len(sweep.DOSES) == pytest.approx(0.05 / 5)
+    assert thresholds.ALPHA / len(sweep.DOSES) == pytest.approx(0.05 / 5)
     text = rows(tmp_path, {**rule3("mlp-out"), inject("mlp-out", 30.0): arm(6, QK_RUNAWAY),
                            inject("mlp-out", 30.0, fix=True): arm(8, {"val": 2.95}),
                            sweep.QKNORM_ALONE: arm(8, {"val": 2.97})})["3"][2]
@@ -504,8 +513,10 @@ def rule4(mlp_out=3.0, delta=3.0, **cells):
           "not reproduced", id="random signs unfinished in two of the seven: 5 left, p = 1/32 > ALPHA / 5"),
     param(rule4(**{inject("mlp-out", 3.0): arm(0, OK, dict.fromkeys(range(1, 8), UNFINISHED))}),
           "not reproduced", id="coherent unfinished: it cannot support the claim, nor refute it"),
-    param(rule4(**{inject("delta", d, c): [] for d in sweep.DOSES for c in sweep.COHERENCES}), "not reproduced",
-          id="no dose of one site run: that site fails"),
+    param(rule4(**{inject("delta", d, c): [] for d in sweep.DOSES for c in sweep.COHERENCES}), "not run",
+          id="no dose of one site run: not run (it said not reproduced)"),
+    param(rule4(**{inject("delta", d, 0.5): [] for d in sweep.DOSES}), "not run",
+          id="no random-sign arm at one site: not run"),
     param({inject(s, d, c): [] for s in sweep.CLAIM4_SITES for d in sweep.DOSES for c in sweep.COHERENCES},
           "not run", id="nothing of the grid run"),
 ])
@@ -513,18 +524,80 @@ def test_rule_4(tmp_path, arms, expected):
     assert judge(tmp_path, "4", arms) == expected
 
 
-def test_rule_4_says_a_site_not_run_counts_against_it(tmp_path):
+def test_rule_4_says_which_arms_of_a_site_not_run_make_it_not_run(tmp_path):
+    # a site whose arms never ran is no evidence against the claim: the rule is not run, naming them (it counted
+    # the site against the claim, "not reproduced")
     row = rows(tmp_path, rule4(**{inject("delta", d, c): [] for d in sweep.DOSES for c in sweep.COHERENCES}))["4"]
-    assert row[1] == "not reproduced"
-    assert "delta: not run (counted against the claim, which needs a raise at every site)" in row[2]
-    assert "coherence raises the runaway at mlp-out 3; delta no dose" in row[2]
+    assert row[1] == "not run"
+    assert row[2].splitlines()[1] == "no runs of inject-delta-0.3-c1, inject-delta-0.3-c0.5, inject-delta-1-c1 and 7 " \
+                                     "more arms"
+
+
+# --------------------------------------------------------------------------------------------------
+# A fork's natural experiment: one claim rerun, part of its grid. The committed rule's thresholds hold
+# whatever ran, and a rule whose arms never ran is not run, not refuted.
+
+def one_dose(site, dose, k, seeds=N, **changes):
+    """Claim 3 rerun at one dose of one site: its error runs away through QK in k seeds (the rest healthy), its
+    fix and the no-error runs healthy."""
+    return {inject(site, dose): arm(k, QK_RUNAWAY)[:seeds], inject(site, dose, fix=True): arm(0, OK)[:seeds],
+            sweep.NO_ERROR: arm(0, OK)[:seeds], **changes}
+
+
+@pytest.mark.parametrize("site, dose, k, expected, threshold", [
+    param("delta", 3.0, 6, "not reproduced", "0.01", id="delta, 6 of 8 (p = 1/64): ALPHA / 5, as committed (the "
+          "old rule divided by the one dose run and passed it)"),
+    param("delta", 3.0, 8, "reproduced", "0.01", id="delta, 8 of 8 (p = 1/256) passes ALPHA / 5"),
+    param("mlp-out", 10.0, 5, "not reproduced", "0.0167", id="mlp-out, 5 of 8 (p = 1/32): ALPHA / 3, the committed "
+          "grid's three doses"),
+    param("mlp-out", 10.0, 6, "reproduced", "0.0167", id="mlp-out, 6 of 8 (p = 1/64) passes ALPHA / 3"),
+])
+def test_a_rerun_of_one_dose_is_judged_at_the_committed_threshold(tmp_path, site, dose, k, expected, threshold):
+    label = {"delta": "3+", "mlp-out": "3"}[site]
+    row = rows(tmp_path, one_dose(site, dose, k))[label]
+    assert row[1] == expected
+    assert f"p = {stats.binom_tail(k, k):.3g} (threshold {threshold}) -> " in row[2]
+    assert f"{site}: doses run {dose:g}; each tested at ALPHA / {len(thresholds.COMMITTED_DOSES[site])}, " in row[2]
+    assert thresholds.COMMITTED_DOSES == {"mlp-out": (3.0, 10.0, 30.0), "grad-mlp": sweep.DOSES,
+                                          "grad-wv": sweep.DOSES, "delta": sweep.DOSES}, "the committed grids"
+
+
+def test_more_doses_than_committed_divide_by_the_doses_run(tmp_path):
+    # mlp-out committed three doses; the whole grid run (five) is held to ALPHA / 5, never looser
+    arms = {**one_dose("mlp-out", 3.0, 6), **{inject("mlp-out", d, 1.0, f): arm(0, OK) for d in (0.3, 1.0, 10.0, 30.0)
+                                              for f in (False, True)}}
+    row = rows(tmp_path, arms)["3"]
+    assert row[1] == "not reproduced" and "(threshold 0.01) -> fails" in row[2]
+
+
+def test_an_aa_rerun_of_one_dose_does_not_pass(tmp_path):
+    # A/A: the "error" arm's runs are the no-error arm's own (the same logs), its fix healthy: no effect to find
+    runs = [{"logit": 10.0 + seed, "growth": {"q": 1.5}} for seed in range(N)]
+    for label, site in (("3", "mlp-out"), ("3+", "delta")):
+        arms = {inject(site, 10.0): runs, inject(site, 10.0, fix=True): arm(0, OK), sweep.NO_ERROR: runs}
+        assert judge(tmp_path / site, label, arms) == "not reproduced", site
+    # claim 4's A/A: the coherent and the random-sign error the same runs at both sites: no raise, no reversal
+    same = {inject(s, 3.0, c): [RUNAWAY] * 4 + [OK] * 4 for s in sweep.CLAIM4_SITES for c in sweep.COHERENCES}
+    assert judge(tmp_path / "c4", "4", {**same, **NOERR}) == "not reproduced"
+
+
+def test_a_rerun_of_one_claim_leaves_every_other_rule_not_run(tmp_path):
+    # claim 3's arms at one dose: claim 4, whose random-sign arms never ran, is not run (it said not reproduced:
+    # the coherent arms ran, so its grid counted the missing ones against it); so is every other rule
+    got = {label: row[1] for label, row in rows(tmp_path, one_dose("mlp-out", 10.0, 8)).items()}
+    assert got.pop("3") == "reproduced"
+    assert set(got.values()) == {"not run"}, got
+    # claim 4 with its coherent arms at both sites and no random-sign one: not run, naming them
+    coherent = {**{inject(s, 3.0): arm(7, RUNAWAY) for s in sweep.CLAIM4_SITES}, **NOERR}
+    row = rows(tmp_path / "c4", coherent)["4"]
+    assert row[1] == "not run" and row[2].splitlines()[1].startswith("no runs of inject-mlp-out-3-c0.5, ")
 
 
 def test_rule_4_reports_each_dose_on_a_scale_and_the_dose_response(tmp_path):
     arms = rule4(**{inject("delta", 30.0, 0.5): arm(8, {"logit": 100.0, "growth": {"q": 3.0}})})
     row = rows(tmp_path, arms)["4"]
-    assert "mlp-out: doses run 0.3, 1, 3, 10, 30 (thresholds: raises ALPHA / 5, reverses ALPHA / 10, the cells run " \
-           "at all sites)" in row[2]
+    assert "mlp-out: doses run 0.3, 1, 3, 10, 30 (thresholds: raises ALPHA / 5, reverses ALPHA / 10, the committed " \
+           "grid's counts or the doses run where more ran)" in row[2]
     assert "mlp-out 3: max logit / no-error's, median coherent 200 vs random sign 1 (collapsed, seed and step: " \
            "coherent none; random sign none); coherent 2x higher or earlier collapsed in 7 seeds, random sign in 0 " \
            "(0 unfinished or missing, counted against raising); p = 0.00781 (raises), 1 (reverses) -> raises" in row[2]
@@ -534,7 +607,7 @@ def test_rule_4_reports_each_dose_on_a_scale_and_the_dose_response(tmp_path):
            "sigma(W_q, W_k) growth / no-error's higher for coherent in 0, random sign in 8" in row[2]
     assert row[1] == "refuted" and "refuted: random-sign errors run away further than coherent ones at delta 30" \
         in row[2]
-    table = report.dose_table(report.load_runs(str(tmp_path)))
+    table = tables.dose_table(loading.load_runs(str(tmp_path)))
     assert ["delta", "coherence 1", "-", "-", "0/8", "-", "-"] not in table   # every dose has runs
     assert ["mlp-out", "coherence 1", "0/8", "0/8", "7/8", "0/8", "0/8"] in table
 
@@ -544,7 +617,7 @@ def test_rule_4_reports_each_dose_on_a_scale_and_the_dose_response(tmp_path):
 # does not
 
 def rule5(source="bf16"):
-    judged = {f"{source}-probe-{name}": arm(7, RUNAWAY) for name in report.PROBE_CONTROLS}
+    judged = {f"{source}-probe-{name}": arm(7, RUNAWAY) for name in claim5.PROBE_CONTROLS}
     return {source: arm(7, RUNAWAY), f"{source}-probe-topk": arm(0, OK), **judged,
             f"{source}-probe-equal": arm(7, {**RUNAWAY, "probe_share": 1.0}, rest={"probe_share": 1.0}),
             f"{source}-probe-v-topk": arm(7, COLLAPSE), f"{source}-probe-mlp-topk": arm(7, RUNAWAY), **NOERR}
@@ -657,8 +730,8 @@ def test_claim_5s_escape_route_splits_the_logit_into_sigma_gain_and_rest(tmp_pat
     for seed in range(1, N + 1):
         with_gain(write_run(tmp_path, arm_, seed, **climb), gain, sigma)
         write_run(tmp_path, "bf16-probe-topk-long", seed, **climb)
-    groups = report.load_runs(str(tmp_path))
-    text = "\n".join(report.escape_lines(report.Claim(groups, [arm_, "bf16-probe-topk-long"]), "bf16"))
+    groups = loading.load_runs(str(tmp_path))
+    text = "\n".join(claim5.escape_lines(common.Claim(groups, [arm_, "bf16-probe-topk-long"]), "bf16"))
     assert "their logged losses bit for bit bf16-probe-topk-long's in 8/8; ran away in 8" in text
     if escapes:   # 1.7^9 = 119x: the gain's part (1 + 9/5)^2 = 7.84x, the rest 15.1x
         assert ("seed1 logit x119 = sigma product x1, gain x7.84, rest x15.1 (layer 1, gain rms 1.00 -> "
@@ -669,7 +742,7 @@ def test_claim_5s_escape_route_splits_the_logit_into_sigma_gain_and_rest(tmp_pat
         assert ("in 0 of 8 seeds that ran away, less in 8: sign test p = 1 -> no escape through the gain "
                 "shown") in text
     del groups[arm_]
-    assert report.escape_lines(report.Claim(groups, ["bf16-probe-topk-long"]), "bf16") == []   # none rerun
+    assert claim5.escape_lines(common.Claim(groups, ["bf16-probe-topk-long"]), "bf16") == []   # none rerun
 
 
 def test_claim_5s_sigma_share_from_logs_without_the_gain(tmp_path):
@@ -678,8 +751,8 @@ def test_claim_5s_sigma_share_from_logs_without_the_gain(tmp_path):
     for seed in range(1, 4):
         write_run(tmp_path, "bf16-probe-topk-long", seed, logit=lambda step: 10.0 * 1.7 ** step, qk=(0, 10.0))
     write_run(tmp_path, "bf16-probe-topk-long", 4)   # no runaway: not counted
-    c = report.Claim(report.load_runs(str(tmp_path)), ["bf16-probe-topk-long"])
-    line, = report.sigma_share_line(c, ["bf16-probe-topk-long", "bf16"])
+    c = common.Claim(loading.load_runs(str(tmp_path)), ["bf16-probe-topk-long"])
+    line, = claim5.sigma_share_line(c, ["bf16-probe-topk-long", "bf16"])
     assert line.endswith("bf16-probe-topk-long 0.23 (0.23 to 0.23, 3 runaways)")
 
 
@@ -762,10 +835,10 @@ LATE = {"trigger": 18}            # 2 steps after the trigger (of 20), fewer tha
           id="QK-Clip lets QK grow 2x QK-norm's in every seed: reported, not judged (QK-norm's sigma grows "
              "freely "
              "outside its logits; the 2026-12-03 rule failed it)"),
-    param({"bf16-guard-qkclip": arm(1, {**TRIG, "val": 2.9 + report.FIX_TOL + 0.01}, rest=TRIG)},
+    param({"bf16-guard-qkclip": arm(1, {**TRIG, "val": 2.9 + thresholds.FIX_TOL + 0.01}, rest=TRIG)},
           "not reproduced",
           id="QK-Clip ends FIX_TOL+0.01 above QK-norm's val loss in one seed"),
-    param({"bf16-guard-qkclip": arm(8, {**TRIG, "val": 2.9 + report.FIX_TOL - 0.01})}, "reproduced",
+    param({"bf16-guard-qkclip": arm(8, {**TRIG, "val": 2.9 + thresholds.FIX_TOL - 0.01})}, "reproduced",
           id="QK-Clip ends FIX_TOL-0.01 above QK-norm's in every seed: within its bar"),
     param({"bf16-guard": arm(8, QK_HELD), "bf16-guard-qkclip": arm(8, QK_HELD)}, "reproduced",
           id="QK-Clip's QK growth as QK-norm's"),
@@ -781,12 +854,12 @@ def test_rule_6(tmp_path, changes, expected):
 def test_claim_6s_actions_share_one_table_and_its_measures(tmp_path):
     arms = {**RULE6, "bf16-guard": arm(8, QK_HELD), "bf16-guard-qkclip": arm(2, {**QK_GROWN, "val": 3.2},
                                                                                rest=QK_HELD)}
-    table = {row[0]: row for row in report.action_rows(write_arms(tmp_path, arms), "bf16")}
+    table = {row[0]: row for row in claim6.action_rows(write_arms(tmp_path, arms), "bf16")}
     assert table["bf16-guard-qkclip"] == ["bf16-guard-qkclip", "QK-side", "2/8", "0/8", "2/8", "1.5", "+0.000"]
     assert table["bf16-guard-clip"][1:4] == ["non-QK", "7/8", "7/8"]
     assert table["bf16-guard"][2] == "0/8" and table["bf16-guard"][-1] == "-"
     arms["bf16-guard-qkclip"] = arm(2, QK_GROWN, rest=QK_HELD)   # grown, not worse: judged on neither
-    table = {row[0]: row for row in report.action_rows(write_arms(tmp_path / "b", arms), "bf16")}
+    table = {row[0]: row for row in claim6.action_rows(write_arms(tmp_path / "b", arms), "bf16")}
     assert table["bf16-guard-qkclip"][2:5] == ["0/8", "0/8", "2/8"]
 
 
@@ -794,9 +867,9 @@ def test_a_qk_side_action_is_held_to_qk_norms_loss_only_where_qk_norm_held(tmp_p
     groups = write_arms(tmp_path, {"qkclip": [{**TRIG, "val": 4.0}, {**TRIG, "val": 4.0}, COLLAPSED_AFTER],
                                    "qknorm": [TRIG, COLLAPSED_AFTER, TRIG]})
     (worse, level, broke), (held, fell, _) = groups["qkclip"], groups["qknorm"]
-    assert report.qk_side_failed(worse, held)          # 1.1 nat above QK-norm's
-    assert not report.qk_side_failed(level, fell)      # QK-norm collapsed: no loss bar, no breakdown
-    assert report.qk_side_failed(broke, held)          # its own collapse
+    assert claim6.qk_side_failed(worse, held)          # 1.1 nat above QK-norm's
+    assert not claim6.qk_side_failed(level, fell)      # QK-norm collapsed: no loss bar, no breakdown
+    assert claim6.qk_side_failed(broke, held)          # its own collapse
 
 
 def test_rule_6s_row_shows_each_half_and_the_part_that_decided_it(tmp_path):
@@ -805,7 +878,7 @@ def test_rule_6s_row_shows_each_half_and_the_part_that_decided_it(tmp_path):
     assert row[1] == "not reproduced"
     assert "part the non-QK actions fail: holds" in row[2]
     assert "part the QK-side actions hold: fails" in row[2]
-    label, verdict, scale, key, why = report.summary_row(*row, "scale", N)
+    label, verdict, scale, key, why = summary.summary_row(*row, "scale", N)
     assert verdict == "NOT REPRODUCED"
     assert why == "the non-QK actions fail as claimed, but a QK-side action failed too"
     assert key.splitlines()[0].startswith("the non-QK actions fail: `bf16-guard-")
@@ -814,7 +887,7 @@ def test_rule_6s_row_shows_each_half_and_the_part_that_decided_it(tmp_path):
                                    "broke down, or ended more than FIX_TOL (0.1 nat) above QK-norm's val "
                                    "loss (the claim wants 0)")
     row = rows(tmp_path / "b", RULE6)["6"]   # both halves hold: reproduced, each half's weakest test shown
-    assert row[1] == "reproduced" and "QK-side) failed in 0 of 8" in report.summary_row(*row, "scale", N)[3]
+    assert row[1] == "reproduced" and "QK-side) failed in 0 of 8" in summary.summary_row(*row, "scale", N)[3]
 
 
 def test_rule_6_reports_logits_still_rising_after_the_trigger(tmp_path):
@@ -880,7 +953,7 @@ def test_rule_6_refuses_a_long_arm_run_at_another_horizon(tmp_path):
     with pytest.raises(SystemExit, match=re.escape("ran other horizons in the arms that set their own, max_steps 40 "
                                                    "(bf16-guard-long, bf16-guard-lr-drop-long), 30 "
                                                    "(bf16-guard-lr-drop-long)")):
-        report.verdicts(write_arms(tmp_path, arms))
+        verdicts.verdicts(write_arms(tmp_path, arms))
 
 
 def test_rule_6_reports_the_long_arms_beside_the_short_ones(tmp_path):
@@ -889,7 +962,7 @@ def test_rule_6_reports_the_long_arms_beside_the_short_ones(tmp_path):
     text = rows(tmp_path, arms)["6"][2]
     assert "bf16-guard-lr-drop-long +0.500 (against bf16-guard-long)" in text
     assert "bf16-guard-lr-drop-long 200, still rising in 0/8; bf16-guard-long 1, still rising in 0/8" in text
-    assert report.arm_words("bf16-guard-lr-drop-long") == "bf16 state: QK-Guard's trigger, then the lr cut 10x, " \
+    assert figures.arm_words("bf16-guard-lr-drop-long") == "bf16 state: QK-Guard's trigger, then the lr cut 10x, " \
         f"{sweep.LONG_STEPS} steps"
 
 
@@ -924,7 +997,7 @@ def test_rule_6_per_source_with_gaps_triggers_and_the_grace_window(tmp_path):
     assert "the demo's learning-rate runaway" in text and "lr-guard-qkclip +0.100" in text
     assert "lr-guard: trigger step by seed: seed1 5" in text
     assert "lr-guard: worst smoothed loss in the grace window above the pre-trigger best, by seed: seed1 +0." in text
-    run = report.Run(os.path.join(str(tmp_path), "lr-guard", "seed1"))
+    run = loading.Run(os.path.join(str(tmp_path), "lr-guard", "seed1"))
     ema = [3.0] * 6
     for s in range(6, 20):
         ema.append(0.9 * ema[-1] + 0.1 * (4.5 if s <= 8 else 3.0))
@@ -952,7 +1025,7 @@ def test_a_rule_that_passes_on_too_few_seeds_is_inconclusive(tmp_path, n, expect
     # report's sign tests cannot reach ALPHA, so a pass says as little as a failure would
     row = rows(tmp_path, {"fp32": [OK] * n, "fp32-guard": [OK] * n})["2v"]
     assert row[1] == expected
-    assert (f"{n} seeds: even all of them one way give p = {report.binom_tail(n, n):.3g} >= 0.05, this rule's "
+    assert (f"{n} seeds: even all of them one way give p = {stats.binom_tail(n, n):.3g} >= 0.05, this rule's "
             f"threshold; run at least 5" in row[2]) == (expected == "inconclusive")
 
 
@@ -987,8 +1060,8 @@ def test_every_rule_passes_on_its_own_runs_together(tmp_path):
         arms.update({inject(site, d, 1.0, True): arm(0, OK) for d in sweep.DOSES})
         for d in sweep.DOSES:  # through QK from 3 up (rule 4's coherent arms ran away from 3 too)
             arms[inject(site, d)] = arm(7, QK_RUNAWAY) if d >= 3.0 else arm(0, OK)
-    verdicts = {rule: row[1] for rule, row in rows(tmp_path, arms).items()}
-    assert verdicts == dict.fromkeys(["1", "2", "2v", "3", "3 (grad-mlp)", "3 (grad-wv)", "3+", "4", "5", "6", "7"],
+    got = {rule: row[1] for rule, row in rows(tmp_path, arms).items()}
+    assert got == dict.fromkeys(["1", "2", "2v", "3", "3 (grad-mlp)", "3 (grad-wv)", "3+", "4", "5", "6", "7"],
                                      "reproduced")
 
 
@@ -1013,7 +1086,7 @@ def lr_study(cells=None, prefix=""):
 
 def lr_rows(root, arms):
     """rule -> [rule, verdict, text] of the lr study's rules, judged on the arms written under root."""
-    return {row[0]: row for row in report.lr_verdicts(write_arms(root, arms))}
+    return {row[0]: row for row in verdicts.lr_verdicts(write_arms(root, arms))}
 
 
 def lr_judge(root, rule, arms):
@@ -1026,13 +1099,13 @@ def test_run_reads_the_lr_studys_numbers(tmp_path):
         float("nan") if s == 7 else 3.0)}, {"collapse": 10}, OK]})
     climbed, nan, collapsed, healthy = groups["bf16-lr0.1"]
     assert climbed.init_val == 5.5 and climbed.final_val == 2.9 and climbed.max_logit == 2 * R
-    assert climbed.first_past(report.GUARD_THRESHOLD) == 6 and climbed.first_past(R, inclusive=True) == 12
+    assert climbed.first_past(thresholds.GUARD_THRESHOLD) == 6 and climbed.first_past(R, inclusive=True) == 12
     assert climbed.first_past(2 * R) is None and climbed.first_past(2 * R, inclusive=True) == 12
-    assert report.lr_ran_away(climbed) and climbed.runaway_from() == 12 and not climbed.nonfinite
-    assert nan.nonfinite and report.lr_ran_away(nan) and not report.ran_away(nan) and nan.runaway_from() == 7
-    assert report.lr_ran_away(collapsed) and collapsed.runaway_from() == 10
-    assert not report.lr_ran_away(healthy) and healthy.runaway_from() is None and healthy.init_val == 10.0
-    assert climbed.guard_threshold() == report.GUARD_THRESHOLD
+    assert loading.lr_ran_away(climbed) and climbed.runaway_from() == 12 and not climbed.nonfinite
+    assert nan.nonfinite and loading.lr_ran_away(nan) and not loading.ran_away(nan) and nan.runaway_from() == 7
+    assert loading.lr_ran_away(collapsed) and collapsed.runaway_from() == 10
+    assert not loading.lr_ran_away(healthy) and healthy.runaway_from() is None and healthy.init_val == 10.0
+    assert climbed.guard_threshold() == thresholds.GUARD_THRESHOLD
     # a record sums the updates since the one before: a runaway first logged at step 29 may have begun at 20
     path = tmp_path / "fp32-lr0.1" / "seed1"
     os.makedirs(path)
@@ -1041,11 +1114,11 @@ def test_run_reads_the_lr_studys_numbers(tmp_path):
              {"event": "eval", "step": 30, "val_loss": 3.5}, {"event": "end", "status": "completed", "step": 30,
                                                               "val_loss": 3.25}]
     (path / "log.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
-    run = report.Run(str(path))
+    run = loading.Run(str(path))
     assert run.runaway_from() == 20 and run.first_past(R, inclusive=True) == 29
     assert run.final_val == 3.25, "the end record's val loss first"
     (path / "log.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines[:-1]))
-    assert report.Run(str(path)).final_val == 3.5 and report.Run(str(path)).init_val == 5.0
+    assert loading.Run(str(path)).final_val == 3.5 and loading.Run(str(path)).init_val == 5.0
 
 
 @pytest.fixture
@@ -1072,7 +1145,7 @@ def test_an_action_a_fork_adds_changes_no_claim_6_arm_or_verdict(tmp_path, new_a
     for kind, names in sweep.CLAIM6_ACTIONS.items():   # each is a real action of its kind
         assert all(guard.ACTIONS[name].kind == kind for name in names), kind
     assert "assay-guard-fp32-accum" not in sweep.action_arms("assay"), "a fix at the source runs only on bf16 state"
-    assert report.arm_words("bf16-guard-halve") == "bf16 state: QK-Guard's trigger, then the lr halved"
+    assert figures.arm_words("bf16-guard-halve") == "bf16 state: QK-Guard's trigger, then the lr halved"
     # the rule judges the arms it always did: a halve arm on disk is not one of them
     assert judge(tmp_path / "held", "6", {**RULE6, "bf16-guard-halve": arm(0, TRIG)}) == "reproduced"
 
@@ -1089,14 +1162,14 @@ def test_an_action_added_to_claim_6s_list_is_judged_like_the_others(tmp_path, ne
 
 def test_the_lr_drop_factor_is_train_pys_default():
     import run
-    assert report.LR_DROP_FACTOR == run.parse_args([])[0].lr_drop_factor
+    assert thresholds.LR_DROP_FACTOR == run.parse_args([])[0].lr_drop_factor
 
 
 def test_an_lr_arms_own_flags_are_its_base_arms_and_the_lr():
-    assert report.arm_flags("bf16-guard-lr0.03") == {"accum", "guard", "lr", "min_lr"}
-    assert report.arm_flags("llama-fp32-lr0.001") == {"arch", "accum", "lr", "min_lr"}
-    assert report.arm_flags("lr-guard-lr-drop") == report.OWN_FLAGS["lr-guard-lr-drop"]   # a source arm, as before
-    assert report.arm_flags("nobody-lr0.1") == set() and report.arm_flags("bf16") == {"accum"}
+    assert loading.arm_flags("bf16-guard-lr0.03") == {"accum", "guard", "lr", "min_lr"}
+    assert loading.arm_flags("llama-fp32-lr0.001") == {"arch", "accum", "lr", "min_lr"}
+    assert loading.arm_flags("lr-guard-lr-drop") == loading.OWN_FLAGS["lr-guard-lr-drop"]   # a source arm, as before
+    assert loading.arm_flags("nobody-lr0.1") == set() and loading.arm_flags("bf16") == {"accum"}
 
 
 # Rule 1p: at some lr bf16 is worse than fp32 (val + LOSS_TOL, or a runaway fp32 did not have) by a sign
@@ -1129,7 +1202,8 @@ def test_rule_1p(tmp_path, cells, expected):
 
 def test_rule_1p_text_bonferroni_and_the_same_curve(tmp_path):
     text = lr_rows(tmp_path, lr_study())["1p"][2]
-    assert "lrs run: 0.001, 0.003, 0.01, 0.03, 0.1 (Bonferroni: threshold ALPHA / 5)" in text
+    assert ("lrs run: 0.001, 0.003, 0.01, 0.03, 0.1 (Bonferroni: threshold ALPHA / 5, the committed grid's count (5 "
+            "lrs) or the lrs run where more ran)") in text
     assert ("sign test, bf16-lr0.1 worse than fp32-lr0.1: 7 seeds one way, 0 the other of 8, p = 0.00781 "
             "(threshold 0.01) -> holds") in text
     assert ("sign test, bf16-safemax-lr0.1 worse than fp32-lr0.1: 0 seeds one way, 0 the other of 8, p = 1 "
@@ -1137,10 +1211,12 @@ def test_rule_1p_text_bonferroni_and_the_same_curve(tmp_path):
     assert "lr 0.1: fp32 median final val 2.900, ran away 0/8 finished, bf16 median final val 4.000, ran away 7/8" \
         in text
     assert "same curve" not in text
-    # two lrs: 6 of 8 (p = 1/64) passes ALPHA / 2
-    two = {name: runs for name, runs in lr_study({("bf16", TOP): arm(6, AWAY)}).items()
-           if sweep.split_lr(name)[1] in (1e-3, TOP)}
-    assert lr_judge(tmp_path / "two", "1p", two) == "reproduced"
+    # two lrs of the grid rerun: 6 of 8 (p = 1/64) fails ALPHA / 5, the committed grid's count (the old rule
+    # divided by the two lrs run and passed it); 8 of 8 (p = 1/256) passes
+    two = lambda k: {name: runs for name, runs in lr_study({("bf16", TOP): arm(k, AWAY)}).items()
+                     if sweep.split_lr(name)[1] in (1e-3, TOP)}
+    assert lr_judge(tmp_path / "two", "1p", two(6)) == "not reproduced"
+    assert lr_judge(tmp_path / "two8", "1p", two(8)) == "reproduced"
     row = lr_rows(tmp_path / "same", lr_study({("bf16", TOP): arm(0, OK)}))["1p"]
     assert row[1] == "not reproduced"
     assert "not reproduced at this scale: bf16 and fp32 state give the same curve" in row[2]
@@ -1243,7 +1319,7 @@ def test_rule_2p_judges_the_trigger_against_a_coarse_log_by_its_value(tmp_path):
                 kept.append({**r, "max_logit": [[1.0, 2.0], [top, 3.0]]})
                 top = 0.0
         path.write_text("".join(json.dumps(r) + "\n" for r in kept))
-    row = {r[0]: r for r in report.lr_verdicts(report.load_runs(str(tmp_path)))}["2p"]
+    row = {r[0]: r for r in verdicts.lr_verdicts(loading.load_runs(str(tmp_path)))}["2p"]
     assert row[1] == "reproduced", row[2]
     assert "seed1 7, seed2 7" in row[2]   # the trigger at 12, the runaway first shown at 19
 
@@ -1345,40 +1421,40 @@ def test_rule_2p_reports_the_late_switchs_cost_against_the_trigger_step(tmp_path
 
 
 def test_paired_t_slope_and_power_by_hand():
-    mean, lo, hi, p = report.paired_t([1.0, 2.0, 3.0, 4.0])   # t = 2.5 / (1.291 / 2) = 3.873, df 3
+    mean, lo, hi, p = stats.paired_t([1.0, 2.0, 3.0, 4.0])   # t = 2.5 / (1.291 / 2) = 3.873, df 3
     assert p == pytest.approx(0.0305, abs=2e-4) and lo > 0
-    assert report.paired_t([0.1, -0.1, 0.1, -0.1])[3] == pytest.approx(1.0)
-    slope, lo, hi, r = report.slope_interval([1, 2, 3, 4, 5], [2.0, 4.1, 5.9, 8.2, 9.8])
+    assert stats.paired_t([0.1, -0.1, 0.1, -0.1])[3] == pytest.approx(1.0)
+    slope, lo, hi, r = stats.slope_interval([1, 2, 3, 4, 5], [2.0, 4.1, 5.9, 8.2, 9.8])
     assert slope == pytest.approx(1.97) and r == pytest.approx(0.9988, abs=1e-4) and lo < 1.97 < hi
-    assert math.isnan(report.slope_interval([1, 1, 1], [1.0, 2.0, 3.0])[0])
+    assert math.isnan(stats.slope_interval([1, 1, 1], [1.0, 2.0, 3.0])[0])
     # power of two one-sided tests: sd 0.03 at n 16 (se 0.0075, t 1.753): 2 Phi(4 - 1.753) - 1 = 0.975
-    assert report.equivalence_power(0.03, 16) == pytest.approx(0.9754, abs=1e-3)
-    assert report.equivalence_power(0.09, 8) == 0.0 and report.seeds_for_power(0.03) == 10
+    assert stats.equivalence_power(0.03, 16) == pytest.approx(0.9754, abs=1e-3)
+    assert stats.equivalence_power(0.09, 8) == 0.0 and stats.seeds_for_power(0.03) == 10
     rng = random.Random(1)   # the approximation against simulation at sd 0.06, n 24
-    sims = [report.equivalence([rng.gauss(0, 0.06) for _ in range(24)])[0] == "within" for _ in range(2000)]
-    assert abs(sum(sims) / len(sims) - report.equivalence_power(0.06, 24)) < 0.05
+    sims = [stats.equivalence([rng.gauss(0, 0.06) for _ in range(24)])[0] == "within" for _ in range(2000)]
+    assert abs(sum(sims) / len(sims) - stats.equivalence_power(0.06, 24)) < 0.05
 
 
 def test_student_t_quantiles_and_the_equivalence_test():
     for df, q95, q975 in [(1, 6.3138, 12.7062), (7, 1.8946, 2.3646), (15, 1.7531, 2.1314), (60, 1.6706, 2.0003)]:
-        assert report.t_quantile(0.95, df) == pytest.approx(q95, abs=1e-4)
-        assert report.t_quantile(0.975, df) == pytest.approx(q975, abs=1e-4)
-    mean, lo, hi = report.mean_interval([1.0, 2.0, 3.0, 4.0], 0.95)   # sd 1.291, t(0.975, 3) 3.1824
+        assert stats.t_quantile(0.95, df) == pytest.approx(q95, abs=1e-4)
+        assert stats.t_quantile(0.975, df) == pytest.approx(q975, abs=1e-4)
+    mean, lo, hi = stats.mean_interval([1.0, 2.0, 3.0, 4.0], 0.95)   # sd 1.291, t(0.975, 3) 3.1824
     assert (mean, lo, hi) == pytest.approx((2.5, 2.5 - 3.1824 * 1.291 / 2, 2.5 + 3.1824 * 1.291 / 2), abs=1e-3)
-    assert report.equivalence([0.0]) [0] == "inconclusive"        # one seed: no interval
+    assert stats.equivalence([0.0]) [0] == "inconclusive"        # one seed: no interval
     # both one-sided tests, each on its side of the margin: wholly past it above or below is "beyond", an
     # interval straddling -0.03 or +0.03 "inconclusive" (a test dropped on either side reads these otherwise)
     spread = (-0.005, 0.005, -0.003, 0.003)
     for side in (1, -1):
-        assert report.equivalence([side * 0.1 + d for d in spread])[0] == "beyond"
-        assert report.equivalence([side * 0.03 + 2 * d for d in spread])[0] == "inconclusive"
-        assert report.equivalence([side * 0.02 + d for d in spread])[0] == "within"
+        assert stats.equivalence([side * 0.1 + d for d in spread])[0] == "beyond"
+        assert stats.equivalence([side * 0.03 + 2 * d for d in spread])[0] == "inconclusive"
+        assert stats.equivalence([side * 0.02 + d for d in spread])[0] == "within"
     rng = random.Random(0)
     # A/A sets (a true gap of 0) at a paired spread of this lab's order (the guard's gaps: sd 0.02 to 0.09):
     # never "beyond"; sets shifted 0.1 past 0: "beyond" nearly always; the 90% interval covers the true mean
     # about 90% of the time
-    aa = [report.equivalence([rng.gauss(0, 0.047) for _ in range(16)]) for _ in range(1000)]
-    shifted = [report.equivalence([rng.gauss(0.1, 0.047) for _ in range(16)])[0] for _ in range(300)]
+    aa = [stats.equivalence([rng.gauss(0, 0.047) for _ in range(16)]) for _ in range(1000)]
+    shifted = [stats.equivalence([rng.gauss(0.1, 0.047) for _ in range(16)])[0] for _ in range(300)]
     assert sum(v == "beyond" for v, *_ in aa) == 0 and shifted.count("beyond") > 0.95 * len(shifted)
     assert 0.86 < sum(lo < 0 < hi for _, _, lo, hi in aa) / len(aa) < 0.94
 
@@ -1423,9 +1499,9 @@ def test_rule_7p_judges_1p_on_the_seeds_bf16_and_fp32_ran(tmp_path):
     text = table["7p"][2]
     assert "part 1p on llama: holds" in text and "unfinished or missing" not in text
     assert "sign test, llama-bf16-lr0.1 worse than llama-fp32-lr0.1: 7 seeds one way, 0 the other of 8" in text
-    summary = report.summary({}, [], write_arms(tmp_path / "b", lr_study(more, prefix="llama-")),
-                             [row for row in table.values()])
-    seven = next(row for row in summary if row[0] == "7p")
+    opening = summary.summary({}, [], write_arms(tmp_path / "b", lr_study(more, prefix="llama-")),
+                              [row for row in table.values()])
+    seven = next(row for row in opening if row[0] == "7p")
     assert "of 8 seeds" in seven[3] and "of 16" not in seven[3] and "8-16 seeds x 5 lrs (16 for some arms at lr 0.1)" in seven[2]
 
 
@@ -1464,12 +1540,12 @@ def test_lr_sensitivity_by_hand(tmp_path):
                                    "bf16-lr0.001": [{"val": 3.5}, {"val": 3.0}, {"val": 2.8}],
                                    "bf16-lr0.1": [{**COLLAPSE, "val": 12.0}, {**RUNAWAY, "val": 9.0, "init": 8.0},
                                                   UNFINISHED]})
-    out = report.lr_sensitivity(groups)
+    out = lr_rules.lr_sensitivity(groups)
     assert list(out) == ["fp32", "bf16"]
     assert out["fp32"][0] == pytest.approx([0.5, 0.6, 0.7]) and out["fp32"][1] is None
     assert out["bf16"][0] == pytest.approx([3.75, 2.5]) and out["bf16"][1] == 0.1   # ran away in 2 of 3 seeds
-    assert report.lr_sensitivity(groups, "llama-") == {}
-    text = report.build({}, "r", markdown=False, study=("s", groups))
+    assert lr_rules.lr_sensitivity(groups, "llama-") == {}
+    text = text_report({}, "r", study=("s", groups))
     assert re.search(r"^fp32 +0\.600 \[0\.500, 0\.700\] +3 +none in the grid$", text, re.M), text
     assert re.search(r"^bf16 +3\.125 \[2\.500, 3\.750\] +2 +0\.1$", text, re.M)
 
@@ -1486,9 +1562,16 @@ def plots_or_a_clear_skip(plot, groups, folder, monkeypatch, capsys):
 
 def test_lr_study_figures_or_a_clear_skip(tmp_path, monkeypatch, capsys):
     groups = write_arms(tmp_path, {**lr_study(), **lr_study(prefix="llama-")})
-    saved = plots_or_a_clear_skip(report.plot_lr_study, groups, str(tmp_path / "p"), monkeypatch, capsys)
+    saved = plots_or_a_clear_skip(figures.plot_lr_study, groups, str(tmp_path / "p"), monkeypatch, capsys)
     assert saved == [str(tmp_path / "p" / "lr-gpt2.png"), str(tmp_path / "p" / "lr-llama.png")]
     assert all(os.path.getsize(p) > 1000 for p in saved)
+
+
+def read_report(md):
+    """A report's Markdown files: RESULTS.md's text, and {claim: (its record, its runs)} from claims/ beside it."""
+    records = md.parent / "claims"
+    return md.read_text(), {n: ((records / str(n) / "README.md").read_text(), (records / str(n) / "runs.md").read_text())
+                            for n in sweep.CLAIMS}
 
 
 def test_markdown_with_the_lr_study(tmp_path):
@@ -1500,37 +1583,46 @@ def test_markdown_with_the_lr_study(tmp_path):
     md, plots = tmp_path / "RESULTS.md", tmp_path / "plots"
     assert report.main([str(tmp_path / "runs"), "--lr-study", str(tmp_path / "study"), "--markdown", str(md),
                         "--plots", str(plots)]) == 0
-    text = md.read_text()
-    assert (f"Written by `python -m lab.report {tmp_path / 'runs'} --lr-study {tmp_path / 'study'} --markdown {md} "
-            f"--plots {plots}`") in text
-    section = text.split(f"## Learning-rate study ({tmp_path / 'study'}): claims 1, 2 and 7 as a proxy at CPU "
-                         "scale\n\n")[1]
-    assert section.startswith(report.PROXY + " Scale: preset lab; models gpt2 (4 layers of width 128, 4 heads, "
+    text, claims = read_report(md)
+    command = text.split("```bash\n")[1].split("\n```")[0].replace(" \\\n    ", " ")
+    assert command == (f"python -m lab.report {tmp_path / 'runs'} --lr-study {tmp_path / 'study'} --markdown {md} "
+                       f"--plots {plots}")
+    index = (tmp_path / "claims" / "README.md").read_text()
+    section = index.split(f"## The learning-rate study ({tmp_path / 'study'}): claims 1, 2 and 7 as a proxy at CPU "
+                          "scale\n\n")[1]
+    assert section.startswith(lr_rules.PROXY + " Scale: preset lab; models gpt2 (4 layers of width 128, 4 heads, "
                               "240 runs); ")
     assert ("20 steps per run" in section and "learning rates 0.001, 0.003, 0.01, 0.03, 0.1 (each run's lr and "
             "min_lr); 8 seeds (seed1 to seed8), 240 runs; data pycode in byte tokens, content_sha256 " + H1 +
             ", 900 train and 100 val tokens") in section
-    for rule in ("1p", "2p"):
-        assert f"| {rule} | REPRODUCED |" in section and f"- **{rule}: REPRODUCED** (claim " in text
+    assert "The learning-rate study's rules: a run ran away if it collapsed" in index
+    for rule, n in (("1p", 1), ("2p", 2)):
+        record, runs = claims[n]
         assert re.search(rf"^\| {rule} \| REPRODUCED \| gpt2 4x128, 20 steps, 8 seeds x 5 lrs \| ", opening(text), re.M)
-    assert "| 7p | NOT RUN |" in section and "- **7p" not in text and "| 7p | NOT RUN | - | - | no runs of " in text
-    assert "- **1p: REPRODUCED** (claim 1 as a proxy: " in text and "bf16-lr0.1 worse than fp32-lr0.1: 7 seeds" in text
-    assert "at lr 0.001: fp32 and bf16 healthy in every seed" in text.split("## Claims")[0]   # at a glance
-    assert "### gpt2: LR sensitivity, and where each arm starts to run away" in section
-    assert "| bf16 | 0.220 [0.000, 0.220] | 8 | 0.1 |" in section   # (2.9 * 4 + 4.0) / 5 - 2.9 = 0.22
-    assert "| fp32 | 0.000 [0.000, 0.000] | 8 | none in the grid |" in section
-    assert "| bf16 | 2.900 (0/8) | 2.900 (0/8) | 2.900 (0/8) | 2.900 (0/8) | 4.000 (7/8) |" in section
-    assert "| bf16-guard | 0.1 | seed1 | completed | 10.0000 | 2.9000 | 10 | no | 5 | - | - |" in section
-    assert "| bf16 | 0.1 | seed1 | completed | 10.0000 | 4.0000 | 2000 | yes | - | 10 | 10 |" in section
-    assert "### Commands of the learning-rate study\n\n```bash\npython train.py --seed 1 --out-dir " in section
-    assert "1p. claim 1 as a proxy: at some lr of the grid" in text.split("## Scale")[0]   # with the other rules
-    assert "llama" not in section.split("###")[1]
+        assert f"| {rule} | REPRODUCED | gpt2 4x128, 20 steps, 8 seeds x 5 lrs |" in record
+        assert f"## Rule {rule}: claim {n} as a proxy: " in record and "**REPRODUCED**, by these tests" in record
+        assert f"\n\nThe rule: {verdicts.LR_RULES[n - 1][1]}.\n\n" in record
+        assert "## The learning-rate study, gpt2: LR sensitivity, and where each arm starts to run away" in record
+        assert "| bf16 | 0.220 [0.000, 0.220] | 8 | 0.1 |" in record   # (2.9 * 4 + 4.0) / 5 - 2.9 = 0.22
+        assert "| fp32 | 0.000 [0.000, 0.000] | 8 | none in the grid |" in record
+        assert "| bf16 | 2.900 (0/8) | 2.900 (0/8) | 2.900 (0/8) | 2.900 (0/8) | 4.000 (7/8) |" in record
+        assert "## Runs of the learning-rate study" in runs and "## Commands\n\n```bash\npython train.py --seed 1 " in runs
+        assert "| bf16 | 0.1 | seed1 | completed | 10.0000 | 4.0000 | 2000 | yes | - | 10 | 10 |" in runs
+        assert "llama" not in record + runs
+    assert "- sign test, bf16-lr0.1 worse than fp32-lr0.1: 7 seeds" in claims[1][0]
+    assert "- at lr 0.001: fp32 and bf16 healthy in every seed" in claims[2][0]
+    assert "| bf16-guard | 0.1 | seed1 | completed | 10.0000 | 2.9000 | 10 | no | 5 | - | - |" in claims[2][1]
+    assert "bf16-guard" not in claims[1][1]   # claim 1's runs are 1p's arms
+    assert "| 7p | NOT RUN | - | - | no runs of " in text and "| 7p | NOT RUN | - | - | no runs of " in claims[7][0]
+    assert "## Runs of the learning-rate study" not in claims[7][1]
     if importlib.util.find_spec("matplotlib"):
-        assert "![lr-gpt2](plots/lr-gpt2.png)" in section and (plots / "lr-gpt2.png").exists()
+        assert "![lr-gpt2](../../plots/lr-gpt2.png)" in claims[2][0] and (plots / "lr-gpt2.png").exists()
         assert not (plots / "lr-llama.png").exists()
     # without the study: no section, and the command as before (--force: it judges the study's rules no more)
     assert report.main([str(tmp_path / "runs"), "--markdown", str(md), "--plots", str(plots), "--force"]) == 0
-    assert "Learning-rate study" not in md.read_text() and "--lr-study" not in md.read_text()
+    text, claims = read_report(md)
+    assert "--lr-study" not in text and "## The learning-rate study" not in (tmp_path / "claims" / "README.md").read_text()
+    assert "## Runs of the learning-rate study" not in claims[1][1] + claims[2][1]
 
 
 # --------------------------------------------------------------------------------------------------
@@ -1545,7 +1637,7 @@ def refusal(root, arms):
     """The line verdicts refuses the runs with, or None if it judges them (then rule 2v must pass)."""
     groups = write_arms(root, arms)
     try:
-        verdict = {row[0]: row[1] for row in report.verdicts(groups)}["2v"]
+        verdict = {row[0]: row[1] for row in verdicts.verdicts(groups)}["2v"]
     except SystemExit as e:
         return str(e)
     assert verdict == "reproduced"
@@ -1611,20 +1703,20 @@ def test_the_flags_a_rules_arms_may_differ_in():
     import run
     # a resume may change these (run.py's list); max_steps, though, the arms must share
     # data_dir too: where a run recorded its data's content hash, the hash decides; else only the folder tells
-    assert report.RUN_SPECIFIC == (run.RESUMABLE_CHANGES - {"max_steps", "data_dir"}) | {"seed"}
+    assert loading.RUN_SPECIFIC == (run.RESUMABLE_CHANGES - {"max_steps", "data_dir"}) | {"seed"}
     flags = set(run.build_parser().flag_defaults)   # train.py's flags as config.json names them
-    assert all(report.OWN_FLAGS[name] <= flags for name in report.OWN_FLAGS)
-    assert report.OWN_FLAGS["fp32-guard"] == {"accum", "guard"}
-    assert report.OWN_FLAGS["lr-guard-clip"] == {"accum", "lr", "min_lr", "warmup_steps", "schedule", "guard",
+    assert all(loading.OWN_FLAGS[name] <= flags for name in loading.OWN_FLAGS)
+    assert loading.OWN_FLAGS["fp32-guard"] == {"accum", "guard"}
+    assert loading.OWN_FLAGS["lr-guard-clip"] == {"accum", "lr", "min_lr", "warmup_steps", "schedule", "guard",
                                                  "guard_action"}
-    assert set(report.OWN_FLAGS) >= {n for s in sweep.SOURCES for n in sweep.experiments([5, 6], source=s)}
+    assert set(loading.OWN_FLAGS) >= {n for s in sweep.SOURCES for n in sweep.experiments([5, 6], source=s)}
 
 
 @pytest.mark.parametrize("root", ["lab", "lr"])
 def test_the_committed_runs_are_judged_not_refused(root):
     # every committed run records the one dataset it trained on (the same bytes on every machine)
-    groups = report.load_runs(os.path.join(ROOT, "lab", "results", root))
-    rows = report.verdicts(groups) if root == "lab" else report.lr_verdicts(groups)
+    groups = loading.load_runs(os.path.join(ROOT, "lab", "results", root))
+    rows = verdicts.verdicts(groups) if root == "lab" else verdicts.lr_verdicts(groups)
     assert [r[0] for r in rows if r[1] != "not run"] == (["3", "3+", "4", "5 (assay)", "6 (assay)"] if root == "lab" else
                                                          ["1p", "2p", "7p"]), "judged, not refused"
     datasets = {json.dumps(r.config["data"], sort_keys=True) for rs in groups.values() for r in rs}
@@ -1637,13 +1729,13 @@ def test_the_committed_runs_are_judged_not_refused(root):
 def test_survival_kaplan_meier(tmp_path):
     runs = write_arms(tmp_path, {"bf16": [{"collapse": 10}, {"collapse": 20, "steps": 40}, {"steps": 31},
                                           {"steps": 31}]})["bf16"]
-    assert report.survival(runs) == [(0, 1.0), (10, 0.75), (20, 0.5)]
-    assert report.survival(runs[2:]) == [(0, 1.0)]
+    assert figures.survival(runs) == [(0, 1.0), (10, 0.75), (20, 0.5)]
+    assert figures.survival(runs[2:]) == [(0, 1.0)]
 
 
 def test_survival_counts_a_run_censored_at_a_collapse_step_at_risk(tmp_path):
     runs = write_arms(tmp_path, {"bf16": [{"collapse": 10}, {"steps": 11}]})["bf16"]   # censored at step 10
-    assert report.survival(runs) == [(0, 1.0), (10, 0.5)]
+    assert figures.survival(runs) == [(0, 1.0), (10, 0.5)]
 
 
 def test_dose_table_counts_finished_runs(tmp_path):
@@ -1653,7 +1745,7 @@ def test_dose_table_counts_finished_runs(tmp_path):
                                    inject("mlp-out", 3.0, fix=True): [OK, OK],
                                    inject("delta", 30.0, 0.5): [{"logit": 0.99 * R}],
                                    sweep.NO_ERROR: [OK, OK, OK, OK, UNFINISHED]})
-    table = {(site, label): cells for site, label, *cells in report.dose_table(groups)}
+    table = {(site, label): cells for site, label, *cells in tables.dose_table(groups)}
     assert set(table) == {("mlp-out", "coherence 1"), ("mlp-out", "coherence 1 + QK-only fix"),
                           ("delta", "coherence 0.5")}, "only what ran"
     assert sweep.DOSES == (0.3, 1.0, 3.0, 10.0, 30.0)   # the columns below
@@ -1664,41 +1756,54 @@ def test_dose_table_counts_finished_runs(tmp_path):
 
 def test_build_text_has_every_rule_and_the_dose_table(tmp_path):
     groups = write_arms(tmp_path, {**RULE1, inject("delta", 3.0): [RUNAWAY]})
-    text = report.build(groups, str(tmp_path), markdown=False)
-    for rule, words, _, _ in report.RULES:
+    text = text_report(groups, str(tmp_path))
+    for rule, words, _, _ in verdicts.RULES:
         assert re.search(rf"^{re.escape(rule)} +(REPRODUCED|NOT REPRODUCED|INCONCLUSIVE|NOT RUN) ", text, re.M), rule
         assert f"{rule}. {words}." in text
     assert re.search(r"^1 +REPRODUCED ", text, re.M) and re.search(r"^2 +NOT RUN ", text, re.M)
     assert "== Dose-response (claims 3 and 4)" in text and "dose 0.3  dose 1  dose 3  dose 10  dose 30" in text
     assert "== bf16 ==" in text and "bf16: 6/8 collapsed (median step 10)" in text
-    assert "Dose-response" not in report.build(write_arms(tmp_path / "b", RULE1), "b", markdown=False)
+    assert "Dose-response" not in text_report(write_arms(tmp_path / "b", RULE1), "b")
 
 
 def test_markdown_has_tables_hardware_and_commands(tmp_path):
     write_arms(tmp_path / "runs", {**RULE1, inject("mlp-out", 30.0): [RUNAWAY, OK]})
     md = tmp_path / "RESULTS.md"
     assert report.main([str(tmp_path / "runs"), "--markdown", str(md), "--plots", str(tmp_path / "plots")]) == 0
-    text = md.read_text()
+    text, claims = read_report(md)
+    index = (tmp_path / "claims" / "README.md").read_text()
     assert "| claim | verdict |" in text and "| 1 | REPRODUCED |" in text and "| 2 | NOT RUN |" in text
-    assert "| mlp-out | coherence 1 | - | - | - | - | 1/2 |" in text
-    assert "### bf16-safemax" in text and "| seed2 | collapsed | 10 |" in text
-    assert "machine NVIDIA H200 (torch 2.11.0+cu130, triton ?)" in text and "8 seeds (seed1 to seed8)" in text
-    assert "Not run (cut from the sweep" in text and "bf16-guard" in text.split("Not run (cut")[1].split("\n")[0]
-    assert "## Commands\n\n```bash\npython train.py --seed 1 --out-dir " in text
-    assert (f"Written by `python -m lab.report {tmp_path / 'runs'} --markdown {md} --plots {tmp_path / 'plots'}`"
-            in text)   # what was typed
-    assert f"python train.py --seed 2 --out-dir {tmp_path / 'runs' / 'bf16' / 'seed2'}" in text
-    if importlib.util.find_spec("matplotlib"):  # the plots, linked relative to the Markdown file
-        assert "![claim1](plots/claim1.png)" in text and (tmp_path / "plots" / "claim1.png").exists()
-        # without --plots they go into plots/ beside the Markdown file (its folder made if need be)
+    assert "| [1](1/README.md) | bf16 softmax state collapses" in index and "| 1: REPRODUCED |" in index
+    assert "| mlp-out | coherence 1 | - | - | - | - | 1/2 |" in claims[3][0] + claims[4][0]
+    record, runs = claims[1]
+    assert "### bf16-safemax" in runs and "| seed2 | collapsed | 10 |" in runs
+    assert "| bf16 | 10 / 8.000, collapsed at 10 | " in record   # the seed table: max logit / final val
+    assert "machine NVIDIA H200 (torch 2.11.0+cu130, triton ?)" in index and "8 seeds (seed1 to seed8)" in index
+    assert "Not run (cut from the sweep" in index and "bf16-guard" in index.split("Not run (cut")[1].split("\n")[0]
+    assert "## Commands\n\n```bash\npython train.py --seed 1 --out-dir " in runs
+    command = text.split("```bash\n")[1].split("\n```")[0].replace(" \\\n    ", " ")
+    assert command == f"python -m lab.report {tmp_path / 'runs'} --markdown {md} --plots {tmp_path / 'plots'}"
+    assert f"python train.py --seed 2 --out-dir {tmp_path / 'runs' / 'bf16' / 'seed2'}" in runs
+    assert "python train.py" not in text + record and "| seed2 | collapsed" not in text + record
+    assert ("No run of it was made by lab.sweep (the commands of its 24 runs: [runs.md](runs.md)); the sweep's own\n"
+            "command for the claim") in record
+    if importlib.util.find_spec("matplotlib"):  # the plots, linked relative to each record
+        assert "![claim1](../../plots/claim1.png)" in record and (tmp_path / "plots" / "claim1.png").exists()
+        # without --plots they go into plots/ beside the Markdown file (its folder made if need be), the records
+        # into claims/ beside it, or --records
         assert report.main([str(tmp_path / "runs"), "--markdown", str(tmp_path / "out" / "R.md")]) == 0
-        assert "![claim1](plots/claim1.png)" in (tmp_path / "out" / "R.md").read_text()
+        assert "![claim1](../../plots/claim1.png)" in (tmp_path / "out" / "claims" / "1" / "README.md").read_text()
         assert (tmp_path / "out" / "plots" / "claim1.png").exists()
+        assert report.main([str(tmp_path / "runs"), "--markdown", str(tmp_path / "out" / "R.md"), "--records",
+                            str(tmp_path / "out" / "lab" / "claims")]) == 0
+        record = (tmp_path / "out" / "lab" / "claims" / "1" / "README.md").read_text()
+        assert "![claim1](../../../plots/claim1.png)" in record and "[RESULTS.md](../../../R.md)" in record
+        assert "[claim 1](lab/claims/1/README.md)" in (tmp_path / "out" / "R.md").read_text()
 
 
 def test_plots_or_a_clear_skip(tmp_path, monkeypatch, capsys):
     groups = write_arms(tmp_path, {**RULE1, "bf16-guard": [TRIG], inject("delta", 3.0): [RUNAWAY, OK]})
-    saved = plots_or_a_clear_skip(report.plot_claims, groups, str(tmp_path / "p"), monkeypatch, capsys)
+    saved = plots_or_a_clear_skip(figures.plot_claims, groups, str(tmp_path / "p"), monkeypatch, capsys)
     # the judged rules' plots (claim 2 has no reference arm: not drawn), dose-response curves
     assert saved == [str(tmp_path / "p" / name) for name in ("claim1.png", "dose_response.png")]
     assert all(os.path.getsize(p) > 1000 for p in saved)
@@ -1735,24 +1840,24 @@ def test_a_few_runs_figure_says_what_drives_them(tmp_path):
     # the demo's figure: legends say guard off / on and from which step its action acts, the title the learning
     # rate and whether a run ran away, and it promises only the marks it draws
     demo = {"preset": "demo", "accum": "bf16", "lr": 0.03}
-    off = report.Run(write_run(tmp_path, "off", 1, logit=2 * R, args={**demo, "guard": "off"}))
-    on = report.Run(write_run(tmp_path, "on", 1, trigger=5, args={**demo, "guard": "on", "guard_action": "qknorm"}))
-    assert [report.describe(off), report.describe(on)] == ["guard off", "guard on (QK-norm from step 6)"]
-    assert report.runs_title([off, on]) == ("a max-logit runaway at lr 0.03 (demo preset, bf16 state); dotted line: "
+    off = loading.Run(write_run(tmp_path, "off", 1, logit=2 * R, args={**demo, "guard": "off"}))
+    on = loading.Run(write_run(tmp_path, "on", 1, trigger=5, args={**demo, "guard": "on", "guard_action": "qknorm"}))
+    assert [figures.describe(off), figures.describe(on)] == ["guard off", "guard on (QK-norm from step 6)"]
+    assert figures.runs_title([off, on]) == ("a max-logit runaway at lr 0.03 (demo preset, bf16 state); dotted line: "
                                             "the guard's trigger")
-    fell = report.Run(write_run(tmp_path, "fell", 1, collapse=10, args={**demo, "lr": 0.003, "guard": "off"}))
-    assert report.runs_title([fell]) == ("a max-logit runaway at lr 0.003 (demo preset, bf16 state); x: a collapse")
-    calm = report.Run(write_run(tmp_path, "calm", 1, args={**demo, "guard": "off"}))
-    assert report.runs_title([calm]) == "training at lr 0.03 (demo preset, bf16 state)"
-    other = report.Run(write_run(tmp_path, "other", 1, trigger=5, args={"lr": 0.03, "guard": "on"}))   # no preset
-    assert report.runs_title([other]) == "training at lr 0.03; dotted line: the guard's trigger"
+    fell = loading.Run(write_run(tmp_path, "fell", 1, collapse=10, args={**demo, "lr": 0.003, "guard": "off"}))
+    assert figures.runs_title([fell]) == ("a max-logit runaway at lr 0.003 (demo preset, bf16 state); x: a collapse")
+    calm = loading.Run(write_run(tmp_path, "calm", 1, args={**demo, "guard": "off"}))
+    assert figures.runs_title([calm]) == "training at lr 0.03 (demo preset, bf16 state)"
+    other = loading.Run(write_run(tmp_path, "other", 1, trigger=5, args={"lr": 0.03, "guard": "on"}))   # no preset
+    assert figures.runs_title([other]) == "training at lr 0.03; dotted line: the guard's trigger"
 
 
 def test_report_survives_nothing(tmp_path, capsys):
     assert report.main([str(tmp_path)]) == 0                           # an empty folder
     out = capsys.readouterr().out
     # every rule not run, in the opening table and in the claims' table
-    assert f"no runs under {tmp_path}" in out and out.count("NOT RUN") == 2 * len(report.RULES) == 22
+    assert f"no runs under {tmp_path}" in out and out.count("NOT RUN") == 2 * len(verdicts.RULES) == 22
     os.makedirs(tmp_path / "bf16" / "seed1")                           # a folder without any file
     assert report.main([str(tmp_path), "--plots", str(tmp_path)]) == 0
     out = capsys.readouterr().out
@@ -1802,16 +1907,16 @@ def test_an_unreadable_run_is_named_and_counted_against_its_claim(tmp_path, caps
     root = tmp_path / "runs"
     write_arms(root, {**RULE1, "bf16": arm(5, COLLAPSE)})   # 5 of 8: p = 1/32, at the margin
     bad = spoil(root / "bf16" / "seed1", how)
-    groups = report.load_runs(str(root))
+    groups = loading.load_runs(str(root))
     warning = capsys.readouterr().err.splitlines()
     assert len(warning) == 1 and warning[0].startswith(f"warning: {bad}: ") and "unreadable" in warning[0]
     run = groups["bf16"][0]
     assert run.status == "unreadable" and not run.finished and run.seed == "seed1"
-    assert report.verdicts(groups)[0][:2] == ["1", "not reproduced"]   # seed 1 counted against: 4 of 8
+    assert verdicts.verdicts(groups)[0][:2] == ["1", "not reproduced"]   # seed 1 counted against: 4 of 8
     out = report_cmd(root, "--markdown", tmp_path / "R.md")
     assert out.returncode == 0 and "Traceback" not in out.stderr, out.stderr
     assert [line for line in out.stderr.splitlines() if line.startswith("warning")] == warning
-    assert "| seed1 | unreadable |" in (tmp_path / "R.md").read_text()
+    assert "| seed1 | unreadable |" in (tmp_path / "claims" / "1" / "runs.md").read_text()
     if how != "config not JSON":   # sweep.py reads the log, not the config
         state = sweep.run_state(str(bad.parent))
         assert state.startswith(f"unreadable log {bad}: ")
@@ -1959,7 +2064,7 @@ def test_sweep_runs_every_arm_the_rules_read():
     and 4 are the dose grid at both sites."""
     for source in sweep.SOURCES:
         ran = {name: ["a run"] for name in {**sweep.probe_arms(source), **sweep.action_arms(source)}}
-        for label, claim, arms, _ in report.expanded_rules(ran):
+        for label, claim, arms, _ in verdicts.expanded_rules(ran):
             launched = sweep.experiments([int(claim[0])], source=source)
             arms = arms({name: ["a run"] for name in launched}) if callable(arms) else arms
             assert set(arms) <= set(launched), (label, source)
@@ -1978,12 +2083,12 @@ def test_sweep_runs_every_arm_the_rules_read():
 def test_sweep_launches_every_arm_the_lr_rules_read():
     """The lr study's arms are claims 1, 2 and 7's (sweep.LR_STUDY_ARMS, on gpt2 and llama)."""
     launched = sweep.experiments([1, 2, 7])
-    for label, _, arms, _ in report.LR_RULES:
-        assert set(arms) <= set(launched) and label in report.LR_TITLES, label
-    assert {a for _, _, arms, _ in report.LR_RULES for a in arms} == {
-        prefix + a for prefix in report.ARCHS.values() for a in sweep.LR_STUDY_ARMS}
+    for label, _, arms, _ in verdicts.LR_RULES:
+        assert set(arms) <= set(launched) and label in verdicts.LR_TITLES, label
+    assert {a for _, _, arms, _ in verdicts.LR_RULES for a in arms} == {
+        prefix + a for prefix in lr_rules.ARCHS.values() for a in sweep.LR_STUDY_ARMS}
     pairs = (*sweep.AA_ARMS.values(), *sweep.TILE_ARMS.values())
-    assert set(report.LR_WORDS) == set(sweep.LR_STUDY_ARMS) | {a for pair in pairs for a in pair}
+    assert set(figures.LR_WORDS) == set(sweep.LR_STUDY_ARMS) | {a for pair in pairs for a in pair}
 
 
 def test_experiment_table_is_valid_train_flags():
@@ -2004,9 +2109,9 @@ def test_report_reads_gzipped_logs_as_results_keeps_them(tmp_path):
         with open(path / "log.jsonl", "rb") as f, gzip.open(path / "log.jsonl.gz", "wb") as g:
             shutil.copyfileobj(f, g)
         os.remove(path / "log.jsonl")
-    groups = report.load_runs(str(tmp_path / "runs"))
+    groups = loading.load_runs(str(tmp_path / "runs"))
     assert {r.status for rs in groups.values() for r in rs} == {"completed", "collapsed"}
-    assert judge(tmp_path / "again", "1", RULE1) == report.verdicts(groups)[0][1] == "reproduced"
+    assert judge(tmp_path / "again", "1", RULE1) == verdicts.verdicts(groups)[0][1] == "reproduced"
     assert sweep.run_state(str(tmp_path / "runs" / "bf16" / "seed1")) == "collapsed"
 
 
@@ -2067,7 +2172,7 @@ def test_sweep_and_report_end_to_end(tmp_path, data_dir):
         assert os.path.getsize(os.path.join(root, name, "seed1", "stdout.log")) > 0
     assert "nothing to run" in sweep_cmd(*cmd).stdout
 
-    groups = report.load_runs(root)                  # what train.py logged is what report.py reads
+    groups = loading.load_runs(root)                  # what train.py logged is what report.py reads
     for name in arms:
         run = groups[name][0]
         assert run.finished and not run.collapsed and run.steps == [0, 1, 2, 3] and run.final_val is not None
@@ -2090,7 +2195,7 @@ def test_lr_study_sweep_and_report_end_to_end(tmp_path, data_dir):
                     "--block-size", "32", "--batch-size", "2", "--attn-impl", "torch", "--device", "cpu",
                     "--eval-iters", "1", "--log-interval", "1", "--data-dir", data_dir, timeout=300)
     assert out.returncode == 0 and out.stdout.count("[end ") == 4 and "ERROR" not in out.stdout, out.stdout + out.stderr
-    groups = report.load_runs(study)
+    groups = loading.load_runs(study)
     assert sorted(groups) == ["bf16-lr0.001", "bf16-lr0.1", "fp32-lr0.001", "fp32-lr0.1"]
     for name, runs in groups.items():
         run = runs[0]
@@ -2100,12 +2205,14 @@ def test_lr_study_sweep_and_report_end_to_end(tmp_path, data_dir):
     assert rep.returncode == 0 and "Traceback" not in rep.stderr, rep.stderr
     assert f"== Learning-rate study ({study}): claims 1, 2 and 7 as a proxy at CPU scale ==" in rep.stdout
     assert re.search(r"^1p +NOT RUN +claim 1 as a proxy", rep.stdout, re.M)   # no bf16-safemax runs
-    text = (tmp_path / "R.md").read_text()
-    assert f"--lr-study {study} --markdown" in text and "learning rates 0.001, 0.1 (each run's lr and min_lr)" in text
-    assert re.search(r"^\| bf16 \| 0\.1 \| seed1 \| completed \| \d", text, re.M)
-    assert "| 2p | NOT RUN |" in text and "### gpt2: LR sensitivity" in text
+    text, claims = read_report(tmp_path / "R.md")
+    record, runs = claims[1]
+    assert f"--lr-study {study} --markdown" in text.replace(" \\\n    ", " ")
+    assert "learning rates 0.001, 0.1 (each run's lr and min_lr)" in (tmp_path / "claims" / "README.md").read_text()
+    assert re.search(r"^\| bf16 \| 0\.1 \| seed1 \| completed \| \d", runs, re.M)
+    assert "| 2p | NOT RUN |" in text and "## The learning-rate study, gpt2: LR sensitivity" in record
     if importlib.util.find_spec("matplotlib"):
-        assert (tmp_path / "plots" / "lr-gpt2.png").stat().st_size > 1000 and "![lr-gpt2](plots/lr-gpt2.png)" in text
+        assert (tmp_path / "plots" / "lr-gpt2.png").stat().st_size > 1000 and "![lr-gpt2](../../plots/lr-gpt2.png)" in record
 
 
 def test_every_arm_of_every_claim_runs_end_to_end_and_is_judged(tmp_path, data_dir):
@@ -2124,14 +2231,14 @@ def test_every_arm_of_every_claim_runs_end_to_end_and_is_judged(tmp_path, data_d
         out = root / name / "seed1"
         train.main(flags + tiny + ["--out-dir", str(out)])
         assert sweep.run_state(str(out)) == "completed", name
-    groups = report.load_runs(str(root))
+    groups = loading.load_runs(str(root))
     assert set(groups) == set(arms)
     triggered = {name for name, runs in groups.items() if runs[0].trigger is not None}
     assert "bf16-guard" in triggered and triggered <= {n for n in arms if "guard" in n}
-    rows = report.verdicts(groups)
+    rows = verdicts.verdicts(groups)
     per_source = lambda claim: [claim] + [f"{claim} ({s})" for s in ("assay", "lr")]
-    assert [row[0] for row in rows] == [label for rule in report.RULES for label in (
-        per_source(rule[0]) if rule[0] in report.SOURCE_RULES else [rule[0]])]
+    assert [row[0] for row in rows] == [label for rule in verdicts.RULES for label in (
+        per_source(rule[0]) if rule[0] in verdicts.SOURCE_RULES else [rule[0]])]
     assert all(verdict == "inconclusive" for _, verdict, _ in rows), rows     # one seed: judged, not decided
 
 
@@ -2159,10 +2266,10 @@ def test_fault_size_measures_the_bf16_states_error_and_report_prints_the_doses_i
     assert 1e-5 < error < 0.1 and 0 < fault["median"]["bias_ratio_median"] <= fault["median"]["error_ratio_max"]
     assert fault["command"][:3] == ["python", "-m", "lab.fault_size"]
     groups = write_arms(out.parent, {inject("mlp-out", 3.0): [RUNAWAY], **NOERR})
-    text = report.build(groups, str(out.parent), markdown=False)
+    text = text_report(groups, str(out.parent))
     assert f"dose 0.3 is {0.3 / error:.3g}x, dose 1 is {1 / error:.3g}x" in text and "initial models of 2 seeds" in text
     out.write_text("{not json")
-    broken = report.build(groups, str(out.parent), markdown=False)
+    broken = text_report(groups, str(out.parent))
     assert "The doses in units" in text and "The doses in units" not in broken
 
 
@@ -2179,7 +2286,7 @@ def test_pilot_rows_give_the_steps_a_horizon_is_chosen_from(tmp_path):
     # the max logit climbs 100 a step: past the guard's 200 first at step 3, at RUNAWAY_LOGIT (1000) at 10
     write_run(tmp_path, "assay", 101, steps=20, logit=lambda s: 100.0 * s)
     write_run(tmp_path, "fp32", 101, steps=20)
-    rows_ = {r[0]: r for r in report.pilot_rows(report.load_runs(str(tmp_path)))}
+    rows_ = {r[0]: r for r in tables.pilot_rows(loading.load_runs(str(tmp_path)))}
     assert rows_["assay"][4] == "3 / 10" and rows_["fp32"][4] == "- / -"
 
 
@@ -2190,43 +2297,104 @@ def test_every_claim_arm_has_a_legend_in_words():
     # a figure reads without the code: no arm's legend is its folder name, or ends in one ("probe-shrink")
     for claim, (_, arms) in sweep.CLAIMS.items():
         for name in arms:
-            words = report.arm_words(name)
+            words = figures.arm_words(name)
             assert words != name and not FOLDER_WORD.search(words), (claim, name, words)
     for source in sweep.SOURCES:
         for name in {**sweep.probe_arms(source), **sweep.action_arms(source)}:
-            words = report.arm_words(name)
+            words = figures.arm_words(name)
             assert words != name and not FOLDER_WORD.search(words), (source, name, words)
 
 
-def test_results_say_what_the_first_rules_said_of_claims_3_to_6(tmp_path):
-    write_arms(tmp_path / "runs", {"fp32": [OK]})
-    md = tmp_path / "R.md"
-    report.main([str(tmp_path / "runs"), "--markdown", str(md)])
-    text = md.read_text()
-    assert set(report.FIRST_VERDICTS) == set(report.RULE_CHANGES) == {"3", "4", "5", "6"}
-    assert "What the first rules said on the first, 300-step logs (commit 988d81c" in text
-    for claim in ("3", "4", "5", "6"):
-        assert f"{claim}: {report.FIRST_VERDICTS[claim]}" in text and f"{claim}: {report.RULE_CHANGES[claim]}" in text
-    assert "What the rules before (commit 8f7ffca) said on the logs they had: 2p: not reproduced" in text
-    assert all(f"{claim}: {why}" in text for claim, why in report.V3_CHANGES.items())
+def test_the_committed_rules_numbers_and_their_history():
+    # the rules' numbers, as committed (the records print them: the index's shared terms); how they came to be is
+    # prose in lab/MEASUREMENTS.md, no longer constants printed into the results
+    assert (thresholds.ALPHA, thresholds.LOSS_TOL, thresholds.FINAL_WINDOW, thresholds.RUNAWAY_LOGIT,
+            thresholds.SIGMA_RATIO, thresholds.LOGIT_RATIO, thresholds.LOGIT_GAP, thresholds.FIX_TOL) == \
+        (0.05, 0.03, 5, 1000.0, 2.0, 10.0, 2.0, 0.1)
+    assert thresholds.COMMITTED_LRS == sweep.LRS and all(set(d) <= set(sweep.DOSES)
+                                                         for d in thresholds.COMMITTED_DOSES.values())
+    with open(os.path.join(ROOT, "lab", "claims", "README.md")) as f:
+        index = f.read()
+    assert ("ALPHA=0.05, FINAL_WINDOW=5, LOSS_TOL=0.03, RUNAWAY_LOGIT=1000, SIGMA_RATIO=2, LOGIT_RATIO=10, LOGIT_GAP=2, "
+            "FIX_TOL=0.1 (lab/thresholds.py)") in index
+    assert "mlp-out 3 doses, grad-mlp 5 doses, grad-wv 5 doses, delta 5 doses, the learning-rate study 5 lrs" in index
+    with open(os.path.join(ROOT, "lab", "MEASUREMENTS.md")) as f:
+        history = f.read().split(f"## {docs.HISTORY}\n")[1].split("\n## ")[0]
+    for said in ("What the first rules said on the first, 300-step logs (commit 988d81c",
+                 "What the rules before (commit 8f7ffca) said on the logs they had: 2p: not reproduced",
+                 "What the rules before (commit b823d3f) said on the logs they had: 2p: inconclusive",
+                 "**2026-12-05 (issue 54): a partial rerun keeps the committed thresholds; arms not run make a rule"):
+        assert said in history, said
+    assert [line[2:].split(":")[0] for line in history.splitlines() if re.match(r"- \d", line)] == \
+        ["2p", "5", "6", "1p", "2p", "3+", "4", "3", "4", "5", "6", "3", "4", "5", "6"], "each change and verdict, by claim"
+    import lab.report as cli
+    with open(cli.__file__) as f:
+        assert not re.search(r"RULE_CHANGES|V\d_CHANGES|V\d_VERDICTS|FIRST_VERDICTS", f.read())
 
 
-def test_results_md_is_what_the_committed_logs_give(tmp_path, monkeypatch):
-    # RESULTS.md regenerates byte for byte from lab/results/ by the command on its own first lines
-    # (the plots are written too, into tmp_path; their PNG bytes depend on matplotlib's version)
-    pytest.importorskip("matplotlib")
-    monkeypatch.chdir(ROOT)
-    with open("RESULTS.md") as f:
+def regenerate(tmp_path, committed):
+    """Run the one command on RESULTS.md's first lines, in a copy of the repository's layout whose lab/results
+    is the committed one: {path from the root: bytes} of every file it wrote."""
+    block = committed.split("```bash\n", 1)[1].split("\n```", 1)[0]
+    argv = shlex.split(block.replace("\\\n", " "))
+    assert argv[:3] == ["python", "-m", "lab.report"], argv
+    os.makedirs(tmp_path / "lab")
+    os.symlink(os.path.join(ROOT, "lab", "results"), tmp_path / "lab" / "results")
+    cwd = os.getcwd()
+    os.chdir(tmp_path)
+    try:
+        assert report.main(argv[3:]) == 0
+    finally:
+        os.chdir(cwd)
+    return {os.path.relpath(os.path.join(d, f), tmp_path): open(os.path.join(d, f), "rb").read()
+            for d, _, files in os.walk(tmp_path) for f in files}
+
+
+def test_results_and_every_record_are_what_the_committed_logs_give(tmp_path):
+    # RESULTS.md, every claim's record and runs, the index and the figures regenerate byte for byte from
+    # lab/results/ by the one command on RESULTS.md's first lines; nothing else is in lab/claims/ (a figure's
+    # bytes depend on matplotlib's version: compared where the installed one drew the committed figure)
+    matplotlib = pytest.importorskip("matplotlib")
+    with open(os.path.join(ROOT, "RESULTS.md")) as f:
         committed = f.read()
-    command = re.search(r"Written by `python -m lab\.report ([^`]*)`", committed).group(1)
-    argv = shlex.split(command)
-    markdown, plots = argv[argv.index("--markdown") + 1], argv[argv.index("--plots") + 1]
-    argv[argv.index("--markdown") + 1] = str(tmp_path / markdown)
-    argv[argv.index("--plots") + 1] = str(tmp_path / plots)
-    report.main(argv)
-    again = (tmp_path / markdown).read_text().replace(f"--markdown {tmp_path / markdown} --plots {tmp_path / plots}",
-                                                      f"--markdown {markdown} --plots {plots}")
-    assert again == committed, "RESULTS.md is stale: rerun the command on its first lines"
+    again = regenerate(tmp_path, committed)
+    written = {path for path in again if path.endswith(".md")}
+    kept = {os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, "lab", "claims", "**", "*"), recursive=True)
+            if os.path.isfile(p)} | {"RESULTS.md"}
+    assert written == kept, "lab/claims/ holds files the command does not write, or lacks some"
+    assert len(written) == 2 + 2 * len(sweep.CLAIMS)
+    for path in sorted(written):
+        with open(os.path.join(ROOT, path), "rb") as f:
+            assert again[path] == f.read(), f"{path} is stale: rerun the command on RESULTS.md's first lines"
+    pngs = [p for p in again if p.endswith(".png")]
+    assert pngs and all(p.startswith(os.path.join("lab", "plots", "")) for p in pngs)
+    for path in pngs:
+        with open(os.path.join(ROOT, path), "rb") as f:
+            old = f.read()
+        drawn_by = re.search(rb"Matplotlib version([\d.]+)", old)
+        if drawn_by and drawn_by.group(1).decode() == matplotlib.__version__:
+            assert again[path] == old, f"{path} is stale: rerun the command on RESULTS.md's first lines"
+
+
+def test_each_records_rerun_commands_plan_the_runs_it_read(tmp_path, monkeypatch, capsys):
+    # a record's "Rerun it": its sweep commands, dry run, plan exactly the runs of its runs.md, each with the flags
+    # its config.json recorded (but the out-dir: a rerun writes into runs/<the kept folder's name>)
+    monkeypatch.chdir(tmp_path)
+    as_run = lambda cmd: tuple(cmd[:-1] + ["/".join(cmd[-1].split("/")[-2:])])   # the out-dir's arm/seed only
+    for n in sweep.CLAIMS:
+        with open(os.path.join(ROOT, "lab", "claims", str(n), "README.md")) as f:
+            block = f.read().split("## Rerun it\n")[1].split("```bash\n")[1].split("\n```")[0]
+        with open(os.path.join(ROOT, "lab", "claims", str(n), "runs.md")) as f:
+            runs = f.read().split("## Commands\n\n```bash\n")[1].split("\n```")[0].splitlines()
+        recorded = {as_run(shlex.split(line)[2:]) for line in runs}
+        planned = set()
+        for line in block.replace("\\\n", "").splitlines():
+            words = shlex.split(line)
+            if words[:3] == ["python", "-m", "lab.sweep"]:
+                capsys.readouterr()
+                assert sweep.main(["--dry-run", *words[3:]]) == 0
+                planned |= {as_run(shlex.split(cmd)[2:]) for cmd in capsys.readouterr().out.splitlines()}
+        assert planned == recorded and len(planned) == len(runs), n
 
 
 def opening(text, lines=40):
@@ -2235,32 +2403,39 @@ def opening(text, lines=40):
 
 
 SUMMARY_ROW = re.compile(r"^\| ([^|]+) \| (REPRODUCED|NOT REPRODUCED|REFUTED|INCONCLUSIVE|NOT RUN) \| ([^|]+) \| "
-                         r"((?:[^|]|\\\|)+) \| ([^|]+) \|$", re.M)
+                         r"((?:[^|]|\\\|)+) \| ([^|]+) \| \[claim (\d)\]\(lab/claims/(\d)/README\.md\) \|$", re.M)
 
 
-def test_results_md_opens_with_one_row_per_claim():
-    # within its first 40 lines RESULTS.md says every verdict: one row per rule (the sweep's and the lr study's),
-    # in capitals, with its scale, the test that decided it and why in at most 15 words; then the rules
+def test_results_md_is_the_verdict_table_and_links():
+    # RESULTS.md: at most 150 lines, its command on its first lines in readable lines, then one row per rule (the
+    # sweep's and the lr study's, in order), in capitals, with its scale, the test that decided it, why in at most
+    # 20 words, and a link to its claim's record, whose table says the same; no run table, no command of a run
     with open(os.path.join(ROOT, "RESULTS.md")) as f:
         text = f.read()
+    lines = text.splitlines()
+    assert len(lines) <= 150 and max(map(len, lines[:12])) <= 110
+    assert lines[5:7] == ["```bash", "python -m lab.report lab/results/lab --pilot lab/results/pilot --pilot "
+                                     "lab/results/pilot-horizon \\"]
     rows = {m.group(1): m.groups()[1:] for m in SUMMARY_ROW.finditer(opening(text))}
-    table = text.split("## Claims\n\n")[1].split("\n\n")[0]
-    labels = [line.split(" | ")[0][2:] for line in table.splitlines()[2:]]
-    labels += [label for label, _, _, _ in report.LR_RULES]
-    assert list(rows) == labels, (list(rows), labels)
-    for label, (verdict, scale, key, why) in rows.items():
-        assert len(why.split()) <= 15, (label, why)
+    labels = [f"{label} (assay)" if label in verdicts.SOURCE_RULES else label for label, _, _, _ in verdicts.RULES]
+    assert list(rows) == labels + [label for label, _, _, _ in verdicts.LR_RULES], list(rows)
+    for label, (verdict, scale, key, why, claim, path) in rows.items():
+        assert claim == path == label[0], label
+        assert len(why.split()) <= 20, (label, why)
         if verdict == "NOT RUN":
             assert (scale, key) == ("-", "-") and why.startswith("no runs of "), label
-        else:
-            assert re.match(r"(gpt2|llama) \d+x\d+, ([\d/]+ steps, \d+ seeds|\d+ steps x \d+ seeds(, \d+ steps x \d+ "
-                            r"seeds)+|[\d/]+ steps, \d+-\d+ seeds x \d+ lrs \(\d+ for some arms at lr [\d., ]+\))", scale), (label, scale)
-            assert re.search(r" of \d+ seeds.*p = |\d+ nat \(tolerance |mean gap .* nat, 90% interval \[.*\] \(margin ",
-                             key), (label, key)
-    # the verdicts are those of the tables below, in one spelling
-    for label, (verdict, _, _, _) in rows.items():
-        assert re.search(rf"^\| {re.escape(label)} \| {verdict} \| ", text.split("## Rules")[1], re.M), label
-    assert text.index("## Rules") < text.index("## Claims") < text.index("## Runs")
+            continue
+        assert re.match(r"(gpt2|llama) \d+x\d+, ([\d/]+ steps, \d+ seeds|\d+ steps x \d+ seeds(, \d+ steps x \d+ "
+                        r"seeds)+|[\d/]+ steps, \d+-\d+ seeds x \d+ lrs \(\d+ for some arms at lr [\d., ]+\))", scale), \
+            (label, scale)
+        assert re.search(r" of \d+ seeds.*p = |\d+ nat \(tolerance |mean gap .* nat, 90% interval \[.*\] \(margin ",
+                         key), (label, key)
+        with open(os.path.join(ROOT, "lab", "claims", claim, "README.md")) as f:
+            record = f.read()
+        assert f"| {label} | {verdict} | {scale} | {key} | {why} |" in record, label   # the record says the same
+        assert re.search(rf"^## Rule {re.escape(label)}: .*\n\nThe rule: ", record, re.M) or label == "1", label
+        assert f"**{verdict}**" in record, label
+    assert "| seed |" not in text and "python train.py" not in text
     assert not re.search(r"\*\*[^*]*: (reproduced|not reproduced|inconclusive|refuted)\*\*", text)
 
 
@@ -2272,7 +2447,7 @@ def test_the_readme_claims_table_says_what_results_md_says():
         table = f.read().split("## The claims this code tests")[1].split("\n\n| claim |")[1].split("\n\n")[0]
     readme = {label: cells[2] for line in table.splitlines()[2:] for cells in [line.strip("| ").split(" | ")]
               for label in cells[0].split(", ")}
-    assert readme == results
+    assert readme == results and len(results) == 14
 
 
 def test_the_readme_gives_each_injected_errors_dose_in_the_faults_units():
@@ -2292,6 +2467,14 @@ def test_the_readme_gives_each_injected_errors_dose_in_the_faults_units():
         assert f"a delta error about {times(3)} the fault's" in scale[claim]
     assert all(cells == "-" for label, cells in scale.items() if label in ("2", "2v", "7"))
     assert scale["1"].startswith("gpt2 0.83M, 4000 steps, 8 seeds; 4 key blocks per row")   # claim 1 at CPU scale
+    # and RESULTS.md's rows say the same, from the runs' config.json and lab/results/lab/fault_size.json
+    with open(os.path.join(ROOT, "RESULTS.md")) as f:
+        results = {m.group(1): m.group(3) for m in SUMMARY_ROW.finditer(opening(f.read()))}
+    assert results["3"].endswith(f"; doses 3-30, about {times(3)}-{times(30)} the fault's own error")
+    for label in ("3+", "4"):
+        assert results[label].endswith(f"; doses 0.3-30, about {times(0.3)}-{times(30)} the fault's own error")
+    for label in ("5 (assay)", "6 (assay)"):
+        assert results[label].endswith(f"; a delta error at dose 3, about {times(3)} the fault's own error")
 
 
 @pytest.mark.parametrize("arms, verdict, key, why", [
@@ -2307,7 +2490,7 @@ def test_the_opening_row_shows_the_test_that_decided(tmp_path, arms, verdict, ke
     if verdict == "INCONCLUSIVE":   # one seed: no sign test can pass
         arms = {name: runs[:1] for name, runs in arms.items()}
     groups = write_arms(tmp_path, arms)
-    row = report.summary(groups, report.verdicts(groups))[0]
+    row = summary.summary(groups, verdicts.verdicts(groups))[0]
     assert row[:3] == ["1", verdict, "1 seed" if key is None else "8 seeds"], row   # no model or steps recorded
     if key is None:
         assert row[4] == "too few seeds for any sign test to reach its threshold"
@@ -2319,13 +2502,17 @@ MD_LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
 
 
 def test_every_relative_link_in_the_docs_resolves():
-    # README.md, SOURCES.md, RESULTS.md, lab/ and qkguard/ docs: a relative link names a file or folder of the repo
-    docs = [os.path.join(d, f) for d in (ROOT, os.path.join(ROOT, "lab"), os.path.join(ROOT, "qkguard"))
-            if os.path.isdir(d) for f in sorted(os.listdir(d)) if f.endswith(".md")]
-    assert {"README.md", "SOURCES.md", "RESULTS.md"} <= {os.path.basename(d) for d in docs}
-    assert os.path.join(ROOT, "lab", "README.md") in docs
+    # README.md, SOURCES.md, RESULTS.md, lab/ and qkguard/ docs and the claims' records: a relative link names a
+    # file or folder of the repo
+    found = [os.path.join(d, f) for d in (ROOT, os.path.join(ROOT, "lab"), os.path.join(ROOT, "qkguard"))
+             if os.path.isdir(d) for f in sorted(os.listdir(d)) if f.endswith(".md")]
+    found += sorted(glob.glob(os.path.join(ROOT, "lab", "claims", "**", "*.md"), recursive=True))
+    assert {"README.md", "SOURCES.md", "RESULTS.md"} <= {os.path.basename(d) for d in found}
+    assert os.path.join(ROOT, "lab", "README.md") in found
+    assert {os.path.join(ROOT, "lab", "claims", str(n), name) for n in sweep.CLAIMS
+            for name in ("README.md", "runs.md")} <= set(found)
     broken = []
-    for doc in docs:
+    for doc in found:
         with open(doc) as f:
             text = re.sub(r"```.*?```", "", f.read(), flags=re.S)    # code blocks hold no links
         for target in MD_LINK.findall(text):
@@ -2342,7 +2529,7 @@ def test_dose_ratios_give_the_figures_scale(tmp_path):
     groups = write_arms(tmp_path, {**NOERR, inject("mlp-out", 3.0): arm(7, {"logit": 100.0}, rest=COLLAPSE),
                                    inject("mlp-out", 3.0, fix=True): arm(8, {"logit": 5.0}),
                                    inject("mlp-out", 10.0): arm(7, {"logit": 30.0}, {8: UNFINISHED})})
-    ratios = report.dose_ratios(groups)
+    ratios = tables.dose_ratios(groups)
     assert ratios["mlp-out", "coherence 1"][3.0] == [10.0] * 7
     assert ratios["mlp-out", "coherence 1 + QK-only fix"][3.0] == [0.5] * 8
     assert ratios["mlp-out", "coherence 1"][10.0] == [3.0] * 7, "the unfinished run left out"
@@ -2578,30 +2765,46 @@ def test_the_sweep_refuses_a_file_for_its_out_root(tmp_path):
             f"sweep.py: error: --out-root {root}: {tmp_path / 'file'} is a file, not a folder: give a folder")
 
 
+def copy_of_the_record(tmp_path):
+    """RESULTS.md and lab/claims/ as committed, copied into tmp_path's lab/ layout: RESULTS.md's path there."""
+    import shutil
+    shutil.copytree(os.path.join(ROOT, "lab", "claims"), tmp_path / "lab" / "claims")
+    shutil.copy(os.path.join(ROOT, "RESULTS.md"), tmp_path / "RESULTS.md")
+    return tmp_path / "RESULTS.md"
+
+
 def test_a_markdown_that_judges_fewer_claims_than_the_file_it_replaces_is_refused_unless_forced(tmp_path, capsys):
     """A report of a folder holding part of the runs (a typo in the root, a half-kept sweep) replaced the committed
-    RESULTS.md with one that judges fewer claims: the opening table's judged rows are counted in both."""
-    with open(os.path.join(ROOT, "RESULTS.md")) as f:
-        committed = f.read()
+    RESULTS.md with one that judges fewer claims: the runs every record was made from, arm by arm and seed by
+    seed, and the opening table's judged rows are compared with the new report's."""
+    results = copy_of_the_record(tmp_path)
+    committed = results.read_text()
+    before = {p: p.read_bytes() for p in (tmp_path / "lab" / "claims").rglob("*.md")}
     judged = report.judged_claims(committed)
     assert judged == sum(row[1] != "NOT RUN" for row in markdown_summary(committed)) >= 2
-    results = tmp_path / "RESULTS.md"
-    results.write_text(committed)
     write_arms(tmp_path / "runs", RULE1)      # rule 1's runs alone
-    argv = [str(tmp_path / "runs"), "--markdown", str(results), "--plots", str(tmp_path / "plots")]
+    argv = [str(tmp_path / "runs"), "--markdown", str(results), "--records", str(tmp_path / "lab" / "claims"),
+            "--plots", str(tmp_path / "plots")]
     with pytest.raises(SystemExit):
         report.main(argv)
     assert re.search(f"error: --markdown {re.escape(str(results))}: it was made from runs this report lacks: "
-                     r"\S+ \(Learning-rate study\): 8 seeds, here 0; .* and \d+ more arms: left as it is, "
-                     r"and its figures; give the folders its opening line names, or pass --force to write it "
-                     r"anyway$",
+                     r"\S+ \([\w -]+\): \d+ seeds, here 0; .* and \d+ more arms: left as it is, with its records and "
+                     r"figures; give the folders its opening lines name, or pass --force to write it anyway$",
                      capsys.readouterr().err.splitlines()[-1])
-    assert results.read_text() == committed
+    assert results.read_text() == committed and {p: p.read_bytes() for p in before} == before
+    assert not (tmp_path / "plots").exists() and not list(tmp_path.glob("**/*.tmp"))
     assert report.main([*argv, "--force"]) == 0 and report.judged_claims(str(results)) == 1
-    assert report.main(argv) == 0             # as many claims as the file: written without --force
+    assert report.main(argv) == 0             # as many runs and claims as the files: written without --force
     # the same runs, fewer claims judged (a rule that would judge less): refused too
-    fewer = results.read_text().replace("| 1 | REPRODUCED |", "| 1 | NOT RUN |")
-    assert report.lost_evidence(str(results), fewer) == "it judges 1 claims, this report 0"
+    texts = {str(p): p.read_text() for p in [results, *(tmp_path / "lab" / "claims").rglob("*.md")]}
+    texts[str(results)] = texts[str(results)].replace("| 1 | REPRODUCED |", "| 1 | NOT RUN |")
+    assert report.lost_evidence(texts, str(results)) == "it judges 1 claims, this report 0"
+    # and a record that lost a seed: refused
+    runs = str(tmp_path / "lab" / "claims" / "1" / "runs.md")
+    texts = {str(results): results.read_text(), runs: re.sub(r"\n\| seed8 \|[^\n]*", "", open(runs).read())}
+    assert report.lost_evidence(texts, str(results)) == ("it was made from runs this report lacks: bf16 (Runs): 8 "
+                                                         "seeds, here 7; fp32 (Runs): 8 seeds, here 7; bf16-safemax "
+                                                         "(Runs): 8 seeds, here 7")
 
 
 def test_one_seed_copies_of_a_reports_folders_are_refused_before_any_file_is_written(tmp_path, capsys):
@@ -2612,9 +2815,9 @@ def test_one_seed_copies_of_a_reports_folders_are_refused_before_any_file_is_wri
     write_arms(runs, RULE1)
     argv = ["--markdown", str(results), "--plots", str(plots)]
     assert report.main([str(runs), *argv]) == 0
-    files = sorted(plots.iterdir()) + [results]
+    files = sorted(plots.iterdir()) + [results] + sorted((tmp_path / "claims").rglob("*.md"))
     before = [(f.read_bytes(), f.stat().st_mtime_ns) for f in files]
-    assert len(files) > 1 or report._pyplot(quiet=True) is None
+    assert len(files) > 2 + 2 * len(sweep.CLAIMS) or figures._pyplot(quiet=True) is None
     for name in RULE1:
         write_run(one, name, 1, **RULE1[name][0])
     capsys.readouterr()
@@ -2622,11 +2825,13 @@ def test_one_seed_copies_of_a_reports_folders_are_refused_before_any_file_is_wri
         report.main([str(one), *argv])
     assert capsys.readouterr().err.splitlines()[-1].endswith(
         f"error: --markdown {results}: it was made from runs this report lacks: bf16 (Runs): 8 seeds, here "
-        f"1; fp32 (Runs): 8 seeds, here 1; bf16-safemax (Runs): 8 seeds, here 1: left as it is, and its "
-        f"figures; give the folders its opening line names, or pass --force to write it anyway")
+        f"1; fp32 (Runs): 8 seeds, here 1; bf16-safemax (Runs): 8 seeds, here 1: left as it is, with its records "
+        f"and figures; give the folders its opening lines name, or pass --force to write it anyway")
     assert [(f.read_bytes(), f.stat().st_mtime_ns) for f in files] == before
-    assert sorted(plots.iterdir()) + [results] == files and not list(tmp_path.glob("**/*.tmp"))
-    assert report.main([str(one), *argv, "--force"]) == 0 and len(report.evidence(str(results))) == 3
+    assert sorted(plots.iterdir()) + [results] + sorted((tmp_path / "claims").rglob("*.md")) == files
+    assert not list(tmp_path.glob("**/*.tmp"))
+    assert report.main([str(one), *argv, "--force"]) == 0
+    assert len(report.evidence(str(tmp_path / "claims" / "1" / "runs.md"))) == 3
 
 
 def test_a_failed_figure_leaves_every_file_of_the_report_as_it_was(tmp_path, monkeypatch):
@@ -2639,7 +2844,7 @@ def test_a_failed_figure_leaves_every_file_of_the_report_as_it_was(tmp_path, mon
     monkeypatch.setattr(report, "plot_lr_study", fails)
     with pytest.raises(RuntimeError):
         report.main([str(runs), "--markdown", str(results), "--plots", str(plots), "--lr-study", str(runs)])
-    assert results.read_text() == "an older report\n"
+    assert results.read_text() == "an older report\n" and not (tmp_path / "claims").exists()
     assert not plots.exists() or not list(plots.iterdir())   # the figure drawn before the failure is not kept
 
 
@@ -2654,7 +2859,7 @@ def test_the_runs_figure_of_a_run_whose_sigmas_are_all_nan_is_drawn(tmp_path):
                         for r in records))
     png = tmp_path / "runs.png"
     assert report.main(["--runs", path, "--png", str(png)]) == 0
-    assert png.exists() or report._pyplot(quiet=True) is None
+    assert png.exists() or figures._pyplot(quiet=True) is None
 
 
 def markdown_summary(text):
@@ -2672,6 +2877,9 @@ def test_the_report_says_in_one_line_where_a_folder_is_a_file_and_makes_a_missin
             (["--plots", tmp_path / "file" / "below"], f"--plots {tmp_path / 'file' / 'below'}: {tmp_path / 'file'} is a file"),
             (["--pilot", tmp_path / "file"], f"--pilot {tmp_path / 'file'} is not a folder"),
             (["--lr-study", tmp_path / "file"], f"--lr-study {tmp_path / 'file'} is not a folder"),
+            (["--markdown", tmp_path / "R.md", "--records", tmp_path / "file" / "claims"],
+             f"--records {tmp_path / 'file' / 'claims'}: {tmp_path / 'file'} is a file"),
+            (["--records", tmp_path / "claims"], "--records: give --markdown too"),
             (["--runs", tmp_path / "one" / "bf16" / "seed1", "--png", tmp_path / "file" / "x.png"],
              f"--png {tmp_path / 'file' / 'x.png'}: {tmp_path / 'file'} is a file")]:
         with pytest.raises(SystemExit):
@@ -2683,7 +2891,7 @@ def test_the_report_says_in_one_line_where_a_folder_is_a_file_and_makes_a_missin
     assert f"{tmp_path / 'file'} is not a folder" in capsys.readouterr().err
     png = tmp_path / "new" / "folder" / "runs.png"    # a folder not made yet is made
     assert report.main(["--runs", str(tmp_path / "one" / "bf16" / "seed1"), "--png", str(png)]) == 0
-    assert png.parent.is_dir() and (png.exists() or report._pyplot(quiet=True) is None)
+    assert png.parent.is_dir() and (png.exists() or figures._pyplot(quiet=True) is None)
 
 
 def test_the_lab_tools_output_flags_refuse_a_file_for_a_folder_before_the_work(tmp_path, capsys):
