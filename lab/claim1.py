@@ -189,6 +189,8 @@ def reported(runs, study=STREAM):
             lines.append(f"final val loss, {arm} - fp32: mean {mean:+.3f} nat, 95% interval [{lo:+.3f}, {hi:+.3f}] "
                          f"(n = {len(gaps)})")
     for arm in ARMS:
+        if arm == "bf16-safemax" and not runs.get(arm) and not study.aa_seeds:
+            continue   # the tokens study runs safe-max only where bf16 separates: "not run" says it above
         done = [r for r in (runs.get(arm, {}).get(s) for s in study.seeds) if r and r.finished]
         away = sum(max(r.logit, default=0) >= RUNAWAY_LOGIT for r in done)
         lines.append(f"{arm}: {len(done)}/{len(study.seeds)} finished, {away} ran away (max logit >= "

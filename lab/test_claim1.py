@@ -118,6 +118,8 @@ def test_the_tokens_study_separates_or_not_and_reads_lr_folders(tmp_path):
     assert claim1.judge(claim1.load(str(tmp_path / "no"), claim1.TOKENS), claim1.TOKENS)[0] == "does not separate"
     assert claim1.summary_row(yes, claim1.TOKENS)[2] == ("gpt2 4x128, 1000 steps, 5 seeds, 4 key blocks per row, "
                                                          "16,384 tokens a step")
+    reported = "\n".join(claim1.reported(yes, claim1.TOKENS))   # safe-max never ran: not counted as unfinished
+    assert "bf16: 5/5 finished" in reported and "bf16-safemax:" not in reported
 
 
 def test_the_pilot_picks_the_largest_healthy_lr(tmp_path):
