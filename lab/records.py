@@ -33,6 +33,9 @@ def link(target, doc):
     return os.path.relpath(os.path.abspath(target), os.path.dirname(os.path.abspath(doc)))
 
 
+TOKENS_LABEL = "1 (16x tokens)"   # the row of claim 1's second study, 16x the tokens a step
+
+
 def record_of(label):
     """The claim whose record holds a rule's row: 3 for "3", "3+" and "3 (grad-mlp)", 1 for "1p"."""
     return int(label[0])
@@ -62,6 +65,10 @@ class Judged:
             row = claim1.summary_row(stream[1])
             self.table = [[row[0], VERDICT_WORDS.get(row[1], row[1].upper()), *row[2:]] if old[0] == "1" else old
                           for old in self.table]
+        if tokens:   # claim 1's second study, 16x the tokens a step: its own row, under claim 1's
+            row = claim1.summary_row(tokens[1], claim1.TOKENS)
+            at = next(i for i, old in enumerate(self.table) if old[0] == "1") + 1
+            self.table.insert(at, [TOKENS_LABEL, VERDICT_WORDS.get(row[1], row[1].upper()), *row[2:]])
         self.words = {label: words for label, words, _, _ in [*RULES, *LR_RULES]}
 
     def all_rows(self):
@@ -292,6 +299,8 @@ def record_md(j, n, paths):
              render(SUMMARY_HEADER, [row for row in j.table if row[0] in labels], True)]
     texts = {row[0]: row for row in j.all_rows()}
     for label in labels:
+        if label == TOKENS_LABEL:
+            continue   # its section follows, written by lab/claim1.py
         _, verdict, text = texts[label]
         parts += rule_section(j, label, verdict, text, paths, n)
         name = f"claim{label.replace(' ', '').replace('(', '-').replace(')', '')}"
