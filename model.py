@@ -110,7 +110,7 @@ class CausalSelfAttention(nn.Module):
         self.accum = config.accum
         self.qk_norm = config.qk_norm
         self.softcap = config.softcap
-        self.delta_error = None   # the assay's delta error, set by lab/assay.py: see attention()
+        self.attention = attention   # the function attend() calls: the kernel's, or a caller's wrapper of it
 
     def head_weights(self):
         """W_q and W_k viewed per head: two (n_head, head_dim, n_embd) views of the live weights."""
@@ -128,12 +128,12 @@ class CausalSelfAttention(nn.Module):
         return q, k, v
 
     def attend(self, q, k, v, **changes):
-        """attention() with this layer's settings (the guard's switches included); `changes`
-        overrides some, as the assay's fault-free pass and train.py's settings check do."""
+        """self.attention() with this layer's settings (the guard's switches included); `changes`
+        overrides some, as a fault-free pass and train.py's settings check do."""
         settings = dict(accum=self.accum, qk_norm=self.qk_norm, return_max_logit=self.return_max_logit,
                         scale=self.scale, softcap=self.softcap, safemax_beta=self.beta, impl=self.impl,
-                        block_n=self.block_n, rounding=self.rounding, delta_error=self.delta_error)
-        return attention(q, k, v, **{**settings, **changes})
+                        block_n=self.block_n, rounding=self.rounding)
+        return self.attention(q, k, v, **{**settings, **changes})
 
     def forward(self, x, rotary=None):
         B, T, C = x.shape

@@ -9,8 +9,6 @@ import argparse
 import atexit
 import contextlib
 import dataclasses
-import functools
-import importlib.util
 import json
 import math
 import os
@@ -56,8 +54,11 @@ PRESET_KEYS = {key for values in (*PRESETS.values(), *model_lib.MODEL_SIZES.valu
 # Flags that may change when a run is resumed; any other difference from the saved run is an error.
 RESUMABLE_CHANGES = {"max_steps", "log_interval", "eval_interval", "eval_iters", "ckpt_interval", "compile",
                      "on_collapse", "resume", "device", "out_dir", "data_dir"}
-# The lab's assay switches (lab/assay.py adds its flags), off: without lab/, a run that set one cannot resume.
-ASSAY_OFF = {"inject_site": "none", "qk_fix": "off", "probe": "off"}
+# The lab's assay (lab/assay.py) runs as ASSAY_COMMAND, train.py with its extension: its flags, typed to
+# train.py or set in a run resumed by it, get one line naming that command. Each flag's value when unused.
+ASSAY_COMMAND = "python -m lab.train_assay"
+ASSAY_UNUSED = {"inject_site": "none", "inject_scale": None, "inject_coherence": None, "inject_layers": "all",
+                "qk_fix": "off", "probe": "off", "probe_k": 3}
 HELD = {}   # this process's run folders -> their lock files
 CHECKPOINT_FORMAT = "qkguard-checkpoint-3"   # tensors, numbers, strings, tuples, lists, dicts; 3: Totals' own
 # ckpt.pt, and what a crash inside RunDir.save can leave instead (newest_checkpoint reads them)
@@ -68,7 +69,7 @@ MODEL_SHAPE = ("arch", "n_layer", "n_head", "n_embd", "vocab_size")
 
 # ----------------------------------------------------------------------------------------------------------------
 # The flags. Value types refuse nonsense in argparse's "argument --flag: ..." line; p.flag_defaults keeps each
-# flag's default (None: from the preset). Where lab/ is present, the extension below (lab/assay.py) adds its own.
+# flag's default (None: from the preset). An extension (below) adds its own.
 
 def number(kind=float, low=None, high=None, above=False, below=False):
     """A parser of int or finite float values in [low, high] (above / below: bound excluded)."""
@@ -101,8 +102,9 @@ def rounding_sources(text):
     return text
 
 
-def build_parser():
-    p = argparse.ArgumentParser(prog="train.py", description="Train a GPT and watch (or guard) the query-key "
+def build_parser(extension=None):
+    extension = extension or Extension()
+    p = argparse.ArgumentParser(prog=extension.command, description="Train a GPT and watch (or guard) the query-key "
                                 "channel.", formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False)
     p.flag_defaults = {}
 
@@ -170,8 +172,7 @@ def build_parser():
     add(g, "--collapse-grace", 100, "steps after the guard acts in which a loss transient is no collapse (a "
         "non-finite loss always is)", type=SIZE)
     add(g, "--on-collapse", "stop", "what to do at a collapse", choices=["stop", "continue"])
-    if extension_module():   # the lab's assay: --inject-*, --qk-fix, --probe*
-        extension_module().add_flags(p, add)
+    extension.add_flags(p, add)
     g = p.add_argument_group("optimization (defaults come from --preset unless given)")
     add(g, "--batch-size", None, "sequences per micro-batch (per process)", type=COUNT)
     add(g, "--grad-accum", None, "micro-batches per step, over all processes", type=COUNT)
@@ -206,14 +207,20 @@ def build_parser():
     return p
 
 
-def parse_args(argv=None):
+def parse_args(argv=None, extension=None):
     """(args with the flags' defaults, the flags typed, the parser); resolve() adds the preset's."""
-    parser = build_parser()
+    extension = extension or Extension()
+    parser = build_parser(extension)
+    for flag in sys.argv[1:] if argv is None else argv:
+        name = flag.split("=", 1)[0][2:].replace("-", "_")
+        if flag.startswith("--") and name in ASSAY_UNUSED and name not in parser.flag_defaults:
+            parser.error(f"{flag.split('=', 1)[0]} is a flag of the lab's assay: run `{ASSAY_COMMAND}` with the "
+                         f"same flags (lab/train_assay.py)")
     typed = {k: v for k, v in vars(parser.parse_args(argv)).items() if v is not None}
     args = argparse.Namespace(**{**parser.flag_defaults, **typed})
     if args.guard_threshold is None:   # the signal's default, as a number: config.json records it
         args.guard_threshold = DEFAULT_THRESHOLD[args.guard_signal]
-    for refused, message in refusals(args, typed):
+    for refused, message in refusals(args, typed) + extension.refusals(args, typed):
         if refused:
             parser.error(message)
     ignored = " ".join(f"--{k.replace('_', '-')}" for k in typed if k.startswith("guard_") or k in (
@@ -224,11 +231,11 @@ def parse_args(argv=None):
 
 
 def refusals(args, typed):
-    """(refused, why and what to do instead): settings that would do nothing or fail later; the assay's too."""
+    """(refused, why and what to do instead): settings that would do nothing or fail later."""
     guard_on, action, qk_normed = args.guard == "on", args.guard_action, qk_norm_from_step_0(args)
     return [
         (guard_on and action == "qknorm" and qk_normed,
-         "--guard-action qknorm has nothing to switch when --qknorm always or --qk-fix qknorm is set"),
+         "--guard-action qknorm has nothing to switch when --qknorm always is set"),
         (guard_on and action == "fp32-accum" and args.accum == "fp32",
          "--guard-action fp32-accum has nothing to switch when --accum is already fp32"),
         (guard_on and args.guard_signal == "max-logit" and (qk_normed or 0 < args.softcap <= args.guard_threshold),
@@ -239,7 +246,7 @@ def refusals(args, typed):
         (args.resume and "out_dir" not in typed, "--resume needs the --out-dir of the run to continue"),
         (args.attn_impl == "sdpa" and ("block_n" in typed or "safemax_beta" in typed),
          "--block-n and --safemax-beta belong to the streaming-softmax kernel, not to --attn-impl sdpa"),
-    ] + (extension_module().refusals(args, typed) if extension_module() else [])
+    ]
 
 
 def auto_preset(device_type):
@@ -251,7 +258,7 @@ def launcher_pid():
     return os.getppid() if "TORCHELASTIC_RUN_ID" in os.environ else os.getpid()
 
 
-def resolve(args, device, parser):
+def resolve(args, device, parser, extension=None):
     """Fill what the command line left to the preset, then check what needs the sizes."""
     args.preset = args.preset if args.preset != "auto" else auto_preset(device.type)
     for key, value in {**PRESETS[args.preset], **model_lib.MODEL_SIZES[PRESETS[args.preset]["size"]]}.items():
@@ -261,8 +268,7 @@ def resolve(args, device, parser):
     args.decay_steps = args.decay_steps or args.max_steps
     args.out_dir = args.out_dir or os.path.join("runs", f"{time.strftime('%Y%m%d-%H%M%S')}-{args.accum}-guard-"
                                                         f"{args.guard}-{launcher_pid()}")   # two at once: two names
-    if extension_module():
-        extension_module().check_sizes(args, parser)
+    (extension or Extension()).check_sizes(args, parser)
     if args.schedule == "cosine" and args.min_lr > args.lr:
         parser.error(f"--min-lr {args.min_lr:g} is above --lr {args.lr:g}: the cosine would climb; lower --min-lr")
     if args.n_embd % args.n_head:
@@ -284,14 +290,13 @@ def key_blocks_per_row(args):
 
 
 def qk_norm_from_step_0(args):
-    """--qknorm always, or the assay's --qk-fix qknorm: the same switch (a run without lab/ has no qk_fix)."""
-    return args.qknorm == "always" or vars(args).get("qk_fix") == "qknorm"
+    return args.qknorm == "always"
 
 
 def model_config(args):
     """The GPTConfig of the flags: a field takes its own-named flag (a new model option is a flag and a field:
-    README, "Fork it"); block_n 0 and --round auto become None (the kernel's defaults), --qknorm always and
-    --qk-fix qknorm become qk_norm."""
+    README, "Fork it"); block_n 0 and --round auto become None (the kernel's defaults), --qknorm always
+    becomes qk_norm. An extension may change it (Extension.model_config)."""
     fields = [f.name for f in dataclasses.fields(model_lib.GPTConfig)]
     same_name = {name: getattr(args, name) for name in fields if hasattr(args, name)}
     rounding = None if args.round == "auto" else () if args.round == "none" else tuple(args.round.split(","))
@@ -304,19 +309,17 @@ def padded_vocab(n):
     return 64 * math.ceil(n / 64)
 
 
-@functools.cache
-def extension_module():
-    """lab.assay (its flags, refusals and hooks) where lab/ is present, else None: `rm -r lab` leaves a
-    working reference. Imported on first use, as lab/assay.py imports this file."""
-    if importlib.util.find_spec("lab") is None or importlib.util.find_spec("lab.assay") is None:
-        return None
-    from lab import assay
-    return assay
-
-
 class Extension:
-    """The places train.py's loop calls an extension, here doing nothing (lab/assay.py's Assay fills them)."""
+    """A plug-in to train.py, train.main(extension=...): here one doing nothing. It may bring flags of its own,
+    refuse settings, change the model's config, and act at the places the loop calls it (lab/train_assay.py:
+    the lab's assay). The root imports no extension: a command that runs with one imports it."""
+    command = "train.py"                                         # how to run with it (its --help, refusals)
 
+    def add_flags(self, parser, add): pass                       # build_parser's add(group, flag, default, help)
+    def refusals(self, args, typed): return []                   # (refused, why and what to do instead)
+    def check_sizes(self, args, parser): pass                    # once the preset gave the model's sizes
+    def model_config(self, args, config): return config          # the GPTConfig of the flags, or its own
+    def start(self, args, model, first_batch, autocast): pass    # the model built, before step 0 (or resume)
     def begin_step(self, step): pass                             # before the step's first forward
     def after_micro_backward(self, model, x, y, autocast, micro_steps): pass   # each micro-batch's backward
     def after_backward(self, model, dist): pass                  # the step's gradients, before clipping
@@ -324,11 +327,6 @@ class Extension:
     def after_update(self, model): pass
     def log_stats(self): return {}                               # added to the step's log record
     def parts(self): return {}                                   # what the checkpoint keeps, by name
-
-
-def extension(args, model, first_batch, autocast):
-    """The run's extension: lab/assay.py's Assay (a no-op without assay flags), or one doing nothing."""
-    return extension_module().Assay.from_args(args, model, first_batch, autocast) if extension_module() else Extension()
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -530,9 +528,11 @@ def start_run(args, typed, master=True):
     here = prepare_data.default_out_dir(saved["dataset"], saved["tokenizer"])
     if "data_dir" not in typed and os.path.normpath(saved["data_dir"]).split(os.sep)[-2:] == here.split(os.sep)[-2:]:
         saved = {**saved, "data_dir": here}   # the default folder of the checkout it ran in: this checkout's
-    used = [f"--{k.replace('_', '-')} {saved[k]}" for k, off in ASSAY_OFF.items() if saved.get(k, off) != off]
-    if used and not extension_module():   # a run that used the assay cannot go on without it
-        raise SystemExit(f"error: this run used the lab's assay ({', '.join(used)}): resume it with lab/ present")
+    used = [f"--{k.replace('_', '-')} {saved[k]}" for k, unused in ASSAY_UNUSED.items()
+            if k not in vars(args) and saved.get(k, unused) != unused]
+    if used:   # a run that used the assay goes on with it
+        raise SystemExit(f"error: this run used the lab's assay ({', '.join(used)}): resume it with "
+                         f"`{ASSAY_COMMAND} --resume --out-dir {args.out_dir}`")
     conflicts = [f"--{k.replace('_', '-')} {v} (saved: {saved.get(k)})" for k, v in typed.items() if k in saved
                  and saved[k] != v and k not in RESUMABLE_CHANGES and not (k == "preset" and v == "auto")]
     if conflicts:

@@ -7,7 +7,8 @@ Train a GPT and watch (or guard) the query-key channel.
 
 Every choice is a flag (`python train.py --help`): run.py defines them, the presets and the run folder
 (--out-dir: config.json, log.jsonl, ckpt.pt). The loop's numbered comments mark where the guard acts; at
-its `assay.` lines lab/assay.py's extension (injected errors, the QK-only fix, the probe) acts where lab/ is present.
+its `extension.` lines a plug-in may act (run.Extension; none here: `python -m lab.train_assay` is this
+loop with the lab's assay, lab/train_assay.py).
 """
 import contextlib
 import math
@@ -27,21 +28,22 @@ except KeyboardInterrupt:
     sys.exit(130)
 
 
-def main(argv=None):
+def main(argv=None, extension=None):
     # -------------------------------------------------------------------------------- configuration, data
-    args, dist, state, changed, batches = configure(argv)
+    extension = extension or run.Extension()     # a plug-in's flags and hooks (run.Extension: none)
+    args, dist, state, changed, batches = configure(argv, extension)
     use_bf16 = args.dtype == "bf16" or (args.dtype == "auto" and dist.device.type == "cuda")
     autocast = (lambda: torch.autocast(dist.device.type, dtype=torch.bfloat16)) if use_bf16 else contextlib.nullcontext
 
     # -------------------------------------------------------------------------------- model, optimizer, watchers
-    model, optimizer, train_model, eval_model = build_model(args, dist, use_bf16)
+    model, optimizer, train_model, eval_model = build_model(args, dist, use_bf16, extension)
     monitor = SpectralMonitor(model, seed=args.seed)
     guard = QKGuard.from_args(args)
     detector = CollapseDetector(args.collapse_margin, args.collapse_patience, args.collapse_smoothing)
-    assay = run.extension(args, model, lambda: batches.get("train", 0, 0)[0], autocast)   # lab/assay.py, or none
+    extension.start(args, model, lambda: batches.get("train", 0, 0)[0], autocast)
     totals, run_dir, step = Totals(dist.device), run.RunDir(args, dist, batches.windows.identity), 0
     parts = dict(model=model, optimizer=optimizer, monitor=monitor, detector=detector, guard=guard, totals=totals,
-                 **assay.parts())
+                 **extension.parts())
     if state is None:
         monitor.measure(model, iters=30)         # converged before step 0
     else:
@@ -67,17 +69,17 @@ def main(argv=None):
             lr = lr_at(step, args) * guard.lr_scale()
             for group in optimizer.param_groups:
                 group["lr"] = lr
-            # (2) forward and backward; an assay error enters in the model, (3) or in the gradients
-            loss, max_logit = forward_backward(train_model, model, batches, step, args, dist, autocast, assay)
+            # (2) forward and backward; an extension may act in the model, (3) or on the gradients
+            loss, max_logit = forward_backward(train_model, model, batches, step, args, dist, autocast, extension)
             totals.add(loss, max_logit)
             # (4) clip; the clip action tightens it
             clip = guard.grad_clip(args.grad_clip)
             grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip if clip > 0 else math.inf)
-            # (5) the update; the assay's probe projects it
-            assay.before_update(model)
+            # (5) the update; an extension may change it (the lab's probe projects it)
+            extension.before_update(model)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
-            assay.after_update(model)
+            extension.after_update(model)
             # (6) watch W_q's and W_k's top singular values and the max logit; the guard checks them
             if step % args.monitor_interval == 0:
                 watch(step, model, monitor, guard, detector, totals, args, log)
@@ -87,7 +89,7 @@ def main(argv=None):
             step += 1
             if step % args.log_interval == 0 or step == args.max_steps:
                 record = write_interval_record(step, lr, grad_norm, model, args, dist, log, totals, monitor, guard,
-                                               assay)
+                                               extension)
                 if collapsed(detector, record, log) and args.on_collapse == "stop":
                     status = "collapsed"
                     break
@@ -114,12 +116,12 @@ def main(argv=None):
 # ----------------------------------------------------------------------------------------------------------------
 # Setting up: the flags, the data, the model
 
-def configure(argv):
+def configure(argv, extension):
     """(args, the processes, the checkpoint to resume or None, the flags a resume changed, the batches). The
     data is prepared on first use; the model's vocabulary follows the data's tokenizer."""
-    args, typed, parser = run.parse_args(argv)
+    args, typed, parser = run.parse_args(argv, extension)
     dist = run.Dist(args.device)
-    args = run.resolve(args, dist.device, parser)
+    args = run.resolve(args, dist.device, parser, extension)
     dist.check_same(args.out_dir, "run folder")   # a default one is named by the launcher: one for every rank
     args, state, changed = run.start_run(args, typed, dist.master)   # --resume: the saved run's flags
     if args.threads:
@@ -135,11 +137,11 @@ def configure(argv):
     return args, dist, state, changed, batches
 
 
-def build_model(args, dist, use_bf16):
+def build_model(args, dist, use_bf16, extension):
     """The model (the same on every rank, checked against the kernel), its optimizer, and the --compile'd models
     to train (DDP with several processes) and to evaluate (no DDP: a rank with no eval batch owes no collective)."""
     torch.manual_seed(args.seed)                 # the same initial weights on every rank
-    model = model_lib.GPT(run.model_config(args)).to(dist.device)
+    model = model_lib.GPT(extension.model_config(args, run.model_config(args))).to(dist.device)
     check_attention_settings(model, dist.device, args, use_bf16)
     torch.manual_seed(args.seed + dist.rank)     # dropout masks differ per rank
     eval_model = train_model = torch.compile(model) if args.compile else model
@@ -169,10 +171,10 @@ class Batches:
         return window[:, :-1].contiguous(), window[:, 1:].contiguous()
 
 
-def forward_backward(train_model, model, batches, step, args, dist, autocast, assay):
+def forward_backward(train_model, model, batches, step, args, dist, autocast, extension):
     """The gradients of one step, summed over its micro-batches (DDP syncs the last one only); returns
     this rank's mean loss and the (n_layer, n_head) max logit over micro-batches and ranks, on the device."""
-    assay.begin_step(step)
+    extension.begin_step(step)
     micro_steps, loss, max_logit = args.grad_accum // dist.world, 0.0, None
     for micro in range(micro_steps):
         x, y = batches.get("train", step, micro * dist.world + dist.rank)
@@ -182,8 +184,8 @@ def forward_backward(train_model, model, batches, step, args, dist, autocast, as
         (micro_loss / micro_steps).backward()
         loss += micro_loss.detach().float() / micro_steps
         max_logit = running_max(max_logit, micro_max_logit)
-        assay.after_micro_backward(model, x, y, autocast, micro_steps)   # (3) the QK-only fix's clean gradient
-    assay.after_backward(model, dist)                                    # (3) an error in a weight's gradient
+        extension.after_micro_backward(model, x, y, autocast, micro_steps)   # (3) e.g. a gradient of its own
+    extension.after_backward(model, dist)                                    # (3) e.g. an error in a gradient
     return loss, dist.all_reduce(max_logit.float(), "max")
 
 
@@ -216,7 +218,7 @@ def watch(step, model, monitor, guard, detector, totals, args, log):
                          f"in layers {event['layers']} from step {event['active_from']}")
 
 
-def write_interval_record(step, lr, grad_norm, model, args, dist, log, totals, monitor, guard, assay):
+def write_interval_record(step, lr, grad_norm, model, args, dist, log, totals, monitor, guard, extension):
     """Write the record of the interval that ends at `step` (mean loss, max logit and sigmas since the
     last record, at the last update, step - 1) and start the next interval; returns the record."""
     # the other weights, for the log only, with the power iterations of every step since the last
@@ -227,7 +229,7 @@ def write_interval_record(step, lr, grad_norm, model, args, dist, log, totals, m
               "tokens_per_s": interval["tokens_per_s"], "max_logit": interval["max_logit"], **monitor.record(),
               **gain_record(model),
               "guard": "on" if guard.triggered else ("dormant" if guard.enabled else "off"),
-              **assay.log_stats()}
+              **extension.log_stats()}
     max_logit = torch.tensor(record["max_logit"])
     layer, head = divmod(int(max_logit.argmax()), max_logit.shape[1])
     log.write(record, f"step {record['step']:6d} | loss {record['loss']:.4f} | lr {lr:.2e} | gnorm "
@@ -361,9 +363,14 @@ def check_attention_settings(model, device, args, use_bf16):
         raise SystemExit(f"error: the attention settings cannot run: {e}")
 
 
-if __name__ == "__main__":
+def command_line(extension=None):
+    """main() as a command runs it (this file, lab/train_assay.py)."""
     try:
-        main()
+        main(extension=extension)
     except KeyboardInterrupt:   # before the loop (StopSignal takes Ctrl-C from then on): nothing was written
         print("interrupted before training started", file=sys.stderr)
         sys.exit(130)
+
+
+if __name__ == "__main__":
+    command_line()

@@ -1891,7 +1891,7 @@ def test_the_readme_lab_sweep_commands_name_real_arms(tmp_path, capsys):
     for argv in commands:
         argv[argv.index("--out-root") + 1] = str(tmp_path)
         assert sweep.main(["--dry-run", *argv]) == 0, argv
-        assert "train.py" in capsys.readouterr().out
+        assert re.search(r"train\.py|lab\.train_assay", capsys.readouterr().out)   # the commands it planned
 
 
 def test_the_readme_stream_study_commands_plan_what_its_rule_names(tmp_path, capsys):
@@ -1954,6 +1954,26 @@ def test_sweep_dry_run_skips_and_resumes(tmp_path):
                     f"{root}/{accum}/seed{seed}", "--resume"]) for seed, accum in (("1", "bf16"), ("2", "fp32"))]
 
 
+def test_the_assays_arms_launch_and_resume_through_its_command(tmp_path):
+    # train.py imports nothing from lab/: an arm with an assay flag runs (and resumes) as lab.train_assay
+    from lab.assay import Assay
+    import run
+    assert set(sweep.ASSAY_FLAGS) == {f"--{k.replace('_', '-')}" for k in run.ASSAY_UNUSED} == {
+        a.option_strings[0] for a in run.build_parser(Assay())._actions if a.dest in run.ASSAY_UNUSED}
+    root = str(tmp_path)
+    args = ("--dry-run", "--claims", "5", "--source", "assay", "--only", "assay-probe-topk,fp32", "--seeds", "1",
+            "--out-root", root)
+    out = sweep_cmd(*args)
+    assert out.returncode == 0, out.stderr
+    probe, fp32 = (shlex.split(line) for line in out.stdout.splitlines())
+    assert probe[1:3] == ["-m", "lab.train_assay"] and "--probe" in probe and probe[-1] == f"{root}/assay-probe-topk/seed1"
+    assert fp32[1] == "train.py" and fp32[-1] == f"{root}/fp32/seed1"
+    write_run(root, "assay-probe-topk", 1, end="interrupted", args={"probe": "qk-topk"})
+    out = sweep_cmd(*args, "--resume")
+    assert [shlex.split(line)[1:3] + shlex.split(line)[-1:] for line in out.stdout.splitlines() if "probe" in line] \
+        == [["-m", "lab.train_assay", "--resume"]], out.stdout
+
+
 def test_sweep_runs_every_arm_the_rules_read():
     """Every arm a rule of report.py judges is launched by that rule's claim in sweep.py; claims 3
     and 4 are the dose grid at both sites."""
@@ -1987,12 +2007,15 @@ def test_sweep_launches_every_arm_the_lr_rules_read():
 
 
 def test_experiment_table_is_valid_train_flags():
-    """Every experiment's flags parse in train.py (so no run of the GPU session dies on a typo)."""
+    """Every experiment's flags parse in train.py, or (the assay's arms) in lab.train_assay: no run of the GPU
+    session dies on a typo."""
     import train
-    parse_args = train.run.parse_args    # train.py's own flag parser
+    from lab.assay import Assay
+    parse_args = train.run.parse_args    # train.py's own flag parser, with the assay's extension or without
     for number in sweep.CLAIMS:
         for name, flags in sweep.experiments([number]).items():
-            args = parse_args(flags + ["--max-steps", "1"])[0]
+            assay = Assay() if set(flags) & set(sweep.ASSAY_FLAGS) else None
+            args = parse_args(flags + ["--max-steps", "1"], assay)[0]
             assert (args.guard == "on") == ("-guard" in name), name  # only guard arms are guarded
 
 
@@ -2406,8 +2429,8 @@ def test_the_sweeps_clash_check_compares_what_the_flags_set(tmp_path, capsys, mo
     import run
     build_parser = run.build_parser
 
-    def with_prefixes():   # train.py's parser refuses them (allow_abbrev=False): the check must not rely on that
-        parser = build_parser()
+    def with_prefixes(*extension):   # train.py's parser refuses them (allow_abbrev=False): the check must not rely on that
+        parser = build_parser(*extension)
         parser.allow_abbrev = True
         return parser
     monkeypatch.setattr(run, "build_parser", with_prefixes)
