@@ -505,7 +505,7 @@ def prepare_data_once(extra):
         preset = run.auto_preset("cuda" if on_gpu else "cpu")
     tokenizer = flag_value(extra, "--tokenizer", run.PRESETS.get(preset, {}).get("tokenizer", "gpt2"))
     out = prepare_data.default_out_dir(dataset, tokenizer)
-    if dataset in ("pycode", "shakespeare") and not os.path.exists(os.path.join(out, "meta.json")):
+    if dataset == "pycode" and not os.path.exists(os.path.join(out, "meta.json")):   # train.py's own
         print(f"preparing {out} ({tokenizer} tokens) once before the runs start", flush=True)
         subprocess.run([sys.executable, os.path.join(ROOT, "prepare_data.py"), "--dataset", dataset,
                         "--tokenizer", tokenizer, "--out-dir", out], check=True)
