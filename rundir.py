@@ -61,22 +61,24 @@ def start_run(args, typed, master=True):
     state = newest_checkpoint(paths["ckpt.pt"]) if checkpoints else None
     config = read_saved_args(paths["config.json"]) if os.path.exists(paths["config.json"]) else None
     saved = state["args"] if state else config
-    if differ := [f"{k} {saved.get(k)} vs {config.get(k)}" for k in MODEL_SHAPE
-                  if config is not None and config.get(k) != saved.get(k)]:
+    differ = [f"{k} {saved.get(k)} vs {config.get(k)}" for k in MODEL_SHAPE
+              if config is not None and config.get(k) != saved.get(k)]
+    if differ:
         raise SystemExit(f"error: the checkpoint and config.json in {out} disagree "
                          f"({', '.join(differ)}): resume a folder whose files are one run's")
     # the default data folder of the checkout it ran in is this checkout's (unless --data-dir)
     here = prepare_data.default_out_dir(saved["dataset"], saved["tokenizer"])
     if os.path.normpath(saved["data_dir"]).split(os.sep)[-2:] == here.split(os.sep)[-2:]:
         saved = {**saved, "data_dir": typed.get("data_dir", here)}
-    if used := [f"--{k.replace('_', '-')} {saved[k]}" for k, unused in run.ASSAY_UNUSED.items()
-                if k not in vars(args) and saved.get(k, unused) != unused]:
+    used = [f"--{k.replace('_', '-')} {saved[k]}" for k, unused in run.ASSAY_UNUSED.items()
+            if k not in vars(args) and saved.get(k, unused) != unused]
+    if used:   # the lab's assay, which train.py does not have: its own command goes on
         raise SystemExit(f"error: this run used the lab's assay ({', '.join(used)}): resume it "
                          f"with `{run.ASSAY_COMMAND} --resume --out-dir {out}`")
     free = run.RESUMABLE_CHANGES
-    if conflicts := [f"--{k.replace('_', '-')} {v} (saved: {saved.get(k)})"
-                     for k, v in typed.items() if k in saved and saved[k] != v and k not in free
-                     and (k, v) != ("preset", "auto")]:
+    conflicts = [f"--{k.replace('_', '-')} {v} (saved: {saved.get(k)})" for k, v in typed.items()
+                 if k in saved and saved[k] != v and k not in free and (k, v) != ("preset", "auto")]
+    if conflicts:
         raise SystemExit(f"error: --resume keeps the saved flags, but these differ: "
                          f"{'; '.join(conflicts)}: drop them, or start a new run in another "
                          f"--out-dir")

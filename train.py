@@ -324,7 +324,9 @@ def gain_record(model):
 
 
 def collapsed(detector, record, log):
-    if not detector.update(record["step"], record["loss"]):
+    """Give the detector the record's loss; on a collapse, log it. Returns whether it collapsed."""
+    collapse = detector.update(record["step"], record["loss"])
+    if not collapse:
         return False
     log.write({"event": "collapse", "step": detector.collapsed_at, "loss": record["loss"]},
               f"step {record['step']:6d} | COLLAPSE detected (first bad step "

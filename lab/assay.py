@@ -131,9 +131,10 @@ class ErrorInjector:
         attention layer's attention function wrapped (attention_with_delta_error, with the error that
         begin_step sets); the model's code is untouched."""
         self.attentions = model.attentions
-        if self.site == "delta":
-            for layer, attn in enumerate(self.attentions):
-                attn.attention = functools.partial(self._attention, layer, attn.attention)
+        if self.site == "delta":   # each layer's own function, kept to be put back (detach)
+            self.unwrapped = [attn.attention for attn in self.attentions]
+            for layer, (attn, attention) in enumerate(zip(self.attentions, self.unwrapped)):
+                attn.attention = functools.partial(self._attention, layer, attention)
         hook = {"attn-out": lambda b, layer: b.attn.o_proj.register_forward_pre_hook(
                     lambda m, args: (self(args[0], "attn-out", layer),)),
                 "mlp-in": lambda b, layer: b.mlp.register_forward_pre_hook(
@@ -150,8 +151,8 @@ class ErrorInjector:
         for handle in self.handles:
             handle.remove()
         self.handles = []
-        for attn in self.attentions if self.site == "delta" else []:
-            attn.attention = attn.attention.args[1]   # the function attach() wrapped
+        for attn, attention in zip(self.attentions, self.unwrapped if self.site == "delta" else []):
+            attn.attention = attention
 
     def _attention(self, layer, attention, q, k, v, **settings):
         """A delta layer's attention: its error in the backward while one is set and not paused."""
