@@ -201,8 +201,8 @@ def test_twin_backward_without_its_rounding_is_the_fp32_backward(accum, dtype, r
     # materialized fp32 backward exactly (for the bf16 state's o and lse too: delta reads the stored o).
     q, k, v, do = (randn(1, 2, 90, 32, dtype=dtype, scale=2.0) for _ in range(4))
     scale = 32 ** -0.5
-    o, lse, _ = torch.ops.qkguard.attn_fwd(q, k, v, None, scale, softcap, accum, rounding, 2.0, "torch", 128)
-    got = torch.ops.qkguard.attn_bwd(do, q, k, v, o, lse, None, scale, softcap, rounding, "torch", 128)
+    o, lse, _ = torch.ops.qkguard.attn_fwd(q, k, v, scale, softcap, accum, rounding, 2.0, "torch", 128)
+    got = torch.ops.qkguard.attn_bwd(do, q, k, v, o, lse, scale, softcap, rounding, "torch", 128)
     want = fp32_backward(do, q, k, v, o, lse, scale, softcap, "logits" in rounding)
     for name, a, b in zip(("dq", "dk", "dv"), got, want):
         assert torch.equal(a, b), f"seed {seed}: {name} differs in {(a != b).sum().item()} elements"
@@ -215,8 +215,8 @@ def test_bf16_backward_tiles_do_not_follow_block_n(impl, seed):
     need_triton(impl)
     q, k, v, do = (randn(1, 2, 150, 32, scale=2.0) for _ in range(4))
     scale, sources = 32 ** -0.5, "logits,pv,backward"
-    o, lse, _ = torch.ops.qkguard.attn_fwd(q, k, v, None, scale, 0.0, "bf16", sources, 2.0, impl, 64)
-    grads = [torch.ops.qkguard.attn_bwd(do, q, k, v, o, lse, None, scale, 0.0, sources, impl, n)
+    o, lse, _ = torch.ops.qkguard.attn_fwd(q, k, v, scale, 0.0, "bf16", sources, 2.0, impl, 64)
+    grads = [torch.ops.qkguard.attn_bwd(do, q, k, v, o, lse, scale, 0.0, sources, impl, n)
              for n in (None, 32, 128)]
     assert all_finite((o, grads[0]))
     assert all(torch.equal(a, b) for other in grads[1:] for a, b in zip(grads[0], other)), f"seed {seed}"

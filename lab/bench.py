@@ -431,7 +431,7 @@ def _kernel_launches(q, k, v, do, accum, rounding):
     forward."""
     B, H, T, D = q.shape
     scale = D ** -0.5
-    o, lse, _ = torch.ops.qkguard.attn_fwd(q, k, v, None, scale, 0.0, accum, ",".join(rounding), 2.0, "triton", None)
+    o, lse, _ = torch.ops.qkguard.attn_fwd(q, k, v, scale, 0.0, accum, ",".join(rounding), 2.0, "triton", None)
     delta = ak.bwd_delta(o, do, rounding)
     fwd = (ak.new_like(q), ak.new_buffer((B, H, T), torch.float32, q.device), ak.new_buffer((B, H, T), torch.float32, q.device))
     dkdv, dq = (ak.new_like(q), ak.new_like(q)), (ak.new_like(q),)
