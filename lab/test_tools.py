@@ -1612,7 +1612,8 @@ def test_the_flags_a_rules_arms_may_differ_in():
     # a resume may change these (run.py's list); max_steps, though, the arms must share
     # data_dir too: where a run recorded its data's content hash, the hash decides; else only the folder tells
     assert report.RUN_SPECIFIC == (run.RESUMABLE_CHANGES - {"max_steps", "data_dir"}) | {"seed"}
-    flags = set(run.build_parser().flag_defaults)   # train.py's flags as config.json names them
+    from lab.assay import Assay
+    flags = set(run.build_parser(Assay()).flag_defaults)   # lab.train_assay's: train.py's and the assay's
     assert all(report.OWN_FLAGS[name] <= flags for name in report.OWN_FLAGS)
     assert report.OWN_FLAGS["fp32-guard"] == {"accum", "guard"}
     assert report.OWN_FLAGS["lr-guard-clip"] == {"accum", "lr", "min_lr", "warmup_steps", "schedule", "guard",
