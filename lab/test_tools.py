@@ -2144,9 +2144,11 @@ def test_every_arm_of_every_claim_runs_end_to_end_and_is_judged(tmp_path, data_d
             **{name: flags for source in ("assay", "lr") for name, flags in sweep.experiments([5, 6], source=source)
                .items()}}   # claims 5 and 6 on the CPU lab's runaways too
     assert len(arms) > 70
+    from lab.assay import Assay
     for name, flags in arms.items():
         out = root / name / "seed1"
-        train.main(flags + tiny + ["--out-dir", str(out)])
+        assay = Assay() if set(flags) & set(sweep.ASSAY_FLAGS) else None   # as the sweep runs it
+        train.main(flags + tiny + ["--out-dir", str(out)], extension=assay)
         assert sweep.run_state(str(out)) == "completed", name
     groups = report.load_runs(str(root))
     assert set(groups) == set(arms)
