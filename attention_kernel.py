@@ -557,8 +557,8 @@ def _no_autocast(x):
 
 
 @torch.library.custom_op("qkguard::attn_fwd", mutates_args=())
-def _attn_fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, delta_error: Optional[torch.Tensor],
-                 scale: float, softcap: float, accum: str, rounding: str, beta: float, impl: str,
+def _attn_fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, softcap: float, accum: str,
+                 rounding: str, beta: float, impl: str,
                  block_n: Optional[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     o = new_like(q)
     q, k, v = _in_layout(o, q, k, v)
@@ -574,20 +574,15 @@ def _attn_fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, delta_error:
 
 
 @_attn_fwd_op.register_fake
-def _(q, k, v, delta_error, scale, softcap, accum, rounding, beta, impl, block_n):
+def _(q, k, v, scale, softcap, accum, rounding, beta, impl, block_n):
     return new_like(q), *(q.new_empty(q.shape[:3], dtype=torch.float32) for _ in range(2))   # o, lse, row max
 
 
 @torch.library.custom_op("qkguard::attn_bwd", mutates_args=())
 def _attn_bwd_op(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
-                 lse: torch.Tensor, delta_error: Optional[torch.Tensor], scale: float, softcap: float,
-                 rounding: str, impl: str, block_n: Optional[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                 lse: torch.Tensor, scale: float, softcap: float, rounding: str, impl: str,
+                 block_n: Optional[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     dq, dk, dv = (new_like(q) for _ in range(3))
-    if delta_error is not None:
-        # The assay's "delta" site: delta = rowsum(dO * (O + e)), e = delta_error[h] * rms(O_h): the
-        # way a biased O reaches the gradient (through delta: dq and dk only), forward untouched.
-        rms = o.float().pow(2).mean(dim=(0, 2, 3)).sqrt()                              # (H,)
-        o = (o.float() + (delta_error.float() * rms[:, None])[None, :, None, :]).to(o.dtype)
     do, q, k, v, o = _in_layout(dq, do, q, k, v, o)
     sources = tuple(rounding.split(",")) if rounding else ()
     if impl == "triton":
@@ -603,21 +598,21 @@ def _attn_bwd_op(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Te
 
 
 @_attn_bwd_op.register_fake
-def _(do, q, k, v, o, lse, delta_error, scale, softcap, rounding, impl, block_n):
+def _(do, q, k, v, o, lse, scale, softcap, rounding, impl, block_n):
     return new_like(q), new_like(q), new_like(q)
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, delta_error, scale, softcap, accum, rounding, beta, impl, block_n = inputs
-    ctx.save_for_backward(q, k, v, *output[:2], delta_error)         # o, lse
+    q, k, v, scale, softcap, accum, rounding, beta, impl, block_n = inputs
+    ctx.save_for_backward(q, k, v, *output[:2])                      # o, lse
     ctx.args = (scale, softcap, rounding, impl, block_n)
     ctx.mark_non_differentiable(*output[1:])                         # lse, row max
 
 
 def _backward(ctx, do, _dlse, _drow_max):
-    q, k, v, o, lse, delta_error = ctx.saved_tensors
-    dq, dk, dv = torch.ops.qkguard.attn_bwd(do, q, k, v, o, lse, delta_error, *ctx.args)
-    return dq, dk, dv, None, None, None, None, None, None, None, None
+    q, k, v, o, lse = ctx.saved_tensors
+    dq, dk, dv = torch.ops.qkguard.attn_bwd(do, q, k, v, o, lse, *ctx.args)
+    return dq, dk, dv, None, None, None, None, None, None, None
 
 
 _attn_fwd_op.register_autograd(_backward, setup_context=_setup_context)
@@ -645,7 +640,7 @@ def _rms_norm(x, eps=1e-6):
     return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
 
 
-def _checked(q, k, v, accum, impl, softcap, safemax_beta, block_n, rounding, delta_error):
+def _checked(q, k, v, accum, impl, softcap, safemax_beta, block_n, rounding):
     """(impl, rounding) resolved, or a ValueError that says what to do. "auto": Triton on CUDA, else
     the twin. rounding: ROUNDING_SOURCES in order; None: DEFAULT_ROUNDING for bf16 (not sdpa), else ()."""
     if isinstance(rounding, str):
@@ -671,9 +666,6 @@ def _checked(q, k, v, accum, impl, softcap, safemax_beta, block_n, rounding, del
         raise ValueError(f"safemax_beta must be finite and > 1 (the prior work uses 2..8); got {safemax_beta}")
     if "backward" in rounding and q.dtype != torch.bfloat16:
         raise ValueError(f"rounding 'backward' is the prior work's bf16 backward: it needs bf16 inputs; got {q.dtype}")
-    if delta_error is not None and tuple(delta_error.shape) != (q.shape[1], q.shape[3]):
-        raise ValueError(f"delta_error must be (heads, head_dim) = {(q.shape[1], q.shape[3])}; got "
-                         f"{tuple(delta_error.shape)}")
     impl = ("triton" if q.is_cuda else "torch") if impl == "auto" else impl
     if impl == "triton":
         if q.shape[3] not in TRITON_HEAD_DIMS:
@@ -686,14 +678,14 @@ def _checked(q, k, v, accum, impl, softcap, safemax_beta, block_n, rounding, del
             raise ValueError(f"impl='triton' needs block_n a power of two in [16, 128]; got {block_n}")
     if block_n is not None and block_n < 1:
         raise ValueError(f"block_n must be a positive integer; got {block_n}")
-    if impl == "sdpa" and (accum != "fp32" or softcap > 0 or rounding or delta_error is not None):
-        raise ValueError("impl='sdpa' supports only accum='fp32', no rounding sources and no delta_error or softcap; "
-                         "use impl='triton' or 'torch'")
+    if impl == "sdpa" and (accum != "fp32" or softcap > 0 or rounding):
+        raise ValueError("impl='sdpa' supports only accum='fp32', no rounding sources and no softcap; use "
+                         "impl='triton' or 'torch'")
     return impl, rounding
 
 
 def attention(q, k, v, accum="fp32", qk_norm=False, return_max_logit=False, *, scale=None, softcap=0.0,
-              safemax_beta=2.0, impl="auto", block_n=None, rounding=None, delta_error=None):
+              safemax_beta=2.0, impl="auto", block_n=None, rounding=None):
     """Causal multi-head attention. q, k, v: (batch, heads, time, head_dim), one dtype (bf16, fp16,
     fp32). Returns o (q's shape and dtype), or (o, max_logit).
 
@@ -703,10 +695,8 @@ def attention(q, k, v, accum="fp32", qk_norm=False, return_max_logit=False, *, s
     softcap > 0: logits <- softcap * tanh(logits / softcap).
     max_logit: (batch, heads) float32, the max of the logits entering the softmax; no gradient.
     impl: one of IMPLS. block_n: the streaming loop's key block.
-    delta_error: (heads, head_dim), the assay's error in the O that the backward's delta sees, in
-        units of each head's rms(O); the forward is unchanged.
     """
-    impl, rounding = _checked(q, k, v, accum, impl, softcap, safemax_beta, block_n, rounding, delta_error)
+    impl, rounding = _checked(q, k, v, accum, impl, softcap, safemax_beta, block_n, rounding)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     if qk_norm:
         q, k = _rms_norm(q), _rms_norm(k)
@@ -714,7 +704,7 @@ def attention(q, k, v, accum="fp32", qk_norm=False, return_max_logit=False, *, s
         o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
         max_logit = _max_logit_chunked(q, k, scale) if return_max_logit else None
     else:
-        o, _, row_max = torch.ops.qkguard.attn_fwd(q, k, v, delta_error, scale, float(softcap), accum,
-                                                   ",".join(rounding), float(safemax_beta), impl, block_n)
+        o, _, row_max = torch.ops.qkguard.attn_fwd(q, k, v, scale, float(softcap), accum, ",".join(rounding),
+                                                   float(safemax_beta), impl, block_n)
         max_logit = row_max.detach().amax(dim=-1)
     return (o, max_logit) if return_max_logit else o

@@ -110,7 +110,7 @@ class CausalSelfAttention(nn.Module):
         self.accum = config.accum
         self.qk_norm = config.qk_norm
         self.softcap = config.softcap
-        self.delta_error = None   # the assay's delta error, set by lab/assay.py: see attention()
+        self.attention = attention   # what attend() calls: the kernel's, or a wrapper of it
 
     def head_weights(self):
         """W_q and W_k viewed per head: two (n_head, head_dim, n_embd) views of the live weights."""
@@ -128,12 +128,13 @@ class CausalSelfAttention(nn.Module):
         return q, k, v
 
     def attend(self, q, k, v, **changes):
-        """attention() with this layer's settings (the guard's switches included); `changes`
-        overrides some, as the assay's fault-free pass and train.py's settings check do."""
-        settings = dict(accum=self.accum, qk_norm=self.qk_norm, return_max_logit=self.return_max_logit,
-                        scale=self.scale, softcap=self.softcap, safemax_beta=self.beta, impl=self.impl,
-                        block_n=self.block_n, rounding=self.rounding, delta_error=self.delta_error)
-        return attention(q, k, v, **{**settings, **changes})
+        """self.attention() with this layer's settings (the guard's switches included); `changes`
+        overrides some, as a fault-free pass and train.py's settings check do."""
+        settings = dict(accum=self.accum, qk_norm=self.qk_norm, scale=self.scale,
+                        return_max_logit=self.return_max_logit, softcap=self.softcap,
+                        safemax_beta=self.beta, impl=self.impl, block_n=self.block_n,
+                        rounding=self.rounding)
+        return self.attention(q, k, v, **{**settings, **changes})
 
     def forward(self, x, rotary=None):
         B, T, C = x.shape
@@ -188,7 +189,8 @@ class GPT(nn.Module):
             raise ValueError(f"unknown arch {config.arch!r}: choose 'gpt2' or 'llama'")
         self.config = config
         self.tok_emb = nn.Embedding(config.vocab_size, config.n_embd)
-        self.pos_emb = nn.Embedding(config.block_size, config.n_embd) if config.arch == "gpt2" else None
+        learned = config.arch == "gpt2"   # positions: learned (gpt2), or rotary (llama)
+        self.pos_emb = nn.Embedding(config.block_size, config.n_embd) if learned else None
         self.drop = nn.Dropout(config.dropout)
         self.blocks = nn.ModuleList(Block(config, i) for i in range(config.n_layer))
         self.norm_f = make_norm(config)
@@ -203,7 +205,8 @@ class GPT(nn.Module):
     def _init_weights(self, module):
         # GPT-2 init; projections that write into the residual stream are scaled down by depth
         if isinstance(module, nn.Linear):
-            std = 0.02 / math.sqrt(2 * self.config.n_layer) if getattr(module, "residual_out", False) else 0.02
+            residual = getattr(module, "residual_out", False)
+            std = 0.02 / math.sqrt(2 * self.config.n_layer) if residual else 0.02
             nn.init.normal_(module.weight, mean=0.0, std=std)
         elif isinstance(module, nn.Embedding):
             nn.init.normal_(module.weight, mean=0.0, std=0.02)
@@ -214,14 +217,16 @@ class GPT(nn.Module):
 
     def weight_matrices(self, kinds=WEIGHT_KINDS):
         """{kind: its weight in every layer}; mlp_in is the up projection (SwiGLU's gate aside)."""
-        return {kind: [block.get_submodule(WEIGHT_OWNERS[kind]).weight for block in self.blocks] for kind in kinds}
+        return {kind: [block.get_submodule(WEIGHT_OWNERS[kind]).weight for block in self.blocks]
+                for kind in kinds}
 
     def qk_weights(self):
         """W_q and W_k of every layer, layer by layer: the QK channel's parameters."""
         return [w for layer in zip(*self.weight_matrices(QK_KINDS).values()) for w in layer]
 
     def attention_gains(self):
-        """Each layer's pre-attention norm gain (norm1's weight, the g of g * x_hat that W_q and W_k meet)."""
+        """Each layer's pre-attention norm gain (norm1's weight: the g of g * x_hat that W_q, W_k
+        meet)."""
         return [block.norm1.weight for block in self.blocks]
 
     def num_params(self):
@@ -232,7 +237,8 @@ class GPT(nn.Module):
         """(logits, loss or None, max_logit: (n_layer, n_head), None if config.max_logit is off)."""
         B, T = idx.shape
         if T > self.config.block_size:
-            raise ValueError(f"sequence of length {T} is longer than block_size {self.config.block_size}")
+            raise ValueError(f"sequence of length {T} is longer than block_size "
+                             f"{self.config.block_size}")
         x = self.tok_emb(idx)
         rotary = None
         if self.pos_emb is not None:
@@ -259,7 +265,8 @@ class GPT(nn.Module):
             if top_k is not None:
                 kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, [-1]]
                 logits = logits.masked_fill(logits < kth, float("-inf"))
-            idx = torch.cat([idx, torch.multinomial(F.softmax(logits, dim=-1), num_samples=1)], dim=1)
+            next_token = torch.multinomial(F.softmax(logits, dim=-1), num_samples=1)
+            idx = torch.cat([idx, next_token], dim=1)
         return idx
 
     def configure_optimizer(self, lr, weight_decay, betas):

@@ -5,7 +5,6 @@
 import argparse
 import errno
 import hashlib
-import importlib.util
 import os
 import subprocess
 import sys
@@ -15,6 +14,7 @@ import pytest
 import tiktoken
 
 import prepare_data as prep
+import tokenizer
 
 EOT = 50256
 FILES = {  # rel path -> text: unicode, a literal special-token string, an empty file, a subfolder
@@ -50,7 +50,7 @@ def build(tmp_path, name="out", **kw):
 
 
 def test_known_tokens(tmp_path):
-    enc = tiktoken.get_encoding(prep.GPT2_ENCODING)
+    enc = tiktoken.get_encoding(tokenizer.GPT2_ENCODING)
     assert enc.encode_ordinary("hello world") == [31373, 995]
     assert enc.eot_token == EOT and enc.n_vocab == 50257
     make_files(tmp_path / "src", {"hello.txt": "hello world"})
@@ -100,7 +100,7 @@ def test_byte_tokens_give_every_file_back_byte_for_byte(tmp_path):
     meta = prep.read_meta(out)
     assert [meta[k] for k in ("tokenizer", "vocab_size", "eot_token", "dtype")] == ["byte", 257, 256, "uint16"]
     assert meta["options"]["tokenizer"] == "byte"
-    enc = prep.get_tokenizer("byte")
+    enc = tokenizer.get_tokenizer("byte")
     seen = set()
     for split in prep.SPLITS:
         tokens = load(out, split)
@@ -178,7 +178,7 @@ def test_pycode_is_the_same_wherever_the_readme_was_followed(tmp_path, capsys):
 
 
 def test_the_byte_tokenizer_gives_every_byte_value_back():
-    enc = prep.ByteTokenizer()
+    enc = tokenizer.ByteTokenizer()
     every = bytes(range(256))
     assert enc.decode_bytes([*every, enc.eot_token]) == every          # end-of-text dropped, all else kept
     text = "".join(map(chr, range(1, 0x800))) + "漢字✓\U0001F600"       # 1- to 4-byte UTF-8
@@ -273,25 +273,6 @@ def test_crash_while_publishing_leaves_nothing_that_looks_complete(tmp_path, mon
     assert all(len(load(out, s)) == meta["tokens"][s] for s in prep.SPLITS)
 
 
-def test_shakespeare_split_by_position_offline(tmp_path):
-    out = tmp_path / "shakespeare"
-    out.mkdir()
-    text = "".join(f"LINE {i}: To be, or not to be.\n" for i in range(300))
-    (out / "input.txt").write_text(text)  # present, so nothing is downloaded
-    prep.prepare("shakespeare", out_dir=str(out))
-    enc = tiktoken.get_encoding("r50k_base")
-    train, val = load(out, "train").tolist(), load(out, "val").tolist()
-    assert train[-1] == val[-1] == EOT
-    cut = int(len(text) * 0.9)
-    assert enc.decode(train[:-1]) == text[:cut] and enc.decode(val[:-1]) == text[cut:]
-
-
-@pytest.mark.skipif(importlib.util.find_spec("datasets") is not None, reason="datasets is installed")
-def test_owt_without_datasets_says_what_to_install(tmp_path):
-    with pytest.raises(SystemExit, match="pip install datasets"):
-        prep.prepare("owt", out_dir=str(tmp_path / "owt"))
-
-
 @pytest.mark.parametrize("argv, message", [
     (["--dataset", "text", "--input", "/no/such/path"], "/no/such/path: no such file or folder"),
     (["--dataset", "text"], "--dataset text needs --input"),
@@ -338,23 +319,23 @@ def stop_midway(tmp_path, sig):
 def test_a_stopped_first_build_leaves_nothing_that_a_later_run_refuses(tmp_path, sig):
     import run
     out = stop_midway(tmp_path, sig)
-    assert sorted(os.listdir(out)) == [], "its lock and temporaries are gone: train.py prepares into an empty folder"
+    left = {".lock"} if sig == "SIGINT" else {".lock", ".train.bin.tmp", ".val.bin.tmp"}
+    assert set(os.listdir(out)) == left, "Ctrl-C removes its temporaries; a kill leaves them to the next"
+    assert prep.foreign_files(str(out)) == [], "what it leaves is its own: train.py prepares there"
     with pytest.raises(SystemExit, match="no prepared data"):     # not "holds ...: it is left alone"
         run.ensure_data(argparse.Namespace(data_dir=str(out), dataset="text", tokenizer="gpt2"), None)
 
 
 def test_a_killed_builds_lock_and_temporaries_are_its_own_and_the_next_build_removes_them(tmp_path):
     out = stop_midway(tmp_path, "SIGKILL")
-    assert ".lock" in os.listdir(out) and prep.foreign_files(str(out), "text") == [], os.listdir(out)
+    assert ".lock" in os.listdir(out) and prep.foreign_files(str(out)) == [], os.listdir(out)
     (out / "notes.txt").write_text("mine")
-    assert prep.foreign_files(str(out), "text") == ["notes.txt"], "anything else is not prepare_data's"
+    assert prep.foreign_files(str(out)) == ["notes.txt"], "anything else is not prepare_data's"
     build(tmp_path)
-    assert sorted(os.listdir(out)) == ["meta.json", "notes.txt", "train.bin", "val.bin"]
+    assert sorted(os.listdir(out)) == [".lock", "meta.json", "notes.txt", "train.bin", "val.bin"]
     assert (out / "notes.txt").read_text() == "mine"
-    (tmp_path / "shakespeare").mkdir()
-    (tmp_path / "shakespeare" / "input.txt").write_text("To be")       # its download, or the user's copy of it
-    assert prep.foreign_files(str(tmp_path / "shakespeare"), "shakespeare") == []
-    assert prep.foreign_files(str(tmp_path / "shakespeare"), "text") == ["input.txt"]
+    (out / prep.REPLACING).write_text("{}")   # a build stopped while publishing: all of it is its own
+    assert prep.foreign_files(str(out)) == []
 
 
 @pytest.mark.parametrize("code", [errno.ENOSPC, errno.EROFS])
@@ -364,7 +345,7 @@ def test_a_full_or_read_only_disk_ends_in_one_line_naming_the_folder(tmp_path, m
     monkeypatch.setattr(prep, "_write_tokens", fail)
     with pytest.raises(SystemExit, match=f"cannot write the dataset into {tmp_path / 'out'}: {os.strerror(code)}"):
         build(tmp_path)
-    assert os.listdir(tmp_path / "out") == [], "nothing half-written is left"
+    assert os.listdir(tmp_path / "out") == [".lock"], "nothing half-written is left (the lock stays)"
 
 
 def test_an_out_dir_under_a_file_ends_in_one_line(tmp_path):

@@ -5,79 +5,88 @@ Train a GPT and watch (or guard) the query-key channel.
     python train.py --accum bf16 --guard off         # ... and without it
     torchrun --nproc_per_node=8 train.py --preset gpt2 --accum bf16 --guard on
 
-Every choice is a flag (`python train.py --help`): run.py defines them, the presets and the run folder
-(--out-dir: config.json, log.jsonl, ckpt.pt). The loop's numbered comments mark where the guard acts; at
-its `assay.` lines lab/assay.py's extension (injected errors, the QK-only fix, the probe) acts where lab/ is present.
+Every choice is a flag (`python train.py --help`): run.py defines them and the presets, rundir.py
+the run folder (--out-dir: config.json, log.jsonl, ckpt.pt). The loop's numbered comments mark where
+the guard acts; at its `extension.` lines a plug-in may act (run.Extension; none here: `python -m
+lab.train_assay` is this loop with the lab's assay, lab/train_assay.py).
 """
 import contextlib
 import math
+import os
 import sys
 import time
 
 try:   # Ctrl-C while torch loads (seconds): nothing was started, so one line and no traceback
+    import numpy as np
     import torch
 
     import model as model_lib
     import prepare_data
     import run
+    import rundir
     from guard import CollapseDetector, QKGuard, SpectralMonitor
     from model import NON_QK_KINDS, QK_KINDS
+    from tokenizer import VOCAB_SIZES
 except KeyboardInterrupt:
     print("interrupted while loading torch: nothing was written; run it again", file=sys.stderr)
     sys.exit(130)
 
 
-def main(argv=None):
-    # -------------------------------------------------------------------------------- configuration, data
-    args, dist, state, changed, batches = configure(argv)
+def main(argv=None, extension=None):
+    # -------------------------------------------------------------------------- configuration, data
+    extension = extension or run.Extension()     # a plug-in's flags and hooks (run.Extension: none)
+    args, dist, state, changed, batches = configure(argv, extension)
     use_bf16 = args.dtype == "bf16" or (args.dtype == "auto" and dist.device.type == "cuda")
-    autocast = (lambda: torch.autocast(dist.device.type, dtype=torch.bfloat16)) if use_bf16 else contextlib.nullcontext
+    autocast = (lambda: torch.autocast(dist.device.type, dtype=torch.bfloat16)) if use_bf16 \
+        else contextlib.nullcontext
 
-    # -------------------------------------------------------------------------------- model, optimizer, watchers
-    model, optimizer, train_model, eval_model = build_model(args, dist, use_bf16)
+    # ------------------------------------------------------------------- model, optimizer, watchers
+    model, optimizer, train_model, eval_model = build_model(args, dist, use_bf16, extension)
     monitor = SpectralMonitor(model, seed=args.seed)
     guard = QKGuard.from_args(args)
-    detector = CollapseDetector(args.collapse_margin, args.collapse_patience, args.collapse_smoothing)
-    assay = run.extension(args, model, lambda: batches.get("train", 0, 0)[0], autocast)   # lab/assay.py, or none
-    totals, run_dir, step = Totals(dist.device), run.RunDir(args, dist, batches.windows.identity), 0
-    parts = dict(model=model, optimizer=optimizer, monitor=monitor, detector=detector, guard=guard, totals=totals,
-                 **assay.parts())
+    detector = CollapseDetector(args.collapse_margin, args.collapse_patience,
+                                args.collapse_smoothing)
+    extension.start(args, model, lambda: batches.get("train", 0, 0)[0], autocast)
+    run_dir = rundir.RunDir(args, dist, batches.windows.identity)
+    totals, step = Totals(dist.device), 0
+    parts = dict(model=model, optimizer=optimizer, monitor=monitor, detector=detector, guard=guard,
+                 totals=totals, **extension.parts())
     if state is None:
         monitor.measure(model, iters=30)         # converged before step 0
     else:
         step = run_dir.restore(state, parts)
         guard.apply_to_model(model)              # a latched action stays on
-    saved_step, stop = step, run.StopSignal()    # nothing to save before the first update; Ctrl-C: stop there
+    saved_step, stop = step, rundir.StopSignal()   # nothing to save before the first update
     log = run_dir.start_log(model.num_params(), step, resumed=state is not None, changed=changed)
-    evaluate = lambda: totals.note_eval(step, validation_loss(eval_model, batches, step, args, dist, autocast,
-                                                              log))
+    evaluate = lambda: totals.note_eval(
+        step, validation_loss(eval_model, batches, step, args, dist, autocast, log))
 
-    # -------------------------------------------------------------------------------- the loop
+    # ------------------------------------------------------------------------------------- the loop
     # A record's "step" counts the updates before it: a step record's loss and max logit come from
     # update `step`'s forward; an eval at `step` sees the weights after `step` updates.
     status = "completed"
     totals.start_clock()
     try:
-        # a new run's eval at step 0; a run an older train.py stopped after its last step, before or without
-        # its last eval, gets that eval now (it resumes at max_steps: the loop below has nothing left to do)
-        if state is None or step == args.max_steps and (totals.last_eval or [None])[0] != step:
+        if state is None:   # a new run's eval at step 0
             evaluate()
         while step < args.max_steps:
             # (1) the learning rate; the lr-drop action scales it
             lr = lr_at(step, args) * guard.lr_scale()
             for group in optimizer.param_groups:
                 group["lr"] = lr
-            # (2) forward and backward; an assay error enters in the model, (3) or in the gradients
-            loss, max_logit = forward_backward(train_model, model, batches, step, args, dist, autocast, assay)
+            # (2) forward and backward; an extension may act in the model, (3) or on the gradients
+            loss, max_logit = forward_backward(train_model, model, batches, step, args, dist,
+                                               autocast, extension)
             totals.add(loss, max_logit)
             # (4) clip; the clip action tightens it
             clip = guard.grad_clip(args.grad_clip)
-            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip if clip > 0 else math.inf)
-            # (5) the update; the assay's probe projects it
-            assay.before_update(model)
+            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(),
+                                                       clip if clip > 0 else math.inf)
+            # (5) the update; an extension may change it (the lab's probe projects it)
+            extension.before_update(model)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
-            assay.after_update(model)
+            extension.after_update(model)
             # (6) watch W_q's and W_k's top singular values and the max logit; the guard checks them
             if step % args.monitor_interval == 0:
                 watch(step, model, monitor, guard, detector, totals, args, log)
@@ -86,18 +95,19 @@ def main(argv=None):
 
             step += 1
             if step % args.log_interval == 0 or step == args.max_steps:
-                record = write_interval_record(step, lr, grad_norm, model, args, dist, log, totals, monitor, guard,
-                                               assay)
-                if collapsed(detector, record, log) and args.on_collapse == "stop":
+                record = write_interval_record(step, lr, grad_norm, model, args, dist, log, totals,
+                                               monitor, guard, extension)
+                collapse = collapsed(detector, record, log)
+                if collapse and args.on_collapse == "stop":
                     status = "collapsed"
                     break
             if step % args.eval_interval == 0 or step == args.max_steps:
-                val_loss = evaluate()
+                evaluate()
             if step % args.ckpt_interval == 0 and saved_step != step:
                 run_dir.save(step, parts)
                 saved_step = step
             stopping = dist.any(stop)    # every rank stops at the same step
-            if stopping and step < args.max_steps:   # in the last step or eval: nothing left, it completes
+            if stopping and step < args.max_steps:   # in the last step or eval: it completes
                 status = "interrupted"
                 break
         if status == "collapsed":   # the end record's val loss is the collapsed model's
@@ -105,41 +115,42 @@ def main(argv=None):
         if saved_step != step:
             run_dir.save(step, parts)
     except BaseException as e:
-        log.write({"event": "end", "status": "error", "step": step, "error": f"{type(e).__name__}: {e}"})
+        log.write({"event": "end", "status": "error", "step": step,
+                   "error": f"{type(e).__name__}: {e}"})
         raise
     write_end_record(status, step, totals.last_eval, detector, guard, args, log)
     dist.close()
 
 
-# ----------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Setting up: the flags, the data, the model
 
-def configure(argv):
-    """(args, the processes, the checkpoint to resume or None, the flags a resume changed, the batches). The
-    data is prepared on first use; the model's vocabulary follows the data's tokenizer."""
-    args, typed, parser = run.parse_args(argv)
+def configure(argv, extension):
+    """(args, the processes, the checkpoint to resume or None, the flags a resume changed, the
+    batches). The data is prepared on first use; the model's vocabulary follows its tokenizer."""
+    args, typed, parser = run.parse_args(argv, extension)
     dist = run.Dist(args.device)
-    args = run.resolve(args, dist.device, parser)
-    dist.check_same(args.out_dir, "run folder")   # a default one is named by the launcher: one for every rank
-    args, state, changed = run.start_run(args, typed, dist.master)   # --resume: the saved run's flags
+    args = run.resolve(args, dist.device, parser, extension)
+    dist.check_same(args.out_dir, "run folder")   # a default one: named by the launcher, for all
+    args, state, changed = rundir.start_run(args, typed, dist.master)   # --resume: the saved flags
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.grad_accum % dist.world:
-        raise SystemExit(f"error: --grad-accum {args.grad_accum} must be a multiple of the {dist.world} processes")
+        raise SystemExit(f"error: --grad-accum {args.grad_accum} must be a multiple of the "
+                         f"{dist.world} processes")
     run.check_memory(args, dist.device)
-    if dist.device.type == "cpu":
-        run.tune_cpu_allocator()
     run.ensure_data(args, dist)
     batches = Batches(args, dist.device)
     args.tokenizer, args.vocab_size = vocabulary(args, typed, batches.windows)
     return args, dist, state, changed, batches
 
 
-def build_model(args, dist, use_bf16):
-    """The model (the same on every rank, checked against the kernel), its optimizer, and the --compile'd models
-    to train (DDP with several processes) and to evaluate (no DDP: a rank with no eval batch owes no collective)."""
+def build_model(args, dist, use_bf16, extension):
+    """The model (the same on every rank, checked against the kernel), its optimizer, and the
+    --compile'd models to train (DDP with several processes) and to evaluate (no DDP: a rank with
+    no eval batch owes no collective)."""
     torch.manual_seed(args.seed)                 # the same initial weights on every rank
-    model = model_lib.GPT(run.model_config(args)).to(dist.device)
+    model = model_lib.GPT(extension.model_config(args, run.model_config(args))).to(dist.device)
     check_attention_settings(model, dist.device, args, use_bf16)
     torch.manual_seed(args.seed + dist.rank)     # dropout masks differ per rank
     eval_model = train_model = torch.compile(model) if args.compile else model
@@ -150,15 +161,69 @@ def build_model(args, dist, use_bf16):
     return model, optimizer, train_model, eval_model
 
 
-# ----------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # The pieces the loop calls
+
+class TokenWindows:
+    """Random windows of block_size + 1 tokens of train.bin or val.bin (prepare_data.py's), checked
+    against meta.json. Step s's windows depend only on (seed, s): a resumed run sees the batches an
+    uninterrupted one would, runs with one seed see one data order, and N processes together see
+    the same global batch as one."""
+
+    def __init__(self, data_dir, block_size, batch_size, seed, dataset="pycode", tokenizer="gpt2"):
+        meta_path, meta = os.path.join(data_dir, "meta.json"), prepare_data.read_meta(data_dir)
+        redo = f"re-run `python prepare_data.py --dataset {dataset} --tokenizer {tokenizer} " \
+               f"--out-dir {data_dir} --force`"
+        if not isinstance(meta, dict):   # unreadable, not JSON, not an object: nothing is deleted
+            raise SystemExit(f"error: cannot read {meta_path} as a dataset description: {redo}")
+        self.tokenizer = meta.get("tokenizer")   # what the model is sized for, and every lookup
+        if (self.tokenizer, meta.get("vocab_size")) not in VOCAB_SIZES.items():
+            raise SystemExit(f"error: {meta_path} names no known tokenizer and vocabulary "
+                             f"(tokenizer {self.tokenizer!r}, vocab_size "
+                             f"{meta.get('vocab_size')!r}; known {VOCAB_SIZES}): "
+                             f"{redo}")
+        self.vocab_size, self.data = VOCAB_SIZES[self.tokenizer], {}
+        for split in prepare_data.SPLITS:
+            path = os.path.join(data_dir, f"{split}.bin")
+            expected = meta.get("tokens", {}).get(split)
+            if not os.path.exists(path):
+                raise SystemExit(f"error: {path} is missing although {meta_path} exists: {redo}")
+            size = os.path.getsize(path)
+            if size % 2 or (expected is not None and size // 2 != expected):
+                raise SystemExit(f"error: {path} holds {size} bytes, not the {expected} uint16 "
+                                 f"tokens meta.json records: the file is damaged; {redo}")
+            if size // 2 <= block_size + 1:
+                raise SystemExit(f"error: {path} holds {size // 2} tokens, too few for "
+                                 f"--block-size {block_size}")
+            self.data[split] = np.memmap(path, dtype=np.uint16, mode="r")
+            largest = int(self.data[split].max())   # ~0.1 s per 100M tokens
+            if largest >= self.vocab_size:
+                raise SystemExit(f"error: {path} holds token {largest}, outside the "
+                                 f"{self.tokenizer} vocabulary of {self.vocab_size} that "
+                                 f"{meta_path} gives: the file is not of this dataset; {redo}")
+        self.block_size, self.batch_size, self.seed = block_size, batch_size, seed
+        # what a run records of the data it trained on (config.json, log.jsonl's start record)
+        self.identity = {"dataset": meta.get("dataset"), "tokenizer": self.tokenizer,
+                         "content_sha256": meta.get("content_sha256"),
+                         "train_tokens": len(self.data["train"]),
+                         "val_tokens": len(self.data["val"]),
+                         "torch": meta.get("versions", {}).get("torch")}
+
+    def get(self, split, step, index):
+        """Window `index` of step `step` (val: eval batch `index`, the same at every eval), int64
+        (B, T + 1)."""
+        data, T = self.data[split], self.block_size
+        rng = np.random.default_rng([self.seed, 0 if split == "train" else 1, step, index])
+        starts = rng.integers(0, len(data) - T - 1, size=self.batch_size)
+        return np.stack([data[s:s + T + 1] for s in starts]).astype(np.int64)
+
 
 class Batches:
     """The token windows of train.bin and val.bin, as (inputs, next-token targets) on the device."""
 
     def __init__(self, args, device):
-        self.windows = prepare_data.TokenWindows(args.data_dir, args.block_size, args.batch_size, args.seed,
-                                                 args.dataset, args.tokenizer)
+        self.windows = TokenWindows(args.data_dir, args.block_size, args.batch_size, args.seed,
+                                    args.dataset, args.tokenizer)
         self.device = device
 
     def get(self, split, step, index):
@@ -169,10 +234,11 @@ class Batches:
         return window[:, :-1].contiguous(), window[:, 1:].contiguous()
 
 
-def forward_backward(train_model, model, batches, step, args, dist, autocast, assay):
-    """The gradients of one step, summed over its micro-batches (DDP syncs the last one only); returns
-    this rank's mean loss and the (n_layer, n_head) max logit over micro-batches and ranks, on the device."""
-    assay.begin_step(step)
+def forward_backward(train_model, model, batches, step, args, dist, autocast, extension):
+    """The gradients of one step, summed over its micro-batches (DDP syncs the last one only);
+    returns this rank's mean loss and the (n_layer, n_head) max logit over micro-batches and ranks,
+    on the device."""
+    extension.begin_step(step)
     micro_steps, loss, max_logit = args.grad_accum // dist.world, 0.0, None
     for micro in range(micro_steps):
         x, y = batches.get("train", step, micro * dist.world + dist.rank)
@@ -182,13 +248,14 @@ def forward_backward(train_model, model, batches, step, args, dist, autocast, as
         (micro_loss / micro_steps).backward()
         loss += micro_loss.detach().float() / micro_steps
         max_logit = running_max(max_logit, micro_max_logit)
-        assay.after_micro_backward(model, x, y, autocast, micro_steps)   # (3) the QK-only fix's clean gradient
-    assay.after_backward(model, dist)                                    # (3) an error in a weight's gradient
+        extension.after_micro_backward(model, x, y, autocast, micro_steps)   # (3) its own gradient
+    extension.after_backward(model, dist)                                    # (3) an error in one
     return loss, dist.all_reduce(max_logit.float(), "max")
 
 
 def validation_loss(eval_model, batches, step, args, dist, autocast, log):
-    """Mean validation loss over the same eval_iters batches each time, split over the ranks; logged."""
+    """Mean validation loss over the same eval_iters batches each time, split over the ranks;
+    logged."""
     eval_model.eval()
     total = torch.zeros(2, device=dist.device)
     with torch.no_grad():
@@ -199,65 +266,71 @@ def validation_loss(eval_model, batches, step, args, dist, autocast, log):
     eval_model.train()
     total = dist.all_reduce(total, "sum")
     val_loss = (total[0] / total[1]).item()
-    log.write({"event": "eval", "step": step, "val_loss": val_loss}, f"step {step:6d} | val loss {val_loss:.4f}")
+    log.write({"event": "eval", "step": step, "val_loss": val_loss},
+              f"step {step:6d} | val loss {val_loss:.4f}")
     return val_loss
 
 
 def watch(step, model, monitor, guard, detector, totals, args, log):
     """Measure W_q's and W_k's top singular values, and give them and the max logit since the last
-    check to the guard (which acts on a crossing one monitored step later: QKGuard.observe_deferred)."""
+    check to the guard (which acts on a crossing one monitored step later: observe_deferred)."""
     monitor.measure(model, args.power_iters, kinds=QK_KINDS)
     max_logit, totals.monitor_max_logit = totals.monitor_max_logit, None   # since the last check
     event = guard.observe_deferred(step, max_logit, monitor.sigma_head, model)
     if event:
         detector.pause(event["active_from"] + args.collapse_grace)   # the switch is not a collapse
-        log.write(event, f"step {event['step']:6d} | QK-Guard {event['event']}: {event['signal']} {event['value']:.1f}"
-                         f" > {guard.threshold:g} at layer {event['layer']} head {event['head']}: {guard.action} on "
-                         f"in layers {event['layers']} from step {event['active_from']}")
+        log.write(event, f"step {event['step']:6d} | QK-Guard {event['event']}: {event['signal']} "
+                         f"{event['value']:.1f} > {guard.threshold:g} at layer {event['layer']} "
+                         f"head {event['head']}: {guard.action} on in layers {event['layers']} "
+                         f"from step {event['active_from']}")
 
 
-def write_interval_record(step, lr, grad_norm, model, args, dist, log, totals, monitor, guard, assay):
-    """Write the record of the interval that ends at `step` (mean loss, max logit and sigmas since the
-    last record, at the last update, step - 1) and start the next interval; returns the record."""
+def write_interval_record(step, lr, grad_norm, model, args, dist, log, totals, monitor, guard,
+                          extension):
+    """Write the record of the interval that ends at `step` (mean loss, max logit and sigmas since
+    the last record, at the last update, step - 1) and start the next interval; returns it."""
     # the other weights, for the log only, with the power iterations of every step since the last
     # record (falling behind would understate a growing sigma)
     monitor.measure(model, args.power_iters * args.log_interval, kinds=NON_QK_KINDS)
     interval = totals.take_interval(dist, args.grad_accum * args.batch_size * args.block_size)
     record = {"step": step - 1, "lr": lr, "loss": interval["loss"], "grad_norm": grad_norm.item(),
-              "tokens_per_s": interval["tokens_per_s"], "max_logit": interval["max_logit"], **monitor.record(),
-              **gain_record(model),
+              "tokens_per_s": interval["tokens_per_s"], "max_logit": interval["max_logit"],
+              **monitor.record(), **gain_record(model),
               "guard": "on" if guard.triggered else ("dormant" if guard.enabled else "off"),
-              **assay.log_stats()}
+              **extension.log_stats()}
     max_logit = torch.tensor(record["max_logit"])
     layer, head = divmod(int(max_logit.argmax()), max_logit.shape[1])
     log.write(record, f"step {record['step']:6d} | loss {record['loss']:.4f} | lr {lr:.2e} | gnorm "
-                      f"{record['grad_norm']:.2f} | max logit {max_logit.max().item():7.1f} (L{layer} H{head}) | "
-                      f"sigma(Wq) {max(record['sigma_q']):.2f} | {record['tokens_per_s'] / 1e3:.1f}k tok/s | guard "
-                      f"{record['guard']}")
+                      f"{record['grad_norm']:.2f} | max logit {max_logit.max().item():7.1f} "
+                      f"(L{layer} H{head}) | sigma(Wq) {max(record['sigma_q']):.2f} | "
+                      f"{record['tokens_per_s'] / 1e3:.1f}k tok/s | guard {record['guard']}")
     totals.start_clock()
     return record
 
 
 @torch.no_grad()
 def gain_record(model):
-    """The pre-attention norm's gain g per layer (its rms and largest |g|), and per head the top singular
-    value of W_q,h diag(g) and W_k,h diag(g): the QK weights as the normalized input x_hat meets them. A max
-    logit is at most scale |x_hat_i| |x_hat_j| sigma(W_q,h diag g) sigma(W_k,h diag g), |x_hat|^2 <= n_embd:
-    a gain can grow the logits with sigma(W_q) held (claim 5's probe holds W_q's, not g). Exact, at log steps
-    only."""
-    gains = torch.stack(model.attention_gains()).detach().float()                        # (layer, n_embd)
+    """The pre-attention norm's gain g per layer (its rms and largest |g|), and per head the top
+    singular value of W_q,h diag(g) and W_k,h diag(g): the QK weights as the normalized input x_hat
+    meets them. A max logit is at most scale |x_hat_i| |x_hat_j| sigma(W_q,h diag g) sigma(W_k,h
+    diag g), |x_hat|^2 <= n_embd: a gain can grow the logits with sigma(W_q) held (claim 5's probe
+    holds W_q's, not g). Exact, at log steps only."""
+    gains = torch.stack(model.attention_gains()).detach().float()                 # (layer, n_embd)
     heads = torch.stack([torch.stack(a.head_weights()) for a in model.attentions]).detach().float()
-    gained = torch.linalg.matrix_norm(heads * gains[:, None, None, None, :], ord=2)     # (layer, 2, head)
+    gained = torch.linalg.matrix_norm(heads * gains[:, None, None, None, :], ord=2)   # (L, 2, head)
     return {"attn_gain_rms": gains.pow(2).mean(-1).sqrt().tolist(),
             "attn_gain_max": gains.abs().amax(-1).tolist(),
             "sigma_q_gain_head": gained[:, 0].tolist(), "sigma_k_gain_head": gained[:, 1].tolist()}
 
 
 def collapsed(detector, record, log):
-    if not detector.update(record["step"], record["loss"]):
+    """Give the detector the record's loss; on a collapse, log it. Returns whether it collapsed."""
+    collapse = detector.update(record["step"], record["loss"])
+    if not collapse:
         return False
     log.write({"event": "collapse", "step": detector.collapsed_at, "loss": record["loss"]},
-              f"step {record['step']:6d} | COLLAPSE detected (first bad step {detector.collapsed_at})")
+              f"step {record['step']:6d} | COLLAPSE detected (first bad step "
+              f"{detector.collapsed_at})")
     return True
 
 
@@ -267,7 +340,7 @@ class Totals:
     def __init__(self, device):
         self.loss_sum, self.steps, self.max_logit = 0.0, 0, None   # since the last log record
         self.monitor_max_logit = None                               # since the last monitored step
-        self.last_eval = None    # [step, val loss] of the last eval: the end record's (checkpoints keep it)
+        self.last_eval = None    # [step, val loss] of the last eval: the end record's
         self.device = device
         self.start_clock()
 
@@ -288,15 +361,18 @@ class Totals:
         """The interval's tokens/s, mean loss (all ranks) and max logit; the sums start over."""
         elapsed = time.time() - self.started
         interval = {"loss": dist.all_reduce(torch.as_tensor(self.loss_sum / self.steps)).item(),
-                    "tokens_per_s": tokens_per_step * self.steps / elapsed, "max_logit": self.max_logit.tolist()}
+                    "tokens_per_s": tokens_per_step * self.steps / elapsed,
+                    "max_logit": self.max_logit.tolist()}
         self.loss_sum, self.steps, self.max_logit = 0.0, 0, None
         return interval
 
     def state_dict(self):   # the sums and maxima (None between intervals); main restarts the clock
-        return {k: v.cpu() if torch.is_tensor(v) else v for k, v in vars(self).items() if k != "device"}
+        return {k: v.cpu() if torch.is_tensor(v) else v for k, v in vars(self).items()
+                if k != "device"}
 
     def load_state_dict(self, state):
-        vars(self).update({k: v.to(self.device) if torch.is_tensor(v) else v for k, v in state.items()})
+        vars(self).update({k: v.to(self.device) if torch.is_tensor(v) else v
+                           for k, v in state.items()})
 
 
 def running_max(running, new):   # None before the first value
@@ -314,17 +390,18 @@ def lr_at(step, args):
 
 
 def write_end_record(status, step, last_eval, detector, guard, args, log):
-    """The end record and the run's last line; guard_pending: a crossing the last check left no step to act
-    on; val_loss, val_step: the last eval run (last_eval: [step, val loss] or None), older if it stopped."""
+    """The end record and the run's last line; guard_pending: a crossing the last check left no step
+    to act on; val_loss, val_step: the last eval run (last_eval: [step, val loss] or None)."""
     val_step, val_loss = last_eval or (None, None)
     end = {"event": "end", "status": status, "step": step, "collapse_step": detector.collapsed_at,
-           "guard_trigger": guard.trigger, "guard_pending": guard.pending_crossing(), "val_loss": val_loss,
-           "val_step": val_step}
+           "guard_trigger": guard.trigger, "guard_pending": guard.pending_crossing(),
+           "val_loss": val_loss, "val_step": val_step}
     what = [f"run {status} at step {step}"]
     if guard.trigger:
-        what.append(f"QK-Guard fired at step {guard.trigger['step']} ({guard.signal} {guard.trigger['value']:.1f} > "
-                    f"{guard.threshold:g}, layer {guard.trigger['layer']} head {guard.trigger['head']}) and "
-                    f"{guard.action} stayed on")
+        what.append(f"QK-Guard fired at step {guard.trigger['step']} ({guard.signal} "
+                    f"{guard.trigger['value']:.1f} > {guard.threshold:g}, layer "
+                    f"{guard.trigger['layer']} head {guard.trigger['head']}) and {guard.action} "
+                    f"stayed on")
     elif guard.enabled:
         what.append(f"QK-Guard stayed dormant ({guard.signal} never crossed {guard.threshold:g})")
     if detector.collapsed_at is not None:
@@ -340,30 +417,38 @@ def vocabulary(args, typed, windows):
     vocab = run.padded_vocab(windows.vocab_size)
     holds = f"{args.data_dir} holds {windows.tokenizer} tokens (its meta.json)"
     if args.resume and (args.tokenizer, args.vocab_size) != (windows.tokenizer, vocab):
-        raise SystemExit(f"error: this run was trained on {args.tokenizer} tokens (vocabulary {args.vocab_size}) and "
-                         f"{holds}: resume it on the data it started with (`python prepare_data.py --tokenizer "
-                         f"{args.tokenizer} --out-dir {args.data_dir}`), or start a new run")
+        raise SystemExit(f"error: this run was trained on {args.tokenizer} tokens (vocabulary "
+                         f"{args.vocab_size}) and {holds}: resume it on the data it started with "
+                         f"(`python prepare_data.py --tokenizer {args.tokenizer} --out-dir "
+                         f"{args.data_dir}`), or start a new run")
     if "tokenizer" in typed and not args.resume and typed["tokenizer"] != windows.tokenizer:
-        raise SystemExit(f"error: --tokenizer {typed['tokenizer']}, but {holds}: give --tokenizer {windows.tokenizer}, "
-                         f"or a --data-dir prepared with --tokenizer {typed['tokenizer']}")
+        raise SystemExit(f"error: --tokenizer {typed['tokenizer']}, but {holds}: give --tokenizer "
+                         f"{windows.tokenizer}, or a --data-dir prepared with --tokenizer "
+                         f"{typed['tokenizer']}")
     return windows.tokenizer, vocab
 
 
 def check_attention_settings(model, device, args, use_bf16):
     """Fail before training, in the kernel's words, on a setting it cannot run (head dim, impl)."""
     attn = model.attentions[0]
-    dtype = torch.bfloat16 if use_bf16 or attn.attn_dtype is not None else torch.float32   # what q, k, v will be
+    dtype = torch.bfloat16 if use_bf16 or attn.attn_dtype is not None else torch.float32   # q, k, v
     qkv = torch.zeros(1, 1, 1, attn.head_dim, device=device, dtype=dtype)
-    softcap = args.softcap_value if args.guard == "on" and args.guard_action == "softcap" else attn.softcap
+    softcap = args.softcap_value if args.guard == "on" and args.guard_action == "softcap" \
+        else attn.softcap
     try:
         attn.attend(qkv, qkv, qkv, softcap=softcap, return_max_logit=False)
     except ValueError as e:
         raise SystemExit(f"error: the attention settings cannot run: {e}")
 
 
-if __name__ == "__main__":
+def command_line(extension=None):
+    """main() as a command runs it (this file, lab/train_assay.py)."""
     try:
-        main()
-    except KeyboardInterrupt:   # before the loop (StopSignal takes Ctrl-C from then on): nothing was written
+        main(extension=extension)
+    except KeyboardInterrupt:   # before the loop (StopSignal takes Ctrl-C from then on): no write
         print("interrupted before training started", file=sys.stderr)
         sys.exit(130)
+
+
+if __name__ == "__main__":
+    command_line()

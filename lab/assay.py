@@ -10,16 +10,20 @@ The assay: move a controlled error to other sources, and probe the QK channel ca
     clean_qk_grads  --qk-fix clean-grad: fault-free W_q, W_k gradients; all else stays faulty
 
     Assay           all of it as train.py's extension (run.Extension): its flags (--inject-*, --qk-fix,
-                    --probe*), their refusals, and the hooks the loop calls; a no-op without those flags
+                    --probe*), their refusals, and the hooks the loop calls; a no-op without those flags.
+                    `python -m lab.train_assay` is train.py with it (lab/train_assay.py)
 
 The paper's claim under test: wherever an error enters, if its per-head sign persists from step
 to step (temporal sign-coherence), it drives the same W_q/W_k spectral runaway.
 """
 import contextlib
+import dataclasses
+import functools
 import math
 
 import torch
 
+import attention_kernel
 import run
 from attention_kernel import BF16_STATE_BLOCK_N
 
@@ -55,7 +59,8 @@ class ErrorInjector:
     Activation sites: the same vector at every token (a bias, like the real fault's), computed from
     the detached activation so gradients flow through unchanged. Gradient sites: added after
     backward, before clipping. delta: the backward's delta = rowsum(dO * O) sees O + s_h * scale_h
-    * rms(O_h) * d_h, like the kernel fault's biased O (only dq, dk change). attach(model) first.
+    * rms(O_h) * d_h, like the kernel fault's biased O (only dq, dk change; attention_with_delta_error).
+    attach(model) first.
     """
 
     def __init__(self, site, scale, coherence, n_layer, n_head, n_embd, layers=None, seed=0):
@@ -73,6 +78,7 @@ class ErrorInjector:
         self._err_sq, self._sig_sq = 0.0, 0.0                       # since begin_step (last_stats)
         self.enabled, self.handles, self.attentions = True, [], []
         self._amplitudes = {}                                       # device -> s * scale, this step
+        self.delta_errors = {}                                      # delta: layer -> this step's error
 
     def begin_step(self, step):
         """New signs: each (layer, head) keeps its sign with probability `coherence`, else flips.
@@ -121,9 +127,14 @@ class ErrorInjector:
         return x + error.flatten().to(x.dtype)
 
     def attach(self, model):
-        """Reach the site: a hook on the module whose input or output the error joins, or (delta)
-        the attention modules' delta_error, which begin_step sets; the model's code is untouched."""
+        """Reach the site: a hook on the module whose input or output the error joins, or (delta) each
+        attention layer's attention function wrapped (attention_with_delta_error, with the error that
+        begin_step sets); the model's code is untouched."""
         self.attentions = model.attentions
+        if self.site == "delta":   # each layer's own function, kept to be put back (detach)
+            self.unwrapped = [attn.attention for attn in self.attentions]
+            for layer, (attn, attention) in enumerate(zip(self.attentions, self.unwrapped)):
+                attn.attention = functools.partial(self._attention, layer, attention)
         hook = {"attn-out": lambda b, layer: b.attn.o_proj.register_forward_pre_hook(
                     lambda m, args: (self(args[0], "attn-out", layer),)),
                 "mlp-in": lambda b, layer: b.mlp.register_forward_pre_hook(
@@ -140,28 +151,30 @@ class ErrorInjector:
         for handle in self.handles:
             handle.remove()
         self.handles = []
+        for attn, attention in zip(self.attentions, self.unwrapped if self.site == "delta" else []):
+            attn.attention = attention
+
+    def _attention(self, layer, attention, q, k, v, **settings):
+        """A delta layer's attention: its error in the backward while one is set and not paused."""
+        error = self.delta_errors.get(layer) if self.enabled else None
+        if error is None:
+            return attention(q, k, v, **settings)
+        return attention_with_delta_error(q, k, v, error, **settings)
 
     def _set_delta_errors(self):
-        """delta: head h's error in the O that delta sees, in units of rms(O_h); see attention()."""
-        for layer, attn in enumerate(self.attentions):
-            on = self.enabled and layer in self.layers
-            attn.delta_error = (self.amplitude(layer, attn.q_proj.weight.device)[:, None] * self.direction(
-                layer, (self.n_head, self.head_dim), attn.q_proj.weight.device)) if on else None
+        """delta: head h's error in the O that delta sees, in units of rms(O_h), per selected layer."""
+        self.delta_errors = {layer: self.amplitude(layer, attn.q_proj.weight.device)[:, None] * self.direction(
+            layer, (self.n_head, self.head_dim), attn.q_proj.weight.device)
+            for layer, attn in enumerate(self.attentions) if self.enabled and layer in self.layers}
 
     @contextlib.contextmanager
     def paused(self):
         """No error inside the block (the fault-free passes of clean-grad and of measure_fault)."""
         self.enabled = False
-        if self.site == "delta":
-            errors = [attn.delta_error for attn in self.attentions]
-            self._set_delta_errors()
         try:
             yield
         finally:
             self.enabled = True
-            if self.site == "delta":
-                for attn, error in zip(self.attentions, errors):
-                    attn.delta_error = error
 
     def inject_grads(self, model):
         """Gradient sites, after backward and before clipping: head h's rows of v_proj's gradient
@@ -240,6 +253,50 @@ class ErrorInjector:
         return inj
 
 
+# ----------------------------------------------------------------------------------------------------------------
+# The delta site: the kernel's own ops, its backward shown a biased O. The kernel takes no error: this wrapper
+# is the assay's alone, and the injector puts it in place of each layer's attention function (attach).
+
+class _DeltaError(torch.autograd.Function):
+    """attention_kernel's forward op as it is; its backward op given O + e for O, so that delta =
+    rowsum(dO * (O + e)), e = error[h] * rms(O_h): the way a biased O reaches dq and dk (dv sees no O)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, error, *settings):   # settings: the forward op's, after q, k, v
+        o, lse, row_max = torch.ops.qkguard.attn_fwd(q, k, v, *settings)
+        ctx.save_for_backward(q, k, v, o, lse, error)
+        scale, softcap, accum, rounding, beta, impl, block_n = settings
+        ctx.args = (scale, softcap, rounding, impl, block_n)     # the backward op's
+        ctx.mark_non_differentiable(lse, row_max)
+        return o, lse, row_max
+
+    @staticmethod
+    def backward(ctx, do, _dlse, _drow_max):
+        q, k, v, o, lse, error = ctx.saved_tensors
+        rms = o.float().pow(2).mean(dim=(0, 2, 3)).sqrt()                              # (H,)
+        o = (o.float() + (error.float() * rms[:, None])[None, :, None, :]).to(o.dtype)
+        dq, dk, dv = torch.ops.qkguard.attn_bwd(do, q, k, v, o, lse, *ctx.args)
+        return dq, dk, dv, None, *[None] * 7
+
+
+def attention_with_delta_error(q, k, v, error, accum="fp32", qk_norm=False, return_max_logit=False, *,
+                               scale=None, softcap=0.0, safemax_beta=2.0, impl="auto", block_n=None, rounding=None):
+    """attention_kernel.attention(), its backward's delta seeing O + e: error (heads, head_dim) is e in
+    units of each head's rms(O). The forward is the kernel's, bit for bit; so is the backward at error 0."""
+    impl, rounding = attention_kernel._checked(q, k, v, accum, impl, softcap, safemax_beta, block_n, rounding)
+    if impl == "sdpa":
+        raise ValueError("the delta error changes the streaming kernel's backward: use impl='torch' or 'triton'")
+    if tuple(error.shape) != (q.shape[1], q.shape[3]):
+        raise ValueError(f"the delta error must be (heads, head_dim) = {(q.shape[1], q.shape[3])}; got "
+                         f"{tuple(error.shape)}")
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    if qk_norm:   # as attention() does
+        q, k = attention_kernel._rms_norm(q), attention_kernel._rms_norm(k)
+    o, _, row_max = _DeltaError.apply(q, k, v, error, scale, float(softcap), accum, ",".join(rounding),
+                                      float(safemax_beta), impl, block_n)
+    return (o, row_max.detach().amax(dim=-1)) if return_max_logit else o
+
+
 @torch.no_grad()
 def tie_fraction(q, k, scale, block_n):
     """The share of (query row, key block) pairs, over the blocks each row sees, where the bf16 state's P
@@ -288,8 +345,7 @@ def measure_fault(model, idx, accum="bf16", dtype=torch.bfloat16):
         x, rotary = inputs[attn.layer_idx]
         q, k, v = (t.to(dtype) for t in attn.project(x.float(), rotary))
         impl = "auto" if attn.impl == "sdpa" else attn.impl   # no softmax state
-        run = lambda mode: attn.attend(q, k, v, accum=mode, impl=impl, return_max_logit=False,
-                                       delta_error=None).float()
+        run = lambda mode: attn.attend(q, k, v, accum=mode, impl=impl, return_max_logit=False).float()
         o_ref = run("fp32")
         err = run(accum) - o_ref                                     # (B, H, T, D)
         ref_rms = o_ref.pow(2).mean(dim=(0, 2, 3)).sqrt()           # (H,)
@@ -461,86 +517,99 @@ def clean_qk_grads(model, x, y, autocast, scale, injector=None):
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# train.py's extension: the assay's flags, their refusals, and the hooks its loop calls (run.Extension).
+# train.py's extension (run.Extension): the assay's flags, their refusals, and the hooks the loop calls.
+# `python -m lab.train_assay` runs train.py's main with it (lab/train_assay.py); the root never imports it.
 
 def injection_scale(text):
     """--inject-scale: a number > 0, or 'matched'."""
     return text if text == "matched" else run.POSITIVE(text)
 
 
-def add_flags(parser, add):
-    """The assay's flags in train.py's parser (run.build_parser's add: None means unset)."""
-    g = parser.add_argument_group("the assay: a controlled error at any source, the QK-only fix, the causal probe "
-                                  "(lab/assay.py)")
-    add(g, "--inject-site", "none", "where the error enters: attn-out, mlp-in, mlp-out, residual "
-        "(the forward: the model changes), delta (the backward: only dq, dk change), grad-wv, "
-        "grad-mlp (W_v's, W_up's gradient)", choices=list(INJECT_SITES))
-    add(g, "--inject-scale", None, "error rms over the rms of the signal it joins, or 'matched' "
-        "(the bf16 fault's bias, per head, measured on the first batch)", type=injection_scale)
-    add(g, "--inject-coherence", None, "probability that a head's error sign persists to the next "
-        "step (1, the default: sign-coherent; 0.5: a random sign each step)", type=run.PROBABILITY)
-    add(g, "--inject-layers", "all", "comma-separated layer indices, or all")
-    add(g, "--qk-fix", "off", "QK-only fix, the fault left on: clean-grad (fault-free W_q, W_k "
-        "gradients; backward sites) or qknorm (from step 0; forward sites)", choices=list(QK_FIXES))
-    add(g, "--probe", "off", "project each step's W_q/W_k update off its top-k singular directions "
-        "(qk-topk); controls: the whole update shrunk to the norm qk-topk leaves (qk-shrink), the next "
-        "k directions (qk-nextk), a fixed random subspace (qk-fixed), W_v's or the MLP's top-k "
-        "(v-topk, mlp-topk), equal energy elsewhere (equal-energy)", choices=list(PROBE_MODES))
-    add(g, "--probe-k", 3, "singular directions the probe removes", type=run.COUNT)
-
-
-def refusals(args, typed):
-    """(refused, why and what to do instead), as run.refusals: assay settings that would do nothing."""
-    site, scale, fix = args.inject_site, args.inject_scale, args.qk_fix
-    return [
-        (site == "none" and scale is not None,
-         "--inject-scale was given with --inject-site none: pick a site or drop the scale"),
-        (site == "none" and args.inject_coherence is not None,
-         "--inject-coherence was given with --inject-site none: pick a site or drop it"),
-        (site != "none" and scale is None,
-         f"--inject-site {site} needs --inject-scale (error rms / signal rms, or 'matched')"),
-        (fix == "clean-grad" and site in GRAD_SITES and args.accum == "fp32",
-         f"--qk-fix clean-grad recomputes the forward without the fault, but --inject-site {site} never touches "
-         "the forward: the clean QK gradient would be the faulty one"),
-        (fix == "clean-grad" and site in ACTIVATION_SITES,
-         f"--qk-fix clean-grad with --inject-site {site} trains W_q, W_k on the model without the error, a "
-         "different objective rather than a QK-only fix: use --qk-fix qknorm for a forward site (clean-grad is "
-         "for the backward sites delta, grad-wv, grad-mlp)"),
-        (fix != "off" and site == "none" and args.accum == "fp32",
-         "--qk-fix corrects the QK channel while a fault is active, but there is none: set --inject-site or a "
-         "faulty --accum"),
-        (args.inject_layers != "all" and not all(i.strip().isdigit() for i in args.inject_layers.split(",")),
-         f"--inject-layers {args.inject_layers!r}: give comma-separated layer indices, or all"),
-        ("probe_k" in typed and args.probe == "off",
-         "--probe-k has no effect with --probe off: choose a --probe mode"),
-        ("inject_layers" in typed and args.inject_site == "none",
-         "--inject-layers has no effect with --inject-site none"),
-    ]
-
-
-def check_sizes(args, parser):
-    """What needs the model's sizes (run.resolve calls it once the preset filled them)."""
-    if args.inject_layers != "all" and max(map(int, args.inject_layers.split(","))) >= args.n_layer:
-        parser.error(f"--inject-layers {args.inject_layers}: the model has layers 0..{args.n_layer - 1}")
-    if args.probe != "off" and args.probe_k >= args.n_embd:   # every probed matrix has n_embd columns
-        parser.error(f"--probe-k {args.probe_k} would remove every direction of the {args.n_embd}-wide weights "
-                     f"(the whole update, freezing them): give a k below --n-embd {args.n_embd}")
-    if args.probe == "qk-nextk" and 2 * args.probe_k > args.n_embd:   # directions k+1..2k must exist
-        parser.error(f"--probe qk-nextk removes directions {args.probe_k + 1}..{2 * args.probe_k}, past the "
-                     f"{args.n_embd}-wide weights: give a --probe-k of at most {args.n_embd // 2}")
-
-
 class Assay(run.Extension):
-    """The injector, the QK-only fix and the probe at the places train.py's loop calls (run.Extension)."""
+    """The injector, the QK-only fix and the probe at the places train.py's loop calls (run.Extension); a
+    no-op until start() finds an assay flag set."""
+    command = run.ASSAY_COMMAND
 
-    def __init__(self, injector, probe, clean_grad):
-        self.injector, self.probe, self.clean_grad = injector, probe, clean_grad
+    def __init__(self):
+        self.injector, self.probe, self.clean_grad = None, Probe("off"), False
         self.clean, self.probe_stats = None, {}   # this step's summed clean W_q, W_k grads; the last probe log
 
-    @classmethod
-    def from_args(cls, args, model, first_batch, autocast):
-        injector = None if args.inject_site == "none" else ErrorInjector.from_args(args, model, first_batch, autocast)
-        return cls(injector, Probe(args.probe, k=args.probe_k, seed=args.seed), args.qk_fix == "clean-grad")
+    def add_flags(self, parser, add):
+        """The assay's flags in train.py's parser (run.build_parser's add: None means unset)."""
+        g = parser.add_argument_group("the assay: a controlled error at any source, the QK-only fix, the causal "
+                                      "probe (lab/assay.py)")
+        add(g, "--inject-site", "none", "where the error enters: attn-out, mlp-in, mlp-out, residual "
+            "(the forward: the model changes), delta (the backward: only dq, dk change), grad-wv, "
+            "grad-mlp (W_v's, W_up's gradient)", choices=list(INJECT_SITES))
+        add(g, "--inject-scale", None, "error rms over the rms of the signal it joins, or 'matched' "
+            "(the bf16 fault's bias, per head, measured on the first batch)", type=injection_scale)
+        add(g, "--inject-coherence", None, "probability that a head's error sign persists to the next "
+            "step (1, the default: sign-coherent; 0.5: a random sign each step)", type=run.PROBABILITY)
+        add(g, "--inject-layers", "all", "comma-separated layer indices, or all")
+        add(g, "--qk-fix", "off", "QK-only fix, the fault left on: clean-grad (fault-free W_q, W_k "
+            "gradients; backward sites) or qknorm (from step 0; forward sites)", choices=list(QK_FIXES))
+        add(g, "--probe", "off", "project each step's W_q/W_k update off its top-k singular directions "
+            "(qk-topk); controls: the whole update shrunk to the norm qk-topk leaves (qk-shrink), the next "
+            "k directions (qk-nextk), a fixed random subspace (qk-fixed), W_v's or the MLP's top-k "
+            "(v-topk, mlp-topk), equal energy elsewhere (equal-energy)", choices=list(PROBE_MODES))
+        add(g, "--probe-k", 3, "singular directions the probe removes", type=run.COUNT)
+
+    def refusals(self, args, typed):
+        """(refused, why and what to do instead), as run.refusals: assay settings that would do nothing."""
+        site, scale, fix = args.inject_site, args.inject_scale, args.qk_fix
+        guard_on, action = args.guard == "on", args.guard_action
+        return [
+            (site == "none" and scale is not None,
+             "--inject-scale was given with --inject-site none: pick a site or drop the scale"),
+            (site == "none" and args.inject_coherence is not None,
+             "--inject-coherence was given with --inject-site none: pick a site or drop it"),
+            (site != "none" and scale is None,
+             f"--inject-site {site} needs --inject-scale (error rms / signal rms, or 'matched')"),
+            (fix == "clean-grad" and site in GRAD_SITES and args.accum == "fp32",
+             f"--qk-fix clean-grad recomputes the forward without the fault, but --inject-site {site} never "
+             "touches the forward: the clean QK gradient would be the faulty one"),
+            (fix == "clean-grad" and site in ACTIVATION_SITES,
+             f"--qk-fix clean-grad with --inject-site {site} trains W_q, W_k on the model without the error, a "
+             "different objective rather than a QK-only fix: use --qk-fix qknorm for a forward site (clean-grad "
+             "is for the backward sites delta, grad-wv, grad-mlp)"),
+            (fix != "off" and site == "none" and args.accum == "fp32",
+             "--qk-fix corrects the QK channel while a fault is active, but there is none: set --inject-site or "
+             "a faulty --accum"),
+            (args.inject_layers != "all" and not all(i.strip().isdigit() for i in args.inject_layers.split(",")),
+             f"--inject-layers {args.inject_layers!r}: give comma-separated layer indices, or all"),
+            ("probe_k" in typed and args.probe == "off",
+             "--probe-k has no effect with --probe off: choose a --probe mode"),
+            ("inject_layers" in typed and args.inject_site == "none",
+             "--inject-layers has no effect with --inject-site none"),
+            (site == "delta" and args.attn_impl == "sdpa",
+             "--inject-site delta changes the streaming kernel's backward: not with --attn-impl sdpa"),
+            # --qk-fix qknorm is QK-norm from step 0, as --qknorm always (run.refusals)
+            (guard_on and action == "qknorm" and fix == "qknorm",
+             "--guard-action qknorm has nothing to switch when --qk-fix qknorm is set"),
+            (guard_on and args.guard_signal == "max-logit" and fix == "qknorm",
+             "--guard-signal max-logit cannot cross --guard-threshold under QK-norm (--qk-fix qknorm): use "
+             "--guard-signal sigma-product"),
+        ]
+
+    def check_sizes(self, args, parser):
+        """What needs the model's sizes (run.resolve calls it once the preset filled them)."""
+        if args.inject_layers != "all" and max(map(int, args.inject_layers.split(","))) >= args.n_layer:
+            parser.error(f"--inject-layers {args.inject_layers}: the model has layers 0..{args.n_layer - 1}")
+        if args.probe != "off" and args.probe_k >= args.n_embd:   # every probed matrix has n_embd columns
+            parser.error(f"--probe-k {args.probe_k} would remove every direction of the {args.n_embd}-wide "
+                         f"weights (the whole update, freezing them): give a k below --n-embd {args.n_embd}")
+        if args.probe == "qk-nextk" and 2 * args.probe_k > args.n_embd:   # directions k+1..2k must exist
+            parser.error(f"--probe qk-nextk removes directions {args.probe_k + 1}..{2 * args.probe_k}, past the "
+                         f"{args.n_embd}-wide weights: give a --probe-k of at most {args.n_embd // 2}")
+
+    def model_config(self, args, config):
+        """--qk-fix qknorm: parameter-free QK-norm from step 0, the model's own switch (--qknorm always)."""
+        return dataclasses.replace(config, qk_norm=True) if args.qk_fix == "qknorm" else config
+
+    def start(self, args, model, first_batch, autocast):
+        if args.inject_site != "none":
+            self.injector = ErrorInjector.from_args(args, model, first_batch, autocast)
+        self.probe, self.clean_grad = Probe(args.probe, k=args.probe_k, seed=args.seed), args.qk_fix == "clean-grad"
 
     def begin_step(self, step):
         if self.injector is not None:
@@ -573,5 +642,5 @@ class Assay(run.Extension):
         self.probe.reset_interval()
         return stats
 
-    def parts(self):
-        return {"probe": self.probe, "injector": self.injector}
+    def parts(self):   # an unused probe keeps nothing: a run made by train.py resumes here too
+        return {"probe": self.probe if self.probe.mode != "off" else None, "injector": self.injector}

@@ -36,6 +36,7 @@ import torch
 import prepare_data
 import qkguard
 from lab.sweep import output_problem
+from train import TokenWindows
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 MODELS = ("hf-gpt2", "hf-llama", "nanogpt")
@@ -77,7 +78,7 @@ class Data:
         data_dir = args.data_dir or prepare_data.default_out_dir("pycode", "byte")
         if not os.path.exists(os.path.join(data_dir, "meta.json")):
             raise SystemExit(f"error: no data in {data_dir}: run `python prepare_data.py --tokenizer byte` first")
-        self.windows = prepare_data.TokenWindows(data_dir, args.block_size, args.batch_size, args.seed, "pycode", "byte")
+        self.windows = TokenWindows(data_dir, args.block_size, args.batch_size, args.seed, "pycode", "byte")
         if self.windows.tokenizer != "byte":
             raise SystemExit(f"error: {data_dir} holds {self.windows.tokenizer} tokens; the demo's models read bytes: "
                              f"give a --data-dir prepared with `python prepare_data.py --tokenizer byte`")

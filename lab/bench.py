@@ -41,7 +41,6 @@ import torch.nn.functional as F
 import triton
 
 import attention_kernel as ak
-import run
 from guard import DEFAULT_THRESHOLD, QKGuard, SpectralMonitor
 from lab.sweep import output_problem
 from model import MODEL_SIZES, QK_KINDS, GPT, GPTConfig
@@ -281,8 +280,8 @@ def cpu_step(steps=30, warmup=3, rounds=3):
     """The cpu model's training step as train.py runs it on a CPU (batch 8 x 128, eager, q, k, v
     rounded to bf16 at attention, monitor every step): byte vocabulary against GPT-2's, and the twin
     with bf16 state against SDPA, alternating in `rounds` blocks so drift hits all alike. Prints the
-    min, median and max of the steps' milliseconds (MEASUREMENTS.md, 2026-12-01, holds a run)."""
-    run.tune_cpu_allocator()     # as train.py does on a CPU
+    min, median and max of the steps' milliseconds (MEASUREMENTS.md, 2026-12-01, holds a run; train.py
+    no longer tunes glibc's allocator: MEASUREMENTS.md, 2026-12-05, says how to by environment)."""
     args = argparse.Namespace(device=torch.device("cpu"), compile=False, size=MODEL_SIZES["cpu"], batch_size=8)
     configs = {  # name: (attention impl, numerics)
         "twin, bf16 state, byte vocabulary (320)": ("torch", dict(accum="bf16", vocab_size=320)),
@@ -432,7 +431,7 @@ def _kernel_launches(q, k, v, do, accum, rounding):
     forward."""
     B, H, T, D = q.shape
     scale = D ** -0.5
-    o, lse, _ = torch.ops.qkguard.attn_fwd(q, k, v, None, scale, 0.0, accum, ",".join(rounding), 2.0, "triton", None)
+    o, lse, _ = torch.ops.qkguard.attn_fwd(q, k, v, scale, 0.0, accum, ",".join(rounding), 2.0, "triton", None)
     delta = ak.bwd_delta(o, do, rounding)
     fwd = (ak.new_like(q), ak.new_buffer((B, H, T), torch.float32, q.device), ak.new_buffer((B, H, T), torch.float32, q.device))
     dkdv, dq = (ak.new_like(q), ak.new_like(q)), (ak.new_like(q),)

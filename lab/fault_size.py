@@ -28,12 +28,13 @@ import torch
 
 import model as model_lib
 import run
-from lab.assay import measure_fault
+from lab.assay import Assay, measure_fault
 from lab.sweep import DONE, output_problem, run_state
 from train import Batches, vocabulary
 
 
 STATS = ("error_ratio", "bias_ratio", "tie_fraction")
+ASSAY = Assay()   # the flags and model of lab.train_assay's runs (--qk-fix qknorm: QK-norm)
 
 
 def summarize(stats):
@@ -51,10 +52,10 @@ def measure_runs(root, batches=4):
             print(f"{folder}: skipped, {run_state(folder)}", flush=True)
             continue
         state = torch.load(ckpt, map_location="cpu", weights_only=False)
-        args, _, _ = run.parse_args([])
+        args, _, _ = run.parse_args([], ASSAY)
         vars(args).update(state["args"])
         args.device = "cpu"
-        model = model_lib.GPT(run.model_config(args))
+        model = model_lib.GPT(ASSAY.model_config(args, run.model_config(args)))
         model.load_state_dict(state["model"])
         model.eval()
         val = Batches(args, torch.device("cpu"))
@@ -78,7 +79,7 @@ def measure(args, typed, seeds, ckpt=None, batches_per_seed=4):
         batches = Batches(args, torch.device(args.device))
         args.tokenizer, args.vocab_size = vocabulary(args, typed, batches.windows)
         torch.manual_seed(seed)    # train.py's initial weights for this seed
-        model = model_lib.GPT(run.model_config(args))
+        model = model_lib.GPT(ASSAY.model_config(args, run.model_config(args)))
         if ckpt:
             model.load_state_dict(torch.load(ckpt, map_location="cpu", weights_only=False)["model"])
         model.eval()
@@ -112,9 +113,9 @@ def main(argv=None):
             print(f"{arm}: " + ", ".join(f"{k} {v:.3g}" for k, v in values.items()))
         write(ours.out, argv, ours.runs, rows, summary)
         return
-    args, typed, parser = run.parse_args(rest)
+    args, typed, parser = run.parse_args(rest, ASSAY)   # train.py's flags, as lab.train_assay reads them
     args.device = "cpu" if args.device == "auto" else args.device   # the CPU lab's measurement, unless told
-    args = run.resolve(args, torch.device(args.device), parser)
+    args = run.resolve(args, torch.device(args.device), parser, ASSAY)
     rows = measure(args, typed, range(1, ours.seeds + 1) if not ours.ckpt else [args.seed], ours.ckpt)
     summary = {key: statistics.median(r[key] for r in rows) for key in rows[0] if key != "seed"}
     print(f"{'seed':>6} {'error ratio median':>19} {'max':>9} {'bias ratio median':>18} {'max':>9}")

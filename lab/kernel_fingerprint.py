@@ -4,14 +4,15 @@
     python -m lab.kernel_fingerprint --tree OLD_CHECKOUT > before.txt && diff before.txt after.txt
 
 Each case (impl torch or triton, softmax state, rounding sources, softcap, QK-norm, block sizes, dtypes,
-strided inputs, the delta error, logits so far apart that P underflows, uneven Triton tiles) runs on
-fixed-seed inputs; one sha256 over its forward output, max logit and dq, dk, dv is printed, then one over
-all. Triton runs in its interpreter (TRITON_INTERPRET=1, set here), so this checks the kernels' arithmetic
+strided inputs, the assay's delta error through lab/assay.py's wrapper of the kernel's ops, logits so far
+apart that P underflows, uneven Triton tiles) runs on fixed-seed inputs; one sha256 over its forward
+output, max logit and dq, dk, dv is printed, then one over all. Triton runs in its interpreter (TRITON_INTERPRET=1, set here), so this checks the kernels' arithmetic
 on a CPU, not the GPU's. Two trees agree bit for bit when every line does; a refactor that changes one
 rounding or one signed zero changes its case's line.
 """
 import argparse
 import hashlib
+import inspect
 import os
 import sys
 import time
@@ -56,10 +57,17 @@ def inputs(seed, T, D, dtype, B=1, H=2, scale=2.0, tied=False, strided=False):
     return xs
 
 
-def run_case(impl, dtype, T=100, D=16, seed=0, tied=False, strided=False, grads=True, input_scale=2.0, **kw):
+def run_case(impl, dtype, T=100, D=16, seed=0, tied=False, strided=False, grads=True, input_scale=2.0,
+             delta_error=None, **kw):
     q, k, v, do = inputs(seed, T, D, dtype, tied=tied, strided=strided, scale=input_scale)
     q, k, v = (x.detach().requires_grad_() for x in (q, k, v))
-    out = ak.attention(q, k, v, impl=impl, **kw)
+    if delta_error is None:
+        out = ak.attention(q, k, v, impl=impl, **kw)
+    elif "delta_error" in inspect.signature(ak.attention).parameters:   # a tree from before lab/assay.py held it
+        out = ak.attention(q, k, v, impl=impl, delta_error=delta_error, **kw)
+    else:
+        from lab.assay import attention_with_delta_error
+        out = attention_with_delta_error(q, k, v, delta_error, impl=impl, **kw)
     o, ml = out if kw.get("return_max_logit") else (out, None)
     g = torch.autograd.grad(o, (q, k, v), do.to(o.dtype)) if grads else ()
     return digest(o, ml, *g)

@@ -1,5 +1,6 @@
 """
-Launch the paper's claims as a batch of train.py runs, side by side on one GPU (or CPU).
+Launch the paper's claims as a batch of train.py runs, side by side on one GPU (or CPU); an arm that uses the
+assay's flags runs as `python -m lab.train_assay` (train.py with the assay: lab/train_assay.py).
 
     python -m lab.sweep                                   # every claim, 8 seeds: runs/claims/<experiment>/seed<k>/
     python -m lab.sweep --claims 1,2 --seeds 4            # some claims
@@ -29,6 +30,11 @@ import zlib
 
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))   # the reference: train.py, prepare_data.py
+# The assay's flags (lab/assay.py; a test checks the list): an arm that gives one runs through its command, which
+# resumes it too. Every other arm runs train.py itself.
+ASSAY_FLAGS = ("--inject-site", "--inject-scale", "--inject-coherence", "--inject-layers", "--qk-fix", "--probe",
+               "--probe-k")
+ASSAY_COMMAND = ["-m", "lab.train_assay"]
 
 # Seeds per arm. report.py compares two arms by an exact sign test over the seeds where they
 # differ: p < 0.05 needs 5 such seeds all one way (1/32), the dose grid's Bonferroni 0.05 / 3
@@ -324,16 +330,18 @@ def plan(names_flags, seeds, out_root, extra, resume, train_parser=None):
     """The runs to launch, seed-major (each experiment's seed 1 before any seed 2, so a sweep cut
     short still covers them all), and the ones skipped with the reason. With train_parser (train.py's),
     a run made with other flags than planned is refused (SystemExit), not skipped or resumed."""
-    train = os.path.relpath(os.path.join(ROOT, "train.py"))
+    train = [os.path.relpath(os.path.join(ROOT, "train.py"))]
     todo, skipped = [], []
     for seed in (range(1, seeds + 1) if isinstance(seeds, int) else seeds):
         for name, flags in names_flags.items():
             out_dir = os.path.join(out_root, name, f"seed{seed}")
             state = run_state(out_dir)
-            cmd = [sys.executable, train, *flags, *extra, "--seed", str(seed), "--out-dir", out_dir]
+            run_flags = [*flags, *extra, "--seed", str(seed), "--out-dir", out_dir]
+            assay = any(flag.split("=", 1)[0] in ASSAY_FLAGS for flag in run_flags)
+            cmd = [sys.executable, *(ASSAY_COMMAND if assay else train), *run_flags]
             writer = live_writer(out_dir) if state not in DONE else None
             if train_parser is not None and state != "new" and not state.startswith("unreadable"):
-                refuse_other_flags(out_dir, train_parser, cmd[2:], finished=state in DONE)
+                refuse_other_flags(out_dir, train_parser, run_flags, finished=state in DONE)
             if writer:   # orphaned by a killed sweep, say: a second writer would log every step twice
                 skipped.append((out_dir, f"unfinished: process {writer} is still writing it; wait for it, or stop "
                                          f"it (kill -INT {writer}) and launch again"))
@@ -355,9 +363,10 @@ def plan(names_flags, seeds, out_root, extra, resume, train_parser=None):
 # checked by name and compared by what they set (their dest), and a finished run's config.json by value.
 
 def train_flag_parser(sweep_parser):
-    """train.py's parser (run.build_parser: the assay's flags too), its errors reported as the sweep's."""
+    """train.py's parser with the assay's flags (lab/train_assay.py's), its errors reported as the sweep's."""
     import run      # only here: it imports torch, which report.py (importing this file) does not need
-    parser = run.build_parser()
+    from lab.assay import Assay
+    parser = run.build_parser(Assay())
     parser.error = lambda message: sweep_parser.error(f"after `--`: {message}")
     return parser
 
@@ -454,7 +463,7 @@ def ended_writing(out_dir):
 
 
 def live_writer(out_dir):
-    """The pid of a live train.py a sweep started to write out_dir, or None."""
+    """The pid of a live train.py (or lab.train_assay) a sweep started to write out_dir, or None."""
     try:
         with open(os.path.join(out_dir, PID_FILE)) as f:
             pid = int(f.read())
@@ -465,7 +474,8 @@ def live_writer(out_dir):
         return None
     try:   # a pid since reused by another program is no writer
         with open(f"/proc/{pid}/cmdline", "rb") as f:
-            return pid if pid > 0 and b"train.py" in f.read() else None
+            command = f.read()
+        return pid if pid > 0 and (b"train.py" in command or b"lab.train_assay" in command) else None
     except OSError:     # no /proc (macOS): trust the pid
         return pid if pid > 0 else None
 
@@ -495,7 +505,7 @@ def prepare_data_once(extra):
         preset = run.auto_preset("cuda" if on_gpu else "cpu")
     tokenizer = flag_value(extra, "--tokenizer", run.PRESETS.get(preset, {}).get("tokenizer", "gpt2"))
     out = prepare_data.default_out_dir(dataset, tokenizer)
-    if dataset in ("pycode", "shakespeare") and not os.path.exists(os.path.join(out, "meta.json")):
+    if dataset == "pycode" and not os.path.exists(os.path.join(out, "meta.json")):   # train.py's own
         print(f"preparing {out} ({tokenizer} tokens) once before the runs start", flush=True)
         subprocess.run([sys.executable, os.path.join(ROOT, "prepare_data.py"), "--dataset", dataset,
                         "--tokenizer", tokenizer, "--out-dir", out], check=True)

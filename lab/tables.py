@@ -14,8 +14,8 @@ from lab.loading import arm_flags, collapsed, done, end_val, lr_ran_away
 from lab.rules.common import median, num
 from lab.rules.injection import beyond, logit_ratio
 from lab.rules.lr_study import AA_NAMES, ARCHS, LR_STUDY_ARMS, lr_cells, lr_sensitivity
-from lab.sweep import (CLAIMS, COHERENCES, DOSES, NO_ERROR, SITES, SOURCES, action_arms, inject_arm, lr_name,
-                       probe_arms)
+from lab.sweep import (ASSAY_FLAGS, CLAIMS, COHERENCES, DOSES, NO_ERROR, SITES, SOURCES, action_arms, inject_arm,
+                       lr_name, probe_arms)
 from lab.thresholds import LOGIT_RATIO, RUNAWAY_LOGIT
 
 
@@ -369,7 +369,17 @@ def seed_table(groups, arms):
 
 def commands(runs):
     """The runs' own commands (config.json's), one a line, as a bash block's lines."""
-    return [shlex.join(["python", *r.config["command"]]) for r in runs if r.config.get("command")]
+    return [shlex.join(typed_again(r.config["command"])) for r in runs if r.config.get("command")]
+
+
+def typed_again(argv):
+    """A run's recorded sys.argv as a person types it today: an assay run (one with the assay's flags, which
+    train.py took before the assay moved to lab/, or one lab.train_assay made, whose argv[0] is its file's path)
+    as `python -m lab.train_assay ...`; any other run as `python train.py ...`, or as it was typed."""
+    script, args = os.path.basename(argv[0]), list(argv[1:])
+    if script == "train_assay.py" or (script == "train.py" and any(a.split("=", 1)[0] in ASSAY_FLAGS for a in args)):
+        return ["python", "-m", "lab.train_assay", *args]
+    return ["python", *argv]
 
 
 def code(lines):

@@ -1,6 +1,9 @@
 """Tests of the assay: injected error sizes and sign statistics, where the error lands, the QK probe
 and its equal-energy control, the matched fault, the flag checks. Fresh random inputs each run."""
 import contextlib
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -8,8 +11,24 @@ import torch
 import model
 import run
 from attention_kernel import attention
-from lab.assay import ACTIVATION_SITES, ErrorInjector, Probe, clean_qk_grads, fault_free, measure_fault
-from test_training import data_dir, read_log, tiny_model, train  # noqa: F401 (data_dir: a fixture)
+from lab.assay import (ACTIVATION_SITES, Assay, ErrorInjector, Probe, attention_with_delta_error, clean_qk_grads,
+                       fault_free, measure_fault)
+from test_numerics import DEV, causal, need_triton, randn, rel, seed  # noqa: F401 (seed: a fixture)
+from test_training import (ROOT, TINY, ZERO_MEANS, check_numeric_flags, check_resume_with_repeated_flags,
+                           check_sigterm_then_resume, data_dir, read_log, root_without_lab, step_losses,
+                           tiny_model)  # noqa: F401 (data_dir: a fixture)
+
+TRAIN_ASSAY = [sys.executable, "-m", "lab.train_assay"]
+
+
+def train(out_dir, data_dir, *args, timeout=300):
+    """test_training.train through the lab's entry point: train.py with the assay (lab/train_assay.py)."""
+    cmd = [*TRAIN_ASSAY, "--data-dir", data_dir, "--out-dir", str(out_dir), *TINY, *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+
+
+def parse_args(argv):
+    return run.parse_args(argv, Assay())
 
 
 def tiny_gpt(**kw):
@@ -160,7 +179,7 @@ def test_delta_site_changes_only_the_qk_gradients_of_its_layers():
     logits, clean = grads()
     inj = ErrorInjector("delta", 0.5, 1.0, n_layer=2, n_head=2, n_embd=32, layers=[1]).attach(gpt)
     inj.begin_step(0)
-    assert gpt.attentions[0].delta_error is None and gpt.attentions[1].delta_error.shape == (2, 16)
+    assert set(inj.delta_errors) == {1} and inj.delta_errors[1].shape == (2, 16)
     logits_inj, faulty = grads()
     torch.testing.assert_close(logits_inj, logits, rtol=0, atol=0)
     moved = {n for n in clean if not torch.equal(clean[n], faulty[n])}
@@ -168,14 +187,61 @@ def test_delta_site_changes_only_the_qk_gradients_of_its_layers():
     assert not moved & {f"blocks.1.{w}.weight" for w in ("attn.v_proj", "attn.o_proj", "mlp.up_proj", "mlp.down_proj")}
     assert inj.last_stats["inject_rms_ratio"] == pytest.approx(0.5)
     with inj.paused():
-        assert gpt.attentions[1].delta_error is None
+        assert not inj.enabled
         assert all(torch.equal(clean[n], g) for n, g in grads()[1].items())
-    assert gpt.attentions[1].delta_error is not None
+    assert inj.enabled and set(inj.delta_errors) == {1}
     # clean-grad for the delta site: W_q, W_k get exactly the error-free gradient
     qk = clean_qk_grads(gpt, idx, idx, contextlib.nullcontext, 1.0, inj)
     for name, g in zip(("blocks.0.attn.q_proj.weight", "blocks.0.attn.k_proj.weight",
                         "blocks.1.attn.q_proj.weight", "blocks.1.attn.k_proj.weight"), qk):
         torch.testing.assert_close(g, clean[name], rtol=1e-5, atol=1e-8)
+
+
+def run_delta(q, k, v, do, error, **kw):
+    """test_numerics.run: o and (dq, dk, dv), through the kernel's attention() (error None) or the assay's."""
+    q, k, v = (x.detach().requires_grad_() for x in (q, k, v))
+    o = attention(q, k, v, **kw) if error is None else attention_with_delta_error(q, k, v, error, **kw)
+    return o.detach(), torch.autograd.grad(o, (q, k, v), do.to(o.dtype))
+
+
+@pytest.mark.parametrize("impl", ["torch", "triton"])
+def test_the_delta_wrapper_is_the_kernel_at_error_0_and_checks_the_errors_shape(impl):
+    need_triton(impl)
+    q, k, v, do = (randn(1, 2, 70, 16) for _ in range(4))
+    for accum, rounding in (("bf16", None), ("fp32", ("logits", "pv", "backward"))):
+        kw = dict(accum=accum, impl=impl, rounding=rounding, block_n=32)
+        plain, zero = run_delta(q, k, v, do, None, **kw), run_delta(q, k, v, do, torch.zeros(2, 16, device=DEV), **kw)
+        assert all(torch.equal(a, b) for a, b in zip((plain[0], *plain[1]), (zero[0], *zero[1]))), (accum, rounding)
+    with pytest.raises(ValueError, match=r"delta error must be \(heads, head_dim\)"):
+        attention_with_delta_error(q, k, v, torch.zeros(3, 16, device=DEV), impl=impl)
+    with pytest.raises(ValueError, match="use impl='torch' or 'triton'"):
+        attention_with_delta_error(q.float(), k.float(), v.float(), torch.zeros(2, 16, device=DEV), impl="sdpa")
+
+
+@pytest.mark.parametrize("impl", ["torch", "triton"])
+def test_delta_error_moves_only_dq_and_dk_by_the_expected_amount(impl, seed):
+    # The assay's backward-side site, its own wrapper of the kernel's ops (moved here from test_numerics.py
+    # with it): delta = rowsum(dO * (O + e)), e_h = error[h] * rms(O_h).
+    # The forward and dv stay as they were; dS changes by -P * rowsum(dO * e), so dq and dk move by
+    # exactly what a float64 materialized backward with that delta gives.
+    need_triton(impl)
+    q, k, v, do = (randn(1, 3, 90, 32, scale=1.5) for _ in range(4))
+    err = torch.randn(3, 32, device=DEV) * 0.3
+    kw = dict(accum="fp32", impl=impl, rounding=(), block_n=32)
+    (o0, g0), (o1, g1) = run_delta(q, k, v, do, None, **kw), run_delta(q, k, v, do, err, **kw)
+    assert torch.equal(o0, o1) and torch.equal(g0[2], g1[2]), f"seed {seed}: the forward or dv changed"
+    # float64: the shift of dq, dk that a delta larger by rowsum(dO * e) makes
+    qd, kd, vd, dod = (x.double() for x in (q, k, v, do))
+    T = q.shape[2]
+    s = (qd @ kd.mT / 32 ** 0.5).masked_fill(~causal(T), float("-inf"))
+    p = torch.softmax(s, -1)
+    rms = (p @ vd).pow(2).mean(dim=(0, 2, 3)).sqrt()
+    shift = (dod * (err.double() * rms[:, None])[None, :, None, :]).sum(-1, keepdim=True)
+    dds = -p * shift / 32 ** 0.5
+    for name, got, want in (("dq", g1[0].double() - g0[0].double(), dds @ kd),
+                            ("dk", g1[1].double() - g0[1].double(), dds.mT @ qd)):
+        assert rel(got, want) < 0.05, f"seed {seed}: {name} moved by {got.norm():.3e}, expected {want.norm():.3e}"
+
 
 
 # --------------------------------------------------------------------------------------------------
@@ -456,7 +522,7 @@ def assay_argv(flags):
 ])
 def test_assay_flags_reject_nonsense(flags, names, capsys):
     with pytest.raises(SystemExit):
-        run.parse_args(assay_argv(flags))
+        parse_args(assay_argv(flags))
     assert names in capsys.readouterr().err.strip().splitlines()[-1]
 
 
@@ -471,14 +537,24 @@ def test_assay_flags_reject_nonsense(flags, names, capsys):
     dict(probe="qk-shrink"),
 ])
 def test_assay_flags_accept_sense(flags):
-    run.parse_args(assay_argv(flags))
+    parse_args(assay_argv(flags))
 
 
-def test_run_py_knows_the_assays_switches_off_as_their_flags_default():
-    # run.ASSAY_OFF: what a run without lab/ reads a saved run's assay switches against
-    defaults = run.build_parser().flag_defaults
-    assert run.ASSAY_OFF == {name: defaults[name] for name in run.ASSAY_OFF}
-    assert isinstance(run.extension(run.parse_args([])[0], None, None, None), run.Extension)
+def test_run_py_knows_the_assays_flags_and_their_defaults():
+    # run.ASSAY_UNUSED: what train.py refuses by name, and reads a saved run's assay flags against
+    defaults = run.build_parser(Assay()).flag_defaults
+    assert run.ASSAY_UNUSED == {name: default for name, default in defaults.items()
+                                if name not in run.build_parser().flag_defaults}
+    assert Assay.command == run.ASSAY_COMMAND == "python -m lab.train_assay"
+
+
+def test_the_assays_numeric_flags_refuse_nonsense_in_one_line():
+    # test_training's check of train.py's numeric flags, on the assay's (moved here with them)
+    assay_flags = run.build_parser(Assay())
+    for action in list(assay_flags._actions):
+        if action.dest in run.build_parser().flag_defaults:
+            assay_flags._remove_action(action)
+    assert check_numeric_flags(assay_flags, parse_args, ZERO_MEANS | {"--inject-coherence"}) == 4 * 3
 
 
 # --------------------------------------------------------------------------------------------------
@@ -496,7 +572,7 @@ def test_qk_fix_clean_grad_replaces_only_the_qk_gradients():
     clean = clean_qk_grads(model, x, y, contextlib.nullcontext, 1.0, injector)
     for name, p in model.named_parameters():           # nothing but the returned tensors changed
         assert torch.equal(p.grad, faulty[name]), name
-    assert all(a.accum == "bf16" and a.delta_error is not None for a in model.attentions), "faults restored"
+    assert all(a.accum == "bf16" for a in model.attentions) and injector.enabled, "faults restored"
     model.zero_grad()
     with fault_free(model, injector):
         model(x, y)[1].backward()
@@ -582,10 +658,52 @@ def test_clean_grad_and_inject_layers_move_exactly_the_weights_they_should(tmp_p
     (["--inject-site", "mlp-out", "--inject-scale", "0.1", "--qk-fix", "clean-grad"], "--qk-fix qknorm"),
     (["--probe", "qk-topk", "--probe-k", "0"], "--probe-k"),
     (["--inject-site", "mlp-out", "--inject-scale", "0.1", "--inject-layers", "1,x"], "--inject-layers"),
+    # from test_training's test_flags_that_would_silently_do_nothing_or_crash_later_are_refused, with their flags
+    (["--inject-site", "mlp-out", "--inject-scale", "0.1", "--inject-layers", "5"], "layers 0..1"),
+    (["--probe-k", "2"], "--probe-k has no effect"),
+    (["--inject-site", "grad-wv", "--inject-scale", "0.1", "--qk-fix", "clean-grad"], "never touches the forward"),
+    (["--inject-site", "delta", "--inject-scale", "0.1", "--attn-impl", "sdpa", "--attn-dtype", "native"],
+     "not with --attn-impl sdpa"),
+    (["--qk-fix", "qknorm", "--accum", "bf16", "--guard", "on", "--guard-signal", "sigma-product"],
+     "--guard-action qknorm has nothing to switch when --qk-fix qknorm is set"),
+    (["--qk-fix", "qknorm", "--accum", "bf16", "--guard", "on", "--guard-action", "clip"],
+     "--guard-signal max-logit cannot cross --guard-threshold under QK-norm (--qk-fix qknorm)"),
 ])
 def test_assay_flag_combinations_that_make_no_sense_are_refused(tmp_path, data_dir, argv, flag):
     result = train(tmp_path / "run", data_dir, *argv)
     assert result.returncode != 0 and flag in result.stderr, result.stderr
+    assert not (tmp_path / "run").exists()
+
+
+def test_sigterm_then_resume_matches_an_uninterrupted_run_with_an_injected_error_and_the_probe(tmp_path, data_dir):
+    # test_training's test, through the lab's command: the injector's and the probe's state resume too
+    check_sigterm_then_resume(tmp_path, data_dir, "--inject-site", "mlp-out", "--inject-scale", "0.1",
+                              "--inject-coherence", "0.8", "--probe", "qk-topk", command=TRAIN_ASSAY)
+
+
+def test_resume_with_the_assays_flags_repeated(tmp_path, data_dir):
+    check_resume_with_repeated_flags(tmp_path / "run", data_dir, "--inject-site", "mlp-out", "--inject-scale", "0.05",
+                                     command=TRAIN_ASSAY)
+
+
+def test_a_run_that_used_the_assay_resumes_here_and_train_py_names_this_command(tmp_path, data_dir):
+    # train.py, with or without lab/ beside it (`rm -r lab`), refuses in one line; the lab's command goes on
+    reference = root_without_lab(tmp_path / "reference")
+    for name, argv in (("plain", []), ("probed", ["--probe", "qk-topk"])):
+        assert train(tmp_path / name, data_dir, "--max-steps", "1", *argv).returncode == 0
+    resume = lambda name, command, steps="2": subprocess.run(
+        [*command, "--data-dir", data_dir, "--out-dir", str(tmp_path / name), "--max-steps", steps, "--resume"],
+        capture_output=True, text=True, timeout=300, cwd=ROOT)
+    without_lab = [sys.executable, str(reference / "train.py")]
+    assert resume("plain", without_lab).returncode == 0, "a run that used no assay flag goes on without lab/"
+    for command in (without_lab, [sys.executable, os.path.join(ROOT, "train.py")]):
+        lines = resume("probed", command).stderr.strip().splitlines()
+        assert lines == [f"error: this run used the lab's assay (--probe qk-topk): resume it with `python -m "
+                         f"lab.train_assay --resume --out-dir {tmp_path / 'probed'}`"], lines
+    assert resume("probed", TRAIN_ASSAY).returncode == 0
+    assert sorted(step_losses(read_log(tmp_path / "probed"))) == [0, 1]
+    assert resume("plain", TRAIN_ASSAY, "3").returncode == 0, "and a run train.py made goes on here too"
+    assert sorted(step_losses(read_log(tmp_path / "plain"))) == [0, 1, 2]
 
 
 @pytest.mark.parametrize("probe", ["qk-topk", "qk-shrink", "qk-fixed", "equal-energy", "v-topk", "mlp-topk"])

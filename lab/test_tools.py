@@ -1704,7 +1704,8 @@ def test_the_flags_a_rules_arms_may_differ_in():
     # a resume may change these (run.py's list); max_steps, though, the arms must share
     # data_dir too: where a run recorded its data's content hash, the hash decides; else only the folder tells
     assert loading.RUN_SPECIFIC == (run.RESUMABLE_CHANGES - {"max_steps", "data_dir"}) | {"seed"}
-    flags = set(run.build_parser().flag_defaults)   # train.py's flags as config.json names them
+    from lab.assay import Assay
+    flags = set(run.build_parser(Assay()).flag_defaults)   # lab.train_assay's: train.py's and the assay's
     assert all(loading.OWN_FLAGS[name] <= flags for name in loading.OWN_FLAGS)
     assert loading.OWN_FLAGS["fp32-guard"] == {"accum", "guard"}
     assert loading.OWN_FLAGS["lr-guard-clip"] == {"accum", "lr", "min_lr", "warmup_steps", "schedule", "guard",
@@ -1996,7 +1997,7 @@ def test_the_readme_lab_sweep_commands_name_real_arms(tmp_path, capsys):
     for argv in commands:
         argv[argv.index("--out-root") + 1] = str(tmp_path)
         assert sweep.main(["--dry-run", *argv]) == 0, argv
-        assert "train.py" in capsys.readouterr().out
+        assert re.search(r"train\.py|lab\.train_assay", capsys.readouterr().out)   # the commands it planned
 
 
 def test_the_readme_stream_study_commands_plan_what_its_rule_names(tmp_path, capsys):
@@ -2059,6 +2060,40 @@ def test_sweep_dry_run_skips_and_resumes(tmp_path):
                     f"{root}/{accum}/seed{seed}", "--resume"]) for seed, accum in (("1", "bf16"), ("2", "fp32"))]
 
 
+def test_the_assays_arms_launch_and_resume_through_its_command(tmp_path):
+    # train.py imports nothing from lab/: an arm with an assay flag runs (and resumes) as lab.train_assay
+    from lab.assay import Assay
+    import run
+    assert set(sweep.ASSAY_FLAGS) == {f"--{k.replace('_', '-')}" for k in run.ASSAY_UNUSED} == {
+        a.option_strings[0] for a in run.build_parser(Assay())._actions if a.dest in run.ASSAY_UNUSED}
+    root = str(tmp_path)
+    args = ("--dry-run", "--claims", "5", "--source", "assay", "--only", "assay-probe-topk,fp32", "--seeds", "1",
+            "--out-root", root)
+    out = sweep_cmd(*args)
+    assert out.returncode == 0, out.stderr
+    probe, fp32 = (shlex.split(line) for line in out.stdout.splitlines())
+    assert probe[1:3] == ["-m", "lab.train_assay"] and "--probe" in probe and probe[-1] == f"{root}/assay-probe-topk/seed1"
+    assert fp32[1] == "train.py" and fp32[-1] == f"{root}/fp32/seed1"
+    write_run(root, "assay-probe-topk", 1, end="interrupted", args={"probe": "qk-topk"})
+    out = sweep_cmd(*args, "--resume")
+    assert [shlex.split(line)[1:3] + shlex.split(line)[-1:] for line in out.stdout.splitlines() if "probe" in line] \
+        == [["-m", "lab.train_assay", "--resume"]], out.stdout
+
+
+
+def test_a_records_commands_type_an_assay_run_as_its_command_today():
+    # runs made before the assay left train.py recorded train.py with the assay's flags, which train.py now
+    # refuses; runs lab.train_assay made record its file's path: both are typed as `python -m lab.train_assay`
+    from lab.tables import typed_again
+    old = ["train.py", "--accum", "fp32", "--inject-site", "delta", "--seed", "1", "--out-dir", "runs/a/s1"]
+    new = ["/home/x/qk/lab/train_assay.py", "--probe", "qk-topk", "--seed", "2"]
+    assert typed_again(old) == ["python", "-m", "lab.train_assay", *old[1:]]
+    assert typed_again(new) == ["python", "-m", "lab.train_assay", "--probe", "qk-topk", "--seed", "2"]
+    assert typed_again(["train.py", "--inject-scale=3"])[:3] == ["python", "-m", "lab.train_assay"]
+    plain = ["train.py", "--accum", "bf16", "--guard", "on"]
+    assert typed_again(plain) == ["python", *plain]
+    assert typed_again(["-m", "lab.fault_size"]) == ["python", "-m", "lab.fault_size"]
+
 def test_sweep_runs_every_arm_the_rules_read():
     """Every arm a rule of report.py judges is launched by that rule's claim in sweep.py; claims 3
     and 4 are the dose grid at both sites."""
@@ -2092,12 +2127,15 @@ def test_sweep_launches_every_arm_the_lr_rules_read():
 
 
 def test_experiment_table_is_valid_train_flags():
-    """Every experiment's flags parse in train.py (so no run of the GPU session dies on a typo)."""
+    """Every experiment's flags parse in train.py, or (the assay's arms) in lab.train_assay: no run of the GPU
+    session dies on a typo."""
     import train
-    parse_args = train.run.parse_args    # train.py's own flag parser
+    from lab.assay import Assay
+    parse_args = train.run.parse_args    # train.py's own flag parser, with the assay's extension or without
     for number in sweep.CLAIMS:
         for name, flags in sweep.experiments([number]).items():
-            args = parse_args(flags + ["--max-steps", "1"])[0]
+            assay = Assay() if set(flags) & set(sweep.ASSAY_FLAGS) else None
+            args = parse_args(flags + ["--max-steps", "1"], assay)[0]
             assert (args.guard == "on") == ("-guard" in name), name  # only guard arms are guarded
 
 
@@ -2227,9 +2265,11 @@ def test_every_arm_of_every_claim_runs_end_to_end_and_is_judged(tmp_path, data_d
             **{name: flags for source in ("assay", "lr") for name, flags in sweep.experiments([5, 6], source=source)
                .items()}}   # claims 5 and 6 on the CPU lab's runaways too
     assert len(arms) > 70
+    from lab.assay import Assay
     for name, flags in arms.items():
         out = root / name / "seed1"
-        train.main(flags + tiny + ["--out-dir", str(out)])
+        assay = Assay() if set(flags) & set(sweep.ASSAY_FLAGS) else None   # as the sweep runs it
+        train.main(flags + tiny + ["--out-dir", str(out)], extension=assay)
         assert sweep.run_state(str(out)) == "completed", name
     groups = loading.load_runs(str(root))
     assert set(groups) == set(arms)
@@ -2593,8 +2633,8 @@ def test_the_sweeps_clash_check_compares_what_the_flags_set(tmp_path, capsys, mo
     import run
     build_parser = run.build_parser
 
-    def with_prefixes():   # train.py's parser refuses them (allow_abbrev=False): the check must not rely on that
-        parser = build_parser()
+    def with_prefixes(*extension):   # train.py's parser refuses them (allow_abbrev=False): the check must not rely on that
+        parser = build_parser(*extension)
         parser.allow_abbrev = True
         return parser
     monkeypatch.setattr(run, "build_parser", with_prefixes)
