@@ -32,18 +32,22 @@ ARMS = {"bf16": "bf16 state", "fp32": "fp32 state", "bf16-safemax": "bf16 state 
 class Study:
     """One pre-registered study of claim 1: its rule, the commit that held it before the runs, its seeds."""
     name: str
+    label: str                     # its row in RESULTS.md's table
     rule: str                      # the rule's file, from the repository's root
     commit: str                    # the commit that holds it, made before the first of its runs
     seeds: tuple                   # every arm's seeds
     aa_seeds: tuple                # fp32 again, seed k of `seeds` against the k-th of these; () for none
     scale: str                     # its scale in RESULTS.md's words; {n}: the seeds that finished
     holds: str                     # the verdict where the primary test holds (and the A/A does not)
+    safemax_if_separates: bool     # safe-max runs only where bf16 separates (else every seed, from the start)
 
 
-STREAM = Study("stream", "lab/preregistered/claim1-stream.md", "b823d3f", tuple(range(11, 19)), tuple(range(19, 27)),
-               "gpt2 4x128, 4000 steps, {n}, 4 key blocks per row, 1,024 tokens a step", "reproduced")
-TOKENS = Study("tokens", "lab/preregistered/claim1-tokens.md", "75c11bd", tuple(range(31, 36)), (),
-               "gpt2 4x128, 1000 steps, {n}, 4 key blocks per row, 16,384 tokens a step", "separates")
+STREAM = Study("stream", "1", "lab/preregistered/claim1-stream.md", "b823d3f", tuple(range(11, 19)),
+               tuple(range(19, 27)), "gpt2 4x128, 4000 steps, {n}, 4 key blocks per row, 1,024 tokens a step",
+               "reproduced", safemax_if_separates=False)
+TOKENS = Study("tokens", "1 (16x tokens)", "lab/preregistered/claim1-tokens.md", "75c11bd", tuple(range(31, 36)), (),
+               "gpt2 4x128, 1000 steps, {n}, 4 key blocks per row, 16,384 tokens a step", "separates",
+               safemax_if_separates=True)
 STUDIES = {s.name: s for s in (STREAM, TOKENS)}
 # the first study's, by their old names
 RULE, PREREGISTERED, SEEDS, AA_SEEDS = STREAM.rule, STREAM.commit, STREAM.seeds, STREAM.aa_seeds
@@ -149,7 +153,7 @@ def judge(runs, study=STREAM):
     primary, primary_line = sign_line("bf16 over fp32", *ratio_test(runs, "bf16", "fp32", seeds)[:3])
     mechanism, mechanism_line = sign_line("bf16-safemax over fp32", *ratio_test(runs, "bf16-safemax", "fp32", seeds)[:3])
     safemax_done = all(runs.get("bf16-safemax", {}).get(s) and runs["bf16-safemax"][s].finished for s in seeds)
-    if not study.aa_seeds:   # the tokens study: safe-max runs only where bf16 separates
+    if study.safemax_if_separates:   # and it has no A/A set: the verdict is the primary test's
         lines = [primary_line, mechanism_line if runs.get("bf16-safemax") else "bf16-safemax: not run"]
         return (study.holds if primary else "does not separate"), lines
     lines = [primary_line, mechanism_line]
@@ -189,8 +193,8 @@ def reported(runs, study=STREAM):
             lines.append(f"final val loss, {arm} - fp32: mean {mean:+.3f} nat, 95% interval [{lo:+.3f}, {hi:+.3f}] "
                          f"(n = {len(gaps)})")
     for arm in ARMS:
-        if arm == "bf16-safemax" and not runs.get(arm) and not study.aa_seeds:
-            continue   # the tokens study runs safe-max only where bf16 separates: "not run" says it above
+        if arm == "bf16-safemax" and not runs.get(arm) and study.safemax_if_separates:
+            continue   # safe-max runs only where bf16 separates: "not run" says it above
         done = [r for r in (runs.get(arm, {}).get(s) for s in study.seeds) if r and r.finished]
         away = sum(max(r.logit, default=0) >= RUNAWAY_LOGIT for r in done)
         lines.append(f"{arm}: {len(done)}/{len(study.seeds)} finished, {away} ran away (max logit >= "
@@ -262,11 +266,11 @@ def summary_row(runs, study=STREAM):
     """RESULTS.md's claim-1 row: [claim, verdict, scale, key number (n, test), why]."""
     verdict, lines = judge(runs, study)
     if verdict == "not run":
-        return ["1", verdict, "-", "-", why(verdict, runs, study)]
+        return [study.label, verdict, "-", "-", why(verdict, runs, study)]
     count, n, p, _ = ratio_test(runs, "bf16", "fp32", study.seeds)
     key = (f"`bf16` over `fp32`: M >= {RATIO:g}x in {count} of {n} seeds, sign test p = {p:.2g} "
            f"({'<' if p < ALPHA else '>='} {ALPHA:g})")
-    return ["1", verdict, scale_words(runs, study), key, why(verdict, runs, study)]
+    return [study.label, verdict, scale_words(runs, study), key, why(verdict, runs, study)]
 
 
 def section(runs, root, plot_path=None, markdown_dir=".", study=STREAM, rule_link=None):

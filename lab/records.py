@@ -33,7 +33,6 @@ def link(target, doc):
     return os.path.relpath(os.path.abspath(target), os.path.dirname(os.path.abspath(doc)))
 
 
-TOKENS_LABEL = "1 (16x tokens)"   # the row of claim 1's second study, 16x the tokens a step
 
 
 def record_of(label):
@@ -61,14 +60,16 @@ class Judged:
         self.arms = {label: arm_list(groups) if callable(arm_list) else arm_list
                      for label, _, arm_list, _ in expanded_rules(groups)}
         self.table = summary(groups, rows, study and study[1], self.lr_rows, root)
-        if stream:
-            row = claim1.summary_row(stream[1])
-            self.table = [[row[0], VERDICT_WORDS.get(row[1], row[1].upper()), *row[2:]] if old[0] == "1" else old
-                          for old in self.table]
-        if tokens:   # claim 1's second study, 16x the tokens a step: its own row, under claim 1's
-            row = claim1.summary_row(tokens[1], claim1.TOKENS)
-            at = next(i for i, old in enumerate(self.table) if old[0] == "1") + 1
-            self.table.insert(at, [TOKENS_LABEL, VERDICT_WORDS.get(row[1], row[1].upper()), *row[2:]])
+        for found, which in ((stream, claim1.STREAM), (tokens, claim1.TOKENS)):
+            if not found:
+                continue
+            label, verdict, *cells = claim1.summary_row(found[1], which)
+            row = [label, VERDICT_WORDS.get(verdict, verdict.upper()), *cells]
+            at = [old[0] for old in self.table].index("1")
+            if label == "1":   # the first study judges claim 1 in place of the lab's rule
+                self.table[at] = row
+            else:              # a later study: its own row under claim 1's
+                self.table.insert(at + 1, row)
         self.words = {label: words for label, words, _, _ in [*RULES, *LR_RULES]}
 
     def all_rows(self):
@@ -299,7 +300,7 @@ def record_md(j, n, paths):
              render(SUMMARY_HEADER, [row for row in j.table if row[0] in labels], True)]
     texts = {row[0]: row for row in j.all_rows()}
     for label in labels:
-        if label == TOKENS_LABEL:
+        if label == claim1.TOKENS.label:
             continue   # its section follows, written by lab/claim1.py
         _, verdict, text = texts[label]
         parts += rule_section(j, label, verdict, text, paths, n)
