@@ -45,6 +45,7 @@ def start_run(args, typed, master=True):
         raise SystemExit(f"error: {out} holds a kept result (log.jsonl.gz): give another --out-dir")
     if master:
         claim(out)
+        clear_failed_start(paths)
     held = [p for p in paths.values() if os.path.exists(p)]
     checkpoints = [paths[name] for name in CHECKPOINTS if os.path.exists(paths[name])]
     if not checkpoints and not os.path.exists(paths["config.json"]) and (held or args.resume):
@@ -128,6 +129,16 @@ def newest_checkpoint(path):
             return state
     raise SystemExit(f"error: {path} is missing and {' and '.join(found)} cannot be read: the run "
                      f"cannot resume; start a new run in another --out-dir")
+
+
+def clear_failed_start(paths):
+    """Empty files and nothing else (an older train.py's first write on a full disk left a 0-byte
+    config.json): they hold no run, so they are removed rather than block every start."""
+    held = [p for p in paths.values() if os.path.exists(p)]
+    if held and all(os.path.getsize(p) == 0 for p in held) and os.path.exists(paths["config.json"]):
+        for p in held:
+            os.remove(p)
+        print(f"removed {', '.join(held)}: empty, left by a first write that failed", file=sys.stderr)
 
 
 def load_checkpoint(path):

@@ -1438,6 +1438,18 @@ def test_a_full_disk_at_the_first_write_leaves_nothing_that_refuses_the_next_sta
     assert train(out, data_dir, "--max-steps", "2").returncode == 0
 
 
+
+def test_an_older_train_pys_empty_config_json_is_cleared_not_a_dead_end(tmp_path, data_dir):
+    # an older train.py's full disk left a 0-byte config.json: refused as a run, unreadable to --resume
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "config.json").write_text("")
+    result = train(out, data_dir, "--max-steps", "2")
+    assert result.returncode == 0 and "removed" in result.stderr and "empty" in result.stderr, result.stderr
+    assert json.loads((out / "config.json").read_text())["args"]["max_steps"] == 2
+    (out / "log.jsonl").write_text("")   # a config.json with content is a run: kept, whatever else is empty
+    assert train(out, data_dir, "--max-steps", "2").returncode != 0 and (out / "config.json").stat().st_size
+
 def test_where_flock_fails_the_run_is_refused_in_one_line(tmp_path, data_dir):
     # before: a note ("run one train.py in it at a time"), then two writers in one folder; then a pid
     # file that a second writer respected (dropped with the other compatibility paths): one line now
