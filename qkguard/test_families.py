@@ -157,6 +157,20 @@ def softcap(model):
     return getattr(model.config, "attn_logit_softcapping", None)
 
 
+def guarded_steps(model, guard, optimizer, monkeypatch):
+    """STEPS training steps of the model under its guard, each yielding (step, the softmax calls the spy
+    saw, the rows the guard sampled), after the optimizer's step and the guard's."""
+    for step in range(STEPS):
+        x = tokens(step)
+        with spied_logits(model, monkeypatch) as calls:
+            model(input_ids=x, labels=x).loss.backward()
+        sampled = guard._sample[0]
+        optimizer.step()
+        optimizer.zero_grad()
+        guard.step()
+        yield step, calls, sampled
+
+
 def reference(model, calls, seqs):
     """(n_layer, n_head): the max of each layer's softmax input over the sequences `seqs` (None: all), all
     query rows and the keys its mask allows (the masked ones sit near -3.4e38), ALiBi taken out."""
@@ -199,14 +213,7 @@ def test_the_max_logit_is_the_models_own_at_every_step(name, seqs, monkeypatch):
     assert len(guard.layers) == 2
     inflate(guard)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    for step in range(STEPS):
-        x = tokens(step)
-        with spied_logits(model, monkeypatch) as calls:
-            model(input_ids=x, labels=x).loss.backward()
-        sampled = guard._sample[0]
-        optimizer.step()
-        optimizer.zero_grad()
-        guard.step()
+    for step, calls, sampled in guarded_steps(model, guard, optimizer, monkeypatch):
         assert len(calls) == 2, f"{len(calls)} softmax calls: the spy needs the model's eager attention"
         want = reference(model, calls, sampled)
         assert want.min() > 1.0, "the check needs logits of a visible size"
@@ -329,14 +336,7 @@ def test_lora_on_q_and_k_is_read_as_the_adapted_model_forms_them(merged, monkeyp
     guard = qkguard.attach(model)
     assert len(guard.layers) == 2 and guard.layers[0].n_kv_head == 2
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
-    for step in range(STEPS):
-        x = tokens(step)
-        with spied_logits(model, monkeypatch) as calls:
-            model(input_ids=x, labels=x).loss.backward()
-        sampled = guard._sample[0]
-        optimizer.step()
-        optimizer.zero_grad()
-        guard.step()
+    for step, calls, sampled in guarded_steps(model, guard, optimizer, monkeypatch):
         want = reference(model, calls, sampled)
         torch.testing.assert_close(guard.max_logit.double(), want, rtol=1e-5, atol=1e-4,
                                    msg=lambda m: f"step {step}: {m}")
@@ -348,7 +348,7 @@ def test_lora_on_q_and_k_is_read_as_the_adapted_model_forms_them(merged, monkeyp
         model.merge_adapter()
     torch.testing.assert_close(w_q, attn.q_proj.base_layer.weight)
     with torch.no_grad(), model.disable_adapter(), spied_logits(model, monkeypatch) as calls:   # (unmerges them)
-        model(input_ids=x)              # the base alone: other logits, so a reading that missed LoRA would fail
+        model(input_ids=tokens(step))   # the base alone: other logits, so a reading that missed LoRA would fail
     assert not torch.allclose(reference(model, calls, sampled), want, rtol=1e-3)
 
 
