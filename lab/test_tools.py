@@ -1363,6 +1363,11 @@ def test_rule_2p_judges_each_lr_on_the_seeds_its_arms_ran_and_reports_the_aa_flo
     assert "-> no gap; per seed -0.040, -0.010, +0.010" in row[2]
     assert ("lr 0.1, bf16-qknorm-always-t1 - bf16-qknorm-always (the same flags at one thread, run on a "
             "later day: what the code's changes since moved): identical in 15/16 seeds") in row[2]
+    again = sweep.TILE_ARMS["bf16-qknorm-always"][0]   # the same flags on 2026-12-04: a replay, said too
+    assert f"bf16-qknorm-always-t1 - {again} (" not in row[2]
+    arms[sweep.lr_name(again, TOP)] = [{"val": 2.9, "args": args(1)} for s in range(1, 9)]
+    assert (f"lr 0.1, bf16-qknorm-always-t1 - {again} (the same flags at one thread, run on a later day: what "
+            "the code's changes since moved): identical in 7/8 seeds") in lr_rows(tmp_path / "d", arms)["2p"][2]
     del arms[sweep.lr_name(one, TOP)]   # the twin alone: no pair run side by side, no floor said
     assert "A/A" not in lr_rows(tmp_path / "c", arms)["2p"][2]
     arms[sweep.lr_name("bf16-qknorm-always", TOP)] = arm(15, OK)   # seed 16 of the reference missing: against it

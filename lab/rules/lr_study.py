@@ -170,10 +170,13 @@ def aa_lines(c, prefix, always, lr):
                      f"{'a gap where none should be' if aa_gap else 'no gap'}"
                      + (f" ({left} seeds without both runs finished, counted as a gap)" if left else "")
                      + f"; per seed {', '.join(f'{g:+.3f}' for g in gaps)}")
-        redo, _ = paired_gaps(c, one, always, lr, lr_seeds(c, (one,), lr))
-        lines.append(f"lr {lr:g}, {one} - {always} (the same flags at one thread, run on a later day: what "
-                     f"the code's "
-                     f"changes since moved): identical in {sum(g == 0 for g in redo)}/{len(redo)} seeds")
+        again = prefix + TILE_ARMS["bf16-qknorm-always"][0]
+        for ref in (always, again):   # the same flags made on earlier days: what the code's changes since moved
+            if c.runs.get(lr_name(ref, lr)):
+                redo, _ = paired_gaps(c, one, ref, lr, lr_seeds(c, (one,), lr))
+                lines.append(f"lr {lr:g}, {one} - {ref} (the same flags at one thread, run on a later day: what "
+                             f"the code's changes since moved): identical in {sum(g == 0 for g in redo)}/"
+                             f"{len(redo)} seeds")
     again, tile = (prefix + a for a in TILE_ARMS["bf16-qknorm-always"])
     if c.runs.get(lr_name(again, lr)) and c.runs.get(lr_name(tile, lr)):
         seeds = lr_seeds(c, (again, tile), lr)
