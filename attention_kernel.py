@@ -646,55 +646,47 @@ def _checked(q, k, v, accum, impl, softcap, safemax_beta, block_n, rounding):
     if isinstance(rounding, str):
         raise ValueError(f"rounding={rounding!r}: give a tuple of sources such as ('logits', 'pv'), () or None")
     unknown = [s for s in rounding or () if s not in ROUNDING_SOURCES]
-    if unknown:
-        raise ValueError(f"unknown rounding source {unknown[0]!r}; use some of {ROUNDING_SOURCES}, or () for none")
     if rounding is None:
         rounding = DEFAULT_ROUNDING if q.dtype == torch.bfloat16 and impl != "sdpa" else ()
     rounding = tuple(s for s in ROUNDING_SOURCES if s in rounding)     # one canonical order
-    if accum not in ACCUM_MODES:
-        raise ValueError(f"unknown accum={accum!r}; use one of {ACCUM_MODES}")
-    if impl not in IMPLS:
-        raise ValueError(f"unknown impl={impl!r}; use one of {IMPLS}")
-    if q.dim() != 4 or q.shape != k.shape or q.shape != v.shape or q.shape[2] < 1:
-        raise ValueError(f"q, k, v must be 4-D (batch, heads, time, head_dim) of one shape, time >= 1; got "
-                         f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
-    if q.dtype not in DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
-        raise ValueError(f"q, k, v must share one dtype among {DTYPES}; got {q.dtype}, {k.dtype}, {v.dtype}")
-    if not softcap >= 0 or math.isinf(softcap):
-        raise ValueError(f"softcap must be finite and >= 0 (0 = off); got {softcap}")
-    if accum == "bf16-safemax" and not (safemax_beta > 1 and math.isfinite(safemax_beta)):
-        raise ValueError(f"safemax_beta must be finite and > 1 (the prior work uses 2..8); got {safemax_beta}")
-    if "backward" in rounding and q.dtype != torch.bfloat16:
-        raise ValueError(f"rounding 'backward' is the prior work's bf16 backward: it needs bf16 inputs; got {q.dtype}")
-    impl = ("triton" if q.is_cuda else "torch") if impl == "auto" else impl
-    if impl == "triton":
-        if q.shape[3] not in TRITON_HEAD_DIMS:
-            raise ValueError(f"impl='triton' needs head_dim in {TRITON_HEAD_DIMS}; got {q.shape[3]}. "
-                             f"Use impl='torch' for other sizes.")
-        if not q.is_cuda and not INTERPRET:
-            raise ValueError("impl='triton' on CPU tensors needs TRITON_INTERPRET=1 in the environment before "
-                             "attention_kernel is imported; or use impl='torch'")
-        if block_n is not None and (block_n < 16 or block_n > 128 or block_n & (block_n - 1)):
-            raise ValueError(f"impl='triton' needs block_n a power of two in [16, 128]; got {block_n}")
-    if block_n is not None and block_n < 1:
-        raise ValueError(f"block_n must be a positive integer; got {block_n}")
-    if impl == "sdpa" and (accum != "fp32" or softcap > 0 or rounding):
-        raise ValueError("impl='sdpa' supports only accum='fp32', no rounding sources and no softcap; use "
-                         "impl='triton' or 'torch'")
-    return impl, rounding
+    resolved = ("triton" if q.is_cuda else "torch") if impl == "auto" else impl
+    on_triton, D = resolved == "triton", q.shape[-1]
+    for refused, why in (   # the first that applies is said
+            (unknown, f"unknown rounding source {', '.join(map(repr, unknown))}; use some of {ROUNDING_SOURCES}, "
+             "or () for none"),
+            (accum not in ACCUM_MODES, f"unknown accum={accum!r}; use one of {ACCUM_MODES}"),
+            (impl not in IMPLS, f"unknown impl={impl!r}; use one of {IMPLS}"),
+            (q.dim() != 4 or q.shape != k.shape or q.shape != v.shape or q.shape[2] < 1,
+             f"q, k, v must be 4-D (batch, heads, time, head_dim) of one shape, time >= 1; got "
+             f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"),
+            (q.dtype not in DTYPES or k.dtype != q.dtype or v.dtype != q.dtype,
+             f"q, k, v must share one dtype among {DTYPES}; got {q.dtype}, {k.dtype}, {v.dtype}"),
+            (not softcap >= 0 or math.isinf(softcap), f"softcap must be finite and >= 0 (0 = off); got {softcap}"),
+            (accum == "bf16-safemax" and not (safemax_beta > 1 and math.isfinite(safemax_beta)),
+             f"safemax_beta must be finite and > 1 (the prior work uses 2..8); got {safemax_beta}"),
+            ("backward" in rounding and q.dtype != torch.bfloat16,
+             f"rounding 'backward' is the prior work's bf16 backward: it needs bf16 inputs; got {q.dtype}"),
+            (on_triton and D not in TRITON_HEAD_DIMS,
+             f"impl='triton' needs head_dim in {TRITON_HEAD_DIMS}; got {D}. Use impl='torch' for other sizes."),
+            (on_triton and not q.is_cuda and not INTERPRET, "impl='triton' on CPU tensors needs TRITON_INTERPRET=1 "
+             "in the environment before attention_kernel is imported; or use impl='torch'"),
+            (on_triton and block_n is not None and (block_n < 16 or block_n > 128 or block_n & (block_n - 1)),
+             f"impl='triton' needs block_n a power of two in [16, 128]; got {block_n}"),
+            (block_n is not None and block_n < 1, f"block_n must be a positive integer; got {block_n}"),
+            (resolved == "sdpa" and (accum != "fp32" or softcap > 0 or rounding), "impl='sdpa' supports only "
+             "accum='fp32', no rounding sources and no softcap; use impl='triton' or 'torch'")):
+        if refused:
+            raise ValueError(why)
+    return resolved, rounding
 
 
 def attention(q, k, v, accum="fp32", qk_norm=False, return_max_logit=False, *, scale=None, softcap=0.0,
               safemax_beta=2.0, impl="auto", block_n=None, rounding=None):
     """Causal multi-head attention. q, k, v: (batch, heads, time, head_dim), one dtype (bf16, fp16,
-    fp32). Returns o (q's shape and dtype), or (o, max_logit).
-
-    accum: the streaming-softmax state, one of ACCUM_MODES.
-    rounding: some of ROUNDING_SOURCES (module docstring); None: ("logits", "pv") for bf16, else ().
-    qk_norm: parameter-free RMS norm of q and k (scale unchanged, so |logit| <= scale * head_dim).
-    softcap > 0: logits <- softcap * tanh(logits / softcap).
-    max_logit: (batch, heads) float32, the max of the logits entering the softmax; no gradient.
-    impl: one of IMPLS. block_n: the streaming loop's key block.
+    fp32). Returns o (q's shape and dtype), or (o, max_logit): (batch, heads) float32, the max of the
+    logits entering the softmax, no gradient. accum, rounding, block_n: the module docstring; impl:
+    one of IMPLS. qk_norm: parameter-free RMS norm of q and k (scale unchanged, so |logit| <= scale *
+    head_dim). softcap > 0: logits <- softcap * tanh(logits / softcap).
     """
     impl, rounding = _checked(q, k, v, accum, impl, softcap, safemax_beta, block_n, rounding)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
