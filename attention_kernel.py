@@ -641,8 +641,7 @@ def _rms_norm(x, eps=1e-6):
 
 
 def _checked(q, k, v, accum, impl, softcap, safemax_beta, block_n, rounding):
-    """(impl, rounding) resolved, or a ValueError that says what to do. "auto": Triton on CUDA, else
-    the twin. rounding: ROUNDING_SOURCES in order; None: DEFAULT_ROUNDING for bf16 (not sdpa), else ()."""
+    """(impl, rounding) resolved ("auto": Triton on CUDA, else the twin), or a ValueError saying what to do."""
     if isinstance(rounding, str):
         raise ValueError(f"rounding={rounding!r}: give a tuple of sources such as ('logits', 'pv'), () or None")
     unknown = [s for s in rounding or () if s not in ROUNDING_SOURCES]
