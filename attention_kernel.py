@@ -209,9 +209,15 @@ def _cast(x, P):
 
 
 @triton.jit
-def _head(bh, H, stride_b, stride_h):
-    # Element offset of head (b, h) = divmod(bh, H), in int64: B * H * T * D may pass 2**31.
-    return (bh // H).to(tl.int64) * stride_b + (bh % H).to(tl.int64) * stride_h
+def _tile(H, T, stride_b, stride_h, stride_t, BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr):
+    # This program's BLOCK time rows of head (b, h) = divmod(program_id(1), H): the rows, the head's
+    # element offset, the rows' (BLOCK, HEAD_DIM) element offsets in the head, and the head's offset
+    # in the contiguous (B, H, T) lse, row max and delta; in int64: B * H * T * D may pass 2**31.
+    bh = tl.program_id(1)
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    head = (bh // H).to(tl.int64) * stride_b + (bh % H).to(tl.int64) * stride_h
+    tile = head + _rows(offs, stride_t)[:, None] + tl.arange(0, HEAD_DIM)[None, :]
+    return offs, head, tile, bh.to(tl.int64) * T
 
 
 @triton.jit
@@ -299,12 +305,9 @@ def attn_fwd(Q, K, V, O, LSE, ROWMAX, stride_b, stride_h, stride_t, H, T, scale,
              SAFEMAX: tl.constexpr, ROUND_LOGITS: tl.constexpr, ROUND_PV: tl.constexpr, BWD_BF16: tl.constexpr,
              SOFTCAP: tl.constexpr):
     # One query block per program: fold in the key blocks it sees, then store o, lse, the row max.
-    pid_m, bh = tl.program_id(0), tl.program_id(1)
-    head = _head(bh, H, stride_b, stride_h)
-    Q, K, V, O = Q + head, K + head, V + head, O + head
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, HEAD_DIM)
-    q = tl.load(Q + _rows(offs_m, stride_t)[:, None] + offs_d[None, :], mask=offs_m[:, None] < T, other=0.0)
+    offs_m, head, ptrs, stats = _tile(H, T, stride_b, stride_h, stride_t, BLOCK_M, HEAD_DIM)
+    K, V = K + head, V + head
+    q = tl.load(Q + ptrs, mask=offs_m[:, None] < T, other=0.0)
 
     # Streaming state per query row. Rows past T are computed on zeros and never stored.
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -314,12 +317,12 @@ def attn_fwd(Q, K, V, O, LSE, ROWMAX, stride_b, stride_h, stride_t, H, T, scale,
 
     # Causal: key blocks from key 0 to this query block's end, masked on the diagonal only. Each row
     # sees key 0, so m_i is finite after the first block; a later block a row cannot see is a no-op.
-    diag = pid_m * BLOCK_M // BLOCK_N * BLOCK_N
+    diag = tl.program_id(0) * BLOCK_M // BLOCK_N * BLOCK_N
     for start_n in range(0, diag, BLOCK_N):
         m_i, l_i, acc, top = _fwd_block(q, K, V, start_n, offs_m, m_i, l_i, acc, top, stride_t, scale, softcap,
                                         beta, T, HEAD_DIM, BLOCK_N, BF16_STATE, SAFEMAX, ROUND_LOGITS, ROUND_PV,
                                         SOFTCAP, CAUSAL_MASK=False)
-    for start_n in range(diag, (pid_m + 1) * BLOCK_M, BLOCK_N):
+    for start_n in range(diag, (tl.program_id(0) + 1) * BLOCK_M, BLOCK_N):
         m_i, l_i, acc, top = _fwd_block(q, K, V, start_n, offs_m, m_i, l_i, acc, top, stride_t, scale, softcap,
                                         beta, T, HEAD_DIM, BLOCK_N, BF16_STATE, SAFEMAX, ROUND_LOGITS, ROUND_PV,
                                         SOFTCAP, CAUSAL_MASK=True)
@@ -327,25 +330,20 @@ def attn_fwd(Q, K, V, O, LSE, ROWMAX, stride_b, stride_h, stride_t, H, T, scale,
     o = _r(acc / l_i[:, None], BF16_STATE)    # the O that the backward's delta sees
     lse = _r(_r(tl.log(l_i)) + m_i) if BWD_BF16 else m_i + tl.log(l_i)
     row_ok = offs_m < T
-    rows = bh.to(tl.int64) * T + offs_m                       # LSE, ROWMAX: contiguous (B, H, T)
-    tl.store(O + _rows(offs_m, stride_t)[:, None] + offs_d[None, :], _cast(o, O), mask=row_ok[:, None])
-    tl.store(LSE + rows, lse, mask=row_ok)
-    tl.store(ROWMAX + rows, top, mask=row_ok)
+    tl.store(O + ptrs, _cast(o, O), mask=row_ok[:, None])
+    tl.store(LSE + stats + offs_m, lse, mask=row_ok)
+    tl.store(ROWMAX + stats + offs_m, top, mask=row_ok)
 
 
 @triton.jit
 def attn_bwd_delta(O, DO, DELTA, stride_b, stride_h, stride_t, H, T, HEAD_DIM: tl.constexpr,
                    BLOCK_M: tl.constexpr, BWD_BF16: tl.constexpr):
     # delta = rowsum(dO * O) of the stored O: biased in bf16 modes, as in the prior work.
-    pid_m, bh = tl.program_id(0), tl.program_id(1)
-    head = _head(bh, H, stride_b, stride_h)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, HEAD_DIM)
-    ptrs = head + _rows(offs_m, stride_t)[:, None] + offs_d[None, :]
+    offs_m, _, ptrs, stats = _tile(H, T, stride_b, stride_h, stride_t, BLOCK_M, HEAD_DIM)
     o = tl.load(O + ptrs, mask=offs_m[:, None] < T, other=0.0).to(tl.float32)
     do = tl.load(DO + ptrs, mask=offs_m[:, None] < T, other=0.0).to(tl.float32)
     delta = _r(tl.sum(_r(o * do, BWD_BF16), 1), BWD_BF16)
-    tl.store(DELTA + bh.to(tl.int64) * T + offs_m, delta, mask=offs_m < T)
+    tl.store(DELTA + stats + offs_m, delta, mask=offs_m < T)
 
 
 @triton.jit
@@ -391,19 +389,15 @@ def attn_bwd_dkdv(Q, K, V, DO, LSE, DELTA, DK, DV, stride_b, stride_h, stride_t,
                   HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                   ROUND_LOGITS: tl.constexpr, BWD_BF16: tl.constexpr, SOFTCAP: tl.constexpr):
     # One key block per program, dk and dv in registers; loop over the query blocks that see it.
-    pid_n, bh = tl.program_id(0), tl.program_id(1)
-    head = _head(bh, H, stride_b, stride_h)
-    Q, DO = Q + head, DO + head
-    LSE, DELTA = LSE + bh.to(tl.int64) * T, DELTA + bh.to(tl.int64) * T
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, HEAD_DIM)
-    kv_ptrs = head + _rows(offs_n, stride_t)[:, None] + offs_d[None, :]
+    offs_n, head, kv_ptrs, stats = _tile(H, T, stride_b, stride_h, stride_t, BLOCK_N, HEAD_DIM)
+    Q, DO, LSE, DELTA = Q + head, DO + head, LSE + stats, DELTA + stats
     k = tl.load(K + kv_ptrs, mask=offs_n[:, None] < T, other=0.0)
     v = tl.load(V + kv_ptrs, mask=offs_n[:, None] < T, other=0.0)
     dk, dv = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32), tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
 
-    lo = pid_n * BLOCK_N // BLOCK_M * BLOCK_M                          # earlier queries see none
-    full = ((pid_n + 1) * BLOCK_N + BLOCK_M - 1) // BLOCK_M * BLOCK_M  # later queries see them all
+    start_n = tl.program_id(0) * BLOCK_N
+    lo = start_n // BLOCK_M * BLOCK_M                                  # earlier queries see none
+    full = (start_n + BLOCK_N + BLOCK_M - 1) // BLOCK_M * BLOCK_M      # later queries see them all
     for start_m in range(lo, full, BLOCK_M):
         dk, dv = _dkdv_block(k, v, dk, dv, Q, DO, LSE, DELTA, start_m, offs_n, stride_t, scale, softcap, T,
                              HEAD_DIM, BLOCK_M, ROUND_LOGITS, BWD_BF16, SOFTCAP, CAUSAL_MASK=True)
@@ -441,24 +435,19 @@ def attn_bwd_dq(Q, K, V, DO, LSE, DELTA, DQ, stride_b, stride_h, stride_t, H, T,
                 HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                 ROUND_LOGITS: tl.constexpr, BWD_BF16: tl.constexpr, SOFTCAP: tl.constexpr):
     # One query block per program, looping over the key blocks it sees as the forward does.
-    pid_m, bh = tl.program_id(0), tl.program_id(1)
-    head = _head(bh, H, stride_b, stride_h)
+    offs_m, head, q_ptrs, stats = _tile(H, T, stride_b, stride_h, stride_t, BLOCK_M, HEAD_DIM)
     K, V = K + head, V + head
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, HEAD_DIM)
-    q_ptrs = head + _rows(offs_m, stride_t)[:, None] + offs_d[None, :]
-    rows = bh.to(tl.int64) * T + offs_m
     q = tl.load(Q + q_ptrs, mask=offs_m[:, None] < T, other=0.0)
     do = tl.load(DO + q_ptrs, mask=offs_m[:, None] < T, other=0.0)
-    lse = tl.load(LSE + rows, mask=offs_m < T, other=float("inf"))
-    delta = tl.load(DELTA + rows, mask=offs_m < T, other=0.0)
+    lse = tl.load(LSE + stats + offs_m, mask=offs_m < T, other=float("inf"))
+    delta = tl.load(DELTA + stats + offs_m, mask=offs_m < T, other=0.0)
     dq = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
 
-    diag = pid_m * BLOCK_M // BLOCK_N * BLOCK_N
+    diag = tl.program_id(0) * BLOCK_M // BLOCK_N * BLOCK_N
     for start_n in range(0, diag, BLOCK_N):
         dq = _dq_block(q, do, lse, delta, dq, K, V, start_n, offs_m, stride_t, scale, softcap, T,
                        HEAD_DIM, BLOCK_N, ROUND_LOGITS, BWD_BF16, SOFTCAP, CAUSAL_MASK=False)
-    for start_n in range(diag, (pid_m + 1) * BLOCK_M, BLOCK_N):
+    for start_n in range(diag, (tl.program_id(0) + 1) * BLOCK_M, BLOCK_N):
         dq = _dq_block(q, do, lse, delta, dq, K, V, start_n, offs_m, stride_t, scale, softcap, T,
                        HEAD_DIM, BLOCK_N, ROUND_LOGITS, BWD_BF16, SOFTCAP, CAUSAL_MASK=True)
 
@@ -641,60 +630,51 @@ def _rms_norm(x, eps=1e-6):
 
 
 def _checked(q, k, v, accum, impl, softcap, safemax_beta, block_n, rounding):
-    """(impl, rounding) resolved, or a ValueError that says what to do. "auto": Triton on CUDA, else
-    the twin. rounding: ROUNDING_SOURCES in order; None: DEFAULT_ROUNDING for bf16 (not sdpa), else ()."""
+    """(impl, rounding) resolved ("auto": Triton on CUDA, else the twin), or a ValueError: what to do."""
     if isinstance(rounding, str):
         raise ValueError(f"rounding={rounding!r}: give a tuple of sources such as ('logits', 'pv'), () or None")
     unknown = [s for s in rounding or () if s not in ROUNDING_SOURCES]
-    if unknown:
-        raise ValueError(f"unknown rounding source {unknown[0]!r}; use some of {ROUNDING_SOURCES}, or () for none")
     if rounding is None:
         rounding = DEFAULT_ROUNDING if q.dtype == torch.bfloat16 and impl != "sdpa" else ()
     rounding = tuple(s for s in ROUNDING_SOURCES if s in rounding)     # one canonical order
-    if accum not in ACCUM_MODES:
-        raise ValueError(f"unknown accum={accum!r}; use one of {ACCUM_MODES}")
-    if impl not in IMPLS:
-        raise ValueError(f"unknown impl={impl!r}; use one of {IMPLS}")
-    if q.dim() != 4 or q.shape != k.shape or q.shape != v.shape or q.shape[2] < 1:
-        raise ValueError(f"q, k, v must be 4-D (batch, heads, time, head_dim) of one shape, time >= 1; got "
-                         f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
-    if q.dtype not in DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
-        raise ValueError(f"q, k, v must share one dtype among {DTYPES}; got {q.dtype}, {k.dtype}, {v.dtype}")
-    if not softcap >= 0 or math.isinf(softcap):
-        raise ValueError(f"softcap must be finite and >= 0 (0 = off); got {softcap}")
-    if accum == "bf16-safemax" and not (safemax_beta > 1 and math.isfinite(safemax_beta)):
-        raise ValueError(f"safemax_beta must be finite and > 1 (the prior work uses 2..8); got {safemax_beta}")
-    if "backward" in rounding and q.dtype != torch.bfloat16:
-        raise ValueError(f"rounding 'backward' is the prior work's bf16 backward: it needs bf16 inputs; got {q.dtype}")
-    impl = ("triton" if q.is_cuda else "torch") if impl == "auto" else impl
-    if impl == "triton":
-        if q.shape[3] not in TRITON_HEAD_DIMS:
-            raise ValueError(f"impl='triton' needs head_dim in {TRITON_HEAD_DIMS}; got {q.shape[3]}. "
-                             f"Use impl='torch' for other sizes.")
-        if not q.is_cuda and not INTERPRET:
-            raise ValueError("impl='triton' on CPU tensors needs TRITON_INTERPRET=1 in the environment before "
-                             "attention_kernel is imported; or use impl='torch'")
-        if block_n is not None and (block_n < 16 or block_n > 128 or block_n & (block_n - 1)):
-            raise ValueError(f"impl='triton' needs block_n a power of two in [16, 128]; got {block_n}")
-    if block_n is not None and block_n < 1:
-        raise ValueError(f"block_n must be a positive integer; got {block_n}")
-    if impl == "sdpa" and (accum != "fp32" or softcap > 0 or rounding):
-        raise ValueError("impl='sdpa' supports only accum='fp32', no rounding sources and no softcap; use "
-                         "impl='triton' or 'torch'")
-    return impl, rounding
+    resolved = ("triton" if q.is_cuda else "torch") if impl == "auto" else impl
+    on_triton, D = resolved == "triton", q.shape[-1]
+    for refused, why in (   # the first that applies is said
+            (unknown, f"unknown rounding source {', '.join(map(repr, unknown))}; use some of {ROUNDING_SOURCES}, "
+             "or () for none"),
+            (accum not in ACCUM_MODES, f"unknown accum={accum!r}; use one of {ACCUM_MODES}"),
+            (impl not in IMPLS, f"unknown impl={impl!r}; use one of {IMPLS}"),
+            (q.dim() != 4 or q.shape != k.shape or q.shape != v.shape or q.shape[2] < 1,
+             f"q, k, v must be 4-D (batch, heads, time, head_dim) of one shape, time >= 1; got "
+             f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"),
+            (q.dtype not in DTYPES or k.dtype != q.dtype or v.dtype != q.dtype,
+             f"q, k, v must share one dtype among {DTYPES}; got {q.dtype}, {k.dtype}, {v.dtype}"),
+            (not softcap >= 0 or math.isinf(softcap), f"softcap must be finite and >= 0 (0 = off); got {softcap}"),
+            (accum == "bf16-safemax" and not (safemax_beta > 1 and math.isfinite(safemax_beta)),
+             f"safemax_beta must be finite and > 1 (the prior work uses 2..8); got {safemax_beta}"),
+            ("backward" in rounding and q.dtype != torch.bfloat16,
+             f"rounding 'backward' is the prior work's bf16 backward: it needs bf16 inputs; got {q.dtype}"),
+            (on_triton and D not in TRITON_HEAD_DIMS,
+             f"impl='triton' needs head_dim in {TRITON_HEAD_DIMS}; got {D}. Use impl='torch' for other sizes."),
+            (on_triton and not q.is_cuda and not INTERPRET, "impl='triton' on CPU tensors needs TRITON_INTERPRET=1 "
+             "in the environment before attention_kernel is imported; or use impl='torch'"),
+            (on_triton and block_n is not None and (block_n < 16 or block_n > 128 or block_n & (block_n - 1)),
+             f"impl='triton' needs block_n a power of two in [16, 128]; got {block_n}"),
+            (block_n is not None and block_n < 1, f"block_n must be a positive integer; got {block_n}"),
+            (resolved == "sdpa" and (accum != "fp32" or softcap > 0 or rounding), "impl='sdpa' supports only "
+             "accum='fp32', no rounding sources and no softcap; use impl='triton' or 'torch'")):
+        if refused:
+            raise ValueError(why)
+    return resolved, rounding
 
 
 def attention(q, k, v, accum="fp32", qk_norm=False, return_max_logit=False, *, scale=None, softcap=0.0,
               safemax_beta=2.0, impl="auto", block_n=None, rounding=None):
-    """Causal multi-head attention. q, k, v: (batch, heads, time, head_dim), one dtype (bf16, fp16,
-    fp32). Returns o (q's shape and dtype), or (o, max_logit).
-
-    accum: the streaming-softmax state, one of ACCUM_MODES.
-    rounding: some of ROUNDING_SOURCES (module docstring); None: ("logits", "pv") for bf16, else ().
-    qk_norm: parameter-free RMS norm of q and k (scale unchanged, so |logit| <= scale * head_dim).
-    softcap > 0: logits <- softcap * tanh(logits / softcap).
-    max_logit: (batch, heads) float32, the max of the logits entering the softmax; no gradient.
-    impl: one of IMPLS. block_n: the streaming loop's key block.
+    """Causal multi-head attention. q, k, v: (batch, heads, time, head_dim), one dtype (bf16,
+    fp16, fp32). Returns o (q's shape and dtype), or (o, max_logit): (batch, heads) float32, the
+    max of the logits entering the softmax, no gradient. accum, rounding, block_n: the module
+    docstring; impl: one of IMPLS. qk_norm: parameter-free RMS norm of q and k (scale unchanged,
+    so |logit| <= scale * head_dim). softcap > 0: logits <- softcap * tanh(logits / softcap).
     """
     impl, rounding = _checked(q, k, v, accum, impl, softcap, safemax_beta, block_n, rounding)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)

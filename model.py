@@ -58,19 +58,9 @@ MODEL_SIZES = {
 }
 
 
-class RMSNorm(nn.Module):
-    def __init__(self, dim, eps=1e-6):
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
-
-    def forward(self, x):
-        return F.rms_norm(x, (x.size(-1),), self.weight, self.eps)
-
-
 def make_norm(config):
     if config.arch == "llama":
-        return RMSNorm(config.n_embd)
+        return nn.RMSNorm(config.n_embd, eps=1e-6)   # a learned gain, as LLaMA's
     return nn.LayerNorm(config.n_embd, bias=False)
 
 
@@ -102,14 +92,11 @@ class CausalSelfAttention(nn.Module):
         self.o_proj.residual_out = True
         self.dropout = nn.Dropout(config.dropout)
         self.impl, self.block_n, self.beta = config.attn_impl, config.block_n, config.safemax_beta
-        self.rounding = config.rounding
+        self.rounding, self.scale = config.rounding, config.attn_scale or None
         self.attn_dtype = torch.bfloat16 if config.attn_dtype == "bf16" else None
-        self.scale = config.attn_scale or None
         self.return_max_logit = config.max_logit
         # Switched by the guard, per layer (see the module docstring).
-        self.accum = config.accum
-        self.qk_norm = config.qk_norm
-        self.softcap = config.softcap
+        self.accum, self.qk_norm, self.softcap = config.accum, config.qk_norm, config.softcap
         self.attention = attention   # what attend() calls: the kernel's, or a wrapper of it
 
     def head_weights(self):

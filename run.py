@@ -1,9 +1,7 @@
 """
 The run around train.py's loop, which its reader can skip: the flags, the presets and refusals,
-the processes and the device, the data on first use. The run folder is rundir.py's.
-
-A value comes from the command line, else from --preset (auto: demo on a CPU, assay on a GPU),
-else from the flag's default. Numbers are checked as parsed: a bad one fails in one line.
+the processes and the device, the data on first use (the run folder is rundir.py's). A value comes
+from the command line, else from --preset, else from the flag's default.
 """
 import argparse
 import dataclasses
@@ -311,9 +309,8 @@ def resolve(args, device, parser, extension=None):
 
 
 def key_blocks_per_row(args):
-    """How many key blocks the longest row streams through, each rounding the bf16 state once:
-    the rescale across blocks (alpha = exp(m_old - m_new)) happens only where there are 2 or more.
-    """
+    """How many key blocks the longest row streams through, each rounding the bf16 state once: the
+    rescale across blocks (alpha = exp(m_old - m_new)) happens only where there are 2 or more."""
     return max(1, args.block_size // (args.block_n or BF16_STATE_BLOCK_N))
 
 

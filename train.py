@@ -5,10 +5,9 @@ Train a GPT and watch (or guard) the query-key channel.
     python train.py --accum bf16 --guard off         # ... and without it
     torchrun --nproc_per_node=8 train.py --preset gpt2 --accum bf16 --guard on
 
-Every choice is a flag (`python train.py --help`): run.py defines them and the presets, rundir.py
-the run folder (--out-dir: config.json, log.jsonl, ckpt.pt). The loop's numbered comments mark where
-the guard acts; at its `extension.` lines a plug-in may act (run.Extension; none here: `python -m
-lab.train_assay` is this loop with the lab's assay, lab/train_assay.py).
+Every choice is a flag (`python train.py --help`; run.py); the run folder is rundir.py's. The loop's
+numbered comments mark where the guard acts; at its `extension.` lines a plug-in may act
+(run.Extension; `python -m lab.train_assay` is this loop with the lab's assay).
 """
 import contextlib
 import math
@@ -180,8 +179,7 @@ class TokenWindows:
         if (self.tokenizer, meta.get("vocab_size")) not in VOCAB_SIZES.items():
             raise SystemExit(f"error: {meta_path} names no known tokenizer and vocabulary "
                              f"(tokenizer {self.tokenizer!r}, vocab_size "
-                             f"{meta.get('vocab_size')!r}; known {VOCAB_SIZES}): "
-                             f"{redo}")
+                             f"{meta.get('vocab_size')!r}; known {VOCAB_SIZES}): {redo}")
         self.vocab_size, self.data = VOCAB_SIZES[self.tokenizer], {}
         for split in prepare_data.SPLITS:
             path = os.path.join(data_dir, f"{split}.bin")
@@ -254,8 +252,7 @@ def forward_backward(train_model, model, batches, step, args, dist, autocast, ex
 
 
 def validation_loss(eval_model, batches, step, args, dist, autocast, log):
-    """Mean validation loss over the same eval_iters batches each time, split over the ranks;
-    logged."""
+    """Mean validation loss over the same eval_iters batches each time, split over ranks; logged."""
     eval_model.eval()
     total = torch.zeros(2, device=dist.device)
     with torch.no_grad():
@@ -326,12 +323,11 @@ def gain_record(model):
 def collapsed(detector, record, log):
     """Give the detector the record's loss; on a collapse, log it. Returns whether it collapsed."""
     collapse = detector.update(record["step"], record["loss"])
-    if not collapse:
-        return False
-    log.write({"event": "collapse", "step": detector.collapsed_at, "loss": record["loss"]},
-              f"step {record['step']:6d} | COLLAPSE detected (first bad step "
-              f"{detector.collapsed_at})")
-    return True
+    if collapse:
+        log.write({"event": "collapse", "step": detector.collapsed_at, "loss": record["loss"]},
+                  f"step {record['step']:6d} | COLLAPSE detected (first bad step "
+                  f"{detector.collapsed_at})")
+    return collapse
 
 
 class Totals:
