@@ -92,11 +92,14 @@ class CausalSelfAttention(nn.Module):
         self.o_proj.residual_out = True
         self.dropout = nn.Dropout(config.dropout)
         self.impl, self.block_n, self.beta = config.attn_impl, config.block_n, config.safemax_beta
-        self.rounding, self.scale = config.rounding, config.attn_scale or None
+        self.rounding = config.rounding
         self.attn_dtype = torch.bfloat16 if config.attn_dtype == "bf16" else None
+        self.scale = config.attn_scale or None
         self.return_max_logit = config.max_logit
         # Switched by the guard, per layer (see the module docstring).
-        self.accum, self.qk_norm, self.softcap = config.accum, config.qk_norm, config.softcap
+        self.accum = config.accum
+        self.qk_norm = config.qk_norm
+        self.softcap = config.softcap
         self.attention = attention   # what attend() calls: the kernel's, or a wrapper of it
 
     def head_weights(self):
