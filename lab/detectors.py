@@ -354,19 +354,30 @@ def studies(root):
 
 
 def load(root):
-    """(the unguarded runs as Subjects, the guarded runs as lab.report Runs keyed by study)."""
-    subjects, guarded = [], {}
+    """(the unguarded runs as Subjects, the guarded runs as lab.report Runs keyed by study, the replays: the
+    unguarded runs whose logged losses and max logits repeat, step for step, another's of their study and
+    seed, as {replay's name: its original's}). One trajectory is scored once, so that a rerun (claim 5's probe
+    again to log its gain) does not count its detections twice; its flags are not compared, as a flag added
+    since (--threads) is recorded by the rerun alone."""
+    subjects, guarded, replays, seen = [], {}, {}, {}
     for path in studies(root):
         study = os.path.basename(os.path.normpath(path))
         for runs in load_runs(path).values():
             for run in runs:
                 if not run.config.get("args"):
                     print(f"warning: {run.path}: no config.json args; not scored", file=sys.stderr)
-                elif run.config["args"].get("guard", "off") == "off":
-                    subjects.append(subject(study, run))
-                else:
+                    continue
+                if run.config["args"].get("guard", "off") != "off":
                     guarded.setdefault(study, []).append(run)
-    return subjects, guarded
+                    continue
+                one = subject(study, run)
+                key = (study, run.seed, tuple(run.steps), tuple(run.loss), tuple(run.logit))
+                if key in seen:
+                    replays[one.name] = seen[key]
+                else:
+                    seen[key] = one.name
+                    subjects.append(one)
+    return subjects, guarded, replays
 
 
 def twin_arm(arm):
@@ -596,22 +607,26 @@ def source_order(source):
 COMMAND = "python -m lab.detectors lab/results --markdown lab/DETECTORS.md --plot lab/plots/detectors.png"
 
 
-def render(root, subjects, guarded, firings, plot=None, scores=None, command=COMMAND):
+def render(root, subjects, guarded, firings, plot=None, scores=None, command=COMMAND, replays=None):
     """The Markdown document: what is scored and how, then the tables: all runs, by architecture, by source;
-    command: the one that wrote it."""
+    command: the one that wrote it; replays: load's, said and counted among the runs, scored once."""
+    replays = replays or {}
     intervals = sorted({s.log.interval for s in subjects})
     runaways, collapses = sum(s.runaway is not None for s in subjects), sum(s.collapse is not None for s in subjects)
     agree, compared, disagree = check_twins(subjects, guarded)
-    by_study = collections.Counter(s.name.split("/")[0] for s in subjects)
+    by_study = collections.Counter(s.name.split("/")[0] for s in subjects) + collections.Counter(
+        name.split("/")[0] for name in replays)
     scores = scores or all_scores(subjects)
     out = [
         "# QK-Guard as a detector: lead time and false alarms beside the field's loss-spike detectors", "",
         f"Written by `{command}` from the committed run logs (lab/detectors.py says how each detector is "
         "replayed; lab/test_detectors.py tests each rule). The guard is a detector (the first crossing of a "
         "threshold) and an action; this scores the detector alone, on runs that none of these detectors acted on.", "",
-        f"**Runs.** The {len(subjects)} unguarded runs under {root} ("
+        f"**Runs.** The {len(subjects) + len(replays)} unguarded runs under {root} ("
         + ", ".join(f"{n} in {study}/" for study, n in sorted(by_study.items()))
-        + f"): {runaways} ran away (a max logit >= {RUNAWAY_LOGIT:g}, lab.report's RUNAWAY_LOGIT), {collapses} "
+        + (f"; {len(replays)} of them log the same losses and max logits at every step as another run of their "
+           f"study and seed, and are scored once: {replay_words(replays)}" if replays else "")
+        + f"): of the {len(subjects)} scored, {runaways} ran away (a max logit >= {RUNAWAY_LOGIT:g}, lab.report's RUNAWAY_LOGIT), {collapses} "
         f"collapsed (lab.report's collapse step), {sum(s.healthy for s in subjects)} did neither within its steps "
         f"(healthy: one cut off while its logit still rose counts here). The {sum(map(len, guarded.values()))} "
         "guarded runs are not scored: their action changes them from their trigger on.", "",
@@ -797,10 +812,17 @@ def scored(markdown):
     return {**counts, **({"guarded": int(guarded.group(1))} if guarded else {})}
 
 
-def lost_runs(markdown, subjects, guarded):
+def replay_words(replays):
+    """{replay: original} as "<study>/<arm> (of <arm>, k seeds)", one entry per pair of arms."""
+    pairs = collections.Counter((r.rsplit("/", 1)[0], o.split("/")[1]) for r, o in replays.items())
+    return ", ".join(f"{arm}/ (of {original}, {n} seeds)" for (arm, original), n in sorted(pairs.items()))
+
+
+def lost_runs(markdown, subjects, guarded, replays=None):
     """Why the document at `markdown` must not be replaced by one of these runs: the studies (and guarded
     runs) it scored more runs of; None if none."""
-    new = {**collections.Counter(s.name.split("/")[0] for s in subjects),
+    new = {**(collections.Counter(s.name.split("/")[0] for s in subjects)
+              + collections.Counter(name.split("/")[0] for name in replays or {})),
            "guarded": sum(map(len, guarded.values()))}
     fewer = [f"{study}{'' if study == 'guarded' else '/'}: {n} runs, here {new.get(study, 0)}"
              for study, n in scored(markdown).items() if new.get(study, 0) < n]
@@ -824,10 +846,10 @@ def main(argv=None):
     for out in (args.markdown, args.plot):
         if out and os.path.isdir(out):
             raise SystemExit(f"error: {out} is a folder: give a file name")
-    subjects, guarded = load(args.root)
+    subjects, guarded, replays = load(args.root)
     if not subjects:
         raise SystemExit(f"error: no unguarded runs under {args.root}: only those are scored")
-    refused = lost_runs(args.markdown, subjects, guarded) if args.markdown and not args.force else None
+    refused = lost_runs(args.markdown, subjects, guarded, replays) if args.markdown and not args.force else None
     if refused:   # before anything is drawn or written: a subset of the runs (a typo in the root)
         raise SystemExit(f"error: --markdown {args.markdown}: {refused}: left as it is, and its figure; give "
                          f"the folder its opening line names, or pass --force to write it anyway")
@@ -839,7 +861,7 @@ def main(argv=None):
         if args.plot and draw(subjects, firings, args.plot, scores):
             plot = os.path.relpath(args.plot, os.path.dirname(os.path.abspath(args.markdown)) if args.markdown
                                    else ".")
-        text = render(args.root.rstrip("/") + "/", subjects, guarded, firings, plot, scores, command)
+        text = render(args.root.rstrip("/") + "/", subjects, guarded, firings, plot, scores, command, replays)
         if args.markdown:
             os.makedirs(os.path.dirname(args.markdown) or ".", exist_ok=True)
             save_text(args.markdown, text)

@@ -194,6 +194,26 @@ def test_a_root_mixing_study_folders_and_loose_runs_scores_them_all_with_a_warni
     assert f"warning: {res} holds runs of its own (stray) beside study folders (a): scoring them all" in err
 
 
+
+def test_a_run_made_twice_is_scored_once_and_said(tmp_path, capsys):
+    """Claim 5's probe rerun to log its gain repeats 16 runs bit for bit: scored twice, one trajectory's
+    detections counted twice. A run logging the same losses and max logits at every step as another of its
+    study and seed is scored once and named; one that differs in its logs, or its seed, is its own."""
+    from lab.test_tools import write_run
+    res = tmp_path / "res"
+    unguarded_runs(res, "a", "fp32", 3)
+    for seed in (1, 2):   # the same run again, with a flag recorded since
+        write_run(res / "a", "fp32-again", seed, args={"log_interval": 10, "guard": "off", "threads": 1})
+    write_run(res / "a", "fp32-other", 1, args={"log_interval": 10, "guard": "off"}, loss=3.5)   # other logs
+    write_run(res / "a", "fp32-seed", 4, args={"log_interval": 10, "guard": "off"})   # another seed
+    subjects, _, replays = D.load(str(res))
+    assert replays == {"a/fp32-again/seed1": "a/fp32/seed1", "a/fp32-again/seed2": "a/fp32/seed2"}
+    assert len(subjects) == 5
+    D.main([str(res)])
+    out = capsys.readouterr().out
+    assert ("The 7 unguarded runs under" in out and "(7 in a/; 2 of them log the same losses" in out
+            and "a/fp32-again/ (of fp32, 2 seeds)): of the 5 scored," in out), out
+
 SPIKY = [log(at={"loss": {12: 9.0}}), log(at={"loss": {12: 8.9}}), log(at={"loss": {12: math.nan}}),
          log(at={"loss": {3: 5.0, 15: 50.0}}), log(loss=[5.0] + [4.0] * 14 + [5.5] * (N - 15)),
          log(loss=11.0),
@@ -263,9 +283,9 @@ def test_a_folder_without_runs_is_refused(tmp_path):
 def test_the_document_is_regenerated_byte_for_byte():
     """The committed lab/DETECTORS.md is what the command writes from the committed logs (the figure is drawn
     by the same numbers; its link is the command's)."""
-    subjects, guarded = D.load(os.path.join(ROOT, "lab", "results"))
+    subjects, guarded, replays = D.load(os.path.join(ROOT, "lab", "results"))
     firings = D.replay(subjects)
-    text = D.render("lab/results/", subjects, guarded, firings, plot="plots/detectors.png")
+    text = D.render("lab/results/", subjects, guarded, firings, plot="plots/detectors.png", replays=replays)
     for d in D.DETECTORS:   # each detector's score at its default fires where its rule does, on every run
         assert all(D.first_at(s.log, d.score(s.log), d.threshold, d.strict) == firings[d.name][s.name]
                    for s in subjects), d.name
