@@ -74,6 +74,9 @@ def rank_main(rank, folder):
             torch.save({"readings": readings, "events": guard.events, "record": guard.record(), "weights": weights,
                         "state": guard.state_dict()}, os.path.join(folder, f"{when}-{action}.pt"))
         guard.detach()
+    # every rank's collectives done before either tears the group down: in 2 of about 15 fresh-venv runs one
+    # rank died at exit with "terminate called without an active exception" (gloo's threads still at work)
+    torch.distributed.barrier()
     torch.distributed.destroy_process_group()
 
 
