@@ -157,6 +157,7 @@ def aa_lines(c, prefix, always, lr):
     gap where none should be); the 1-thread arm less the arm's own runs of the sweep (0 where no change of the
     code or CPU since moved a bit); and TILE_ARMS, the 2026-12-03 pair, as what it is."""
     one, two = (prefix + a for a in AA_ARMS["bf16-qknorm-always"])
+    again, tile = (prefix + a for a in TILE_ARMS["bf16-qknorm-always"])
     aa_gap, lines = False, []
     if c.runs.get(lr_name(one, lr)) and c.runs.get(lr_name(two, lr)):
         gaps, left = paired_gaps(c, two, one, lr, lr_seeds(c, (one, two), lr))
@@ -170,14 +171,12 @@ def aa_lines(c, prefix, always, lr):
                      f"{'a gap where none should be' if aa_gap else 'no gap'}"
                      + (f" ({left} seeds without both runs finished, counted as a gap)" if left else "")
                      + f"; per seed {', '.join(f'{g:+.3f}' for g in gaps)}")
-        again = prefix + TILE_ARMS["bf16-qknorm-always"][0]
         for ref in (always, again):   # the same flags made on earlier days: what the code's changes since moved
             if c.runs.get(lr_name(ref, lr)):
                 redo, _ = paired_gaps(c, one, ref, lr, lr_seeds(c, (one,), lr))
                 lines.append(f"lr {lr:g}, {one} - {ref} (the same flags at one thread, run on a later day: what "
                              f"the code's changes since moved): identical in {sum(g == 0 for g in redo)}/"
                              f"{len(redo)} seeds")
-    again, tile = (prefix + a for a in TILE_ARMS["bf16-qknorm-always"])
     if c.runs.get(lr_name(again, lr)) and c.runs.get(lr_name(tile, lr)):
         seeds = lr_seeds(c, (again, tile), lr)
         gaps, _ = paired_gaps(c, tile, again, lr, seeds)
