@@ -214,11 +214,6 @@ class GPT(nn.Module):
         """W_q and W_k of every layer, layer by layer: the QK channel's parameters."""
         return [w for layer in zip(*self.weight_matrices(QK_KINDS).values()) for w in layer]
 
-    def attention_gains(self):
-        """Each layer's pre-attention norm gain (norm1's weight: the g of g * x_hat that W_q, W_k
-        meet)."""
-        return [block.norm1.weight for block in self.blocks]
-
     def num_params(self):
         n = sum(p.numel() for p in self.parameters())
         return n - (self.pos_emb.weight.numel() if self.pos_emb is not None else 0)

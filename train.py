@@ -292,7 +292,7 @@ def write_interval_record(step, lr, grad_norm, model, args, dist, log, totals, m
     interval = totals.take_interval(dist, args.grad_accum * args.batch_size * args.block_size)
     record = {"step": step - 1, "lr": lr, "loss": interval["loss"], "grad_norm": grad_norm.item(),
               "tokens_per_s": interval["tokens_per_s"], "max_logit": interval["max_logit"],
-              **monitor.record(), **gain_record(model),
+              **monitor.record(),
               "guard": "on" if guard.triggered else ("dormant" if guard.enabled else "off"),
               **extension.log_stats()}
     max_logit = torch.tensor(record["max_logit"])
@@ -303,21 +303,6 @@ def write_interval_record(step, lr, grad_norm, model, args, dist, log, totals, m
                       f"{record['tokens_per_s'] / 1e3:.1f}k tok/s | guard {record['guard']}")
     totals.start_clock()
     return record
-
-
-@torch.no_grad()
-def gain_record(model):
-    """The pre-attention norm's gain g per layer (its rms and largest |g|), and per head the top
-    singular value of W_q,h diag(g) and W_k,h diag(g): the QK weights as the normalized input x_hat
-    meets them. A max logit is at most scale |x_hat_i| |x_hat_j| sigma(W_q,h diag g) sigma(W_k,h
-    diag g), |x_hat|^2 <= n_embd: a gain can grow the logits with sigma(W_q) held (claim 5's probe
-    holds W_q's, not g). Exact, at log steps only."""
-    gains = torch.stack(model.attention_gains()).detach().float()                 # (layer, n_embd)
-    heads = torch.stack([torch.stack(a.head_weights()) for a in model.attentions]).detach().float()
-    gained = torch.linalg.matrix_norm(heads * gains[:, None, None, None, :], ord=2)   # (L, 2, head)
-    return {"attn_gain_rms": gains.pow(2).mean(-1).sqrt().tolist(),
-            "attn_gain_max": gains.abs().amax(-1).tolist(),
-            "sigma_q_gain_head": gained[:, 0].tolist(), "sigma_k_gain_head": gained[:, 1].tolist()}
 
 
 def collapsed(detector, record, log):

@@ -520,6 +520,20 @@ def clean_qk_grads(model, x, y, autocast, scale, injector=None):
 # train.py's extension (run.Extension): the assay's flags, their refusals, and the hooks the loop calls.
 # `python -m lab.train_assay` runs train.py's main with it (lab/train_assay.py); the root never imports it.
 
+@torch.no_grad()
+def gain_record(model):
+    """The pre-attention norm's gain g per layer (its rms and largest |g|), and per head the top singular value
+    of W_q,h diag(g) and W_k,h diag(g): the QK weights as the normalized input x_hat meets them. A max logit is
+    at most scale |x_hat_i| |x_hat_j| sigma(W_q,h diag g) sigma(W_k,h diag g), |x_hat|^2 <= n_embd: a gain can
+    grow the logits with sigma(W_q) held (claim 5's probe holds W_q's, not g). Exact, at log steps only."""
+    gains = torch.stack([block.norm1.weight for block in model.blocks]).detach().float()   # (layer, n_embd)
+    heads = torch.stack([torch.stack(a.head_weights()) for a in model.attentions]).detach().float()
+    gained = torch.linalg.matrix_norm(heads * gains[:, None, None, None, :], ord=2)       # (L, 2, head)
+    return {"attn_gain_rms": gains.pow(2).mean(-1).sqrt().tolist(),
+            "attn_gain_max": gains.abs().amax(-1).tolist(),
+            "sigma_q_gain_head": gained[:, 0].tolist(), "sigma_k_gain_head": gained[:, 1].tolist()}
+
+
 def injection_scale(text):
     """--inject-scale: a number > 0, or 'matched'."""
     return text if text == "matched" else run.POSITIVE(text)
@@ -531,7 +545,7 @@ class Assay(run.Extension):
     command = run.ASSAY_COMMAND
 
     def __init__(self):
-        self.injector, self.probe, self.clean_grad = None, Probe("off"), False
+        self.injector, self.probe, self.clean_grad, self.model = None, Probe("off"), False, None
         self.clean, self.probe_stats = None, {}   # this step's summed clean W_q, W_k grads; the last probe log
 
     def add_flags(self, parser, add):
@@ -607,6 +621,7 @@ class Assay(run.Extension):
         return dataclasses.replace(config, qk_norm=True) if args.qk_fix == "qknorm" else config
 
     def start(self, args, model, first_batch, autocast):
+        self.model = model
         if args.inject_site != "none":
             self.injector = ErrorInjector.from_args(args, model, first_batch, autocast)
         self.probe, self.clean_grad = Probe(args.probe, k=args.probe_k, seed=args.seed), args.qk_fix == "clean-grad"
@@ -635,8 +650,9 @@ class Assay(run.Extension):
         self.probe_stats = self.probe.after_step(model)
 
     def log_stats(self):
-        """The injected error's size and signs, the probe's last update; starts the probe's next interval."""
-        stats = dict(self.injector.last_stats) if self.injector is not None else {}
+        """The attention gains (gain_record), the injected error's size and signs, the probe's last update;
+        starts the probe's next interval."""
+        stats = {**gain_record(self.model), **(self.injector.last_stats if self.injector is not None else {})}
         if self.probe_stats:
             stats["probe"] = self.probe_stats
         self.probe.reset_interval()

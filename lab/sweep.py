@@ -99,8 +99,8 @@ def probe_long_arms(source):
 
 def probe_gain_arm(source):
     """Claim 5's escape route: the top-k probe at LONG_STEPS again, the same flags as
-    <source>-probe-topk-long, its log now holding each layer's pre-attention norm gain (train.py's
-    gain_record, 2026-12-05)."""
+    <source>-probe-topk-long, its log now holding each layer's pre-attention norm gain (lab/assay.py's
+    gain_record; train.py's own log held it on 2026-12-05)."""
     return {f"{source}-probe-topk-long-gain": probe_long_arms(source)[f"{source}-probe-topk-long"]}
 
 

@@ -115,7 +115,7 @@ def paper_measure_line(c, source, arms):
 
 def head_series(run, gain=True):
     """A run's logged steps as (step, max logit per (layer, head), sigma(W_q,h) sigma(W_k,h), the same with
-    the pre-attention gain, attn_gain_rms per layer); [] where the log holds no gain (train.py before
+    the pre-attention gain, attn_gain_rms per layer); [] where the log holds no gain (logs before
     2026-12-05). gain=False: any log with per-head sigmas, the gained product taken as the plain one (so the
     gain's part is 0 and the rest holds the gain and the inputs' alignment together)."""
     out, key = [], "sigma_q_gain_head" if gain else "sigma_q_head"
