@@ -105,9 +105,10 @@ def text_files(inputs, pattern=TEXT_GLOB):
 
 
 def read_meta(out_dir, name="meta.json"):
-    """meta.json of a complete dataset, or None (unreadable, or not JSON)."""
+    """meta.json of a complete dataset, or None (unreadable, not JSON, or not a JSON object)."""
     with contextlib.suppress(OSError, ValueError), open(os.path.join(out_dir, name)) as f:
-        return json.load(f)
+        meta = json.load(f)
+        return meta if isinstance(meta, dict) else None
     return None
 
 
@@ -132,8 +133,7 @@ def prepare(dataset="pycode", out_dir=None, inputs=None, val_fraction=VAL_FRACTI
     meta = read_meta(out_dir) or read_meta(out_dir, REPLACING)
     if held and meta is None:
         raise DataError(f"{out_dir} holds {', '.join(held)} but no readable meta.json, so it is "
-                        f"left alone: move them away (or rebuild them: `python prepare_data.py "
-                        f"--dataset text --input YOUR_FILES --out-dir {out_dir}`)")
+                        f"left alone (--force too): move them away, or give another --out-dir")
     if meta is not None and meta.get("dataset") != dataset and not force:
         raise DataError(f"{out_dir} holds the {meta.get('dataset')} dataset, not {dataset}: give "
                         f"another --out-dir (or --force to replace it)")

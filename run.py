@@ -60,8 +60,8 @@ class Extension:
     command = "train.py"                                  # how to run with it: --help, refusals
 
     def add_flags(self, parser, add): pass                # add: build_parser's, below
-    def refusals(self, args, typed): return []            # (refused, why and what to do instead)
-    def check_sizes(self, args, parser): pass             # once the preset gave the sizes
+    def refusals(self, args, typed): return []            # (refused, why, what to do): a new run's
+    def check_sizes(self, args, parser): pass             # with the preset's sizes; a new run's too
     def model_config(self, args, config): return config   # the GPTConfig of the flags, or another
     def start(self, args, model, first_batch, autocast): pass   # the model built, before step 0
     def begin_step(self, step): pass                      # before the step's first forward
@@ -238,7 +238,10 @@ def parse_args(argv=None, extension=None):
     args = argparse.Namespace(**{**parser.flag_defaults, **typed})
     if args.guard_threshold is None:   # the signal's default, as a number: config.json records it
         args.guard_threshold = DEFAULT_THRESHOLD[args.guard_signal]
-    for refused, message in refusals(args, typed) + extension.refusals(args, typed):
+    # a resumed run passed every refusal as it started, and may change only RESUMABLE_CHANGES
+    checks = [("out_dir" not in typed, "--resume needs the --out-dir of the run")] if args.resume \
+        else refusals(args, typed) + extension.refusals(args, typed)
+    for refused, message in checks:
         if refused:
             parser.error(message)
     ignored = " ".join(f"--{k.replace('_', '-')}" for k in typed if k.startswith("guard_") or k in (
@@ -251,24 +254,24 @@ def parse_args(argv=None, extension=None):
 
 def refusals(args, typed):
     """(refused, why and what to do instead): settings that would do nothing or fail later."""
-    guard_on, action, qk_normed = args.guard == "on", args.guard_action, args.qknorm == "always"
-    capped = qk_normed or 0 < args.softcap <= args.guard_threshold
+    guard_on, action = args.guard == "on", args.guard_action
     return [
-        (guard_on and action == "qknorm" and qk_normed,
+        (guard_on and action == "qknorm" and args.qknorm == "always",
          "--guard-action qknorm has nothing to switch when --qknorm always is set"),
         (guard_on and action == "fp32-accum" and args.accum == "fp32",
          "--guard-action fp32-accum has nothing to switch when --accum is already fp32"),
-        (guard_on and args.guard_signal == "max-logit" and capped,
-         "--guard-signal max-logit cannot cross --guard-threshold under QK-norm or a smaller "
-         "--softcap: use --guard-signal sigma-product"),
         (args.guard_scope == "crossed" and action in ("lr-drop", "clip"),
          f"--guard-scope crossed: --guard-action {action} acts on the whole model; use "
          f"--guard-scope all"),
-        (args.resume and "out_dir" not in typed, "--resume needs the --out-dir of the run"),
         (args.attn_impl == "sdpa" and ("block_n" in typed or "safemax_beta" in typed),
          "--block-n and --safemax-beta belong to the streaming-softmax kernel, not to --attn-impl "
          "sdpa"),
     ]
+
+
+def uses_bf16(dtype_flag, device):
+    """Whether a run's --dtype puts its forward under bf16 autocast (auto: on CUDA)."""
+    return dtype_flag == "bf16" or (dtype_flag == "auto" and device.type == "cuda")
 
 
 def auto_preset(device_type):
@@ -291,13 +294,15 @@ def resolve(args, device, parser, extension=None):
     args.decay_steps = args.decay_steps or args.max_steps
     name = f"{time.strftime('%Y%m%d-%H%M%S')}-{args.accum}-guard-{args.guard}-{launcher_pid()}"
     args.out_dir = args.out_dir or os.path.join("runs", name)   # two started at once: two names
+    if args.resume:   # the run passed the checks below as it started, with its own sizes
+        return args
     (extension or Extension()).check_sizes(args, parser)
     if args.schedule == "cosine" and args.min_lr > args.lr:
         parser.error(f"--min-lr {args.min_lr:g} is above --lr {args.lr:g}: the cosine would climb; "
                      f"lower --min-lr")
     if args.n_embd % args.n_head:
         parser.error(f"--n-embd {args.n_embd} is not a multiple of --n-head {args.n_head}")
-    block = args.block_n or BF16_STATE_BLOCK_N
+    block = key_block(args)
     if args.block_n and args.block_n not in (16, 32, 64, 128):
         parser.error(f"--block-n {args.block_n}: the kernel's Triton path (a GPU) runs key blocks "
                      f"of 16, 32, 64 or 128; give one of them (or 0, the kernel's 128)")
@@ -305,13 +310,29 @@ def resolve(args, device, parser, extension=None):
         parser.error(f"--block-size {args.block_size} is not a whole number of --block-n {block} "
                      f"key blocks: the last block of a row would be partial; give a multiple of "
                      f"{block}")
+    capped = args.qknorm == "always" and qk_norm_bound(args) <= args.guard_threshold
+    if args.guard == "on" and args.guard_signal == "max-logit" and (
+            capped or 0 < args.softcap <= args.guard_threshold):
+        parser.error("--guard-signal max-logit cannot cross --guard-threshold under QK-norm or a "
+                     "smaller --softcap: use --guard-signal sigma-product")
     return args
+
+
+def qk_norm_bound(args):
+    """The largest |logit| under QK-norm: scale * head_dim (|q.k| <= head_dim, both RMS-normed)."""
+    head_dim = args.n_embd // args.n_head
+    return (args.attn_scale or head_dim ** -0.5) * head_dim
+
+
+def key_block(args):
+    """The key block where the bf16 state is rounded: --block-n, or the kernel's own."""
+    return args.block_n or BF16_STATE_BLOCK_N
 
 
 def key_blocks_per_row(args):
     """How many key blocks the longest row streams through, each rounding the bf16 state once: the
     rescale across blocks (alpha = exp(m_old - m_new)) happens only where there are 2 or more."""
-    return max(1, args.block_size // (args.block_n or BF16_STATE_BLOCK_N))
+    return max(1, args.block_size // key_block(args))
 
 
 def model_config(args):
@@ -323,11 +344,6 @@ def model_config(args):
     rounding = {"auto": None, "none": ()}.get(args.round, tuple(args.round.split(",")))
     return model_lib.GPTConfig(**{**same_name, "block_n": args.block_n or None,
                                   "rounding": rounding, "qk_norm": args.qknorm == "always"})
-
-
-def padded_vocab(n):
-    """n tokens padded to a multiple of 64 for faster matmuls; padding rows are never targets."""
-    return 64 * math.ceil(n / 64)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -404,7 +420,7 @@ def check_memory(args, device):
     except (AttributeError, ValueError, OSError):   # no sysconf (Windows), or not this value
         free = math.inf
     B, T, L, C, H = args.batch_size, args.block_size, args.n_layer, args.n_embd, args.n_head
-    need = 4 * (4 * B * H * T * min(T, args.block_n or 128) + 20 * B * T * L * C)   # fp32 bytes
+    need = 4 * (4 * B * H * T * min(T, key_block(args)) + 20 * B * T * L * C)   # fp32 bytes
     if device.type == "cpu" and need > free:   # a GPU fails fast by itself
         raise SystemExit(f"error: about {need / 2**30:.1f} GiB needed, {free / 2**30:.1f} free: "
                          f"lower --block-size or --batch-size")
@@ -420,8 +436,7 @@ def ensure_data(args, dist):
     if held:
         shown = ", ".join(held[:4]) + (", ..." if len(held) > 4 else "")
         raise SystemExit(f"error: {args.data_dir} has no meta.json but holds {shown}, left alone: "
-                         f"rebuild it (`{command} --dataset text --input FILES`) or give another "
-                         f"--data-dir")
+                         f"move them away, or give another --data-dir")
     if args.dataset != "pycode":
         raise SystemExit(f"error: no prepared data in {args.data_dir} (meta.json missing): run "
                          f"`{command} --dataset {args.dataset} ...` first")

@@ -22,7 +22,6 @@ import torch
 
 import prepare_data
 import run
-from attention_kernel import BF16_STATE_BLOCK_N
 
 fcntl = prepare_data.fcntl   # None on Windows: no lock
 HERE = os.path.dirname(os.path.abspath(__file__))   # the code a run records (git, source.diff)
@@ -33,10 +32,11 @@ CHECKPOINTS = ("ckpt.pt", "ckpt.pt.tmp", "ckpt.pt.prev")
 MODEL_SHAPE = ("arch", "n_layer", "n_head", "n_embd", "vocab_size")   # a checkpoint's and config's
 
 
-def start_run(args, typed, master=True):
+def start_run(args, typed, defaults, master=True):
     """New run: lock the folder, refuse one that holds another. Resume: (the saved flags with only
     the changes that keep it the same run, its newest checkpoint or None, the flags it changed); a
-    run that saved no checkpoint starts over from step 0 with its config.json flags."""
+    run that saved no checkpoint starts over from step 0 with its config.json flags. defaults: each
+    flag's default, what a run saved without that flag (an extension's, a newer one's) ran with."""
     out = args.out_dir
     paths = {name: os.path.join(out, name) for name in ("config.json", "log.jsonl", *CHECKPOINTS)}
     if os.path.exists(out) and not os.path.isdir(out):
@@ -76,6 +76,7 @@ def start_run(args, typed, master=True):
     if used:   # the lab's assay, which train.py does not have: its own command goes on
         raise SystemExit(f"error: this run used the lab's assay ({', '.join(used)}): resume it "
                          f"with `{run.ASSAY_COMMAND} --resume --out-dir {out}`")
+    saved = {**defaults, **saved}   # a typed --qk-fix must not slip into a run made without it
     free = run.RESUMABLE_CHANGES
     conflicts = [f"--{k.replace('_', '-')} {v} (saved: {saved.get(k)})" for k, v in typed.items()
                  if k in saved and saved[k] != v and k not in free and (k, v) != ("preset", "auto")]
@@ -264,7 +265,7 @@ class RunDir:
                        f"{verb} {args.out_dir} at step {step}{over}: {args.preset} preset, "
                        f"{args.arch} {args.n_layer}x{args.n_embd}, {params / 1e6:.2f}M params, "
                        f"{args.tokenizer} tokens, accum {args.accum} with {blocks} key blocks per "
-                       f"row (block {args.block_n or BF16_STATE_BLOCK_N} of {args.block_size}), "
+                       f"row (block {run.key_block(args)} of {args.block_size}), "
                        f"guard {args.guard}, on {dist.device} x{dist.world}")
         except SystemExit:
             undone = ("config.json", "config.json.tmp", "log.jsonl", "source.diff") if new else ()

@@ -7,6 +7,7 @@ numerics and, if its guard fired, with the guard's action on (as the model was w
 """
 import argparse
 import contextlib
+import dataclasses
 import os
 
 import torch
@@ -44,8 +45,8 @@ def main(argv=None):
     prompt = enc.encode(args.prompt) or [enc.eot_token]
     idx = torch.tensor([prompt] * args.num_samples, device=device)
     torch.manual_seed(args.seed)
-    bf16 = torch.autocast(device.type, dtype=torch.bfloat16) if device.type == "cuda" \
-        else contextlib.nullcontext()
+    bf16 = torch.autocast(device.type, dtype=torch.bfloat16) if run.uses_bf16(saved.dtype, device) \
+        else contextlib.nullcontext()   # the run's own numerics
     with bf16:
         out = model.generate(idx, args.max_new_tokens, args.temperature, args.top_k)
     what = f"step {state['step']}, accum {saved.accum}, guard " + (
@@ -67,6 +68,8 @@ def load_run(path, device):
     saved = argparse.Namespace(**state["args"])
     config = model_lib.GPTConfig(**state["model_config"]) if "model_config" in state \
         else run.model_config(saved)
+    if config.attn_impl == "triton" and device.type != "cuda":   # the twin: the same algorithm
+        config = dataclasses.replace(config, attn_impl="auto")
     model = model_lib.GPT(config).to(device)
     model.load_state_dict(state["model"])
     guard = QKGuard.from_args(saved)

@@ -193,6 +193,10 @@ def test_a_folder_holding_other_data_is_never_written_over(tmp_path):
     (mine / "train.bin").write_bytes(b"\1\0" * 10)
     with pytest.raises(SystemExit, match="no readable meta.json.*left alone"):
         prep.prepare("text", out_dir=str(mine), inputs=[str(tmp_path)], val_fraction=0.3, force=True)
+    (mine / "meta.json").write_text("[1]")   # JSON but no dataset description: read as none (it crashed)
+    with pytest.raises(SystemExit, match=r"no readable meta.json, so it is left alone \(--force too\): move"):
+        prep.prepare("text", out_dir=str(mine), inputs=[str(tmp_path)], val_fraction=0.3, force=True)
+    (mine / "meta.json").unlink()
     assert (mine / "train.bin").read_bytes() == b"\1\0" * 10 and sorted(os.listdir(mine)) == ["train.bin"]
     out = build(tmp_path)
     before = {n: (tmp_path / "out" / n).read_bytes() for n in os.listdir(out)}

@@ -734,6 +734,9 @@ def test_an_out_dir_that_is_a_file_and_a_corrupt_meta_json_end_in_one_line(tmp_p
     result = train(tmp_path / "run", str(bad), "--max-steps", "2")
     assert result.returncode != 0 and "cannot read" in result.stderr and "Traceback" not in result.stderr
     assert (bad / "meta.json").read_text() == "{not json" and (bad / "train.bin").exists(), "nothing deleted"
+    (bad / "meta.json").write_text("[1]")   # JSON, but not a dataset description
+    lines = train(tmp_path / "run", str(bad), "--max-steps", "2").stderr.strip().splitlines()
+    assert len(lines) == 1 and "cannot read" in lines[0] and "move the folder's files away" in lines[0], lines
 
 
 def _numeric_flags(parser):
@@ -943,7 +946,8 @@ def test_the_cpu_presets_read_bytes_and_the_gpu_presets_gpt2_bpe():
         assert args.tokenizer == tokenizer and args.data_dir == prepare_data.default_out_dir("pycode", tokenizer)
     args, typed, parser = run.parse_args(["--preset", "assay", "--tokenizer", "byte"])
     assert run.resolve(args, cpu, parser).data_dir.endswith(os.path.join("data", "pycode-byte"))
-    assert run.padded_vocab(257) == 320 and run.padded_vocab(50257) == 50304 and run.padded_vocab(64) == 64
+    import train
+    assert train.padded_vocab(257) == 320 and train.padded_vocab(50257) == 50304 and train.padded_vocab(64) == 64
 
 
 def test_the_presets_that_show_the_fault_stream_four_key_blocks_per_row():
@@ -975,7 +979,55 @@ def test_resuming_on_data_of_another_tokenizer_is_refused_in_one_line(tmp_path, 
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and "trained on byte tokens" in lines[0] and "holds gpt2 tokens" in lines[0], lines
     assert "--tokenizer byte" in lines[0], "it says how to get the original data back"
+    assert "NEW_FOLDER" in lines[0] and f"--out-dir {data}" not in lines[0], "never a rebuild over the data there"
     assert (out / "ckpt.pt").read_bytes() == before, "the checkpoint is untouched"
+
+
+def test_a_resume_that_repeats_its_own_flags_passes_the_refusals_it_passed_at_its_start(tmp_path, data_dir):
+    # the refusals read the typed flags before the saved ones replace them: a resume repeating --guard-action
+    # fp32-accum, of a run with --accum bf16, was refused as if --accum were the default fp32
+    out, flags = tmp_path / "run", ["--guard", "on", "--guard-action", "fp32-accum"]
+    assert train(out, data_dir, "--accum", "bf16", *flags, "--max-steps", "2").returncode == 0
+    result = train(out, data_dir, *flags, "--max-steps", "4", "--resume")
+    assert result.returncode == 0, result.stderr
+    assert read_log(out)[-1]["status"] == "completed" and read_log(out)[-1]["step"] == 4
+
+
+def test_a_crossing_the_run_ended_before_acting_on_is_said_so(tmp_path, data_dir):
+    # the guard acts one monitored step after a crossing: in a run's last step there is none left
+    out = tmp_path / "run"
+    result = train(out, data_dir, "--max-steps", "1", "--guard", "on", "--guard-threshold", "1e-3")
+    assert result.returncode == 0, result.stderr
+    end, last = read_log(out)[-1], result.stdout.strip().splitlines()[-1]
+    assert end["guard_pending"] == 0 and end["guard_trigger"] is None, end
+    assert "cross 0.001 at step 0 with no step left to act on" in last and "never crossed" not in last, last
+
+
+def test_tokens_per_s_after_a_resume_counts_only_the_steps_its_clock_timed(monkeypatch):
+    import train as train_lib
+    clock = iter([0.0, 50.0, 100.0, 110.0])   # the stopped run's start, the resumed one's, its restart, a record
+    monkeypatch.setattr(train_lib.time, "time", lambda: next(clock))
+    one_process = type("Dist", (), {"all_reduce": staticmethod(lambda tensor, op="avg": tensor)})
+    stopped = train_lib.Totals(torch.device("cpu"))
+    for _ in range(3):                                  # 3 steps of the interval before the stop
+        stopped.add(torch.tensor(2.0), torch.zeros(1, 1))
+    resumed = train_lib.Totals(torch.device("cpu"))
+    resumed.load_state_dict(stopped.state_dict())
+    resumed.start_clock()                               # train.main restarts it after restoring
+    resumed.add(torch.tensor(2.0), torch.zeros(1, 1))
+    interval = resumed.take_interval(one_process, tokens_per_step=1000)
+    assert interval["tokens_per_s"] == pytest.approx(1000 * 1 / 10), "1 step in the 10 s its clock ran"
+    assert interval["loss"] == pytest.approx(2.0)       # the mean over all 4 of the interval's steps
+
+
+def test_the_max_logit_refusal_under_qk_norm_reads_the_bound_the_scale_gives():
+    import run
+    flags = ["--preset", "lab", "--qknorm", "always", "--guard", "on", "--guard-action", "qkclip"]
+    args, _, parser = run.parse_args([*flags, "--attn-scale", "10"])   # |logit| <= 10 * head_dim 32 > 200
+    run.resolve(args, torch.device("cpu"), parser)
+    args, _, parser = run.parse_args(flags)                            # <= sqrt(32) = 5.7 < 200
+    with pytest.raises(SystemExit):
+        run.resolve(args, torch.device("cpu"), parser)
 
 
 def test_a_tokenizer_flag_the_data_contradicts_is_refused(tmp_path, data_dir):
@@ -1007,6 +1059,23 @@ def test_sample_loads_a_fired_guard_with_its_action_on(tmp_path, data_dir):
     assert guard.triggered and state["guard"]["layers"] == list(range(len(model.attentions)))
     assert all(attn.qk_norm for attn in model.attentions), "the latched QK-norm is on in the sampled model"
     assert not model.training
+
+
+def test_sample_runs_with_the_runs_numerics_and_a_triton_run_on_a_cpu(tmp_path, data_dir, monkeypatch):
+    import sample
+    out, casts = tmp_path / "run", []
+    monkeypatch.setattr(sample.torch, "autocast", lambda *a, **k: casts.append(k.get("dtype")) or contextlib.nullcontext())
+    argv = [str(out), "--num-samples", "1", "--max-new-tokens", "2", "--device", "cpu"]
+    assert train(out, data_dir, "--max-steps", "1", "--dtype", "bf16").returncode == 0
+    sample.main(argv)
+    assert torch.bfloat16 in casts, "a --dtype bf16 run samples under bf16 autocast, as it trained, on a CPU too"
+    # a run the Triton kernels trained (a GPU's) samples on a CPU through the twin, the same algorithm
+    state = torch.load(out / "ckpt.pt", weights_only=True)
+    state["model_config"]["attn_impl"], state["args"]["dtype"] = "triton", "auto"
+    torch.save(state, out / "ckpt.pt")
+    casts.clear()
+    sample.main(argv)
+    assert torch.bfloat16 not in casts, "--dtype auto: no autocast on a CPU"
 
 
 # --------------------------------------------------------------------------------------------------

@@ -35,7 +35,7 @@ def main(argv=None, extension=None):
     # -------------------------------------------------------------------------- configuration, data
     extension = extension or run.Extension()     # a plug-in's flags and hooks (run.Extension: none)
     args, dist, state, changed, batches = configure(argv, extension)
-    use_bf16 = args.dtype == "bf16" or (args.dtype == "auto" and dist.device.type == "cuda")
+    use_bf16 = run.uses_bf16(args.dtype, dist.device)
     autocast = (lambda: torch.autocast(dist.device.type, dtype=torch.bfloat16)) if use_bf16 \
         else contextlib.nullcontext
 
@@ -102,7 +102,7 @@ def main(argv=None, extension=None):
                     break
             if step % args.eval_interval == 0 or step == args.max_steps:
                 evaluate()
-            if step % args.ckpt_interval == 0 and saved_step != step:
+            if step % args.ckpt_interval == 0:
                 run_dir.save(step, parts)
                 saved_step = step
             stopping = dist.any(stop)    # every rank stops at the same step
@@ -131,7 +131,7 @@ def configure(argv, extension):
     dist = run.Dist(args.device)
     args = run.resolve(args, dist.device, parser, extension)
     dist.check_same(args.out_dir, "run folder")   # a default one: named by the launcher, for all
-    args, state, changed = rundir.start_run(args, typed, dist.master)   # --resume: the saved flags
+    args, state, changed = rundir.start_run(args, typed, parser.flag_defaults, dist.master)
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.grad_accum % dist.world:
@@ -171,10 +171,12 @@ class TokenWindows:
 
     def __init__(self, data_dir, block_size, batch_size, seed, dataset="pycode", tokenizer="gpt2"):
         meta_path, meta = os.path.join(data_dir, "meta.json"), prepare_data.read_meta(data_dir)
-        redo = f"re-run `python prepare_data.py --dataset {dataset} --tokenizer {tokenizer} " \
-               f"--out-dir {data_dir} --force`"
-        if not isinstance(meta, dict):   # unreadable, not JSON, not an object: nothing is deleted
-            raise SystemExit(f"error: cannot read {meta_path} as a dataset description: {redo}")
+        build = f"python prepare_data.py --dataset {dataset} --tokenizer {tokenizer} --out-dir " \
+                f"{data_dir}" + (" --input YOUR_FILES" if dataset == "text" else "")
+        redo = f"re-run `{build} --force`"
+        if meta is None:   # unreadable, not JSON, not an object: nothing is deleted
+            raise SystemExit(f"error: cannot read {meta_path} as a dataset description: move the "
+                             f"folder's files away and rebuild it (`{build}`)")
         self.tokenizer = meta.get("tokenizer")   # what the model is sized for, and every lookup
         if (self.tokenizer, meta.get("vocab_size")) not in VOCAB_SIZES.items():
             raise SystemExit(f"error: {meta_path} names no known tokenizer and vocabulary "
@@ -330,8 +332,9 @@ class Totals:
         return val_loss
 
     def start_clock(self):
-        """The clock of tokens_per_s: started before the first step and after each record."""
-        self.started = time.time()
+        """The clock of tokens_per_s: started before the first step and after each record (a resumed
+        interval's steps before the stop are not timed by it)."""
+        self.started, self.clock_steps = time.time(), self.steps
 
     def add(self, loss, max_logit):
         self.loss_sum, self.steps = self.loss_sum + loss, self.steps + 1
@@ -342,7 +345,7 @@ class Totals:
         """The interval's tokens/s, mean loss (all ranks) and max logit; the sums start over."""
         elapsed = time.time() - self.started
         interval = {"loss": dist.all_reduce(torch.as_tensor(self.loss_sum / self.steps)).item(),
-                    "tokens_per_s": tokens_per_step * self.steps / elapsed,
+                    "tokens_per_s": tokens_per_step * (self.steps - self.clock_steps) / elapsed,
                     "max_logit": self.max_logit.tolist()}
         self.loss_sum, self.steps, self.max_logit = 0.0, 0, None
         return interval
@@ -383,6 +386,10 @@ def write_end_record(status, step, last_eval, detector, guard, args, log):
                     f"{guard.trigger['value']:.1f} > {guard.threshold:g}, layer "
                     f"{guard.trigger['layer']} head {guard.trigger['head']}) and {guard.action} "
                     f"stayed on")
+    elif guard.pending_crossing() is not None:
+        what.append(f"QK-Guard saw {guard.signal} cross {guard.threshold:g} at step "
+                    f"{guard.pending_crossing()} with no step left to act on (a resume with more "
+                    f"steps acts on it)")
     elif guard.enabled:
         what.append(f"QK-Guard stayed dormant ({guard.signal} never crossed {guard.threshold:g})")
     if detector.collapsed_at is not None:
@@ -392,16 +399,23 @@ def write_end_record(status, step, last_eval, detector, guard, args, log):
     log.write(end, "; ".join(what) + f". Log and checkpoint in {args.out_dir}")
 
 
+def padded_vocab(n):
+    """n tokens padded to a multiple of 64 for faster matmuls; padding rows are never targets."""
+    return 64 * math.ceil(n / 64)
+
+
 def vocabulary(args, typed, windows):
     """(tokenizer, model vocabulary) from the data's meta.json. Refused: data of another tokenizer
     than --tokenizer names or the resumed run trained on (its embedding would not fit)."""
-    vocab = run.padded_vocab(windows.vocab_size)
+    vocab = padded_vocab(windows.vocab_size)
     holds = f"{args.data_dir} holds {windows.tokenizer} tokens (its meta.json)"
     if args.resume and (args.tokenizer, args.vocab_size) != (windows.tokenizer, vocab):
+        inputs = " --input YOUR_FILES" if args.dataset == "text" else ""
         raise SystemExit(f"error: this run was trained on {args.tokenizer} tokens (vocabulary "
-                         f"{args.vocab_size}) and {holds}: resume it on the data it started with "
-                         f"(`python prepare_data.py --tokenizer {args.tokenizer} --out-dir "
-                         f"{args.data_dir}`), or start a new run")
+                         f"{args.vocab_size}) and {holds}: resume it with the --data-dir it "
+                         f"started with (or rebuild that data into a new folder: `python "
+                         f"prepare_data.py --dataset {args.dataset} --tokenizer {args.tokenizer}"
+                         f"{inputs} --out-dir NEW_FOLDER`), or start a new run")
     if "tokenizer" in typed and not args.resume and typed["tokenizer"] != windows.tokenizer:
         raise SystemExit(f"error: --tokenizer {typed['tokenizer']}, but {holds}: give --tokenizer "
                          f"{windows.tokenizer}, or a --data-dir prepared with --tokenizer "

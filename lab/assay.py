@@ -585,7 +585,7 @@ class Assay(run.Extension):
             (fix == "clean-grad" and site in ACTIVATION_SITES,
              f"--qk-fix clean-grad with --inject-site {site} trains W_q, W_k on the model without the error, a "
              "different objective rather than a QK-only fix: use --qk-fix qknorm for a forward site (clean-grad "
-             "is for the backward sites delta, grad-wv, grad-mlp)"),
+             "is for the backward sites: delta, or grad-wv and grad-mlp beside a bf16 --accum)"),
             (fix != "off" and site == "none" and args.accum == "fp32",
              "--qk-fix corrects the QK channel while a fault is active, but there is none: set --inject-site or "
              "a faulty --accum"),
@@ -600,13 +600,14 @@ class Assay(run.Extension):
             # --qk-fix qknorm is QK-norm from step 0, as --qknorm always (run.refusals)
             (guard_on and action == "qknorm" and fix == "qknorm",
              "--guard-action qknorm has nothing to switch when --qk-fix qknorm is set"),
-            (guard_on and args.guard_signal == "max-logit" and fix == "qknorm",
-             "--guard-signal max-logit cannot cross --guard-threshold under QK-norm (--qk-fix qknorm): use "
-             "--guard-signal sigma-product"),
         ]
 
     def check_sizes(self, args, parser):
         """What needs the model's sizes (run.resolve calls it once the preset filled them)."""
+        if args.guard == "on" and args.guard_signal == "max-logit" and args.qk_fix == "qknorm" \
+                and run.qk_norm_bound(args) <= args.guard_threshold:   # as run.check_sizes's
+            parser.error("--guard-signal max-logit cannot cross --guard-threshold under QK-norm (--qk-fix "
+                         "qknorm): use --guard-signal sigma-product")
         if args.inject_layers != "all" and max(map(int, args.inject_layers.split(","))) >= args.n_layer:
             parser.error(f"--inject-layers {args.inject_layers}: the model has layers 0..{args.n_layer - 1}")
         if args.probe != "off" and args.probe_k >= args.n_embd:   # every probed matrix has n_embd columns
@@ -621,7 +622,8 @@ class Assay(run.Extension):
         return dataclasses.replace(config, qk_norm=True) if args.qk_fix == "qknorm" else config
 
     def start(self, args, model, first_batch, autocast):
-        self.model = model
+        active = args.inject_site != "none" or args.qk_fix != "off" or args.probe != "off"
+        self.model = model if active else None   # whose gains log_stats records: none without a flag
         if args.inject_site != "none":
             self.injector = ErrorInjector.from_args(args, model, first_batch, autocast)
         self.probe, self.clean_grad = Probe(args.probe, k=args.probe_k, seed=args.seed), args.qk_fix == "clean-grad"
@@ -652,7 +654,8 @@ class Assay(run.Extension):
     def log_stats(self):
         """The attention gains (gain_record), the injected error's size and signs, the probe's last update;
         starts the probe's next interval."""
-        stats = {**gain_record(self.model), **(self.injector.last_stats if self.injector is not None else {})}
+        stats = gain_record(self.model) if self.model is not None else {}
+        stats.update(self.injector.last_stats if self.injector is not None else {})
         if self.probe_stats:
             stats["probe"] = self.probe_stats
         self.probe.reset_interval()

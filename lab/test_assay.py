@@ -14,7 +14,7 @@ from attention_kernel import attention
 from lab.assay import (ACTIVATION_SITES, Assay, ErrorInjector, Probe, attention_with_delta_error, clean_qk_grads,
                        fault_free, measure_fault)
 from test_numerics import DEV, causal, need_triton, randn, rel, seed  # noqa: F401 (seed: a fixture)
-from test_training import (ROOT, TINY, ZERO_MEANS, check_numeric_flags, check_resume_with_repeated_flags,
+from test_training import (ROOT, TINY, TRAIN, ZERO_MEANS, check_numeric_flags, check_resume_with_repeated_flags,
                            check_sigterm_then_resume, data_dir, read_log, root_without_lab, step_losses,
                            tiny_model)  # noqa: F401 (data_dir: a fixture)
 
@@ -684,6 +684,36 @@ def test_sigterm_then_resume_matches_an_uninterrupted_run_with_an_injected_error
 def test_resume_with_the_assays_flags_repeated(tmp_path, data_dir):
     check_resume_with_repeated_flags(tmp_path / "run", data_dir, "--inject-site", "mlp-out", "--inject-scale", "0.05",
                                      command=TRAIN_ASSAY)
+
+
+def test_an_assay_flag_typed_on_resuming_a_run_made_without_it_is_refused(tmp_path, data_dir):
+    # a run train.py made saved no assay flag, so a typed one was neither refused nor recorded: --qk-fix qknorm
+    # switched QK-norm on mid-run, --inject-site and --probe crashed in the restore (KeyError)
+    out = tmp_path / "run"
+    made = subprocess.run([*TRAIN, "--data-dir", data_dir, "--out-dir", str(out), *TINY, "--max-steps", "2",
+                           "--accum", "bf16"], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert made.returncode == 0, made.stderr
+    before = (out / "ckpt.pt").read_bytes()
+    for flags in (["--qk-fix", "qknorm"], ["--inject-site", "attn-out", "--inject-scale", "1"], ["--probe", "qk-topk"]):
+        result = train(out, data_dir, "--accum", "bf16", "--max-steps", "4", "--resume", *flags)
+        lines = result.stderr.strip().splitlines()
+        assert result.returncode != 0 and len(lines) == 1, result.stderr
+        assert lines[0].startswith("error: --resume keeps the saved flags") and f"{flags[0]} {flags[1]}" in lines[0]
+    assert (out / "ckpt.pt").read_bytes() == before
+    assert train(out, data_dir, "--accum", "bf16", "--max-steps", "4", "--resume").returncode == 0
+    assert not any("qk_fix" in r or "attn_gain_rms" in r for r in read_log(out)), "no assay, no gains logged"
+
+
+def test_the_assay_logs_the_attention_gains_only_where_a_flag_set_it_on(tmp_path, data_dir):
+    logs = {}
+    for name, flags in (("none", []), ("probe", ["--probe", "qk-topk"])):
+        assert train(tmp_path / name, data_dir, "--max-steps", "2", *flags).returncode == 0
+        logs[name] = [r for r in read_log(tmp_path / name) if "event" not in r]
+    assert not any("attn_gain_rms" in r for r in logs["none"]), "without a flag the assay is a no-op"
+    gains = [r for r in logs["probe"] if "attn_gain_rms" in r]
+    assert len(gains) == 2 and all(len(r["sigma_q_gain_head"]) == 2 and len(r["sigma_q_gain_head"][0]) == 2
+                                   for r in gains)   # (layer, head)
+    assert all(g == pytest.approx(1.0, abs=0.05) for r in gains for g in r["attn_gain_rms"]), "LayerNorm's 1s"
 
 
 def test_a_run_that_used_the_assay_resumes_here_and_train_py_names_this_command(tmp_path, data_dir):
