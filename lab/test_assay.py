@@ -10,6 +10,7 @@ import torch
 
 import model
 import run
+import rundir
 from attention_kernel import attention
 from lab.assay import (ACTIVATION_SITES, Assay, ErrorInjector, Probe, attention_with_delta_error, clean_qk_grads,
                        fault_free, measure_fault)
@@ -695,10 +696,13 @@ def test_an_assay_flag_typed_on_resuming_a_run_made_without_it_is_refused(tmp_pa
     assert made.returncode == 0, made.stderr
     before = (out / "ckpt.pt").read_bytes()
     for flags in (["--qk-fix", "qknorm"], ["--inject-site", "attn-out", "--inject-scale", "1"], ["--probe", "qk-topk"]):
-        result = train(out, data_dir, "--accum", "bf16", "--max-steps", "4", "--resume", *flags)
-        lines = result.stderr.strip().splitlines()
-        assert result.returncode != 0 and len(lines) == 1, result.stderr
-        assert lines[0].startswith("error: --resume keeps the saved flags") and f"{flags[0]} {flags[1]}" in lines[0]
+        # train.configure's first steps, in this process (master=False: no lock for the resume below to meet)
+        args, typed, parser = parse_args(["--data-dir", data_dir, "--out-dir", str(out), *TINY, "--accum", "bf16",
+                                          "--max-steps", "4", "--resume", *flags])
+        args = run.resolve(args, torch.device("cpu"), parser, Assay())
+        with pytest.raises(SystemExit, match=f"^error: --resume keeps the saved flags, but these differ: "
+                                             f"{flags[0]} {flags[1]} "):
+            rundir.start_run(args, typed, parser.flag_defaults, master=False)
     assert (out / "ckpt.pt").read_bytes() == before
     assert train(out, data_dir, "--accum", "bf16", "--max-steps", "4", "--resume").returncode == 0
     assert not any("qk_fix" in r or "attn_gain_rms" in r for r in read_log(out)), "no assay, no gains logged"
