@@ -94,7 +94,8 @@ class QKGuardCallback(GuardLoop, TrainerCallback, ExportableState):
         saved = saved[0] if isinstance(saved, list) else saved
         path = os.path.join(folder, STATE_FILE)
         if saved is None or not os.path.exists(path):
-            if self.missing_ok:
+            if self.missing_ok:   # the Trainer's next save updates this callback's entry: make one
+                state.stateful_callbacks.setdefault(type(self).__name__, self.state())
                 return
             raise FileNotFoundError(f"QKGuardCallback: the checkpoint of step {state.global_step} has no {STATE_FILE} "
                                     f"in {folder} (saved without this callback, or resumed from another folder), so a "

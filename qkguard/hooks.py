@@ -125,11 +125,6 @@ class Layer:
                              f"{self.head_dim}: fix the adapter's head count or columns")
         return w
 
-    def bias(self, role):
-        """b_q or b_k (a view, or a copy under indices), or None."""
-        module = self.q if role == "q" else self.k
-        return None if getattr(module, "bias", None) is None else module.bias[self.cols(role, module.bias)]
-
     def in_features(self):
         """W_q's input width, from its (global) shape: no gather of a sharded weight."""
         return self.q.weight.shape[0 if self.transposed else 1]
@@ -219,10 +214,10 @@ def _scale_sharded_rows(module, cols, per_row, transposed):
     factor[cols] = per_row.to(factor)
     if transposed:                     # a Conv1D's outputs are its columns: the shards split its inputs
         weight.to_local().mul_(factor[None, :])
-        return
-    local = distribute_tensor(factor, weight.device_mesh, weight.placements, src_data_rank=None).to_local()
-    weight.to_local().mul_(local[:, None])
-    if getattr(module, "bias", None) is not None:
+    else:
+        local = distribute_tensor(factor, weight.device_mesh, weight.placements, src_data_rank=None).to_local()
+        weight.to_local().mul_(local[:, None])
+    if getattr(module, "bias", None) is not None:   # (out,), sharded as any 1-d parameter, Conv1D's too
         bias = module.bias
         shard = distribute_tensor(factor, bias.device_mesh, bias.placements, src_data_rank=None).to_local()
         bias.to_local().mul_(shard.to(bias.dtype))
@@ -821,6 +816,10 @@ class AttachedGuard:
         threshold and scope (a latch fired under one action and resumed under another would act as
         neither run asked), and be of a model of the saved one's shape. A watcher (enabled=False) never
         acts, so it refuses a state that fired: the model was trained with the action on."""
+        missing = [key for key in ("guard", "steps", "sigma_v", "generator") if key not in state]
+        if missing:
+            raise ValueError(f"QK-Guard: this state has no {', '.join(missing)}: it is not a guard's state_dict() "
+                             f"(nothing was changed)")
         if state.get("n_layer") != len(self.layers):
             raise ValueError(f"QK-Guard: this state is of a model with {state.get('n_layer')} attention layers, not "
                              f"{len(self.layers)}: load the guard state saved with this model")
@@ -840,6 +839,9 @@ class AttachedGuard:
             raise ValueError(f"QK-Guard: this state fired (at step {state['guard']['trigger']['step']}) and this guard "
                              f"is a watcher (enabled=False), which never acts: the model was trained with the action "
                              f"on, so attach with enabled=True to resume it")
+        if self.qkguard.action == "qknorm":   # the layers this guard switched on go off; the state's go on below
+            for layer in self.qkguard.layers:
+                self.attentions[layer].qk_norm = False
         self.qkguard.load_state_dict(state["guard"])
         self.steps = state["steps"]
         self.events = [dict(event) for event in state.get("events", [])]    # (a state saved before they were: none)
@@ -916,6 +918,9 @@ def attach(model, adapter="auto", *, threshold=None, signal="max-logit", action=
         raise ValueError(f"attach: threshold must be a finite number > 0 in the signal's units, not {threshold!r}: "
                          f"give e.g. {DEFAULT_THRESHOLD[signal]} (None: that default); to act from the first step, "
                          f"attach(model, action='qkclip', always=True)")
+    if always and not enabled:
+        raise ValueError("attach: always=True clips every update, and enabled=False is a watcher, which never acts: "
+                         "give one of them")
     if always and action != "qkclip":
         raise ValueError(f"attach: always=True is QK-Clip at every update (Megatron-LM's --qk-clip), not {action!r}: "
                          f"pass action='qkclip' (QK-norm from the first step is a model with QK-norm: build it so)")

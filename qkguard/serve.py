@@ -55,6 +55,9 @@ def to_qwen3(model, guard, strict=True):
     if getattr(config, "model_type", None) != "llama":
         raise ValueError(f"serve: to_qwen3 takes a LlamaForCausalLM, not {type(model).__name__}: for other models "
                          f"use save_guard() beside save_pretrained and load_guard() after from_pretrained")
+    if getattr(guard, "model", None) is not model or len(guard.layers) != config.num_hidden_layers:
+        raise ValueError("serve: to_qwen3 takes the guard attached to this model, covering all of its "
+                         f"{config.num_hidden_layers} layers: pass the model's own guard")
     _fired_qknorm(guard)
     if getattr(config, "mlp_bias", False):
         raise ValueError("serve: this Llama has mlp_bias=True, which Qwen3's MLP lacks: use save_guard() and "
@@ -86,7 +89,7 @@ def to_qwen3(model, guard, strict=True):
 def _attach_settings(guard):
     g = guard.qkguard
     return {"signal": g.signal, "action": g.action, "threshold": float(g.threshold), "scope": g.scope,
-            "enabled": g.enabled, "tau": float(g.tau) if g.action == "qkclip" else None,
+            "enabled": g.enabled or guard.always, "tau": float(g.tau) if g.action == "qkclip" else None,
             "interval": guard.interval, "seqs": guard.seqs, "rows": guard.rows, "always": guard.always,
             "alpha": guard.alpha}
 
@@ -98,18 +101,15 @@ def guard_file(guard, **extra):
     return {"attach": _attach_settings(guard), "state": guard.state_dict(), **extra}
 
 
-def read_guard_file(path, bare_ok=False):
+def read_guard_file(path):
     """qkguard.pt as guard_file() wrote it, or a one-line refusal naming the file: a half-written or
-    foreign file, or a bare guard.state_dict() (no attach settings; bare_ok: read as {"state": it}, as the
-    Trainer callback's checkpoints were saved before they took guard_file's format)."""
+    foreign file, or a bare guard.state_dict() (no attach settings)."""
     try:
         saved = torch.load(path, weights_only=True)
     except (OSError, RuntimeError, EOFError, ValueError) as error:       # a truncated zip, a foreign pickle
         raise ValueError(f"serve: {path} cannot be read as a guard file ({type(error).__name__}: "
                          f"{str(error).splitlines()[0][:120]}): it may be half-written; use the one from an earlier "
                          f"checkpoint, or save it again with save_guard(guard, folder)") from None
-    if bare_ok and isinstance(saved, dict) and "n_layer" in saved:
-        return {"attach": None, "state": saved}
     if not (isinstance(saved, dict) and {"attach", "state"} <= saved.keys()):
         raise ValueError(f"serve: {path} is not a guard file (no 'attach' settings and 'state'): if it is a bare "
                          f"guard.state_dict(), attach(model, ...) with the run's settings and call "
@@ -135,10 +135,11 @@ def load_guard(model, folder, adapter="auto"):
         raise FileNotFoundError(f"serve: {folder} has no {GUARD_FILE}: save it with save_guard(guard, folder) beside "
                                 f"save_pretrained (a model the guard never fired on needs none)")
     saved = read_guard_file(path)
-    guard = attach(model, adapter, **saved["attach"])
+    settings = saved["attach"]     # an always-on guard's file of before 2026-12-05 says enabled=False: it acted
+    guard = attach(model, adapter, **{**settings, "enabled": settings["enabled"] or settings.get("always", False)})
     try:
         guard.load_state_dict(saved["state"])
-    except ValueError:
+    except Exception:
         guard.detach()                               # all or nothing: no guard half-attached
         raise
     return guard

@@ -5,6 +5,7 @@ F.scaled_dot_product_attention, through which every model here attends, records 
 reach it, and the max logit follows in float64. The Hugging Face adapters' tests need transformers
 and skip without it; everything else runs without it.
 """
+import copy
 import math
 import os
 import re
@@ -21,7 +22,9 @@ import torch.nn.functional as F
 import model as model_lib
 import qkguard                            # the public API: qkguard.attach(...), qkguard.Layer, ...
 from qkguard import example, hooks        # hooks: the signals' internals (sample_rows, sampled_max_logit)
+from qkguard import serve
 from qkguard.example import NanoGPT
+from qkguard._loop import GuardLoop
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -747,3 +750,45 @@ def test_the_readme_snippets_run_as_written(tmp_path, i):
     result = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True,
                             timeout=300)
     assert result.returncode == 0, f"README block {i} fails:\n{code}\n{result.stderr[-3000:]}"
+
+
+def test_a_state_from_before_the_trigger_switches_the_fired_action_off_again():
+    """load_state_dict of an earlier, unfired state into a guard that fired since (a resume in one process):
+    QK-norm goes off with the latch, so the model computes what it did then (it stayed on)."""
+    model, loss_of = build("nanogpt")
+    guard = qkguard.attach(model, threshold=1e-30)
+    early = copy.deepcopy(guard.state_dict())
+    train_steps(model, loss_of, guard, 2)
+    assert guard.triggered and all(switch.qk_norm for switch in guard.attentions)
+    guard.load_state_dict(early)
+    assert not guard.triggered and not any(switch.qk_norm for switch in guard.attentions)
+    x, _ = batch()
+    with torch.no_grad():
+        guarded = model(x)[0]
+        guard.detach()
+        assert torch.equal(guarded, model(x)[0]), "a dormant guard changes nothing"
+
+
+def test_always_on_clipping_is_no_watcher_and_a_state_missing_a_part_changes_nothing(tmp_path):
+    model, loss_of = build("nanogpt")
+    with pytest.raises(ValueError, match=r"always=True clips every update, and enabled=False is a watcher"):
+        qkguard.attach(model, action="qkclip", always=True, enabled=False)
+    guard = qkguard.attach(model, action="qkclip", always=True)
+    train_steps(model, loss_of, guard, 1)
+    assert GuardLoop(guard).signals()["qkguard/on"] == 1.0, "the callbacks' log says what record() says: on"
+    serve.save_guard(guard, tmp_path)
+    guard.detach()
+    guard = serve.load_guard(model, tmp_path)          # an always-on guard's file attaches again
+    assert guard.always and guard.steps == 1
+    state = guard.state_dict()
+    del state["generator"]
+    with pytest.raises(ValueError, match=r"this state has no generator: it is not a guard's state_dict"):
+        guard.load_state_dict(state)
+    assert guard.steps == 1
+    saved = torch.load(tmp_path / serve.GUARD_FILE, weights_only=True)
+    del saved["state"]["steps"]
+    torch.save(saved, tmp_path / serve.GUARD_FILE)
+    guard.detach()
+    with pytest.raises(ValueError, match=r"this state has no steps"):
+        serve.load_guard(model, tmp_path)
+    qkguard.attach(model).detach()    # load_guard left no guard attached: a new one is not refused

@@ -3,6 +3,7 @@
 Needs transformers (and accelerate, which Trainer needs); skipped without them. A tiny Llama on fixed
 random tokens, its W_q and W_k inflated so that the guard fires within the first updates.
 """
+import json
 import math
 import os
 
@@ -49,7 +50,7 @@ class Stop(transformers.TrainerCallback):
         control.should_training_stop = state.global_step >= self.at
 
 
-def train(out, stop=STEPS, resume=None, **guard_settings):
+def train(out, stop=STEPS, resume=None, missing_ok=False, **guard_settings):
     """A Trainer run of STEPS updates, ended after `stop` or resumed from the checkpoint `resume`: its logs
     and guard. (STEPS for all: the learning rate schedule follows max_steps.)"""
     transformers.set_seed(0)
@@ -61,7 +62,7 @@ def train(out, stop=STEPS, resume=None, **guard_settings):
                                           learning_rate=1e-3, logging_steps=1, save_steps=SAVE_AT, save_strategy="steps",
                                           report_to="none", use_cpu=True, seed=0, disable_tqdm=True,
                                           dataloader_num_workers=0, save_only_model=False)
-    callback = QKGuardCallback(guard)
+    callback = QKGuardCallback(guard, missing_ok=missing_ok)
     trainer = transformers.Trainer(model=model, args=args, train_dataset=Tokens(), callbacks=[tracker, callback, Stop(stop)])
     trainer.train(resume_from_checkpoint=resume)
     losses = {e["step"]: e["loss"] for e in trainer.state.log_history if "loss" in e}
@@ -114,6 +115,13 @@ def test_a_resume_from_a_checkpoint_without_the_guards_state_is_refused_in_one_l
     os.remove(saved / STATE_FILE)
     with pytest.raises(FileNotFoundError, match=rf"has no {STATE_FILE} .*QKGuardCallback\(guard, missing_ok=True\)"):
         train(tmp_path, resume=str(saved))
+    # a checkpoint saved without the callback at all: missing_ok starts the guard anew, and the Trainer's next
+    # save, which updates the callback's entry in trainer_state.json, finds one (it raised KeyError)
+    trainer_state = json.loads((saved / "trainer_state.json").read_text())
+    trainer_state["stateful_callbacks"].pop("QKGuardCallback")
+    (saved / "trainer_state.json").write_text(json.dumps(trainer_state))
+    _, guard, _, _, trainer = train(tmp_path, resume=str(saved), missing_ok=True)
+    assert trainer.state.global_step == STEPS and (tmp_path / f"checkpoint-{STEPS}" / STATE_FILE).exists()
 
 
 def test_load_guard_reads_a_trainer_checkpoint_and_refuses_a_half_written_file_in_one_line(tmp_path):
@@ -190,6 +198,9 @@ def test_serving_refuses_what_it_cannot_serve_in_one_line(tmp_path):
     dormant = qkguard.attach(llama)
     with pytest.raises(ValueError, match="has not fired.*save_pretrained serves it as it is"):
         serve.to_qwen3(llama, dormant)
+    other, _ = build("hf-llama")      # a guard of another model (of the same shape) says nothing of this one
+    with pytest.raises(ValueError, match=r"to_qwen3 takes the guard attached to this model, covering all of its 2"):
+        serve.to_qwen3(other, dormant)
     with pytest.raises(FileNotFoundError, match=r"has no qkguard.pt: save it with save_guard\(guard, folder\)"):
         serve.load_guard(model, tmp_path)
 

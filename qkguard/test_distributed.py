@@ -151,3 +151,44 @@ def test_a_tensor_parallel_projection_is_refused_in_one_line():
                                          r"parallelism .*not tensor-parallel"):
         m(torch.randn(2, 5, 16))
     guard.detach()
+
+
+CONV1D_UNDER_FSDP2 = """
+import copy, sys, torch, transformers
+from torch.distributed.fsdp import fully_shard
+import qkguard
+torch.distributed.init_process_group("gloo", init_method=f"file://{sys.argv[1]}/store", rank=0, world_size=1)
+torch.manual_seed(0)
+config = transformers.GPT2Config(n_embd=32, n_layer=2, n_head=4, vocab_size=64, n_positions=32, resid_pdrop=0.0,
+                                 embd_pdrop=0.0, attn_pdrop=0.0)
+plain = transformers.GPT2LMHeadModel(config)
+for module in plain.modules():        # biases far from zero, so that a bias left unscaled shows
+    if type(module).__name__ == "Conv1D":
+        torch.nn.init.normal_(module.bias, std=0.5)
+sharded = copy.deepcopy(plain)
+for block in sharded.transformer.h:
+    fully_shard(block)
+fully_shard(sharded)
+x = torch.randint(0, 64, (2, 16))
+for m in (plain, sharded):
+    guard = qkguard.attach(m, action="qkclip", always=True, tau=1e-3)
+    m(input_ids=x, labels=x).loss.backward()
+    guard.step()
+for name, p in plain.named_parameters():
+    torch.testing.assert_close(dict(sharded.named_parameters())[name].full_tensor(), p, msg=lambda s: f"{name}: {s}")
+torch.distributed.destroy_process_group()
+print("same")
+"""
+
+
+def test_qkclip_scales_a_conv1d_projections_bias_under_fsdp2_as_without_it(tmp_path):
+    """GPT-2's c_attn (a Conv1D: W stored transposed) sharded by fully_shard: QK-Clip scales b_q and b_k
+    with W_q and W_k, as unsharded (the sharded path returned before the bias). One process, its own group."""
+    pytest.importorskip("transformers")
+    pytest.importorskip("torch.distributed.fsdp")
+    if not torch.distributed.is_available() or not torch.distributed.is_gloo_available():
+        pytest.skip("torch.distributed with gloo is not available in this build")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")])}
+    result = subprocess.run([sys.executable, "-c", CONV1D_UNDER_FSDP2, str(tmp_path)], env=env, cwd=ROOT,
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0 and result.stdout.strip().endswith("same"), result.stderr[-3000:]
