@@ -43,7 +43,7 @@ class GuardLoop:
         if guard.max_logit is not None:
             out["qkguard/max_logit"] = guard.max_logit.max().item()
         out["qkguard/sigma_product"] = (guard.sigma_head[:, 0] * guard.sigma_head[:, 1]).max().item()
-        out["qkguard/on"] = float(guard.triggered or guard.always)   # as record()'s "guard" and TensorBoard's
+        out["qkguard/on"] = float(guard.on)
         for event in self._unlogged:            # one per event kind is plenty: a trigger, then extensions
             for key in ("step", "layer", "head", "value", "active_from"):
                 out[f"qkguard/{event['event']}/{key}"] = event[key]

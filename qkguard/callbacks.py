@@ -123,6 +123,13 @@ class QKGuardCallback(GuardLoop, TrainerCallback, ExportableState):
         if state.log_history and state.log_history[-1].get("step") == state.global_step:
             state.log_history[-1].update(signals)      # Trainer copied the logs into the history before calling us
 
+    def on_train_end(self, args, state, control, **kwargs):
+        """load_best_model_at_end: Trainer has loaded the best checkpoint's weights (just before this call); the
+        guard saved with them comes back too, so the model ends with the action it was trained with there."""
+        best = state.best_model_checkpoint
+        if args.load_best_model_at_end and best and os.path.exists(os.path.join(best, STATE_FILE)):
+            self.guard.load_state_dict(read_guard_file(os.path.join(best, STATE_FILE))["state"])
+
     def on_save(self, args, state, control, **kwargs):
         folder = os.path.join(args.output_dir, f"checkpoint-{state.global_step}")   # Trainer's own name for it
         if args.should_save:     # save_guard's format, so serve.load_guard reads this folder too

@@ -592,6 +592,11 @@ class AttachedGuard:
         return self.qkguard.triggered
 
     @property
+    def on(self):
+        """Whether the action is on now: fired, or QK-Clip always (record()'s "guard", the logs' qkguard/on)."""
+        return self.triggered or self.always
+
+    @property
     def acts(self):
         """Whether it ever changes the model: dormant or fired, or always clipping (not a watcher)."""
         return self.qkguard.enabled or self.always
@@ -776,7 +781,7 @@ class AttachedGuard:
                 "sigma_q": whole_q[:, 0].tolist(), "sigma_k": whole_k[:, 0].tolist(),
                 "sigma_q_head": self.sigma_head[:, 0].tolist(),
                 "sigma_k_head": self.sigma_head[:, 1, ::groups].tolist(),
-                "guard": "on" if self.triggered or self.always else ("dormant" if self.qkguard.enabled else "off")}
+                "guard": "on" if self.on else ("dormant" if self.qkguard.enabled else "off")}
 
     def _write_tensorboard(self, step):
         """Each signal at `step` only if it was measured at `step`: an older value plotted there would be stale."""
@@ -789,7 +794,7 @@ class AttachedGuard:
         if not watched or step % self.interval == 0:   # the guard's own: measured at monitored steps
             for i, value in enumerate((self.sigma_head[:, 0] * self.sigma_head[:, 1]).amax(dim=1).tolist()):
                 self.writer.add_scalar(f"qkguard/sigma_product/layer{i}", value, step)
-        self.writer.add_scalar("qkguard/on", float(self.triggered or self.always), step)
+        self.writer.add_scalar("qkguard/on", float(self.on), step)
 
     def _settings(self):
         g = self.qkguard
@@ -808,7 +813,10 @@ class AttachedGuard:
         return {"n_layer": len(self.layers), "shape": self._shape(), "steps": self.steps, "guard": self.qkguard.state_dict(),
                 "settings": self._settings(), "sigma_v": {key: v.cpu() for key, v in self.sigma.v.items()},
                 "generator": self.generator.get_state(), "sample_seed": self._seed,
-                "events": [dict(event) for event in self.events]}
+                "events": [dict(event) for event in self.events],
+                # the last max logit read and its step: a resumed run logs it where the uninterrupted one does
+                "max_logit": None if self.max_logit is None else self.max_logit.cpu(),
+                "max_logit_step": self.max_logit_step}
 
     def load_state_dict(self, state):
         """A saved guard back; a latched action is on again in the model at once. All or nothing: every
@@ -845,6 +853,9 @@ class AttachedGuard:
         self.qkguard.load_state_dict(state["guard"])
         self.steps = state["steps"]
         self.events = [dict(event) for event in state.get("events", [])]    # (a state saved before they were: none)
+        self.max_logit, self.max_logit_step = state.get("max_logit"), state.get("max_logit_step")
+        if self.max_logit is not None:
+            self.max_logit = self.max_logit.to(self.sigma_head.device)
         self.sigma.v = {key: v.to(self.sigma.v[key].device) for key, v in state["sigma_v"].items()}
         self.generator.set_state(state["generator"])
         self.sigma_head, self._running = self._measure_sigma(iters=0), [None] * len(self.layers)

@@ -792,3 +792,17 @@ def test_always_on_clipping_is_no_watcher_and_a_state_missing_a_part_changes_not
     with pytest.raises(ValueError, match=r"this state has no steps"):
         serve.load_guard(model, tmp_path)
     qkguard.attach(model).detach()    # load_guard left no guard attached: a new one is not refused
+
+
+def test_a_resumed_guard_logs_the_last_max_logit_as_the_uninterrupted_one_does():
+    """interval=2: a log after an unmonitored step shows the last max logit read. A guard resumed between
+    the two (its state loaded into a new attach) had none to show."""
+    model, loss_of = build("nanogpt")
+    guard = qkguard.attach(model, interval=2)
+    train_steps(model, loss_of, guard, 1)            # step 0: monitored, the max logit read
+    state, logged = copy.deepcopy(guard.state_dict()), GuardLoop(guard).signals()
+    guard.detach()
+    resumed = qkguard.attach(model, interval=2)
+    resumed.load_state_dict(state)
+    assert "qkguard/max_logit" in logged and GuardLoop(resumed).signals() == logged
+    assert resumed.record()["max_logit"] == guard.record()["max_logit"]

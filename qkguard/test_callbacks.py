@@ -257,3 +257,27 @@ def test_to_qwen3_takes_llama_3s_eps_close_not_bit_for_bit():
     difference = (guarded - exported).abs().max().item()
     print(f"eps 1e-5: max |logit difference| {difference:.2e}")
     assert 0 < difference < 5e-4
+
+
+def test_load_best_model_at_end_brings_back_the_guard_saved_with_those_weights(tmp_path):
+    """The best checkpoint here is the first (greater_is_better on the eval loss, which falls), saved before the
+    guard fired: the model ends with that checkpoint's weights and, since on_train_end, its unfired guard
+    (it kept the final latch: QK-norm on weights trained without it)."""
+    transformers.set_seed(0)
+    model, _ = build("hf-llama")
+    inflate_qk(model, 8.0)
+    guard = qkguard.attach(model, threshold=3.0)
+    args = transformers.TrainingArguments(output_dir=str(tmp_path), max_steps=STEPS, per_device_train_batch_size=4,
+                                          learning_rate=1e-3, eval_strategy="steps", eval_steps=1, save_steps=1,
+                                          load_best_model_at_end=True, metric_for_best_model="loss",
+                                          greater_is_better=True, report_to="none", use_cpu=True, seed=0,
+                                          disable_tqdm=True, dataloader_num_workers=0)
+    callback = QKGuardCallback(guard)
+    trainer = transformers.Trainer(model=model, args=args, train_dataset=Tokens(), eval_dataset=Tokens(n=8),
+                                   callbacks=[callback])
+    trainer.train()
+    best = trainer.state.best_model_checkpoint
+    saved = torch.load(os.path.join(best, STATE_FILE), weights_only=True)["state"]
+    assert best.endswith("checkpoint-1") and saved["guard"]["trigger"] is None, best
+    assert callback.events and callback.events[0]["active_from"] > 1, "it fired after that checkpoint"
+    assert not guard.triggered and not any(switch.qk_norm for switch in guard.attentions)
