@@ -171,8 +171,7 @@ class TokenWindows:
 
     def __init__(self, data_dir, block_size, batch_size, seed, dataset="pycode", tokenizer="gpt2"):
         meta_path, meta = os.path.join(data_dir, "meta.json"), prepare_data.read_meta(data_dir)
-        build = f"python prepare_data.py --dataset {dataset} --tokenizer {tokenizer} --out-dir " \
-                f"{data_dir}" + (" --input YOUR_FILES" if dataset == "text" else "")
+        build = prepare_command(dataset, tokenizer, data_dir)
         redo = f"re-run `{build} --force`"
         if meta is None:   # unreadable, not JSON, not an object: nothing is deleted
             raise SystemExit(f"error: cannot read {meta_path} as a dataset description: move the "
@@ -399,6 +398,13 @@ def write_end_record(status, step, last_eval, detector, guard, args, log):
     log.write(end, "; ".join(what) + f". Log and checkpoint in {args.out_dir}")
 
 
+def prepare_command(dataset, tokenizer, out_dir):
+    """The prepare_data.py command that builds this data into out_dir (the errors quote it)."""
+    inputs = " --input YOUR_FILES" if dataset == "text" else ""
+    return (f"python prepare_data.py --dataset {dataset} --tokenizer {tokenizer}{inputs} --out-dir "
+            f"{out_dir}")
+
+
 def padded_vocab(n):
     """n tokens padded to a multiple of 64 for faster matmuls; padding rows are never targets."""
     return 64 * math.ceil(n / 64)
@@ -410,12 +416,11 @@ def vocabulary(args, typed, windows):
     vocab = padded_vocab(windows.vocab_size)
     holds = f"{args.data_dir} holds {windows.tokenizer} tokens (its meta.json)"
     if args.resume and (args.tokenizer, args.vocab_size) != (windows.tokenizer, vocab):
-        inputs = " --input YOUR_FILES" if args.dataset == "text" else ""
+        build = prepare_command(args.dataset, args.tokenizer, "NEW_FOLDER")
         raise SystemExit(f"error: this run was trained on {args.tokenizer} tokens (vocabulary "
                          f"{args.vocab_size}) and {holds}: resume it with the --data-dir it "
-                         f"started with (or rebuild that data into a new folder: `python "
-                         f"prepare_data.py --dataset {args.dataset} --tokenizer {args.tokenizer}"
-                         f"{inputs} --out-dir NEW_FOLDER`), or start a new run")
+                         f"started with (or rebuild that data into a new folder: `{build}`), or "
+                         f"start a new run")
     if "tokenizer" in typed and not args.resume and typed["tokenizer"] != windows.tokenizer:
         raise SystemExit(f"error: --tokenizer {typed['tokenizer']}, but {holds}: give --tokenizer "
                          f"{windows.tokenizer}, or a --data-dir prepared with --tokenizer "
